@@ -1,0 +1,206 @@
+"""Core value types shared by the frontend and the backend.
+
+Design note: these are plain frozen dataclasses with no dependency on any protocol, torch or the rest of
+the project. Every frontend (HTTP, OpenAI, TGI, gRPC) translates its wire request into a
+``GenerationRequest``; every backend answer comes back as ``TokenDelta`` (rolling) or ``GenerationResult``
+(whole). ``to_wire``/``from_wire`` give the msgpack-safe dict form used on the worker IPC channel.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence stopped. Values are LMI's ``details.finish_reason`` spellings."""
+
+    LENGTH = "length"
+    EOS = "eos_token"
+    STOP = "stop_sequence"
+    ABORT = "abort"
+    ERROR = "error"
+
+    @property
+    def openai(self) -> str:
+        """The OpenAI ``finish_reason`` spelling."""
+        return "length" if self is FinishReason.LENGTH else "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Validated generation parameters of one request (LMI names; defaults as in LMI)."""
+
+    max_new_tokens: int = 30
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    details: bool = False
+    return_full_text: bool = False
+    logprobs: int = 0  # number of top logprobs per token to return; 0 = only the chosen token's when asked
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if "stop" in kw:
+            kw["stop"] = tuple(kw["stop"])
+        if "stop_token_ids" in kw:
+            kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
+        return cls(**kw)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One prompt to one model, as every frontend builds it.
+
+    ``prompt`` is text; ``prompt_token_ids`` is set instead when a client sent token ids (OpenAI).
+    ``payload`` is the raw JSON body for custom handlers that read their own fields.
+    ``attributes`` carries pass-through request metadata (e.g. SageMaker custom attributes).
+    """
+
+    request_id: str
+    model: str
+    prompt: str = ""
+    params: SamplingParams = field(default_factory=SamplingParams)
+    prompt_token_ids: tuple[int, ...] | None = None
+    stream: bool = False
+    payload: dict[str, Any] | None = None
+    attributes: dict[str, str] = field(default_factory=dict)
+    deadline: float | None = None  # absolute time.monotonic() after which the request is aborted
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "model": self.model,
+            "prompt": self.prompt,
+            "params": self.params.to_wire(),
+            "prompt_token_ids": list(self.prompt_token_ids) if self.prompt_token_ids is not None else None,
+            "stream": self.stream,
+            "payload": self.payload,
+            "attributes": dict(self.attributes),
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> GenerationRequest:
+        ids = d.get("prompt_token_ids")
+        return cls(
+            request_id=d["request_id"],
+            model=d.get("model", ""),
+            prompt=d.get("prompt", ""),
+            params=SamplingParams.from_wire(d.get("params") or {}),
+            prompt_token_ids=tuple(ids) if ids is not None else None,
+            stream=bool(d.get("stream", False)),
+            payload=d.get("payload"),
+            attributes=dict(d.get("attributes") or {}),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInfo:
+    """One generated token: id, its text piece, and log-probability when computed."""
+
+    id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """What one engine step produced for one request.
+
+    ``text`` is the newly *released* text (stop-sequence hold-back may delay text to a later delta).
+    ``finish_reason`` is set on the last delta of a request. ``prompt_tokens`` is set on the first.
+    """
+
+    request_id: str
+    tokens: tuple[TokenInfo, ...] = ()
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int | None = None
+    error: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "tk": [[t.id, t.text, t.logprob, [list(p) for p in t.top_logprobs]] for t in self.tokens],
+            "tx": self.text,
+            "fr": self.finish_reason.value if self.finish_reason else None,
+            "pt": self.prompt_tokens,
+            "er": self.error,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> TokenDelta:
+        return cls(
+            request_id=d["id"],
+            tokens=tuple(
+                TokenInfo(t[0], t[1], t[2], tuple((int(a), float(b)) for a, b in t[3])) for t in d["tk"]
+            ),
+            text=d["tx"],
+            finish_reason=FinishReason(d["fr"]) if d["fr"] else None,
+            prompt_tokens=d["pt"],
+            error=d["er"],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Per-request timings in seconds, measured in the frontend (send-to-event, vLLM's definitions)."""
+
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    e2e_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """A finished request: whole text, why it stopped, token details and timings."""
+
+    request_id: str
+    text: str
+    finish_reason: FinishReason
+    tokens: tuple[TokenInfo, ...] = ()
+    prompt_tokens: int = 0
+    timings: RequestTimings = field(default_factory=RequestTimings)
+    payload: Any = None  # custom handlers may return arbitrary JSON instead of text
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class ModelState(str, enum.Enum):
+    """Lifecycle of a registered model."""
+
+    PENDING = "PENDING"
+    LOADING = "LOADING"
+    READY = "READY"
+    FAILED = "FAILED"
+    DRAINING = "DRAINING"
+    UNLOADED = "UNLOADED"

@@ -1,0 +1,218 @@
+"""Which sequences run at the next step, and with how many tokens. Pure Python, no torch.
+
+Design note (policy only; the runner is the mechanism): every step first gives each running sequence
+its next token(s) -- one for a decode, a chunk for an unfinished prefill -- then admits waiting
+requests first-come-first-served while the step stays within ``max_num_batched_tokens`` and the batch
+within ``max_num_seqs``. Long prompts are split across steps (chunked prefill) so decodes keep flowing.
+A request is admitted only when its blocks fit; when a running sequence cannot get a block, the newest
+running sequence is preempted: its blocks are freed and it goes back to the front of the queue to be
+recomputed from its tokens later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from handlers.engine.kv_cache import BlockAllocator, block_key
+from handlers.engine.sequence import Sequence, SequenceStatus
+from serving.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one step and of the cache. ``max_model_len`` caps prompt + generated tokens."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Feed ``seq.token_ids[start:start + num_tokens]`` to the model this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence's tokens, so its last logits are sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """The plan of one step: chunks in batch order and the requests preempted to make room."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler with chunked prefill, prefix caching and recompute preemption."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.allocator = BlockAllocator(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # --------------------------------------------------------------- requests
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence. Raises ``InvalidRequest`` if it could never run."""
+        cfg = self.config
+        if seq.request_id in self._by_id:
+            raise InvalidRequest(f"request id {seq.request_id!r} is already in the engine")
+        if seq.num_prompt_tokens == 0:
+            raise InvalidRequest("the prompt is empty")
+        total = seq.max_total_tokens
+        if total > cfg.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_new_tokens ({seq.params.max_new_tokens}) = "
+                f"{total} tokens exceeds the model's maximum length of {cfg.max_model_len} tokens")
+        capacity = cfg.num_blocks * cfg.block_size
+        if total > capacity:
+            raise InvalidRequest(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_new_tokens ({seq.params.max_new_tokens}) = "
+                f"{total} tokens can never fit in the KV cache of {capacity} tokens")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a waiting or running request and free its blocks now. Returns it, or None if unknown."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.finish(seq)
+        return seq
+
+    def finish(self, seq: Sequence) -> None:
+        """Mark a sequence finished, drop it from the batch and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._by_id.pop(seq.request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_sequences(self) -> Iterator[Sequence]:
+        yield from self.running
+        yield from self.waiting
+
+    # ------------------------------------------------------------------- step
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step. Never exceeds the token budget or the batch size."""
+        budget = self.config.max_num_batched_tokens
+        planned: dict[int, ScheduledChunk] = {}  # id(seq) -> chunk
+        preempted: list[str] = []
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow_or_preempt(seq, n, planned, preempted):
+                continue
+            planned[id(seq)] = ScheduledChunk(seq, seq.num_computed_tokens, n)
+            budget -= n
+        budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in planned.values())
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                chunk = self._admit(self.waiting[0], budget)
+                if chunk is None:
+                    break
+                self.waiting.popleft()
+                planned[id(chunk.seq)] = chunk
+                budget -= chunk.num_tokens
+        return SchedulerOutput(tuple(planned.values()), tuple(preempted))
+
+    def commit(self, output: SchedulerOutput) -> None:
+        """Record that the planned chunks' KV is now computed (call after the model step)."""
+        bs = self.config.block_size
+        for chunk in output.chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+                i = len(seq.block_hashes)
+                parent = seq.block_hashes[-1] if seq.block_hashes else None
+                key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
+                seq.block_hashes.append(key)
+                self.allocator.register_full_block(seq.block_ids[i], key)
+
+    # ---------------------------------------------------------------- helpers
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.config.block_size) - len(seq.block_ids))
+
+    def _grow_or_preempt(self, seq: Sequence, n: int, planned: dict[int, ScheduledChunk],
+                         preempted: list[str]) -> bool:
+        """Give ``seq`` blocks for ``n`` more tokens, preempting the newest running sequences if needed.
+        Returns False if ``seq`` itself had to be preempted."""
+        need = self._blocks_needed(seq, n)
+        while need > self.allocator.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            planned.pop(id(victim), None)
+            if victim is seq:
+                return False
+        self.allocator.allocate(seq.block_ids, need)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        """Start (or restart) ``seq`` with a first chunk of at most ``budget`` tokens, if its blocks fit."""
+        alloc = self.allocator
+        # At least the last token is always computed so that its logits can be sampled.
+        cached, keys = alloc.match_prefix(seq.token_ids, seq.num_tokens - 1)
+        num_cached_tokens = len(cached) * self.config.block_size
+        n = min(seq.num_tokens - num_cached_tokens, budget)
+        total_blocks = -(-(num_cached_tokens + n) // self.config.block_size)
+        reused_free = sum(1 for b in cached if alloc.ref_count(b) == 0)
+        if total_blocks - len(cached) + reused_free > alloc.num_free_blocks:
+            return None
+        alloc.acquire(cached)
+        seq.block_ids = list(cached)
+        seq.block_hashes = list(keys)
+        alloc.allocate(seq.block_ids, total_blocks - len(cached))
+        seq.num_computed_tokens = num_cached_tokens
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return ScheduledChunk(seq, num_cached_tokens, n)

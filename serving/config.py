@@ -1,0 +1,571 @@
+"""Server and model configuration, parsed once into frozen dataclasses.
+
+Design note: this is the only module that interprets ``config.properties``, ``serving.properties`` and
+environment variables; the environment arrives as an explicit ``env`` mapping (the composition root
+passes ``os.environ``), so tests pass plain dicts. Every value is validated here, once; an invalid one
+raises ``ConfigError`` naming where it came from, the key and the value, e.g.
+``model/serving.properties:3: batch_size = 'abc': expected an integer >= 1`` or
+``env SERVING_BATCH_SIZE: batch_size = 'abc': ...``.
+
+Precedence, highest first: ``overrides`` (CLI flags, management API) > environment > file > default.
+
+Environment mapping (DJL Serving conventions):
+- ``OPTION_<KEY>`` -> ``option.<key>`` (lower-cased; known options such as ``option.entryPoint`` match
+  case-insensitively, ignoring ``_``: ``OPTION_ENTRYPOINT``). ``HF_MODEL_ID`` -> ``option.model_id``
+  unless ``OPTION_MODEL_ID`` is set.
+- ``SERVING_<KEY>`` -> a model key (``SERVING_BATCH_SIZE`` -> ``batch_size``, ``SERVING_MIN_WORKERS`` ->
+  ``minWorkers``) or a server key (``SERVING_INFERENCE_ADDRESS``). ``job_queue_size`` is a server key:
+  ``SERVING_JOB_QUEUE_SIZE`` sets the server default, which models inherit unless they set their own.
+  Unrecognised ``SERVING_*`` variables (DJL's ``SERVING_OPTS``) are ignored.
+- ``SAGEMAKER_NUM_MODEL_WORKERS`` -> ``minWorkers`` and ``maxWorkers``; ``SAGEMAKER_BIND_TO_PORT`` ->
+  ``sagemaker_port``; ``SAGEMAKER_MAX_REQUEST_SIZE`` (bytes) or ``SAGEMAKER_MAX_PAYLOAD_IN_MB`` ->
+  ``max_request_size``. ``SERVING_*``/``OPTION_*`` win over these.
+
+Keys in files and overrides match known keys case-insensitively, ignoring ``_`` and ``.``; an unknown
+key without the ``option.`` prefix is an error; unknown ``option.*`` keys pass through to the handler.
+Values are stripped of surrounding whitespace.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import urlsplit
+
+from serving.errors import ConfigError
+from serving.properties import parse_properties
+
+MODEL_PROPERTIES = "serving.properties"
+_EMPTY: Mapping[str, str] = MappingProxyType({})
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+ROLLING_BATCH_MODES = ("disable", "auto", "scheduler")
+DTYPES = ("fp32", "fp16", "bf16", "auto")
+_DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Value parsers: str -> typed value, raising ValueError(reason) on a bad value.
+
+Parser = Callable[[str], Any]
+
+
+def _empty_mapping() -> Mapping[str, str]:
+    return _EMPTY
+
+
+def _int(minimum: int, maximum: int | None = None) -> Parser:
+    reason = f"expected an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise ValueError(reason) from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise ValueError(reason)
+        return value
+
+    return parse
+
+
+def _float(minimum: float, *, exclusive: bool) -> Parser:
+    reason = f"expected a number {'>' if exclusive else '>='} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(reason) from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(reason)
+        if value < minimum or (exclusive and value == minimum):
+            raise ValueError(reason)
+        return value
+
+    return parse
+
+
+def _bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered not in ("true", "false"):
+        raise ValueError("expected true or false")
+    return lowered == "true"
+
+
+def _choice(choices: tuple[str, ...], aliases: Mapping[str, str] = _EMPTY) -> Parser:
+    def parse(text: str) -> str:
+        value = aliases.get(text.lower(), text)
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _text(text: str) -> str:
+    if not text:
+        raise ValueError("expected a non-empty value")
+    return text
+
+
+def _devices(text: str) -> str:
+    if text != "*" and not re.fullmatch(r"\d+(;\d+)*", text):
+        raise ValueError("expected '*' or device ids separated by ';' (e.g. 0;1)")
+    return text
+
+
+def _tensor_parallel(num_devices: int) -> Parser:
+    ints = _int(1)
+
+    def parse(text: str) -> int:
+        if text.lower() == "max":
+            return num_devices
+        try:
+            return ints(text)
+        except ValueError:
+            raise ValueError("expected an integer >= 1 or 'max'") from None
+
+    return parse
+
+
+def _split_host_port(text: str) -> tuple[str, int]:
+    parts = urlsplit("//" + text)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or parts.path or parts.query or parts.username:
+        raise ValueError("expected host:port")
+    return parts.hostname, port
+
+
+def _http_address(text: str) -> str:
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme.lower() != "http":
+        raise ValueError("expected http://host:port")
+    try:
+        _split_host_port(rest.rstrip("/"))
+    except ValueError:
+        raise ValueError("expected http://host:port") from None
+    return text
+
+
+def _grpc_address(text: str) -> str:
+    if text.lower() in ("", "off"):
+        return ""
+    _split_host_port(text)
+    return text
+
+
+def _load_models(text: str) -> tuple[str, ...]:
+    entries = tuple(entry.strip() for entry in text.split(",") if entry.strip())
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if sep and not path.strip():
+            raise ValueError(f"entry {entry!r} has no path")
+        if entry != "ALL" and not _MODEL_NAME.match(name.strip()):
+            raise ValueError(f"invalid model name {name.strip()!r}")
+    return entries
+
+
+def _render(value: Any) -> str:
+    """The effective value as a properties string (what handlers and ``describe`` see)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    return str(value)
+
+
+def validate_model_name(name: str) -> str:
+    """Return ``name`` if it matches ``^[A-Za-z0-9][A-Za-z0-9._-]*$``; else raise ConfigError."""
+    if not _MODEL_NAME.match(name):
+        raise ConfigError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-', "
+                          "starting with a letter or digit")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layered settings: each effective value remembers where it came from.
+
+@dataclass(frozen=True, slots=True)
+class _Setting:
+    value: str
+    source: str  # short, for sources/describe: "serving.properties:3", "env OPTION_X", "default", "override"
+    where: str   # error prefix: the file path with line, or the same as source
+
+
+def _norm(key: str) -> str:
+    return re.sub(r"[._]", "", key.lower())
+
+
+def _fail(key: str, setting: _Setting, reason: str) -> ConfigError:
+    return ConfigError(f"{setting.where}: {key} = {setting.value!r}: {reason}")
+
+
+def _read_file(path: Path) -> list[tuple[str, _Setting]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    return [(p.key, _Setting(p.value.strip(), f"{path.name}:{p.line}", f"{path}:{p.line}"))
+            for p in parse_properties(text, str(path))]
+
+
+def _canonical_keys(raw: list[tuple[str, _Setting]], known: Mapping[str, str], *,
+                    allow_options: bool) -> dict[str, _Setting]:
+    """Map raw keys onto known keys (later entries win); unknown non-option keys are errors."""
+    settings: dict[str, _Setting] = {}
+    for key, setting in raw:
+        canonical = known.get(_norm(key))
+        if canonical is None and allow_options and key.lower().startswith("option."):
+            canonical = "option." + key[len("option."):]
+        if canonical is None:
+            raise ConfigError(f"{setting.where}: {key} = {setting.value!r}: unknown key; known keys: "
+                              f"{', '.join(sorted(set(known.values())))}, option.*")
+        settings[canonical] = setting
+    return settings
+
+
+def _env_setting(var: str, value: str) -> _Setting:
+    return _Setting(value.strip(), f"env {var}", f"env {var}")
+
+
+def _override_settings(overrides: Mapping[str, str]) -> list[tuple[str, _Setting]]:
+    return [(key, _Setting(value.strip(), "override", "override")) for key, value in overrides.items()]
+
+
+def _resolve(key: str, setting: _Setting, parser: Parser) -> Any:
+    try:
+        return parser(setting.value)
+    except ValueError as exc:
+        raise _fail(key, setting, str(exc)) from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model configuration (serving.properties)
+
+@dataclass(frozen=True, slots=True)
+class BatchingConfig:
+    """How requests are grouped: dynamic batching (``batch_size``, ``max_batch_delay_ms``) or rolling."""
+
+    batch_size: int = 1
+    max_batch_delay_ms: int = 100
+    job_queue_size: int = 1000
+    rolling_batch: str = "disable"  # one of ROLLING_BATCH_MODES
+    max_rolling_batch_size: int = 32
+    max_rolling_batch_prefill_tokens: int = 2048
+
+    @property
+    def rolling(self) -> bool:
+        """True when the model runs a rolling (continuous) batch instead of dynamic batches."""
+        return self.rolling_batch != "disable"
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallel degree (``max`` already resolved) and the devices a model may use."""
+
+    tensor_parallel_degree: int = 1
+    load_on_devices: str = "*"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """One model's effective configuration.
+
+    ``options`` holds every ``option.*`` key (known ones with their effective value, defaults included),
+    prefix stripped. ``sources`` maps each full key to ``serving.properties:LINE``, ``env VAR``,
+    ``default``, ``server config`` or ``override``.
+    """
+
+    name: str
+    model_dir: Path
+    entry_point: str
+    engine: str = "Python"
+    min_workers: int = 1
+    max_workers: int = 1
+    max_idle_time_s: int = 60
+    predict_timeout_s: float = 120.0
+    model_loading_timeout_s: float = 600.0
+    trust_remote_code: bool = False
+    dtype: str = "fp32"
+    model_id: str | None = None
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    options: Mapping[str, str] = field(default_factory=_empty_mapping)
+    # accepted model keys without a typed field (required_memory_mb, gpu.maxWorkers, ...), as set
+    extra: Mapping[str, str] = field(default_factory=_empty_mapping)
+    sources: Mapping[str, str] = field(default_factory=_empty_mapping)
+
+    def handler_properties(self) -> dict[str, str]:
+        """What the handler's ``Context.properties`` receives: options (prefix stripped) + model keys."""
+        props = dict(self.options)
+        props.update(self.extra)
+        props.update({
+            "engine": self.engine,
+            "batch_size": str(self.batching.batch_size),
+            "max_batch_delay": str(self.batching.max_batch_delay_ms),
+            "job_queue_size": str(self.batching.job_queue_size),
+            "minWorkers": str(self.min_workers),
+            "maxWorkers": str(self.max_workers),
+            "max_idle_time": str(self.max_idle_time_s),
+            "load_on_devices": self.parallel.load_on_devices,
+        })
+        return props
+
+
+# Typed model keys: key -> (parser, default). A default of None means "absent unless set".
+_MODEL_KEYS: dict[str, tuple[Parser, str | None]] = {
+    "engine": (_choice(("Python", "MPI")), "Python"),
+    "batch_size": (_int(1), "1"),
+    "max_batch_delay": (_int(0), "100"),
+    "job_queue_size": (_int(1), "1000"),
+    "minWorkers": (_int(0), "1"),
+    "maxWorkers": (_int(1), "1"),
+    "max_idle_time": (_int(0), "60"),
+    "load_on_devices": (_devices, "*"),
+    "required_memory_mb": (_int(0), None),
+    "reserved_memory_mb": (_int(0), None),
+    "log_request_metric": (_bool, None),
+    "retry_threshold": (_int(0), None),
+    "gpu.minWorkers": (_int(0), None),
+    "gpu.maxWorkers": (_int(0), None),
+    "cpu.minWorkers": (_int(0), None),
+    "cpu.maxWorkers": (_int(0), None),
+}
+_TYPED_MODEL_KEYS = ("engine", "batch_size", "max_batch_delay", "job_queue_size", "minWorkers",
+                     "maxWorkers", "max_idle_time", "load_on_devices")
+_OPTION_KEYS: dict[str, tuple[Parser, str | None]] = {
+    "option.entryPoint": (_text, None),  # default depends on the model folder
+    "option.model_id": (_text, None),
+    "option.dtype": (_choice(DTYPES, _DTYPE_ALIASES), "fp32"),
+    "option.trust_remote_code": (_bool, "false"),
+    "option.predict_timeout": (_float(0, exclusive=True), "120"),
+    "option.model_loading_timeout": (_float(0, exclusive=True), "600"),
+    "option.rolling_batch": (_choice(ROLLING_BATCH_MODES), "disable"),
+    "option.max_rolling_batch_size": (_int(1), "32"),
+    "option.max_rolling_batch_prefill_tokens": (_int(1), "2048"),
+    "option.tensor_parallel_degree": (_int(1), "1"),  # parser replaced per load: 'max' needs a count
+}
+_KNOWN_MODEL_KEYS = {_norm(key): key for key in (*_MODEL_KEYS, *_OPTION_KEYS)}
+# Server-level keys that SERVING_* sets on the server, not on each model.
+_SERVER_LEVEL_MODEL_KEYS = frozenset({"job_queue_size"})
+
+
+def _model_env(env: Mapping[str, str]) -> dict[str, _Setting]:
+    """Model settings from the environment; specific variables override generic ones."""
+    settings: dict[str, _Setting] = {}
+    if "HF_MODEL_ID" in env:
+        settings["option.model_id"] = _env_setting("HF_MODEL_ID", env["HF_MODEL_ID"])
+    if "SAGEMAKER_NUM_MODEL_WORKERS" in env:
+        workers = _env_setting("SAGEMAKER_NUM_MODEL_WORKERS", env["SAGEMAKER_NUM_MODEL_WORKERS"])
+        settings["minWorkers"] = settings["maxWorkers"] = workers
+    for var in sorted(env):
+        if var.startswith("SERVING_"):
+            key = _KNOWN_MODEL_KEYS.get(_norm(var[len("SERVING_"):]))
+            if key is not None and key in _MODEL_KEYS and key not in _SERVER_LEVEL_MODEL_KEYS:
+                settings[key] = _env_setting(var, env[var])
+        elif var.startswith("OPTION_") and len(var) > len("OPTION_"):
+            option = "option." + var[len("OPTION_"):].lower()
+            settings[_KNOWN_MODEL_KEYS.get(_norm(option), option)] = _env_setting(var, env[var])
+    return settings
+
+
+def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[str, str] = _EMPTY,
+                      overrides: Mapping[str, str] = _EMPTY, server: ServerConfig | None = None,
+                      num_devices: int | None = None) -> ModelConfig:
+    """Read ``model_dir/serving.properties`` (optional) and build the model's effective config.
+
+    ``name`` defaults to the folder name. ``server`` supplies defaults that models inherit
+    (``job_queue_size``). ``num_devices`` resolves ``option.tensor_parallel_degree=max`` (default: the
+    CPU count; the composition root passes the accelerator count). Raises ``ConfigError``.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ConfigError(f"{model_dir}: model folder not found")
+    name = validate_model_name(name if name is not None else model_dir.name)
+    path = model_dir / MODEL_PROPERTIES
+    raw = _read_file(path) if path.is_file() else []
+    override_raw = _override_settings(overrides)
+
+    defaults = {key: _Setting(default, "default", "default")
+                for key, (_, default) in (*_MODEL_KEYS.items(), *_OPTION_KEYS.items()) if default is not None}
+    defaults["option.entryPoint"] = _Setting(
+        "model.py" if (model_dir / "model.py").is_file() else "huggingface", "default", "default")
+    if server is not None:
+        defaults["job_queue_size"] = _Setting(str(server.job_queue_size), "server config", "server config")
+    settings = {**defaults,
+                **_canonical_keys(raw, _KNOWN_MODEL_KEYS, allow_options=True),
+                **_model_env(env),
+                **_canonical_keys(override_raw, _KNOWN_MODEL_KEYS, allow_options=True)}
+
+    parsers = {key: parser for key, (parser, _) in (*_MODEL_KEYS.items(), *_OPTION_KEYS.items())}
+    parsers["option.tensor_parallel_degree"] = _tensor_parallel(num_devices or os.cpu_count() or 1)
+    values = {key: _resolve(key, setting, parsers[key]) if key in parsers else setting.value
+              for key, setting in settings.items()}
+    if values["minWorkers"] > values["maxWorkers"]:
+        max_setting = settings["maxWorkers"]
+        raise _fail("minWorkers", settings["minWorkers"],
+                    f"must be <= maxWorkers ({max_setting.value}, from {max_setting.source})")
+
+    return ModelConfig(
+        name=name,
+        model_dir=model_dir.resolve(),
+        entry_point=values["option.entryPoint"],
+        engine=values["engine"],
+        min_workers=values["minWorkers"],
+        max_workers=values["maxWorkers"],
+        max_idle_time_s=values["max_idle_time"],
+        predict_timeout_s=values["option.predict_timeout"],
+        model_loading_timeout_s=values["option.model_loading_timeout"],
+        trust_remote_code=values["option.trust_remote_code"],
+        dtype=values["option.dtype"],
+        model_id=values.get("option.model_id"),
+        batching=BatchingConfig(
+            batch_size=values["batch_size"],
+            max_batch_delay_ms=values["max_batch_delay"],
+            job_queue_size=values["job_queue_size"],
+            rolling_batch=values["option.rolling_batch"],
+            max_rolling_batch_size=values["option.max_rolling_batch_size"],
+            max_rolling_batch_prefill_tokens=values["option.max_rolling_batch_prefill_tokens"],
+        ),
+        parallel=ParallelConfig(tensor_parallel_degree=values["option.tensor_parallel_degree"],
+                                load_on_devices=values["load_on_devices"]),
+        options=MappingProxyType({key[len("option."):]: _render(value)
+                                  for key, value in sorted(values.items()) if key.startswith("option.")}),
+        extra=MappingProxyType({key: _render(value) for key, value in values.items()
+                                if key in _MODEL_KEYS and key not in _TYPED_MODEL_KEYS}),
+        sources=MappingProxyType({key: setting.source for key, setting in settings.items()}),
+    )
+
+
+def describe_model_config(cfg: ModelConfig) -> str:
+    """A human-readable table, one ``key = value  (source)`` line per setting, for ``serving config``."""
+    props = cfg.handler_properties()
+    rows = [(key, props[key], cfg.sources[key]) for key in _MODEL_KEYS if key in cfg.sources]
+    rows += [(key, cfg.options[key[len("option."):]], cfg.sources[key])
+             for key in sorted(cfg.sources) if key.startswith("option.")]
+    width = max(len(f"{key} = {value}") for key, value, _ in rows)
+    lines = [f"model {cfg.name}  ({cfg.model_dir})"]
+    lines += [f"  {f'{key} = {value}':<{width}}  ({source})" for key, value, source in rows]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Server configuration (config.properties)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """Process-wide settings. Addresses are validated at load; ``grpc_address`` is "" when gRPC is off.
+    ``sagemaker_port`` (from ``SAGEMAKER_BIND_TO_PORT``) is for the composition root to honour."""
+
+    inference_address: str = "http://127.0.0.1:8080"
+    management_address: str = "http://127.0.0.1:8081"
+    grpc_address: str = "127.0.0.1:8001"
+    metrics_address: str | None = None
+    model_store: Path = Path("model_store")
+    load_models: tuple[str, ...] = ("ALL",)
+    job_queue_size: int = 1000
+    max_request_size: int = 64 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+    sagemaker_port: int | None = None
+    log_format: str = "text"
+    sources: Mapping[str, str] = field(default_factory=_empty_mapping)
+
+    def inference_host_port(self) -> tuple[str, int]:
+        """``(host, port)`` of the inference listener; port 0 means an ephemeral port."""
+        return _http_host_port(self.inference_address)
+
+    def management_host_port(self) -> tuple[str, int]:
+        """``(host, port)`` of the management listener."""
+        return _http_host_port(self.management_address)
+
+    def metrics_host_port(self) -> tuple[str, int] | None:
+        """``(host, port)`` of a separate metrics listener, or None to serve metrics elsewhere."""
+        return _http_host_port(self.metrics_address) if self.metrics_address else None
+
+    def grpc_host_port(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the gRPC listener, or None when gRPC is disabled."""
+        return _split_host_port(self.grpc_address) if self.grpc_address else None
+
+
+def _http_host_port(address: str) -> tuple[str, int]:
+    return _split_host_port(address.partition("://")[2].rstrip("/"))
+
+
+_SERVER_KEYS: dict[str, tuple[Parser, str | None]] = {
+    "inference_address": (_http_address, "http://127.0.0.1:8080"),
+    "management_address": (_http_address, "http://127.0.0.1:8081"),
+    "grpc_address": (_grpc_address, "127.0.0.1:8001"),
+    "metrics_address": (lambda text: _http_address(text) if text else "", None),
+    "model_store": (_text, "model_store"),
+    "load_models": (_load_models, "ALL"),
+    "job_queue_size": (_int(1), "1000"),
+    "max_request_size": (_int(1), str(64 * 1024 * 1024)),
+    "drain_timeout": (_float(0, exclusive=False), "30"),
+    "log_format": (_choice(("text", "json")), "text"),
+}
+_KNOWN_SERVER_KEYS = {_norm(key): key for key in _SERVER_KEYS}
+
+
+def _server_env(env: Mapping[str, str]) -> dict[str, _Setting]:
+    settings: dict[str, _Setting] = {}
+    if "SAGEMAKER_MAX_PAYLOAD_IN_MB" in env:
+        setting = _env_setting("SAGEMAKER_MAX_PAYLOAD_IN_MB", env["SAGEMAKER_MAX_PAYLOAD_IN_MB"])
+        megabytes = _resolve("max_request_size", setting, _int(1))
+        settings["max_request_size"] = _Setting(str(megabytes * 1024 * 1024), setting.source, setting.where)
+    if "SAGEMAKER_MAX_REQUEST_SIZE" in env:
+        var = "SAGEMAKER_MAX_REQUEST_SIZE"
+        settings["max_request_size"] = _env_setting(var, env[var])
+    for var in sorted(env):
+        if var.startswith("SERVING_"):
+            key = _KNOWN_SERVER_KEYS.get(_norm(var[len("SERVING_"):]))
+            if key is not None:
+                settings[key] = _env_setting(var, env[var])
+    return settings
+
+
+def load_server_config(path: Path | None, *, env: Mapping[str, str] = _EMPTY,
+                       overrides: Mapping[str, str] = _EMPTY) -> ServerConfig:
+    """Read ``config.properties`` at ``path`` (None: defaults only) and apply env and overrides.
+
+    A relative ``model_store`` is kept as given (relative to the working directory). Raises ``ConfigError``
+    for an unreadable file, an unknown key or a bad value.
+    """
+    raw = _read_file(Path(path)) if path is not None else []
+    override_raw = _override_settings(overrides)
+    defaults = {key: _Setting(default, "default", "default")
+                for key, (_, default) in _SERVER_KEYS.items() if default is not None}
+    settings = {**defaults,
+                **_canonical_keys(raw, _KNOWN_SERVER_KEYS, allow_options=False),
+                **_server_env(env),
+                **_canonical_keys(override_raw, _KNOWN_SERVER_KEYS, allow_options=False)}
+    values = {key: _resolve(key, setting, _SERVER_KEYS[key][0]) for key, setting in settings.items()}
+    sources = {key: setting.source for key, setting in settings.items()}
+
+    sagemaker_port = None
+    if "SAGEMAKER_BIND_TO_PORT" in env:
+        setting = _env_setting("SAGEMAKER_BIND_TO_PORT", env["SAGEMAKER_BIND_TO_PORT"])
+        sagemaker_port = _resolve("sagemaker_port", setting, _int(1, 65535))
+        sources["sagemaker_port"] = setting.source
+
+    return ServerConfig(
+        inference_address=values["inference_address"],
+        management_address=values["management_address"],
+        grpc_address=values["grpc_address"],
+        metrics_address=values.get("metrics_address") or None,
+        model_store=Path(values["model_store"]),
+        load_models=values["load_models"],
+        job_queue_size=values["job_queue_size"],
+        max_request_size=values["max_request_size"],
+        drain_timeout_s=values["drain_timeout"],
+        sagemaker_port=sagemaker_port,
+        log_format=values["log_format"],
+        sources=MappingProxyType(sources),
+    )

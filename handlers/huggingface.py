@@ -1,0 +1,267 @@
+"""HuggingFaceHandler: dynamic-batching text generation with transformers.
+
+Design note: runs in the backend worker process. A batch is split into groups of requests whose
+generation-shaping parameters match (usually one group); each group is left-padded and run through ONE
+``model.generate`` (transformers derives position ids from the attention mask, so a prompt's greedy output
+is the same alone or padded in a batch). Items of a group may differ in ``max_new_tokens`` (the group runs
+to the largest; each item is cut at its own) and in what they report (details, logprobs, full text).
+Post-processing per item finds EOS / stop token ids / stop strings, decodes only the new tokens and builds
+per-token text pieces that concatenate to the answer. A bad item (validation) or a group whose generate
+raises fails only its own items.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from handlers.base import Context, Handler, Input, Output, option_bool
+from handlers.validation import check_length, check_prompt_ids, check_sampling
+from serving.errors import InvalidRequest, ServingError
+from serving.types import FinishReason, SamplingParams, TokenInfo
+
+log = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype | str] = {
+    "fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "auto": "auto",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    index: int  # position in the handled batch
+    request: Input
+    prompt_ids: list[int]
+
+
+def _group_key(p: SamplingParams) -> Hashable:
+    """Parameters that shape one ``generate`` call; sampling-only ones are dropped for greedy requests."""
+    sampling = None if p.greedy else (p.temperature, p.top_k, p.top_p, p.seed)
+    return (sampling, p.repetition_penalty, p.stop, p.stop_token_ids, p.ignore_eos)
+
+
+class HuggingFaceHandler(Handler):
+    """Text generation for any ``AutoModelForCausalLM``; one ``generate`` per parameter group.
+
+    Options: ``model_id`` (path, relative to the model folder or absolute; default the folder itself),
+    ``dtype`` (fp32 default, fp16, bf16, auto), ``trust_remote_code`` (false), ``allow_unsafe_weights``
+    (false: safetensors only), ``num_threads`` (torch CPU threads, default 1), ``max_model_len``.
+    """
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.max_model_len = 0
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self.pad_token_id = 0
+        self.vocab_size = 0
+
+    def initialize(self, ctx: Context) -> None:
+        torch.set_num_threads(int(ctx.option("num_threads", "1") or 1))
+        dtype_name = (ctx.option("dtype", "fp32") or "fp32").lower()
+        if dtype_name not in DTYPES:
+            raise ValueError(f"option.dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
+        path = _model_path(ctx)
+        trust = option_bool(ctx.option("trust_remote_code"), False)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+        self.tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype_name], trust_remote_code=trust,
+            use_safetensors=not option_bool(ctx.option("allow_unsafe_weights"), False),
+        )
+        if ctx.device_id >= 0 and torch.cuda.is_available():
+            self.model.to(f"cuda:{ctx.device_id}")
+        self.model.eval()
+        self._init_limits(ctx)
+        log.info("model %s loaded from %s (%s, max_model_len=%d)", ctx.model_name, path, dtype_name,
+                 self.max_model_len)
+
+    def _init_limits(self, ctx: Context) -> None:
+        config = self.model.config
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else min(self.eos_token_ids, default=0)
+        self.vocab_size = int(getattr(config, "vocab_size", None) or len(self.tokenizer))
+        configured = ctx.option("max_model_len")
+        if configured:
+            self.max_model_len = int(configured)
+        else:
+            limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+            self.max_model_len = int(limit or min(self.tokenizer.model_max_length, 1 << 20))
+
+    def describe(self) -> dict[str, Any]:
+        eos = self.tokenizer.eos_token_id
+        if eos is None and self.eos_token_ids:
+            eos = min(self.eos_token_ids)
+        return {"max_model_len": self.max_model_len, "eos_token_id": eos,
+                "chat_template": self.tokenizer.chat_template or None, "vocab_size": self.vocab_size}
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """Render chat ``messages`` to a prompt (with the assistant turn opened). Raises ``InvalidRequest``."""
+        if not self.tokenizer.chat_template:
+            raise InvalidRequest("this model has no chat template; send a completion prompt instead")
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    def handle(self, inputs: Sequence[Input]) -> list[Output]:
+        outputs: list[Output | None] = [None] * len(inputs)
+        groups: dict[Hashable, list[_Item]] = {}
+        for index, request in enumerate(inputs):
+            try:
+                item = _Item(index, request, self._prepare(request))
+            except ServingError as exc:
+                outputs[index] = Output.failure(request.request_id, exc.message, exc.kind)
+                continue
+            groups.setdefault(_group_key(request.params), []).append(item)
+        for items in groups.values():
+            try:
+                results = self._generate(items)
+            except Exception as exc:  # noqa: BLE001 - one group's failure must not fail the others
+                log.exception("generate failed for requests %s", [i.request.request_id for i in items])
+                results = [Output.failure(i.request.request_id, f"generation failed: {type(exc).__name__}: {exc}")
+                           for i in items]
+            for item, result in zip(items, results):
+                outputs[item.index] = result
+        return [o for o in outputs if o is not None]
+
+    def _prepare(self, request: Input) -> list[int]:
+        check_sampling(request.params)
+        if request.prompt_token_ids:
+            ids = list(request.prompt_token_ids)
+        elif not request.prompt:
+            raise InvalidRequest("inputs must be a non-empty string")
+        else:
+            ids = list(self.tokenizer(request.prompt)["input_ids"])
+        check_prompt_ids(ids, self.vocab_size)
+        check_length(len(ids), request.params.max_new_tokens, self.max_model_len)
+        return ids
+
+    def _generate(self, items: list[_Item]) -> list[Output]:
+        p = items[0].request.params  # shaping parameters are the same for the whole group
+        input_ids, attention_mask = self._left_pad([i.prompt_ids for i in items])
+        want_logits = any(i.request.params.details or i.request.params.logprobs > 0 for i in items)
+        kwargs = self._generate_kwargs(p, max(i.request.params.max_new_tokens for i in items))
+        if not p.greedy and p.seed is not None:
+            torch.manual_seed(p.seed)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                      return_dict_in_generate=True, output_logits=want_logits, **kwargs)
+        new_ids = out.sequences[:, input_ids.shape[1]:].tolist()  # [B, steps]
+        results = []
+        for row, item in enumerate(items):
+            logits = [step[row] for step in out.logits] if want_logits else None
+            results.append(self._finish(item, new_ids[row], logits))
+        return results
+
+    def _generate_kwargs(self, p: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+        stop_ids = set(p.stop_token_ids)
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens, "pad_token_id": self.pad_token_id,
+            "eos_token_id": sorted(self.eos_token_ids | stop_ids) or None,
+            "repetition_penalty": p.repetition_penalty, "num_beams": 1,
+        }
+        if p.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        else:
+            kwargs.update(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+        if p.ignore_eos and self.eos_token_ids - stop_ids:
+            # EOS may neither be sampled nor end the row; stop token ids still end it.
+            kwargs["suppress_tokens"] = sorted(self.eos_token_ids - stop_ids)
+        if p.stop:
+            kwargs.update(stop_strings=list(p.stop), tokenizer=self.tokenizer)
+        return kwargs
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)  # [B, T]
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T]
+        for j, r in enumerate(rows):
+            input_ids[j, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            attention_mask[j, width - len(r):] = 1
+        return input_ids.to(self.model.device), attention_mask.to(self.model.device)
+
+    def _finish(self, item: _Item, generated: list[int], logits: list[torch.Tensor] | None) -> Output:
+        """Cut one row at its end condition and build its Output (runs after generate, per item)."""
+        p = item.request.params
+        ids = generated[:p.max_new_tokens]
+        finish = FinishReason.LENGTH
+        for k, token in enumerate(ids):
+            if token in p.stop_token_ids:
+                finish, ids = FinishReason.STOP, ids[:k + 1]
+                break
+            if token in self.eos_token_ids and not p.ignore_eos:
+                finish, ids = FinishReason.EOS, ids[:k + 1]
+                break
+        texts = self._token_texts(ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        stop_at = _find_stop(text, p.stop)
+        if stop_at is not None:
+            start, end = stop_at
+            ids, texts = ids[:_tokens_covering(texts, end)], texts[:_tokens_covering(texts, end)]
+            finish, text = FinishReason.STOP, text[:start]
+        tokens = tuple(TokenInfo(id=t, text=s, **self._logprobs(p, logits, k, t))
+                       for k, (t, s) in enumerate(zip(ids, texts)))
+        if p.return_full_text:
+            prompt = item.request.prompt or self.tokenizer.decode(item.prompt_ids, skip_special_tokens=True)
+            text = prompt + text
+        return Output(request_id=item.request.request_id, text=text, finish_reason=finish, tokens=tokens,
+                      prompt_tokens=len(item.prompt_ids))
+
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        """Text piece of each token; pieces concatenate to the decoded text. A token that ends inside a
+        multi-byte character gets "" and its bytes appear with the token that completes the character."""
+        texts: list[str] = []
+        done = ""
+        for k in range(len(ids)):
+            current = self.tokenizer.decode(ids[:k + 1], skip_special_tokens=True,
+                                            clean_up_tokenization_spaces=False)
+            if (current.endswith("\ufffd") and k + 1 < len(ids)) or not current.startswith(done):
+                texts.append("")
+                continue
+            texts.append(current[len(done):])
+            done = current
+        return texts
+
+    @staticmethod
+    def _logprobs(p: SamplingParams, logits: list[torch.Tensor] | None, step: int, token: int) -> dict[str, Any]:
+        if logits is None or not (p.details or p.logprobs > 0):
+            return {}
+        logprobs = torch.log_softmax(logits[step].float(), dim=-1)  # [V], the model's raw distribution
+        result: dict[str, Any] = {"logprob": float(logprobs[token])}
+        if p.logprobs > 0:
+            top = torch.topk(logprobs, min(p.logprobs, logprobs.shape[-1]))
+            result["top_logprobs"] = tuple(zip(top.indices.tolist(), top.values.tolist()))
+        return result
+
+
+def _model_path(ctx: Context) -> Path | str:
+    model_id = ctx.option("model_id")
+    if not model_id:
+        return ctx.model_dir
+    local = Path(ctx.model_dir) / model_id
+    return local if local.exists() else model_id
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, int] | None:
+    """(start, end) of the earliest stop string in ``text``, or None."""
+    found = [(text.find(s), text.find(s) + len(s)) for s in stops if s and s in text]
+    return min(found) if found else None
+
+
+def _tokens_covering(texts: list[str], end: int) -> int:
+    """How many leading token pieces it takes to cover the first ``end`` characters."""
+    covered = 0
+    for k, piece in enumerate(texts):
+        covered += len(piece)
+        if covered >= end:
+            return k + 1
+    return len(texts)

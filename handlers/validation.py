@@ -1,0 +1,50 @@
+"""Per-request checks a model handler makes before a request may join a batch.
+
+Design note: pure Python (no torch). Each check raises ``serving.errors.InvalidRequest`` with a message
+that names the field at fault and the numbers involved, so the handler can turn it into that item's
+failure Output while its batch-mates run. Frontends validate the wire format; these checks cover what
+only the backend knows (token counts, the context length, the vocabulary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from serving.errors import InvalidRequest
+from serving.types import SamplingParams
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """Reject parameter values no generation can honour. Raises ``InvalidRequest``."""
+    if params.max_new_tokens < 1:
+        raise InvalidRequest(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0, got {params.temperature}")
+    if params.top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if not 0 < params.top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.repetition_penalty <= 0:
+        raise InvalidRequest(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+    if params.logprobs < 0:
+        raise InvalidRequest(f"logprobs must be >= 0, got {params.logprobs}")
+    if any(not s for s in params.stop):
+        raise InvalidRequest("stop sequences must be non-empty strings")
+
+
+def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
+    """Reject an empty prompt or token ids outside the vocabulary. Raises ``InvalidRequest``."""
+    if not prompt_ids:
+        raise InvalidRequest("inputs must not be empty")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+
+
+def check_length(num_prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> None:
+    """Reject a request whose prompt plus ``max_new_tokens`` exceeds the context. Raises ``InvalidRequest``."""
+    if num_prompt_tokens + max_new_tokens > max_model_len:
+        raise InvalidRequest(
+            f"inputs have {num_prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: "
+            f"{num_prompt_tokens + max_new_tokens} exceeds max_model_len {max_model_len}"
+        )

@@ -1,0 +1,209 @@
+"""DynamicBatcher: a bounded queue per model and batches of up to ``batch_size`` sent to idle workers.
+
+Design note: the loop first waits for an idle worker and a first request, then gathers more requests
+until ``batch_size`` or ``max_batch_delay_ms`` after the first was picked up, and sends one ``Batch``.
+Results come back per item, so one item's failure never fails its batch-mates. A worker that dies with a
+batch in flight gets each request retried once (nothing reached the client yet), then failed. A request
+whose client left before dispatch is dropped when the batch is gathered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from typing import Any
+
+from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
+from serving.batching.streams import ResultStream
+from serving.errors import (Overloaded, RequestTimeout, ServingError, WorkerFailed, error_from_kind)
+from serving.types import FinishReason, GenerationRequest, TokenDelta, TokenInfo
+from serving.worker.messages import Batch, BatchResult
+
+log = logging.getLogger(__name__)
+
+
+class _Pending:
+    __slots__ = ("request", "stream")
+
+    def __init__(self, request: GenerationRequest, stream: ResultStream) -> None:
+        self.request = request
+        self.stream = stream
+
+
+class DynamicBatcher:
+    """Runs on the event loop; ``start()`` launches its gathering task."""
+
+    def __init__(self, model: str, batch_size: int, max_batch_delay_ms: int, job_queue_size: int,
+                 predict_timeout_s: float, observer: BatchObserver | None = None,
+                 clock: Clock = DEFAULT_CLOCK) -> None:
+        self.model = model
+        self.batch_size = batch_size
+        self.max_batch_delay_s = max_batch_delay_ms / 1000.0
+        self.job_queue_size = job_queue_size
+        self.predict_timeout_s = predict_timeout_s
+        self._observer = observer or NullObserver()
+        self._clock = clock
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._idle: collections.deque[Worker] = collections.deque()
+        self._inflight: dict[int, tuple[Worker, list[_Pending], asyncio.TimerHandle]] = {}
+        self._batch_ids = itertools.count(1)
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.num_batches = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"dynamic-batcher-{self.model}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # --- requests ---
+    def submit(self, request: GenerationRequest) -> ResultStream:
+        if len(self._queue) >= self.job_queue_size:
+            self._observer.on_rejected(self.model, "queue_full")
+            raise Overloaded(f"model {self.model!r} queue is full ({self.job_queue_size} requests waiting)",
+                             retry_after_s=1)
+        stream = ResultStream(request.request_id, self._clock, on_cancel=self.cancel)
+        self._queue.append(_Pending(request, stream))
+        self._changed.set()
+        return stream
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a queued request (an in-flight batch cannot be interrupted; its result is discarded)."""
+        for p in self._queue:
+            if p.request.request_id == request_id:
+                self._queue.remove(p)
+                p.stream.cancel()
+                return True
+        return any(p.request.request_id == request_id for _, b, _ in self._inflight.values() for p in b)
+
+    def num_pending(self) -> int:
+        return len(self._queue) + sum(len(b) for _, b, _ in self._inflight.values())
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": "dynamic", "queued": len(self._queue), "in_flight_batches": len(self._inflight),
+                "idle_workers": len(self._idle), "batches_total": self.num_batches}
+
+    # --- workers ---
+    def worker_ready(self, worker: Worker) -> None:
+        self._idle.append(worker)
+        self._changed.set()
+
+    def worker_lost(self, worker: Worker) -> None:
+        if worker in self._idle:
+            self._idle.remove(worker)
+        for batch_id, (w, batch, timer) in list(self._inflight.items()):
+            if w is worker:
+                del self._inflight[batch_id]
+                timer.cancel()
+                self._retry_or_fail(batch, "the worker serving this request died")
+
+    def _retry_or_fail(self, batch: list[_Pending], reason: str) -> None:
+        for p in reversed(batch):
+            if p.stream.done:
+                continue
+            if p.stream.num_retries == 0:
+                p.stream.num_retries += 1
+                self._queue.appendleft(p)
+            else:
+                p.stream.fail(WorkerFailed(f"{reason}; retried once already"))
+        self._changed.set()
+
+    def on_message(self, worker: Worker, msg: Any) -> None:
+        if not isinstance(msg, BatchResult):
+            return
+        entry = self._inflight.pop(msg.batch_id, None)
+        if entry is None:
+            return
+        _, batch, timer = entry
+        timer.cancel()
+        by_id = {o.get("request_id"): o for o in msg.outputs}
+        for p in batch:
+            out = by_id.get(p.request.request_id)
+            if out is None:
+                p.stream.fail(ServingError("the handler returned no output for this request"))
+            else:
+                _deliver(p.stream, out)
+            self._observer.on_finished(self.model, p.stream)
+        if worker.alive:
+            self._idle.append(worker)
+        self._changed.set()
+
+    def _on_timeout(self, batch_id: int) -> None:
+        entry = self._inflight.pop(batch_id, None)
+        if entry is None:
+            return
+        worker, batch, _ = entry
+        for p in batch:
+            p.stream.fail(RequestTimeout(f"prediction exceeded option.predict_timeout={self.predict_timeout_s:g}s"))
+        # The worker is stuck in a handler call: it is killed and restarted by its pool.
+        kill = getattr(worker, "kill_soon", None)
+        if kill is not None:
+            kill()
+
+    # --- the gathering loop ---
+    async def _run(self) -> None:
+        while True:
+            while not (self._idle and self._live_queue()):
+                self._changed.clear()
+                await self._changed.wait()
+            worker = self._idle.popleft()
+            if not worker.alive:
+                continue
+            batch = [self._queue.popleft()]
+            deadline = self._clock() + self.max_batch_delay_s
+            while len(batch) < self.batch_size:
+                if self._live_queue():
+                    batch.append(self._queue.popleft())
+                    continue
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    break
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            batch = [p for p in batch if not p.stream.done]
+            if not batch:
+                self._idle.appendleft(worker)
+                continue
+            if not worker.alive:
+                self._retry_or_fail(batch, "the worker died before the batch was sent")
+                continue
+            self._dispatch(worker, batch)
+
+    def _live_queue(self) -> bool:
+        while self._queue and self._queue[0].stream.done:
+            self._queue.popleft()
+        return bool(self._queue)
+
+    def _dispatch(self, worker: Worker, batch: list[_Pending]) -> None:
+        batch_id = next(self._batch_ids)
+        for p in batch:
+            p.stream.mark_dispatched()
+        timer = asyncio.get_running_loop().call_later(self.predict_timeout_s, self._on_timeout, batch_id)
+        self._inflight[batch_id] = (worker, batch, timer)
+        self.num_batches += 1
+        self._observer.on_batch(self.model, len(batch))
+        try:
+            worker.send(Batch(batch_id=batch_id, requests=[p.request.to_wire() for p in batch]))
+        except ConnectionError:
+            self._inflight.pop(batch_id, None)
+            timer.cancel()
+            self._retry_or_fail(batch, "the worker died before the batch was sent")
+
+
+def _deliver(stream: ResultStream, out: dict[str, Any]) -> None:
+    if out.get("error"):
+        stream.fail(error_from_kind(out.get("error_kind") or "handler_error", out["error"]))
+        return
+    stream.set_payload(out.get("payload"))
+    tokens = tuple(TokenInfo(int(t[0]), str(t[1]), t[2]) for t in out.get("tokens") or ())
+    stream.push(TokenDelta(request_id=stream.request_id, tokens=tokens, text=out.get("text") or "",
+                           finish_reason=FinishReason(out.get("finish_reason") or "length"),
+                           prompt_tokens=int(out.get("prompt_tokens") or 0)))

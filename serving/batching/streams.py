@@ -1,0 +1,123 @@
+"""ResultStream: the per-request channel from a batcher back to a frontend.
+
+Design note: a batcher pushes ``TokenDelta``s (rolling) or one whole output (dynamic) into the stream; a
+frontend either iterates the deltas (streaming) or awaits ``collect()`` (whole answer). The stream also
+records the request's timings on the frontend's monotonic clock. Runs on the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from serving.errors import Cancelled, ServingError
+from serving.types import FinishReason, GenerationResult, RequestTimings, TokenDelta, TokenInfo
+
+_END = object()
+
+
+class ResultStream:
+    """Deltas of one request, in order; ends after the delta carrying ``finish_reason`` or an error."""
+
+    def __init__(self, request_id: str, clock: Callable[[], float] = time.monotonic,
+                 on_cancel: Callable[[str], None] | None = None) -> None:
+        self.request_id = request_id
+        self._clock = clock
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._on_cancel = on_cancel
+        self.arrival = clock()
+        self.dispatched: float | None = None
+        self.first_token: float | None = None
+        self.finished: float | None = None
+        self.prompt_tokens = 0
+        self.num_tokens = 0
+        self.finish_reason: FinishReason | None = None
+        self.error: ServingError | None = None
+        self.payload: Any = None
+        self._done = False
+        self.num_retries = 0
+
+    # --- producer side (batchers) ---
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def started(self) -> bool:
+        """True once any token or output reached the client side (no transparent retry after that)."""
+        return self.first_token is not None
+
+    def mark_dispatched(self) -> None:
+        if self.dispatched is None:
+            self.dispatched = self._clock()
+
+    def push(self, delta: TokenDelta) -> None:
+        if self._done:
+            return
+        now = self._clock()
+        self.mark_dispatched()
+        if delta.prompt_tokens is not None:
+            self.prompt_tokens = delta.prompt_tokens
+        if delta.tokens and self.first_token is None:
+            self.first_token = now
+        self.num_tokens += len(delta.tokens)
+        self._queue.put_nowait(delta)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self._finish(now)
+
+    def set_payload(self, payload: Any) -> None:
+        self.payload = payload
+
+    def fail(self, error: ServingError) -> None:
+        if self._done:
+            return
+        self.error = error
+        self._queue.put_nowait(error)
+        self._finish(self._clock())
+
+    def _finish(self, now: float) -> None:
+        self._done = True
+        self.finished = now
+        if self.first_token is None:
+            self.first_token = now
+        self._queue.put_nowait(_END)
+
+    # --- consumer side (frontends) ---
+    def cancel(self) -> None:
+        """The client went away: tell the batcher (abort/dequeue) and end the stream."""
+        if self._done:
+            return
+        self.fail(Cancelled("request cancelled by the client"))
+        if self._on_cancel is not None:
+            self._on_cancel(self.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, ServingError):
+                raise item
+            yield item
+
+    async def collect(self) -> GenerationResult:
+        """Wait for the end and assemble the whole answer; raises the request's ServingError."""
+        tokens: list[TokenInfo] = []
+        parts: list[str] = []
+        async for delta in self:
+            tokens.extend(delta.tokens)
+            parts.append(delta.text)
+        return GenerationResult(request_id=self.request_id, text="".join(parts),
+                                finish_reason=self.finish_reason or FinishReason.LENGTH, tokens=tuple(tokens),
+                                prompt_tokens=self.prompt_tokens, timings=self.timings(), payload=self.payload)
+
+    def timings(self) -> RequestTimings:
+        end = self.finished if self.finished is not None else self._clock()
+        dispatched = self.dispatched if self.dispatched is not None else end
+        first = self.first_token if self.first_token is not None else end
+        return RequestTimings(queue_s=dispatched - self.arrival, ttft_s=first - self.arrival,
+                              prefill_s=first - dispatched, decode_s=end - first, e2e_s=end - self.arrival,
+                              prompt_tokens=self.prompt_tokens, generated_tokens=self.num_tokens)

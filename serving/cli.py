@@ -1,0 +1,99 @@
+"""The ``serving`` command.
+
+    serving [start] [--model-store DIR] [--config FILE] [-m NAME=PATH ...] [--log-format text|json]
+    serving config MODEL_DIR        print the effective model configuration and where each value came from
+
+With no arguments it serves every model folder of ./model_store (the default model ships there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from serving.config import describe_model_config, load_model_config, load_server_config
+from serving.errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="serving", description="rollserve model server",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = ap.add_subparsers(dest="command")
+    start = sub.add_parser("start", help="start the server (default)")
+    _start_args(start)
+    cfg = sub.add_parser("config", help="print a model folder's effective configuration")
+    cfg.add_argument("model_dir", type=Path)
+    cfg.add_argument("--config", "-f", type=Path, help="config.properties (server defaults)")
+    sub.add_parser("serve", help="SageMaker's entry: same as start")
+    return ap
+
+
+def _start_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model-store", "-s", type=Path, help="folder of model folders (default ./model_store)")
+    ap.add_argument("--config", "-f", type=Path, help="config.properties")
+    ap.add_argument("-m", "--model", action="append", default=[], metavar="NAME=PATH",
+                    help="serve the model folder PATH as NAME (repeatable)")
+    ap.add_argument("--log-format", choices=["text", "json"], help="log line format")
+    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--ports-file", type=Path, help="write the bound ports as JSON here (for tooling/tests)")
+
+
+def setup_logging(fmt: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    try:
+        server = load_server_config(args.config, env=os.environ)
+        cfg = load_model_config(args.model_dir, env=os.environ, server=server)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(describe_model_config(cfg))
+    return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    overrides: dict[str, str] = {}
+    if args.model_store is not None:
+        overrides["model_store"] = str(args.model_store)
+    if args.log_format:
+        overrides["log_format"] = args.log_format
+    try:
+        config = load_server_config(args.config, env=os.environ, overrides=overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    extra: dict[str, str] = {}
+    for spec in args.model:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec).name, spec
+        extra[name] = path
+    setup_logging(config.log_format, args.log_level)
+    from serving.server import Server
+
+    asyncio.run(Server(config, os.environ, extra, args.ports_file).run())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        argv.insert(0, "start")
+    elif argv[0] == "serve":
+        argv[0] = "start"
+    args = _parser().parse_args(argv)
+    sys.exit(cmd_config(args) if args.command == "config" else cmd_start(args))

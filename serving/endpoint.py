@@ -1,0 +1,154 @@
+"""ModelEndpoint: one served model: its config, state, batcher and worker pool.
+
+Design note: frontends call ``submit`` and get a ``ResultStream``; they never see workers. The endpoint
+picks the batcher from the config (dynamic or rolling), builds the worker pool and tracks the model's
+lifecycle state (LOADING -> READY, or FAILED with a reason; DRAINING -> UNLOADED on removal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from serving.batching.dynamic import DynamicBatcher
+from serving.batching.ports import BatchObserver, Batcher, Clock, NullObserver
+from serving.batching.rolling import RollingBatcher
+from serving.batching.streams import ResultStream
+from serving.config import ModelConfig
+from serving.errors import Unavailable
+from serving.types import GenerationRequest, ModelState
+from serving.worker.messages import Init
+from serving.worker.pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+class ModelEndpoint:
+    """The unit frontends talk to. Event-loop only."""
+
+    def __init__(self, config: ModelConfig, observer: BatchObserver | None = None,
+                 clock: Clock = time.monotonic) -> None:
+        self.config = config
+        self.name = config.name
+        self.state = ModelState.PENDING
+        self.reason: str | None = None
+        self._observer = observer or NullObserver()
+        self.load_time_s: float | None = None
+        b = config.batching
+        self.batcher: DynamicBatcher | RollingBatcher
+        if b.rolling:
+            self.batcher = RollingBatcher(self.name, b.max_rolling_batch_size, b.job_queue_size,
+                                          config.predict_timeout_s, self._observer, clock)
+        else:
+            self.batcher = DynamicBatcher(self.name, b.batch_size, b.max_batch_delay_ms, b.job_queue_size,
+                                          config.predict_timeout_s, self._observer, clock)
+        entry = config.entry_point
+        if b.rolling and entry == "huggingface":
+            entry = "rolling"
+        init = Init(model_name=self.name, model_dir=str(config.model_dir), entry_point=entry,
+                    properties=config.handler_properties(), rolling=b.rolling)
+        self.pool = WorkerPool(self.name, init, self.batcher, config.min_workers,
+                               config.model_loading_timeout_s, on_failed=self._failed)
+
+    @classmethod
+    def failed(cls, name: str, reason: str) -> FailedEndpoint:
+        return FailedEndpoint(name, reason)
+
+    @property
+    def rolling(self) -> bool:
+        return self.config.batching.rolling
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The handler's ``describe()`` (max_model_len, chat_template, ...) from the first ready worker."""
+        return self.pool.info
+
+    async def start(self) -> None:
+        self.state = ModelState.LOADING
+        t0 = time.monotonic()
+        self.batcher.start()
+        if await self.pool.start():
+            self.state = ModelState.READY
+            self.load_time_s = time.monotonic() - t0
+            log.info("model %s ready in %.1fs (%s batching)", self.name, self.load_time_s,
+                     "rolling" if self.rolling else "dynamic")
+
+    def _failed(self, reason: str) -> None:
+        self.state = ModelState.FAILED
+        self.reason = reason
+
+    def submit(self, request: GenerationRequest) -> ResultStream:
+        if self.state is not ModelState.READY:
+            detail = f": {self.reason}" if self.reason else ""
+            raise Unavailable(f"model {self.name!r} is {self.state.value}{detail}", retry_after_s=5)
+        return self.batcher.submit(request)
+
+    def cancel(self, request_id: str) -> bool:
+        return self.batcher.cancel(request_id)
+
+    async def scale(self, num_workers: int) -> None:
+        await self.pool.scale(num_workers)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking requests, wait up to ``timeout_s`` for in-flight ones, then stop the workers."""
+        if self.state is ModelState.READY:
+            self.state = ModelState.DRAINING
+        deadline = time.monotonic() + timeout_s
+        while self.batcher.num_pending() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.stop()
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+        await self.batcher.close()
+        self.state = ModelState.UNLOADED
+
+    def describe(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "model_name": self.name, "status": self.state.value, "reason": self.reason,
+            "model_dir": c.model_dir.name, "entry_point": c.entry_point,
+            "batching": "rolling" if self.rolling else "dynamic",
+            "batch_size": c.batching.batch_size, "max_batch_delay": c.batching.max_batch_delay_ms,
+            "job_queue_size": c.batching.job_queue_size, "min_workers": c.min_workers,
+            "max_workers": c.max_workers, "target_workers": self.pool.target, "workers": self.pool.describe(),
+            "worker_restarts": self.pool.num_restarts, "load_time_s": self.load_time_s,
+            "config": c.handler_properties(), "batcher": self.batcher.describe(),
+        }
+
+
+class FailedEndpoint:
+    """A model whose configuration could not be loaded: it only reports its reason."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self.state = ModelState.FAILED
+        self.reason = reason
+        self.rolling = False
+        self.info: dict[str, Any] = {}
+
+    def submit(self, request: GenerationRequest) -> ResultStream:
+        raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
+
+    def cancel(self, request_id: str) -> bool:
+        return False
+
+    async def start(self) -> None:
+        pass
+
+    async def drain(self, timeout_s: float) -> None:
+        self.state = ModelState.UNLOADED
+
+    async def stop(self) -> None:
+        self.state = ModelState.UNLOADED
+
+    async def scale(self, num_workers: int) -> None:
+        raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
+
+    def describe(self) -> dict[str, Any]:
+        return {"model_name": self.name, "status": self.state.value, "reason": self.reason, "workers": []}
+
+
+AnyEndpoint = ModelEndpoint | FailedEndpoint

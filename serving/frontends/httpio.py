@@ -1,0 +1,172 @@
+"""HTTP plumbing shared by every HTTP route module: errors, bodies, request ids, timings, disconnects.
+
+Design note: the one table mapping core ``ErrorKind`` to HTTP status lives here (``STATUS``). Bodies are
+read with the size limit decided from ``Content-Length`` before reading (413), decoded as strict UTF-8
+JSON (no NaN/Infinity). A whole-answer request is raced against the client's disconnect so a client
+that leaves aborts its request (queue removal or KV blocks freed) instead of wasting a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from serving.batching.streams import ResultStream
+from serving.errors import ErrorKind, InvalidRequest, PayloadTooLarge, ServingError
+from serving.params import Limits
+from serving.types import GenerationResult, RequestTimings
+
+log = logging.getLogger("serving.http")
+
+STATUS: dict[ErrorKind, int] = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.TOO_LARGE: 413,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.METHOD: 405,
+    ErrorKind.OVERLOADED: 503,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.TIMEOUT: 504,
+    ErrorKind.CANCELLED: 499,
+    ErrorKind.WORKER_FAILED: 502,
+    ErrorKind.HANDLER: 424,
+    ErrorKind.INTERNAL: 500,
+}
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class Lookup(Protocol):
+    """What HTTP routes need from the model registry."""
+
+    endpoints: dict[str, Any]
+
+    def get(self, name: str) -> Any: ...
+    def only(self) -> Any: ...
+
+
+@dataclass
+class ServerState:
+    """Mutable server-wide flags shared by the frontends (owned by the composition root)."""
+
+    draining: bool = False
+    started_at: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HttpContext:
+    """Everything an HTTP route module needs, built once by the composition root."""
+
+    registry: Lookup
+    state: ServerState
+    limits: Limits
+    max_request_size: int
+    metrics: Any = None  # serving.metrics.ServingMetrics, when present
+
+
+def request_id(request: Request) -> str:
+    rid = request.headers.get(REQUEST_ID_HEADER, "")
+    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
+        return rid
+    return uuid.uuid4().hex
+
+
+def error_response(exc: ServingError, rid: str, status: int | None = None) -> JSONResponse:
+    code = status or STATUS.get(exc.kind, 500)
+    headers = {REQUEST_ID_HEADER: rid}
+    if exc.retry_after_s is not None and code in (429, 503):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    return JSONResponse({"error": exc.message, "error_type": exc.kind.value, "request_id": rid},
+                        status_code=code, headers=headers)
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequest(f"invalid JSON number {name}: NaN and Infinity are not allowed")
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The request body as JSON, or InvalidRequest/PayloadTooLarge. Size is checked before reading."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise InvalidRequest("invalid Content-Length header")
+        if int(length) > max_bytes:
+            raise PayloadTooLarge(f"request body of {int(length)} bytes exceeds max_request_size={max_bytes}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLarge(f"request body exceeds max_request_size={max_bytes}")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise InvalidRequest("request body is empty: expected a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") \
+            from None
+    except RecursionError:
+        raise InvalidRequest("request body JSON is nested too deeply") from None
+
+
+def timing_headers(t: RequestTimings) -> dict[str, str]:
+    """Per-request timings for the client (milliseconds, three decimals)."""
+    return {
+        "X-Queue-Time-Ms": f"{t.queue_s * 1000:.3f}",
+        "X-TTFT-Ms": f"{t.ttft_s * 1000:.3f}",
+        "X-Prefill-Time-Ms": f"{t.prefill_s * 1000:.3f}",
+        "X-Decode-Time-Ms": f"{t.decode_s * 1000:.3f}",
+        "X-E2E-Ms": f"{t.e2e_s * 1000:.3f}",
+        "X-Prompt-Tokens": str(t.prompt_tokens),
+        "X-Generated-Tokens": str(t.generated_tokens),
+    }
+
+
+def timings_json(t: RequestTimings) -> dict[str, float | int]:
+    return {"queue_ms": round(t.queue_s * 1000, 3), "ttft_ms": round(t.ttft_s * 1000, 3),
+            "prefill_ms": round(t.prefill_s * 1000, 3), "decode_ms": round(t.decode_s * 1000, 3),
+            "e2e_ms": round(t.e2e_s * 1000, 3), "prompt_tokens": t.prompt_tokens,
+            "generated_tokens": t.generated_tokens}
+
+
+async def collect_or_cancel(request: Request, streams: list[ResultStream]) -> list[GenerationResult]:
+    """Await whole answers; if the client disconnects first, cancel every stream (frees their slots)."""
+    gather = asyncio.ensure_future(asyncio.gather(*(s.collect() for s in streams)))
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({gather, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if gather in done:
+            if gather.exception() is not None:
+                for s in streams:
+                    s.cancel()
+            return gather.result()
+        for s in streams:
+            s.cancel()
+        gather.cancel()
+        await asyncio.gather(gather, return_exceptions=True)
+        raise ConnectionAbortedError("client disconnected")
+    finally:
+        watch.cancel()
+        if not gather.done():
+            gather.cancel()
+            for s in streams:
+                s.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,217 @@
+"""LMI / DJL routes: ``POST /predictions/{model}``, ``POST /invocations``, ``GET /ping``.
+
+Design note: a thin translation. The LMI body ``{"inputs", "parameters", "stream"}`` becomes one
+``GenerationRequest`` per input string; answers are LMI's ``{"generated_text", "details"}`` (a list for a
+list input), streams are jsonlines token objects (or SSE with ``option.output_formatter=sse``; TGI shapes
+with ``option.tgi_compat``). Streaming needs a rolling-batch model: a dynamic-batching model answers
+``stream`` with a 400 naming ``option.rolling_batch`` (as DJL does), never a silent whole answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from serving.batching.streams import ResultStream
+from serving.errors import InvalidRequest, ServingError, Unavailable
+from serving.frontends.httpio import (REQUEST_ID_HEADER, HttpContext, collect_or_cancel, error_response,
+                                      read_json, request_id, timing_headers, timings_json)
+from serving.params import check_text, parse_lmi_parameters
+from serving.types import GenerationRequest, GenerationResult, ModelState, TokenInfo
+
+TEXT_ENTRY_POINTS = ("huggingface", "rolling")
+SAGEMAKER_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
+
+
+def is_text_model(ep: Any) -> bool:
+    return getattr(getattr(ep, "config", None), "entry_point", "") in TEXT_ENTRY_POINTS
+
+
+def model_option(ep: Any, key: str, default: str = "") -> str:
+    config = getattr(ep, "config", None)
+    return str(config.options.get(key, default)) if config is not None else default
+
+
+def attributes_of(request: Request) -> dict[str, str]:
+    value = request.headers.get(SAGEMAKER_ATTRIBUTES)
+    if value is None:
+        return {}
+    if len(value) > 1024 or not value.isascii():
+        raise InvalidRequest("X-Amzn-SageMaker-Custom-Attributes must be at most 1024 ASCII characters")
+    return {"custom_attributes": value}
+
+
+def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx: HttpContext
+                   ) -> tuple[list[GenerationRequest], bool, bool]:
+    """LMI body -> (requests, was_list, stream)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object with 'inputs'")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean")
+    text_model = is_text_model(ep)
+    strict = text_model and model_option(ep, "strict_parameters", "true").lower() != "false"
+    if text_model:
+        unknown = sorted(set(body) - {"inputs", "parameters", "stream", "model"})
+        if unknown and strict:
+            raise InvalidRequest(f"unknown fields: {', '.join(unknown)}")
+        if "inputs" not in body:
+            raise InvalidRequest("missing field 'inputs'")
+    params = parse_lmi_parameters(body.get("parameters"), ctx.limits, strict=strict)
+    inputs = body.get("inputs")
+    was_list = isinstance(inputs, list)
+    if text_model:
+        items = inputs if was_list else [inputs]
+        if not items:
+            raise InvalidRequest("'inputs' must not be an empty list")
+        if len(items) > 256:
+            raise InvalidRequest(f"'inputs' has {len(items)} prompts; at most 256")
+        prompts = [check_text("inputs", p, max_chars=ctx.limits.max_prompt_chars) for p in items]
+    else:
+        prompts = [inputs if isinstance(inputs, str) else ""]
+        was_list = False
+    reqs = [GenerationRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", model=ep.name, prompt=p,
+                              params=params, stream=stream, payload=None if text_model else body,
+                              attributes=attributes) for i, p in enumerate(prompts)]
+    return reqs, was_list, stream
+
+
+def submit_all(ep: Any, reqs: list[GenerationRequest]) -> list[ResultStream]:
+    streams: list[ResultStream] = []
+    try:
+        for r in reqs:
+            streams.append(ep.submit(r))
+    except ServingError:
+        for s in streams:
+            s.cancel()
+        raise
+    return streams
+
+
+def lmi_answer(result: GenerationResult, params_details: bool, prompt: str, full_text: bool) -> dict[str, Any]:
+    text = prompt + result.text if full_text else result.text
+    out: dict[str, Any] = {"generated_text": text}
+    if params_details:
+        out["details"] = details_of(result.finish_reason.value, result.tokens, prompt, result.prompt_tokens)
+    return out
+
+
+def details_of(finish_reason: str, tokens: tuple[TokenInfo, ...] | list[TokenInfo], prompt: str,
+               prompt_tokens: int) -> dict[str, Any]:
+    return {"finish_reason": finish_reason, "generated_tokens": len(tokens), "inputs": prompt,
+            "prompt_tokens": prompt_tokens,
+            "tokens": [{"id": t.id, "text": t.text, "log_prob": t.logprob} for t in tokens]}
+
+
+class LmiRoutes:
+    """The LMI inference routes bound to one HttpContext."""
+
+    def __init__(self, ctx: HttpContext) -> None:
+        self.ctx = ctx
+
+    def routes(self) -> list[Route]:
+        return [Route("/ping", self.ping, methods=["GET"]),
+                Route("/predictions/{model_name}", self.predictions, methods=["POST"]),
+                Route("/invocations", self.invocations, methods=["POST"])]
+
+    async def ping(self, request: Request) -> Response:
+        if self.ctx.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        models = {name: ep.state.value for name, ep in self.ctx.registry.endpoints.items()}
+        healthy = all(s == ModelState.READY.value for s in models.values())
+        return JSONResponse({"status": "Healthy" if healthy else "Unhealthy", "models": models},
+                            status_code=200 if healthy else 503)
+
+    async def predictions(self, request: Request) -> Response:
+        return await self._serve(request, request.path_params["model_name"])
+
+    async def invocations(self, request: Request) -> Response:
+        return await self._serve(request, request.query_params.get("model_name"))
+
+    async def _serve(self, request: Request, model_name: str | None) -> Response:
+        rid = request_id(request)
+        try:
+            if self.ctx.state.draining:
+                raise Unavailable("server is shutting down", retry_after_s=5)
+            ep = self.ctx.registry.get(model_name) if model_name else self.ctx.registry.only()
+            body = await read_json(request, self.ctx.max_request_size)
+            chat = self.ctx.state.extra.get("chat_handler")
+            if isinstance(body, dict) and "messages" in body and chat is not None:
+                return await chat(request, body, ep, rid)  # LMI: a body with messages is OpenAI chat
+            reqs, was_list, stream = build_requests(body, ep, rid, attributes_of(request), self.ctx)
+            if stream:
+                if not ep.rolling:
+                    raise InvalidRequest("'stream' needs a rolling-batch model (set option.rolling_batch=auto); "
+                                         f"model {ep.name!r} uses dynamic batching")
+                if len(reqs) != 1:
+                    raise InvalidRequest("'stream' takes a single string in 'inputs'")
+                return self._stream(ep, reqs[0], submit_all(ep, reqs)[0], rid)
+            streams = submit_all(ep, reqs)
+            results = await collect_or_cancel(request, streams)
+        except ServingError as exc:
+            return error_response(exc, rid)
+        except ConnectionAbortedError:
+            return Response(status_code=499)
+        return self._whole(ep, reqs, results, was_list, rid)
+
+    def _whole(self, ep: Any, reqs: list[GenerationRequest], results: list[GenerationResult], was_list: bool,
+               rid: str) -> Response:
+        headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings)}
+        if not is_text_model(ep) and results[0].payload is not None:
+            return JSONResponse(results[0].payload, headers=headers)
+        answers = [lmi_answer(r, q.params.details, q.prompt, q.params.return_full_text)
+                   for q, r in zip(reqs, results)]
+        if model_option(ep, "tgi_compat").lower() == "true":
+            return JSONResponse(answers, headers=headers)
+        return JSONResponse(answers if was_list else answers[0], headers=headers)
+
+    def _stream(self, ep: Any, req: GenerationRequest, stream: ResultStream, rid: str) -> Response:
+        sse = model_option(ep, "output_formatter") == "sse" or model_option(ep, "tgi_compat").lower() == "true"
+        media = "text/event-stream" if sse else "application/jsonlines"
+        return StreamingResponse(lmi_events(req, stream, sse), media_type=media, headers={REQUEST_ID_HEADER: rid})
+
+
+async def lmi_events(req: GenerationRequest, stream: ResultStream, sse: bool) -> AsyncIterator[str]:
+    """LMI token objects, one per token; the last also carries generated_text, details and timings."""
+    def frame(obj: dict[str, Any]) -> str:
+        data = json.dumps(obj, ensure_ascii=False)
+        return f"data: {data}\n\n" if sse else data + "\n"
+
+    tokens: list[TokenInfo] = []
+    parts: list[str] = []
+    try:
+        async for delta in stream:
+            parts.append(delta.text)
+            new = list(delta.tokens)
+            tokens.extend(new)
+            last = delta.finish_reason is not None
+            for i, t in enumerate(new):
+                text = delta.text if len(new) == 1 else t.text
+                obj: dict[str, Any] = {"token": {"id": t.id, "text": text, "log_prob": t.logprob},
+                                       "generated_text": None}
+                if last and i == len(new) - 1:
+                    obj.update(_final(req, stream, parts, tokens))
+                yield frame(obj)
+            if last and not new:
+                yield frame({"token": None, **_final(req, stream, parts, tokens)})
+    except ServingError as exc:
+        yield frame({"token": {"id": -1, "text": "", "log_prob": None}, "generated_text": None,
+                     "details": {"finish_reason": "error", "generated_tokens": len(tokens)},
+                     "error": exc.message, "error_type": exc.kind.value})
+    finally:
+        if not stream.done:
+            stream.cancel()
+
+
+def _final(req: GenerationRequest, stream: ResultStream, parts: list[str], tokens: list[TokenInfo]) -> dict[str, Any]:
+    text = "".join(parts)
+    if req.params.return_full_text:
+        text = req.prompt + text
+    fr = stream.finish_reason.value if stream.finish_reason else "length"
+    return {"generated_text": text, "details": details_of(fr, tokens, req.prompt, stream.prompt_tokens),
+            "timings": timings_json(stream.timings())}

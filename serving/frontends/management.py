@@ -1,0 +1,133 @@
+"""Management API (DJL/TorchServe shape) on its own address.
+
+``GET /models``, ``GET /models/{name}``, ``POST /models?url=&model_name=&batch_size=&max_batch_delay=&
+min_worker=&max_worker=&synchronous=``, ``PUT /models/{name}?min_worker=&max_worker=``,
+``DELETE /models/{name}``, ``DELETE /requests/{request_id}``, ``GET /ping``. Registration only accepts a
+folder inside the model store (the registry enforces it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from serving.errors import InvalidRequest, ModelNotFound, ServingError
+from serving.frontends.httpio import REQUEST_ID_HEADER, HttpContext, error_response, request_id
+
+
+class Registry(Protocol):
+    endpoints: dict[str, Any]
+
+    def get(self, name: str) -> Any: ...
+    def resolve_url(self, url: str) -> Any: ...
+    async def register(self, name: str, model_dir: Any, overrides: dict[str, str], wait: bool = True) -> Any: ...
+    async def unregister(self, name: str, drain_timeout_s: float) -> None: ...
+
+
+_REGISTER_OVERRIDES = {"batch_size": "batch_size", "max_batch_delay": "max_batch_delay",
+                       "min_worker": "minWorkers", "max_worker": "maxWorkers", "job_queue_size": "job_queue_size"}
+
+
+def _int_param(request: Request, name: str) -> int | None:
+    v = request.query_params.get(name)
+    if v is None:
+        return None
+    if not v.isdigit():
+        raise InvalidRequest(f"query parameter {name!r} must be a non-negative integer, got {v!r}")
+    return int(v)
+
+
+class ManagementRoutes:
+    def __init__(self, ctx: HttpContext, registry: Registry, drain_timeout_s: float,
+                 metrics_route: Callable[[Request], Any] | None = None) -> None:
+        self.ctx = ctx
+        self.registry = registry
+        self.drain_timeout_s = drain_timeout_s
+        self.metrics_route = metrics_route
+
+    def routes(self) -> list[Route]:
+        routes = [Route("/models", self.list_models, methods=["GET"]),
+                  Route("/models", self.register, methods=["POST"]),
+                  Route("/models/{name}", self.describe, methods=["GET"]),
+                  Route("/models/{name}", self.scale, methods=["PUT"]),
+                  Route("/models/{name}", self.unregister, methods=["DELETE"]),
+                  Route("/requests/{request_id}", self.cancel_request, methods=["DELETE"])]
+        if self.metrics_route is not None:
+            routes.append(Route("/metrics", self.metrics_route, methods=["GET"]))
+        return routes
+
+    async def _guard(self, request: Request, fn: Callable[[], Any]) -> Response:
+        rid = request_id(request)
+        try:
+            body, status = await fn()
+        except ServingError as exc:
+            return error_response(exc, rid)
+        return JSONResponse(body, status_code=status, headers={REQUEST_ID_HEADER: rid})
+
+    async def list_models(self, request: Request) -> Response:
+        async def run() -> tuple[Any, int]:
+            return {"models": [{"modelName": n, "status": ep.state.value}
+                               for n, ep in sorted(self.registry.endpoints.items())]}, 200
+        return await self._guard(request, run)
+
+    async def describe(self, request: Request) -> Response:
+        async def run() -> tuple[Any, int]:
+            return self.registry.get(request.path_params["name"]).describe(), 200
+        return await self._guard(request, run)
+
+    async def register(self, request: Request) -> Response:
+        async def run() -> tuple[Any, int]:
+            url = request.query_params.get("url")
+            if not url:
+                raise InvalidRequest("query parameter 'url' is required (a folder inside the model store)")
+            model_dir = self.registry.resolve_url(url)
+            name = request.query_params.get("model_name") or model_dir.name
+            overrides = {}
+            for q, key in _REGISTER_OVERRIDES.items():
+                v = _int_param(request, q)
+                if v is not None:
+                    overrides[key] = str(v)
+            sync = request.query_params.get("synchronous", "true").lower() != "false"
+            ep = await self.registry.register(name, model_dir, overrides, wait=sync)
+            status = ep.state.value
+            if sync and status == "FAILED":
+                return {"status": f"model {name!r} failed to load", "reason": ep.reason, "modelName": name}, 503
+            return {"status": f"model {name!r} registered", "modelName": name, "state": status}, \
+                200 if sync else 202
+        return await self._guard(request, run)
+
+    async def scale(self, request: Request) -> Response:
+        async def run() -> tuple[Any, int]:
+            ep = self.registry.get(request.path_params["name"])
+            lo, hi = _int_param(request, "min_worker"), _int_param(request, "max_worker")
+            if lo is None and hi is None:
+                raise InvalidRequest("give min_worker and/or max_worker")
+            target = lo if lo is not None else hi
+            if hi is not None and lo is not None and lo > hi:
+                raise InvalidRequest(f"min_worker ({lo}) must be <= max_worker ({hi})")
+            if not target or target < 1 or target > 64:
+                raise InvalidRequest("the number of workers must be between 1 and 64")
+            await ep.scale(target)
+            return {"status": f"model {ep.name!r} scaled to {target} workers"}, 200
+        return await self._guard(request, run)
+
+    async def unregister(self, request: Request) -> Response:
+        async def run() -> tuple[Any, int]:
+            name = request.path_params["name"]
+            await self.registry.unregister(name, self.drain_timeout_s)
+            return {"status": f"model {name!r} unregistered"}, 200
+        return await self._guard(request, run)
+
+    async def cancel_request(self, request: Request) -> Response:
+        async def run() -> tuple[Any, int]:
+            rid = request.path_params["request_id"]
+            for ep in self.registry.endpoints.values():
+                if ep.cancel(rid):
+                    return {"status": f"request {rid!r} cancelled"}, 200
+            raise ModelNotFound(f"request {rid!r} is not queued or running")
+        return await self._guard(request, run)
+

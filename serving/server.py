@@ -1,0 +1,171 @@
+"""Composition root and lifecycle of the rollserve frontend process.
+
+Design note: this is the one place that builds everything (registry, frontends, metrics) and passes it
+down; nothing else holds global state. Startup binds the listeners first (SageMaker wants connections
+accepted within 250 ms; ``/ping`` answers 503 while models load), then loads the models. On SIGTERM or
+SIGINT the server drains: ``/ping`` and new requests get 503, in-flight requests finish within
+``drain_timeout_s``, workers are stopped, listeners close; no worker process outlives the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import time
+from collections.abc import Generator, Mapping
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from serving.config import ServerConfig
+from serving.frontends.apps import build_app
+from serving.frontends.httpio import HttpContext, ServerState
+from serving.frontends.lmi import LmiRoutes
+from serving.frontends.management import ManagementRoutes
+from serving.params import Limits
+from serving.registry import ModelRegistry
+
+log = logging.getLogger("serving.server")
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the composition root owns SIGTERM (graceful drain)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0 = ephemeral), so the bound port is known before serving."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class Server:
+    """The whole frontend process: ``await Server(...).run()`` serves until SIGTERM/SIGINT."""
+
+    def __init__(self, config: ServerConfig, env: Mapping[str, str], extra_models: Mapping[str, str] = {},
+                 ports_file: Path | None = None) -> None:
+        self.config = config
+        self.env = env
+        self.extra_models = dict(extra_models)
+        self.ports_file = ports_file
+        self.state = ServerState(started_at=time.time())
+        self.metrics: Any = _build_metrics()
+        observer = self.metrics
+        self.registry = ModelRegistry(config, env, observer)
+        self.limits = Limits()
+        self.http = HttpContext(registry=self.registry, state=self.state, limits=self.limits,
+                                max_request_size=config.max_request_size, metrics=self.metrics)
+        self._servers: list[_Uvicorn] = []
+        self._stop = asyncio.Event()
+        self.ports: dict[str, int] = {}
+        self.grpc: Any = None
+
+    def _inference_routes(self) -> list[Any]:
+        routes = LmiRoutes(self.http).routes()
+        for module in _optional_route_modules():
+            routes.extend(module(self.http))
+        return routes
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        metrics_route = self.metrics.route if self.metrics is not None else None
+        inference = build_app(self._inference_routes())
+        management = build_app(ManagementRoutes(self.http, self.registry, self.config.drain_timeout_s,
+                                                metrics_route).routes() + LmiRoutes(self.http).routes()[:1])
+        host, port = self.config.inference_host_port()
+        if self.config.sagemaker_port is not None:
+            port = self.config.sagemaker_port
+        listeners = [("inference", inference, host, port),
+                     ("management", management, *self.config.management_host_port())]
+        mhp = self.config.metrics_host_port()
+        if mhp is not None and metrics_route is not None:
+            from starlette.routing import Route
+            listeners.append(("metrics", build_app([Route("/metrics", metrics_route)]), *mhp))
+        serve_tasks = []
+        for name, app, h, p in listeners:
+            sock = bind(h, p)
+            self.ports[name] = sock.getsockname()[1]
+            log.info("%s API listening on http://%s:%d", name, h, self.ports[name])
+            serve_tasks.append(asyncio.create_task(self._serve_http(app, sock)))
+        await self._start_grpc()
+        self._write_ports()
+        models = self.registry.discover(self.extra_models)
+        load = asyncio.create_task(self.registry.start_all(models))
+        await self._stop.wait()
+        log.info("shutting down: draining in-flight requests (up to %.0fs)", self.config.drain_timeout_s)
+        self.state.draining = True
+        await self._drain()
+        load.cancel()
+        await self.registry.stop_all(0.0)
+        if self.grpc is not None:
+            await self.grpc.stop(grace=1.0)
+        for s in self._servers:
+            s.should_exit = True
+        await asyncio.gather(*serve_tasks, return_exceptions=True)
+        log.info("stopped")
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.registry.num_pending() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # let the last responses flush
+
+    async def _serve_http(self, app: Any, sock: socket.socket) -> None:
+        cfg = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
+                             timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024)
+        server = _Uvicorn(cfg)
+        self._servers.append(server)
+        await server.serve(sockets=[sock])
+
+    async def _start_grpc(self) -> None:
+        hp = self.config.grpc_host_port()
+        if hp is None:
+            return
+        try:
+            from serving.frontends.grpc import GrpcFrontend
+        except ImportError:
+            return
+        self.grpc = GrpcFrontend(self.http, self.registry)
+        self.ports["grpc"] = await self.grpc.start(*hp)
+        log.info("gRPC API listening on %s:%d", hp[0], self.ports["grpc"])
+
+    def _write_ports(self) -> None:
+        if self.ports_file is not None:
+            tmp = self.ports_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.ports))
+            tmp.replace(self.ports_file)
+
+
+def _build_metrics() -> Any:
+    try:
+        from serving.metrics import ServingMetrics
+    except ImportError:
+        return None
+    return ServingMetrics()
+
+
+def _optional_route_modules() -> list[Any]:
+    """Route modules added by later frontends (OpenAI, TGI), each ``routes(ctx) -> list[Route]``."""
+    modules = []
+    for name in ("serving.frontends.openai", "serving.frontends.tgi"):
+        try:
+            mod = __import__(name, fromlist=["routes"])
+        except ImportError:
+            continue
+        modules.append(mod.routes)
+    return modules

@@ -1,0 +1,133 @@
+"""Typed messages of the frontend <-> worker IPC protocol.
+
+Design note: every frame is one msgpack map with a type tag ``t``; these dataclasses are the only
+shapes allowed on the channel (``decode_message`` rejects anything else), so nothing received can
+execute code. Requests and deltas travel in the dict forms defined in ``serving.types``.
+
+Frontend -> worker: Init, Batch (dynamic), Add / Abort (rolling), Shutdown.
+Worker -> frontend: Ready, LoadFailed, BatchResult, Deltas, Reject.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, Union
+
+
+@dataclass(frozen=True, slots=True)
+class Init:
+    """First frame to a new worker: which model to load and how."""
+
+    TAG: ClassVar[str] = "init"
+    model_name: str
+    model_dir: str
+    entry_point: str
+    properties: dict[str, str]
+    rolling: bool = False
+    device_id: int = -1
+    worker_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The handler loaded; ``info`` is the handler's ``describe()``."""
+
+    TAG: ClassVar[str] = "ready"
+    pid: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFailed:
+    TAG: ClassVar[str] = "load_failed"
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A dynamic batch: ``requests`` are ``GenerationRequest.to_wire()`` dicts."""
+
+    TAG: ClassVar[str] = "batch"
+    batch_id: int
+    requests: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """One output dict per request of batch ``batch_id``, in order (see ``worker.main.output_to_wire``)."""
+
+    TAG: ClassVar[str] = "batch_result"
+    batch_id: int
+    outputs: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    """Rolling: admit these requests into the worker's running engine."""
+
+    TAG: ClassVar[str] = "add"
+    requests: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    TAG: ClassVar[str] = "abort"
+    request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Deltas:
+    """Rolling: everything one engine step produced (``TokenDelta.to_wire()`` dicts) plus engine stats."""
+
+    TAG: ClassVar[str] = "deltas"
+    step: int
+    deltas: list[dict[str, Any]]
+    stats: dict[str, Any] = field(default_factory=dict)
+    step_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """Rolling: a request the engine refused at ``add`` time (kind is an ``ErrorKind`` value)."""
+
+    TAG: ClassVar[str] = "reject"
+    request_id: str
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    TAG: ClassVar[str] = "shutdown"
+
+
+Message = Union[Init, Ready, LoadFailed, Batch, BatchResult, Add, Abort, Deltas, Reject, Shutdown]
+MESSAGE_TYPES: dict[str, type] = {
+    cls.TAG: cls for cls in (Init, Ready, LoadFailed, Batch, BatchResult, Add, Abort, Deltas, Reject, Shutdown)
+}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a well-formed message of this protocol."""
+
+
+def message_to_dict(msg: Message) -> dict[str, Any]:
+    d = asdict(msg)
+    d["t"] = msg.TAG
+    return d
+
+
+def message_from_dict(d: Any) -> Message:
+    if not isinstance(d, dict) or not isinstance(d.get("t"), str):
+        raise ProtocolError("frame is not a tagged map")
+    cls = MESSAGE_TYPES.get(d["t"])
+    if cls is None:
+        raise ProtocolError(f"unknown message type {d['t']!r}")
+    names = {f.name for f in fields(cls)}
+    kw = {k: v for k, v in d.items() if k != "t"}
+    if not set(kw) <= names:
+        raise ProtocolError(f"unexpected fields {sorted(set(kw) - names)} in {d['t']!r}")
+    try:
+        return cls(**kw)  # type: ignore[no-any-return]
+    except TypeError as exc:
+        raise ProtocolError(f"bad {d['t']!r} message: {exc}") from None

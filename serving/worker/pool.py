@@ -1,0 +1,139 @@
+"""WorkerPool: spawns, watches and restarts one model's worker processes.
+
+Design note: the pool is the ``WorkerListener`` of its workers and forwards their frames to the model's
+batcher. A worker that dies is reported to the batcher (which retries or fails its requests) and is
+restarted with exponential backoff. A model whose workers fail to load ``max_load_attempts`` times in a
+row is FAILED with the reason and is not retried again, so a broken model never spins the CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from serving.batching.ports import Batcher
+from serving.worker.handle import WorkerHandle, WorkerLoadError
+from serving.worker.messages import Init, Message
+
+log = logging.getLogger(__name__)
+
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+
+
+class WorkerPool:
+    """Owns the worker processes of one model. Event-loop only."""
+
+    def __init__(self, model: str, init: Init, batcher: Batcher, num_workers: int, loading_timeout_s: float,
+                 on_failed: Callable[[str], None], max_load_attempts: int = 3) -> None:
+        self.model = model
+        self._init = init
+        self._batcher = batcher
+        self.target = max(1, num_workers)
+        self._loading_timeout_s = loading_timeout_s
+        self._on_failed = on_failed
+        self._max_load_attempts = max_load_attempts
+        self._ids = itertools.count(1)
+        self.workers: dict[int, WorkerHandle] = {}
+        self._starting = 0
+        self._load_failures = 0
+        self._crashes = 0
+        self.num_restarts = 0
+        self.last_error: str | None = None
+        self._stopping = False
+        self._retiring: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.info: dict[str, Any] = {}
+
+    async def start(self) -> bool:
+        """Start ``target`` workers; returns True once at least one is ready (False if loading failed)."""
+        results = await asyncio.gather(*(self._start_one() for _ in range(self.target)))
+        return any(results)
+
+    async def _start_one(self) -> bool:
+        while not self._stopping:
+            wid = next(self._ids)
+            handle = WorkerHandle(wid, replace(self._init, worker_id=wid))
+            self._starting += 1
+            try:
+                await handle.start(self, self._loading_timeout_s)
+            except (WorkerLoadError, asyncio.TimeoutError, OSError) as exc:
+                reason = str(exc) or f"model loading exceeded {self._loading_timeout_s:g}s"
+                self._load_failures += 1
+                self.last_error = reason
+                log.error("model %s: worker %d failed to load (%d/%d): %s", self.model, wid,
+                          self._load_failures, self._max_load_attempts, reason)
+                if self._load_failures >= self._max_load_attempts:
+                    self._on_failed(reason)
+                    return False
+                await asyncio.sleep(BACKOFF_S[min(self._load_failures, len(BACKOFF_S) - 1)])
+                continue
+            finally:
+                self._starting -= 1
+            if self._stopping:
+                await handle.stop()
+                return False
+            self._load_failures = 0
+            self.workers[wid] = handle
+            self.info = handle.info
+            log.info("model %s: worker %d ready (pid %s)", self.model, wid, handle.pid)
+            self._batcher.worker_ready(handle)
+            return True
+        return False
+
+    # --- WorkerListener ---
+    def on_worker_message(self, worker: WorkerHandle, msg: Message) -> None:
+        self._batcher.on_message(worker, msg)
+
+    def on_worker_exit(self, worker: WorkerHandle) -> None:
+        self.workers.pop(worker.worker_id, None)
+        self._batcher.worker_lost(worker)
+        if self._stopping or worker.worker_id in self._retiring:
+            self._retiring.discard(worker.worker_id)
+            return
+        self._crashes += 1
+        self.num_restarts += 1
+        delay = BACKOFF_S[min(self._crashes - 1, len(BACKOFF_S) - 1)]
+        log.warning("model %s: worker %d (pid %s) exited; restarting in %.1fs", self.model, worker.worker_id,
+                    worker.pid, delay)
+        self._spawn(self._restart_after(delay))
+
+    async def _restart_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if not self._stopping and len(self.workers) + self._starting < self.target:
+            if await self._start_one():
+                self._crashes = 0
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- management ---
+    async def scale(self, num_workers: int) -> None:
+        """Grow or shrink to ``num_workers`` (>= 1). Shrinking stops idle-most workers gracefully."""
+        self.target = max(1, num_workers)
+        extra = self.target - len(self.workers) - self._starting
+        if extra > 0:
+            await asyncio.gather(*(self._start_one() for _ in range(extra)))
+        while len(self.workers) > self.target:
+            wid, handle = self.workers.popitem()
+            self._retiring.add(wid)
+            self._batcher.worker_lost(handle)
+            await handle.stop()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for t in list(self._tasks):
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(h.stop() for h in list(self.workers.values())), return_exceptions=True)
+        self.workers.clear()
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"id": wid, "pid": h.pid, "status": "READY" if h.alive else "STOPPED"}
+                for wid, h in sorted(self.workers.items())]

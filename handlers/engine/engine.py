@@ -1,0 +1,179 @@
+"""``LLMEngine``: continuous batching over a transformers model, one step at a time.
+
+Design note: the step reads like the algorithm -- schedule, run the model on the flat batch, commit the
+computed KV, sample, detokenize, check stop conditions, emit deltas. Policy (scheduler, allocator) is pure
+Python; the runner and sampler hold the torch work. Everything runs on the worker's engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from handlers.engine.config import EngineConfig, available_memory_bytes, kv_cache_blocks
+from handlers.engine.detokenizer import IncrementalDetokenizer
+from handlers.engine.paged_attention import KVPool
+from handlers.engine.runner import ModelRunner, kv_geometry
+from handlers.engine.sampling import RequestSampler, SampledToken, sample_batch
+from handlers.engine.scheduler import Scheduler, SchedulerConfig
+from handlers.engine.sequence import Sequence
+from serving.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class _Request:
+    """Engine-side companions of a sequence: sampler, detokenizer, whether its first delta went out."""
+
+    seq: Sequence
+    sampler: RequestSampler
+    detokenizer: IncrementalDetokenizer
+    eos_ids: frozenset[int]
+    sent_first: bool = False
+
+
+class LLMEngine:
+    """Continuous-batching generation engine. Not thread-safe: call it from one thread."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EngineConfig = EngineConfig(),
+                 available_bytes: int | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self._backend_tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        model_cfg = model.config  # type: ignore[union-attr]
+        self.max_model_len = config.max_model_len or int(getattr(model_cfg, "max_position_embeddings", 2048))
+        num_layers, num_kv_heads, head_dim = kv_geometry(model_cfg)
+        dtype = next(model.parameters()).dtype
+        per_token = KVPool.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+        avail = available_memory_bytes() if available_bytes is None else available_bytes
+        num_blocks = kv_cache_blocks(config, self.max_model_len, per_token, avail)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching))
+        self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights)
+        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB); %.1f sequences of %d tokens fit",
+                    num_blocks, config.block_size, num_blocks * config.block_size * per_token / 2**20,
+                    num_blocks * config.block_size / self.max_model_len, self.max_model_len)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self._seed_source = random.Random(config.seed)
+        self._requests: dict[str, _Request] = {}
+        self._counters = {"num_steps_total": 0, "num_prefill_tokens_total": 0, "prompt_tokens_total": 0,
+                          "generation_tokens_total": 0, "num_requests_finished_total": 0,
+                          "num_requests_aborted_total": 0}
+
+    @classmethod
+    def from_options(cls, model_dir: Path, options: Mapping[str, str]) -> LLMEngine:
+        """Load model and tokenizer from ``model_dir`` and build an engine from DJL-style options."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        config = EngineConfig.from_options(options)
+        torch.set_num_threads(config.num_threads)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=_TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
+            trust_remote_code=config.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code)
+        return cls(model, tokenizer, config)
+
+    # --------------------------------------------------------------- requests
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ``serving.errors.InvalidRequest`` if it can never run."""
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        self.scheduler.add(seq)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        self._requests[request_id] = _Request(
+            seq, RequestSampler(params, self._seed_source),
+            IncrementalDetokenizer(self._backend_tokenizer, seq.prompt_token_ids, params.stop), eos)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request now (waiting or running); its blocks are free before the next step."""
+        if self._requests.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+            self._counters["num_requests_aborted_total"] += 1
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[TokenDelta]:
+        """Run one iteration; returns a delta for every request that produced a token."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        logits = self.runner.execute(plan.chunks)
+        self.scheduler.commit(plan)
+        self._counters["num_steps_total"] += 1
+        self._counters["num_prefill_tokens_total"] += sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        sampled = [c.seq for c in plan.chunks if c.samples]
+        reqs = [self._requests[s.request_id] for s in sampled]
+        tokens = sample_batch(logits, [s.token_ids for s in sampled], [r.sampler for r in reqs])
+        return [self._advance(r, t) for r, t in zip(reqs, tokens)]
+
+    def _advance(self, req: _Request, sampled: SampledToken) -> TokenDelta:
+        seq = req.seq
+        token = sampled.token_id
+        seq.append_token(token)
+        self._counters["generation_tokens_total"] += 1
+        detok = req.detokenizer.push(token)
+        text = detok.released
+        finish: FinishReason | None = None
+        if token in req.eos_ids:
+            finish = FinishReason.EOS
+        elif token in seq.params.stop_token_ids or detok.stopped:
+            finish = FinishReason.STOP
+        elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            finish = FinishReason.LENGTH
+        if finish is not None and not detok.stopped:
+            text += req.detokenizer.flush()
+        prompt_tokens = None
+        if not req.sent_first:
+            req.sent_first = True
+            prompt_tokens = seq.num_prompt_tokens
+            self._counters["prompt_tokens_total"] += prompt_tokens
+        if finish is not None:
+            seq.finish_reason = finish
+            self.scheduler.finish(seq)
+            del self._requests[seq.request_id]
+            self._counters["num_requests_finished_total"] += 1
+        info = TokenInfo(token, detok.piece, sampled.logprob, sampled.top_logprobs)
+        return TokenDelta(seq.request_id, (info,), text, finish, prompt_tokens)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        """Gauges and counters; ``blocks_held`` maps each live request id to its number of KV blocks."""
+        alloc = self.scheduler.allocator
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": alloc.num_blocks,
+            "kv_blocks_used": alloc.num_used_blocks,
+            "kv_blocks_cached_free": alloc.num_cached_free_blocks,
+            "kv_cache_usage_ratio": alloc.num_used_blocks / alloc.num_blocks,
+            "num_preemptions_total": self.scheduler.num_preemptions,
+            "prefix_cache_queries_total": alloc.prefix_queries,
+            "prefix_cache_hits_total": alloc.prefix_hits,
+            **self._counters,
+            "blocks_held": {s.request_id: len(s.block_ids) for s in self.scheduler.live_sequences()},
+        }
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from the generation config (int or list), else the tokenizer's."""
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)

@@ -1,0 +1,101 @@
+"""Runs one flat batch of tokens per step through a transformers decoder-only model with a paged KV cache.
+
+Design note: the model is unchanged except for its attention implementation, switched to
+``paged_attention.ATTN_IMPLEMENTATION`` through transformers' public ``AttentionInterface``. Each step the
+runner builds input ids [1, T], position ids [1, T] and a ``StepMetadata`` (slot mapping, per-sequence
+query ranges and KV locations) once, and passes the metadata as a forward kwarg that transformers hands
+to every attention call. Logits are computed only for the rows that are sampled (``logits_to_keep``).
+Runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+
+import torch
+
+from handlers.engine.paged_attention import (
+    ATTN_IMPLEMENTATION, STEP_KWARG, KVPool, SeqAttention, StepMetadata, paged_attention_forward,
+)
+from handlers.engine.prepack import prepack_linear_layers
+from handlers.engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+
+def kv_geometry(config: object) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a transformers config."""
+    num_layers = int(getattr(config, "num_hidden_layers"))
+    num_heads = int(getattr(config, "num_attention_heads"))
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    head_dim = getattr(config, "head_dim", None) or int(getattr(config, "hidden_size")) // num_heads
+    return num_layers, num_kv_heads, int(head_dim)
+
+
+class ModelRunner:
+    """Owns the model and the KV pool; ``execute`` runs one scheduled step and returns sampled-row logits."""
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: bool = False) -> None:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+        model.eval()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)  # type: ignore[operator]
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:  # type: ignore[union-attr]
+            raise ValueError(f"{type(model).__name__} does not support a custom attention implementation")
+        if prepack_weights:
+            n = prepack_linear_layers(model)
+            logger.info("prepacked %d linear layers for oneDNN", n)
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
+        dtype = next(model.parameters()).dtype
+        self.pool = KVPool(num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
+        """Run the chunks as one flat batch; returns logits [num sampled chunks, vocab] in chunk order."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seqs: list[SeqAttention] = []
+        keep: list[int] = []
+        bs = self.block_size
+        for c in chunks:
+            seq = c.seq
+            end = c.start + c.num_tokens
+            q0 = len(input_ids)
+            input_ids.extend(seq.token_ids[c.start:end])
+            positions.extend(range(c.start, end))
+            table = seq.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
+            seqs.append(self._seq_attention(table, q0, c.start, c.num_tokens))
+            if c.samples:
+                keep.append(len(input_ids) - 1)
+        meta = StepMetadata(self.pool, torch.tensor(slots, dtype=torch.long), tuple(seqs))
+        out = self.model(
+            input_ids=torch.tensor([input_ids], dtype=torch.long),
+            position_ids=torch.tensor([positions], dtype=torch.long),
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long),
+            **{STEP_KWARG: meta},
+        )
+        return out.logits[0]
+
+    def _seq_attention(self, table: list[int], q0: int, start: int, num_new: int) -> SeqAttention:
+        bs = self.block_size
+        kv_len = start + num_new
+        num_blocks = -(-kv_len // bs)
+        first = table[0]
+        contiguous = table[num_blocks - 1] - first == num_blocks - 1 and (
+            num_blocks < 3 or all(table[i + 1] == table[i] + 1 for i in range(num_blocks - 1)))
+        index = None
+        if not contiguous:
+            blocks = torch.tensor(table[:num_blocks], dtype=torch.long)
+            index = (blocks[:, None] * bs + torch.arange(bs)).flatten()[:kv_len]
+        mask = None
+        if num_new > 1 and start > 0:
+            mask = torch.ones(num_new, kv_len, dtype=torch.bool).tril(diagonal=start)
+        return SeqAttention(q0, q0 + num_new, kv_len, first * bs, index, mask, causal=num_new > 1 and start == 0)

@@ -1,0 +1,94 @@
+"""Choosing the next token of each sequence from its logits.
+
+Design note: per-request behaviour goes through transformers' logits processors and warpers
+(repetition penalty, temperature, top-k, top-p) and a per-request ``torch.Generator`` (seeded from the
+request's ``seed``, else from the engine's seed source), so a seeded request samples the same tokens no
+matter what it is batched with. Plain greedy rows skip all of that: one ``argmax`` for the whole group.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from serving.types import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """The chosen token, with its log-probability and the top-N alternatives when asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+class RequestSampler:
+    """Sampling state of one request: its processors and its random generator."""
+
+    def __init__(self, params: SamplingParams, seed_source: random.Random) -> None:
+        self.params = params
+        self.greedy = params.greedy
+        self.wants_logprobs = params.details or params.logprobs > 0
+        self.processors = LogitsProcessorList()
+        if params.repetition_penalty != 1.0:
+            self.processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+        self.warpers = LogitsProcessorList()
+        self.generator: torch.Generator | None = None
+        if not self.greedy:
+            if params.temperature != 1.0:
+                self.warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k > 0:
+                self.warpers.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(params.top_p))
+            seed = params.seed if params.seed is not None else seed_source.getrandbits(63)
+            self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no processor: can share one batched argmax."""
+        return self.greedy and not self.processors
+
+    def choose(self, logits: torch.Tensor, token_ids: Seq[int]) -> int:
+        """Pick a token from one row of logits [V] given the sequence's tokens so far."""
+        scores = logits.unsqueeze(0)
+        if self.processors:
+            scores = self.processors(torch.tensor([token_ids], dtype=torch.long), scores.clone())
+        if self.greedy:
+            return int(scores.argmax(-1))
+        scores = self.warpers(None, scores)  # type: ignore[arg-type]
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def sample_batch(logits: torch.Tensor, token_ids: Seq[Seq[int]], samplers: Seq[RequestSampler]) -> list[SampledToken]:
+    """Choose one token per row of ``logits`` [S, V]; row i belongs to ``samplers[i]``."""
+    chosen = [0] * len(samplers)
+    greedy_rows = [i for i, s in enumerate(samplers) if s.plain_greedy]
+    if greedy_rows:
+        rows = logits if len(greedy_rows) == len(samplers) else logits[greedy_rows]
+        for i, t in zip(greedy_rows, rows.argmax(-1).tolist()):
+            chosen[i] = t
+    for i, s in enumerate(samplers):
+        if not s.plain_greedy:
+            chosen[i] = s.choose(logits[i], token_ids[i])
+    result = []
+    for i, s in enumerate(samplers):
+        if not s.wants_logprobs:
+            result.append(SampledToken(chosen[i]))
+            continue
+        logprobs = torch.log_softmax(logits[i].float(), dim=-1)
+        top: tuple[tuple[int, float], ...] = ()
+        if s.params.logprobs > 0:
+            values, ids = logprobs.topk(s.params.logprobs)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        result.append(SampledToken(chosen[i], float(logprobs[chosen[i]]), top))
+    return result

@@ -1,0 +1,164 @@
+"""Start real rollserve server processes on 127.0.0.1 with ephemeral ports, for integration tests.
+
+``ServerProcess.start(tmp_path, models={...}, config={...})`` writes a model store and a
+config.properties, runs ``python -m serving`` in its own process group, waits until the bound ports are
+known and ``/ping`` answers 200 (or until ``wait_ready=False``), and ``stop()`` SIGTERMs it and checks that
+the whole process tree is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO / "model_store" / "tiny-llama"
+
+
+def write_model(store: Path, name: str, properties: dict[str, str], source: Path | None = None,
+                files: dict[str, str] | None = None) -> Path:
+    """A model folder in ``store``: weights linked from ``source`` (if any), a serving.properties, files."""
+    d = store / name
+    d.mkdir(parents=True, exist_ok=True)
+    if source is not None:
+        for f in source.iterdir():
+            if f.name != "serving.properties" and f.is_file():
+                target = d / f.name
+                if not target.exists():
+                    os.symlink(f, target)
+    (d / "serving.properties").write_text("".join(f"{k}={v}\n" for k, v in properties.items()))
+    for fname, text in (files or {}).items():
+        (d / fname).write_text(text)
+    return d
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+    ports: dict[str, int] = field(default_factory=dict)
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['inference']}"
+
+    @property
+    def mgmt(self) -> str:
+        return f"http://127.0.0.1:{self.ports['management']}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    @classmethod
+    def start(cls, workdir: Path, models: dict[str, dict[str, str]] | None = None,
+              config: dict[str, str] | None = None, env: dict[str, str] | None = None,
+              sources: dict[str, Path] | None = None, files: dict[str, dict[str, str]] | None = None,
+              wait_ready: bool = True, timeout_s: float = 120.0, extra_args: list[str] | None = None
+              ) -> ServerProcess:
+        """``models``: name -> serving.properties dict (weights from ``sources[name]`` or the default
+        model for huggingface/rolling entry points)."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        store = workdir / "model_store"
+        store.mkdir(exist_ok=True)
+        for name, props in (models or {}).items():
+            src = (sources or {}).get(name)
+            if src is None and props.get("option.entryPoint", "huggingface") in ("huggingface", "rolling"):
+                src = DEFAULT_MODEL
+            write_model(store, name, props, src, (files or {}).get(name))
+        cfg = {"inference_address": "http://127.0.0.1:0", "management_address": "http://127.0.0.1:0",
+               "grpc_address": "127.0.0.1:0", "model_store": str(store), "drain_timeout": "30"}
+        cfg.update(config or {})
+        (workdir / "config.properties").write_text("".join(f"{k}={v}\n" for k, v in cfg.items()))
+        ports_file = workdir / "ports.json"
+        if ports_file.exists():
+            ports_file.unlink()
+        log_path = workdir / "server.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serving", "--config", str(workdir / "config.properties"),
+             "--ports-file", str(ports_file), *(extra_args or [])],
+            cwd=workdir, env=full_env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+        server = cls(proc, workdir, log_path=log_path)
+        deadline = time.monotonic() + timeout_s
+        while not ports_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"server did not start:\n{server.log()}")
+            time.sleep(0.05)
+        server.ports = json.loads(ports_file.read_text())
+        if wait_ready:
+            server.wait_ready(deadline - time.monotonic())
+        return server
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/ping", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready in time:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def worker_pids(self) -> list[int]:
+        return [int(p) for p in _children(self.proc.pid)]
+
+    def describe(self, model: str) -> dict[str, Any]:
+        return httpx.get(f"{self.mgmt}/models/{model}", timeout=10).json()
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, wait, and assert no process of the group survives. Returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        time.sleep(0.2)
+        leftover = _group_members(self.proc.pid)
+        if leftover:
+            self.kill()
+            raise AssertionError(f"processes left after shutdown: {leftover}")
+        return code
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+def _children(pid: int) -> list[str]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def _group_members(pgid: int) -> list[str]:
+    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def copy_default_model(dest: Path) -> Path:
+    shutil.copytree(DEFAULT_MODEL, dest, dirs_exist_ok=True)
+    return dest

@@ -407,8 +407,8 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
 
     parsers = {key: parser for key, (parser, _) in (*_MODEL_KEYS.items(), *_OPTION_KEYS.items())}
     parsers["option.tensor_parallel_degree"] = _tensor_parallel(num_devices or os.cpu_count() or 1)
-    values = {key: _resolve(key, setting, parsers[key]) if key in parsers else setting.value
-              for key, setting in settings.items()}
+    values: dict[str, Any] = {key: _resolve(key, setting, parsers[key]) if key in parsers else setting.value
+                              for key, setting in settings.items()}
     if values["minWorkers"] > values["maxWorkers"]:
         max_setting = settings["maxWorkers"]
         raise _fail("minWorkers", settings["minWorkers"],

@@ -22,7 +22,7 @@ class ResultStream:
     """Deltas of one request, in order; ends after the delta carrying ``finish_reason`` or an error."""
 
     def __init__(self, request_id: str, clock: Callable[[], float] = time.monotonic,
-                 on_cancel: Callable[[str], None] | None = None) -> None:
+                 on_cancel: Callable[[str], object] | None = None) -> None:
         self.request_id = request_id
         self._clock = clock
         self._queue: asyncio.Queue[Any] = asyncio.Queue()

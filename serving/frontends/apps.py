@@ -12,6 +12,8 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from collections.abc import Sequence
+
 from starlette.routing import BaseRoute
 
 from serving.frontends.httpio import REQUEST_ID_HEADER, request_id
@@ -36,5 +38,5 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
                         status_code=500, headers={REQUEST_ID_HEADER: rid})
 
 
-def build_app(routes: list[BaseRoute]) -> Starlette:
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+def build_app(routes: Sequence[BaseRoute]) -> Starlette:
+    return Starlette(routes=list(routes), exception_handlers={HTTPException: _http_error, Exception: _internal_error})

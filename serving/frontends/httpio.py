@@ -143,10 +143,10 @@ def timings_json(t: RequestTimings) -> dict[str, float | int]:
 
 async def collect_or_cancel(request: Request, streams: list[ResultStream]) -> list[GenerationResult]:
     """Await whole answers; if the client disconnects first, cancel every stream (frees their slots)."""
-    gather = asyncio.ensure_future(asyncio.gather(*(s.collect() for s in streams)))
-    watch = asyncio.ensure_future(_wait_disconnect(request))
+    gather: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*(s.collect() for s in streams)))
+    watch: asyncio.Future[Any] = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        done, _ = await asyncio.wait({gather, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([gather, watch], return_when=asyncio.FIRST_COMPLETED)
         if gather in done:
             if gather.exception() is not None:
                 for s in streams:

@@ -105,6 +105,7 @@ def serve_rolling(conn: WorkerConnection, handler: Any) -> None:
     step = 0
     while True:
         block = not handler.has_work()
+        aborted = False
         while True:
             try:
                 msg = conn.inbox.get(block=block, timeout=None)
@@ -119,7 +120,10 @@ def serve_rolling(conn: WorkerConnection, handler: Any) -> None:
             elif isinstance(msg, Abort):
                 for rid in msg.request_ids:
                     handler.abort(rid)
+                aborted = True
         if not handler.has_work():
+            if aborted:  # no step will follow: publish the freed blocks now
+                conn.send(Deltas(step=step, deltas=[], stats=handler.stats()))
             continue
         t0 = time.perf_counter()
         deltas = handler.step()
@@ -136,7 +140,8 @@ def _add(conn: WorkerConnection, handler: Any, d: dict[str, Any]) -> None:
         conn.send(Reject(request_id=inp.request_id, kind=exc.kind.value, message=exc.message))
     except Exception as exc:  # noqa: BLE001
         log.exception("add failed for %s", inp.request_id)
-        conn.send(Reject(request_id=inp.request_id, kind=ErrorKind.HANDLER.value, message=f"{type(exc).__name__}: {exc}"))
+        conn.send(Reject(request_id=inp.request_id, kind=ErrorKind.HANDLER.value,
+                         message=f"{type(exc).__name__}: {exc}"))
 
 
 def main(argv: list[str] | None = None) -> None:

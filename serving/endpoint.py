@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from serving.batching.dynamic import DynamicBatcher
@@ -29,7 +30,7 @@ class ModelEndpoint:
     """The unit frontends talk to. Event-loop only."""
 
     def __init__(self, config: ModelConfig, observer: BatchObserver | None = None,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, env: Mapping[str, str] | None = None) -> None:
         self.config = config
         self.name = config.name
         self.state = ModelState.PENDING
@@ -50,7 +51,7 @@ class ModelEndpoint:
         init = Init(model_name=self.name, model_dir=str(config.model_dir), entry_point=entry,
                     properties=config.handler_properties(), rolling=b.rolling)
         self.pool = WorkerPool(self.name, init, self.batcher, config.min_workers,
-                               config.model_loading_timeout_s, on_failed=self._failed)
+                               config.model_loading_timeout_s, on_failed=self._failed, env=env)
 
     @classmethod
     def failed(cls, name: str, reason: str) -> FailedEndpoint:

@@ -91,7 +91,7 @@ class ModelRegistry:
         except ConfigError as exc:
             log.error("model %s: invalid configuration: %s", name, exc)
             return FailedEndpoint(name, str(exc))
-        return ModelEndpoint(cfg, self._observer)
+        return ModelEndpoint(cfg, self._observer, env=self._env)
 
     async def register(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {},
                        wait: bool = True) -> AnyEndpoint:

@@ -103,6 +103,7 @@ def serve_dynamic(conn: WorkerConnection, handler: Any) -> None:
 
 def serve_rolling(conn: WorkerConnection, handler: Any) -> None:
     step = 0
+    active: set[str] = set()
     while True:
         block = not handler.has_work()
         aborted = False
@@ -116,39 +117,56 @@ def serve_rolling(conn: WorkerConnection, handler: Any) -> None:
                 return
             if isinstance(msg, Add):
                 for d in msg.requests:
-                    _add(conn, handler, d)
+                    if _add(conn, handler, d):
+                        active.add(d["request_id"])
             elif isinstance(msg, Abort):
                 for rid in msg.request_ids:
                     handler.abort(rid)
+                    active.discard(rid)
                 aborted = True
         if not handler.has_work():
             if aborted:  # no step will follow: publish the freed blocks now
                 conn.send(Deltas(step=step, deltas=[], stats=handler.stats()))
             continue
         t0 = time.perf_counter()
-        deltas = handler.step()
+        try:
+            deltas = handler.step()
+        except Exception as exc:  # noqa: BLE001 - fail the running requests, keep the worker
+            log.exception("engine step failed; failing %d requests", len(active))
+            for rid in sorted(active):
+                handler.abort(rid)
+                conn.send(Reject(request_id=rid, kind=ErrorKind.HANDLER.value,
+                                 message=f"engine step failed: {type(exc).__name__}: {exc}"))
+            active.clear()
+            continue
         step += 1
+        for d in deltas:
+            if d.finish_reason is not None:
+                active.discard(d.request_id)
         conn.send(Deltas(step=step, deltas=[d.to_wire() for d in deltas], stats=handler.stats(),
                          step_s=time.perf_counter() - t0))
 
 
-def _add(conn: WorkerConnection, handler: Any, d: dict[str, Any]) -> None:
+def _add(conn: WorkerConnection, handler: Any, d: dict[str, Any]) -> bool:
+    """Queue one request in the engine; a refused one is answered with Reject. True if accepted."""
     inp = to_input(d)
     try:
         handler.add(inp)
+        return True
     except ServingError as exc:
         conn.send(Reject(request_id=inp.request_id, kind=exc.kind.value, message=exc.message))
     except Exception as exc:  # noqa: BLE001
         log.exception("add failed for %s", inp.request_id)
         conn.send(Reject(request_id=inp.request_id, kind=ErrorKind.HANDLER.value,
                          message=f"{type(exc).__name__}: {exc}"))
+    return False
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("ROLLSERVE_WORKER_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s worker[%(process)d] %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     conn = WorkerConnection(args.socket)
@@ -166,6 +184,13 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the frontend, which marks the model FAILED
         log.exception("model %s failed to load", init.model_name)
         conn.send(LoadFailed(reason=f"{type(exc).__name__}: {exc}"))
+        return
+    from handlers.base import RollingHandler
+
+    if init.rolling != isinstance(handler, RollingHandler):
+        want = "a rolling-batch handler" if init.rolling else "a dynamic-batching handler"
+        conn.send(LoadFailed(reason=f"entry point {init.entry_point!r} is not {want} "
+                                    "(check option.rolling_batch and option.entryPoint)"))
         return
     conn.send(Ready(pid=os.getpid(), info=handler.describe()))
     if init.rolling:

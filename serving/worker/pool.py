@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -29,9 +29,13 @@ class WorkerPool:
     """Owns the worker processes of one model. Event-loop only."""
 
     def __init__(self, model: str, init: Init, batcher: Batcher, num_workers: int, loading_timeout_s: float,
-                 on_failed: Callable[[str], None], max_load_attempts: int = 3) -> None:
+                 on_failed: Callable[[str], None], max_load_attempts: int = 3,
+                 env: Mapping[str, str] | None = None) -> None:
         self.model = model
         self._init = init
+        # Workers inherit the server's environment, with hub progress bars off and never a network fetch.
+        self._env = {**(env or {}), "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1",
+                     "TOKENIZERS_PARALLELISM": "false"}
         self._batcher = batcher
         self.target = max(1, num_workers)
         self._loading_timeout_s = loading_timeout_s
@@ -57,7 +61,7 @@ class WorkerPool:
     async def _start_one(self) -> bool:
         while not self._stopping:
             wid = next(self._ids)
-            handle = WorkerHandle(wid, replace(self._init, worker_id=wid))
+            handle = WorkerHandle(wid, replace(self._init, worker_id=wid), self._env)
             self._starting += 1
             try:
                 await handle.start(self, self._loading_timeout_s)

@@ -37,6 +37,7 @@ class ModelEndpoint:
         self.reason: str | None = None
         self._observer = observer or NullObserver()
         self.load_time_s: float | None = None
+        self._autoscaler: asyncio.Task[None] | None = None
         b = config.batching
         self.batcher: DynamicBatcher | RollingBatcher
         if b.rolling:
@@ -75,6 +76,29 @@ class ModelEndpoint:
             self.load_time_s = time.monotonic() - t0
             log.info("model %s ready in %.1fs (%s batching)", self.name, self.load_time_s,
                      "rolling" if self.rolling else "dynamic")
+            if self.config.max_workers > self.pool.target:
+                self._autoscaler = asyncio.create_task(self._autoscale())
+
+    async def _autoscale(self, interval_s: float = 0.5) -> None:
+        """DJL-style elasticity between minWorkers and maxWorkers: add a worker while requests keep
+        queueing for two checks in a row; retire one after ``max_idle_time`` with nothing pending."""
+        c = self.config
+        busy_checks = 0
+        idle_since = time.monotonic()
+        while self.state is ModelState.READY:
+            await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            busy_checks = busy_checks + 1 if self.batcher.num_queued() > 0 else 0
+            if self.batcher.num_pending():
+                idle_since = now
+            if busy_checks >= 2 and self.pool.target < c.max_workers:
+                busy_checks = 0
+                log.info("model %s: scaling up to %d workers (requests queueing)", self.name, self.pool.target + 1)
+                await self.pool.scale(self.pool.target + 1)
+            elif self.pool.target > max(1, c.min_workers) and now - idle_since >= c.max_idle_time_s:
+                idle_since = now
+                log.info("model %s: scaling down to %d workers (idle)", self.name, self.pool.target - 1)
+                await self.pool.scale(self.pool.target - 1)
 
     def _failed(self, reason: str) -> None:
         self.state = ModelState.FAILED
@@ -102,6 +126,8 @@ class ModelEndpoint:
         await self.stop()
 
     async def stop(self) -> None:
+        if self._autoscaler is not None:
+            self._autoscaler.cancel()
         await self.pool.stop()
         await self.batcher.close()
         self.state = ModelState.UNLOADED

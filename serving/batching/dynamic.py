@@ -84,6 +84,10 @@ class DynamicBatcher:
     def num_pending(self) -> int:
         return len(self._queue) + sum(len(b) for _, b, _ in self._inflight.values())
 
+    def num_queued(self) -> int:
+        """Requests waiting for a worker (not yet in a batch)."""
+        return len(self._queue)
+
     def describe(self) -> dict[str, Any]:
         return {"mode": "dynamic", "queued": len(self._queue), "in_flight_batches": len(self._inflight),
                 "idle_workers": len(self._idle), "batches_total": self.num_batches}

@@ -107,6 +107,10 @@ class RollingBatcher:
     def num_pending(self) -> int:
         return len(self._waiting) + len(self._running)
 
+    def num_queued(self) -> int:
+        """Requests waiting for a free slot in some worker's running batch."""
+        return len(self._waiting)
+
     def describe(self) -> dict[str, Any]:
         return {"mode": "rolling", "waiting": len(self._waiting), "running": len(self._running),
                 "max_rolling_batch_size": self.max_rolling_batch_size, "steps_total": self.num_steps,

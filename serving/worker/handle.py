@@ -116,7 +116,10 @@ class WorkerHandle:
                     break
                 for msg in decoder.feed(data):
                     assert self._listener is not None
-                    self._listener.on_worker_message(self, msg)
+                    try:
+                        self._listener.on_worker_message(self, msg)
+                    except Exception:  # a frontend bug must not cost the worker and its other requests
+                        log.exception("worker %s: failed to process a %s frame", self.pid, type(msg).__name__)
         except (ConnectionError, ProtocolError) as exc:
             log.warning("worker %s channel broke: %s", self.pid, exc)
         finally:

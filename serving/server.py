@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from serving.config import ServerConfig
 from serving.frontends.apps import build_app
+from serving.frontends.grpc import GrpcFrontend
 from serving.frontends.httpio import HttpContext, ServerState
 from serving.frontends.lmi import LmiRoutes
 from serving.frontends.management import ManagementRoutes
+from serving.metrics import ServingMetrics
 from serving.params import Limits
 from serving.registry import ModelRegistry
 
@@ -62,9 +65,8 @@ class Server:
         self.extra_models = dict(extra_models)
         self.ports_file = ports_file
         self.state = ServerState(started_at=time.time())
-        self.metrics: Any = _build_metrics()
-        observer = self.metrics
-        self.registry = ModelRegistry(config, env, observer)
+        self.metrics = ServingMetrics(CollectorRegistry(), models=lambda: self.registry.endpoints)
+        self.registry = ModelRegistry(config, env, self.metrics)
         self.limits = Limits()
         self.http = HttpContext(registry=self.registry, state=self.state, limits=self.limits,
                                 max_request_size=config.max_request_size, metrics=self.metrics)
@@ -83,8 +85,8 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
-        metrics_route = self.metrics.route if self.metrics is not None else None
-        inference = build_app(self._inference_routes())
+        metrics_route = self.metrics.route
+        inference = self.metrics.instrument(build_app(self._inference_routes()))
         management = build_app(ManagementRoutes(self.http, self.registry, self.config.drain_timeout_s,
                                                 metrics_route).routes() + LmiRoutes(self.http).routes()[:1])
         host, port = self.config.inference_host_port()
@@ -93,7 +95,7 @@ class Server:
         listeners = [("inference", inference, host, port),
                      ("management", management, *self.config.management_host_port())]
         mhp = self.config.metrics_host_port()
-        if mhp is not None and metrics_route is not None:
+        if mhp is not None:
             from starlette.routing import Route
             listeners.append(("metrics", build_app([Route("/metrics", metrics_route)]), *mhp))
         serve_tasks = []
@@ -136,11 +138,7 @@ class Server:
         hp = self.config.grpc_host_port()
         if hp is None:
             return
-        try:
-            from serving.frontends.grpc import GrpcFrontend
-        except ImportError:
-            return
-        self.grpc = GrpcFrontend(self.http, self.registry)
+        self.grpc = GrpcFrontend(self.http, self.registry, self.config.drain_timeout_s)
         self.ports["grpc"] = await self.grpc.start(*hp)
         log.info("gRPC API listening on %s:%d", hp[0], self.ports["grpc"])
 
@@ -149,14 +147,6 @@ class Server:
             tmp = self.ports_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.ports))
             tmp.replace(self.ports_file)
-
-
-def _build_metrics() -> Any:
-    try:
-        from serving.metrics import ServingMetrics
-    except ImportError:
-        return None
-    return ServingMetrics()
 
 
 def _optional_route_modules() -> list[Any]:

@@ -67,7 +67,7 @@ class DynamicBatcher:
             self._observer.on_rejected(self.model, "queue_full")
             raise Overloaded(f"model {self.model!r} queue is full ({self.job_queue_size} requests waiting)",
                              retry_after_s=1)
-        stream = ResultStream(request.request_id, self._clock, on_cancel=self.cancel)
+        stream = ResultStream(request.request_id, self._clock, on_cancel=self.cancel, on_finish=self._finished)
         self._queue.append(_Pending(request, stream))
         self._changed.set()
         return stream
@@ -80,6 +80,9 @@ class DynamicBatcher:
                 p.stream.cancel()
                 return True
         return any(p.request.request_id == request_id for _, b, _ in self._inflight.values() for p in b)
+
+    def _finished(self, stream: ResultStream) -> None:
+        self._observer.on_finished(self.model, stream)  # once per stream: success, error or cancel
 
     def num_pending(self) -> int:
         return len(self._queue) + sum(len(b) for _, b, _ in self._inflight.values())
@@ -132,7 +135,6 @@ class DynamicBatcher:
                 p.stream.fail(ServingError("the handler returned no output for this request"))
             else:
                 _deliver(p.stream, out)
-            self._observer.on_finished(self.model, p.stream)
         if worker.alive:
             self._idle.append(worker)
         self._changed.set()

@@ -64,7 +64,8 @@ class RollingBatcher:
             self._observer.on_rejected(self.model, "queue_full")
             raise Overloaded(f"model {self.model!r} queue is full ({self.job_queue_size} requests waiting)",
                              retry_after_s=1)
-        stream = ResultStream(request.request_id, self._clock, on_cancel=self.cancel)
+        stream = ResultStream(request.request_id, self._clock, on_cancel=self.cancel,
+                              on_finish=lambda st: self._observer.on_finished(self.model, st))
         entry = _Admitted(request, stream)
         timeout = self.predict_timeout_s
         if request.deadline is not None:
@@ -100,8 +101,7 @@ class RollingBatcher:
         entry.timer = None
         err = RequestTimeout(f"request exceeded its deadline ({self.predict_timeout_s:g}s predict timeout "
                              "or the client's deadline)")
-        self._observer.on_rejected(self.model, "timeout")
-        entry.stream.fail(err)
+        entry.stream.fail(err)  # the observer counts it as rejected (timeout) when the stream ends
         self.cancel(request_id)  # dequeue or abort: the engine frees its KV blocks before the next step
 
     def num_pending(self) -> int:
@@ -173,7 +173,6 @@ class RollingBatcher:
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
-        self._observer.on_finished(self.model, entry.stream)
 
     def _release(self, entry: _Admitted) -> None:
         if entry.worker is not None and entry.worker.worker_id in self._load:

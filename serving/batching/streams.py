@@ -8,12 +8,15 @@ records the request's timings on the frontend's monotonic clock. Runs on the eve
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from serving.errors import Cancelled, ServingError
 from serving.types import FinishReason, GenerationResult, RequestTimings, TokenDelta, TokenInfo
+
+log = logging.getLogger(__name__)
 
 _END = object()
 
@@ -22,15 +25,20 @@ class ResultStream:
     """Deltas of one request, in order; ends after the delta carrying ``finish_reason`` or an error."""
 
     def __init__(self, request_id: str, clock: Callable[[], float] = time.monotonic,
-                 on_cancel: Callable[[str], object] | None = None) -> None:
+                 on_cancel: Callable[[str], object] | None = None,
+                 on_finish: Callable[[ResultStream], None] | None = None) -> None:
+        """``on_finish`` is called once when the stream ends (success, error or cancel): metrics."""
         self.request_id = request_id
         self._clock = clock
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._on_cancel = on_cancel
+        self._on_finish = on_finish
         self.arrival = clock()
         self.dispatched: float | None = None
         self.first_token: float | None = None
         self.finished: float | None = None
+        self.last_token: float | None = None
+        self.token_gaps_s: list[float] = []  # gap before each token-bearing delta after the first (ITL)
         self.prompt_tokens = 0
         self.num_tokens = 0
         self.finish_reason: FinishReason | None = None
@@ -60,8 +68,12 @@ class ResultStream:
         self.mark_dispatched()
         if delta.prompt_tokens is not None:
             self.prompt_tokens = delta.prompt_tokens
-        if delta.tokens and self.first_token is None:
-            self.first_token = now
+        if delta.tokens:
+            if self.first_token is None:
+                self.first_token = now
+            if self.last_token is not None:
+                self.token_gaps_s.append(now - self.last_token)
+            self.last_token = now
         self.num_tokens += len(delta.tokens)
         self._queue.put_nowait(delta)
         if delta.finish_reason is not None:
@@ -84,6 +96,11 @@ class ResultStream:
         if self.first_token is None:
             self.first_token = now
         self._queue.put_nowait(_END)
+        if self._on_finish is not None:
+            try:
+                self._on_finish(self)
+            except Exception:  # an observer bug must never break the request
+                log.exception("request %s: finish observer failed", self.request_id)
 
     # --- consumer side (frontends) ---
     def cancel(self) -> None:

@@ -139,6 +139,7 @@ class LmiRoutes:
             if self.ctx.state.draining:
                 raise Unavailable("server is shutting down", retry_after_s=5)
             ep = self.ctx.registry.get(model_name) if model_name else self.ctx.registry.only()
+            request.state.model = ep.name  # the metrics label (serving.metrics.MODEL_STATE_KEY)
             body = await read_json(request, self.ctx.max_request_size)
             chat = self.ctx.state.extra.get("chat_handler")
             if isinstance(body, dict) and "messages" in body and chat is not None:

@@ -53,6 +53,11 @@ class WorkerPool:
         self._tasks: set[asyncio.Task[None]] = set()
         self.info: dict[str, Any] = {}
 
+    @property
+    def num_starting(self) -> int:
+        """Workers being spawned or loading right now."""
+        return self._starting
+
     async def start(self) -> bool:
         """Start ``target`` workers; returns True once at least one is ready (False if loading failed)."""
         results = await asyncio.gather(*(self._start_one() for _ in range(self.target)))

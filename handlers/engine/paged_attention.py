@@ -19,13 +19,16 @@ STEP_KWARG = "rollserve_step"
 
 
 class KVPool:
-    """Preallocated KV memory: per layer one key and one value tensor of shape [num_slots, Hkv, D]."""
+    """Preallocated KV memory: per layer one key and one value tensor of shape [Hkv, num_slots, D].
+
+    Head-major so that a contiguous slot range is, per head, one contiguous run of rows: the CPU flash
+    attention kernel reads such a view as fast as a contiguous tensor."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32) -> None:
         self.num_slots = num_slots
-        self.keys = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -70,26 +73,26 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layer = module.layer_idx  # type: ignore[attr-defined]
     k_cache = meta.pool.keys[layer]
     v_cache = meta.pool.values[layer]
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))  # [T, Hkv, D]
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
-    q_all = query[0]  # [H, T, D]
-    gqa = q_all.shape[0] != k_cache.shape[1]
+    k_cache.index_copy_(1, meta.slot_mapping, key[0])  # key[0]: [Hkv, T, D]
+    v_cache.index_copy_(1, meta.slot_mapping, value[0])
+    gqa = query.shape[1] != k_cache.shape[0]
     if len(meta.seqs) == 1:
-        return _attend(q_all, k_cache, v_cache, meta.seqs[0], scaling, gqa).transpose(0, 1).unsqueeze(0), None
-    out = torch.empty(q_all.shape[1], q_all.shape[0], q_all.shape[2], dtype=query.dtype)  # [T, H, D]
+        return _attend(query, k_cache, v_cache, meta.seqs[0], scaling, gqa).transpose(1, 2), None
+    out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)  # [1, T, H, D]
     for s in meta.seqs:
-        out[s.q_start:s.q_end] = _attend(q_all[:, s.q_start:s.q_end], k_cache, v_cache, s, scaling, gqa).transpose(0, 1)
-    return out.unsqueeze(0), None
+        out[:, s.q_start:s.q_end] = _attend(query[:, :, s.q_start:s.q_end], k_cache, v_cache, s, scaling, gqa).transpose(1, 2)
+    return out, None
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: SeqAttention,
             scaling: float | None, gqa: bool) -> torch.Tensor:
-    """Causal attention of one sequence's queries [H, q, D] against its KV; returns [H, q, D]."""
+    """Causal attention of one sequence's queries [1, H, q, D] against its KV; returns [1, H, q, D].
+    (4-D inputs, so SDPA takes the CPU flash kernel.)"""
     if s.kv_index is None:
-        k = k_cache[s.kv_slot_start:s.kv_slot_start + s.kv_len].transpose(0, 1)  # [Hkv, L, D], a view
-        v = v_cache[s.kv_slot_start:s.kv_slot_start + s.kv_len].transpose(0, 1)
+        k = k_cache[:, s.kv_slot_start:s.kv_slot_start + s.kv_len].unsqueeze(0)  # [1, Hkv, L, D], a view
+        v = v_cache[:, s.kv_slot_start:s.kv_slot_start + s.kv_len].unsqueeze(0)
     else:
-        k = k_cache.index_select(0, s.kv_index).transpose(0, 1)
-        v = v_cache.index_select(0, s.kv_index).transpose(0, 1)
+        k = k_cache.index_select(1, s.kv_index).unsqueeze(0)
+        v = v_cache.index_select(1, s.kv_index).unsqueeze(0)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, is_causal=s.causal, scale=scaling,
                                           enable_gqa=gqa)

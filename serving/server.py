@@ -27,8 +27,10 @@ from serving.config import ServerConfig
 from serving.frontends.apps import build_app
 from serving.frontends.grpc import GrpcFrontend
 from serving.frontends.httpio import HttpContext, ServerState
+from serving.frontends import openapi, tgi
 from serving.frontends.lmi import LmiRoutes
 from serving.frontends.management import ManagementRoutes
+from serving.frontends.openai import OpenAIRoutes
 from serving.metrics import ServingMetrics
 from serving.params import Limits
 from serving.registry import ModelRegistry
@@ -76,10 +78,10 @@ class Server:
         self.grpc: Any = None
 
     def _inference_routes(self) -> list[Any]:
-        routes = LmiRoutes(self.http).routes()
-        for module in _optional_route_modules():
-            routes.extend(module(self.http))
-        return routes
+        openai_routes = OpenAIRoutes(self.http)
+        self.state.extra["chat_handler"] = openai_routes.chat_for_lmi  # LMI bodies with `messages`
+        return [*LmiRoutes(self.http).routes(), *openai_routes.routes(), *tgi.routes(self.http),
+                openapi.route(openapi.inference_document(self.limits))]
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -88,7 +90,8 @@ class Server:
         metrics_route = self.metrics.route
         inference = self.metrics.instrument(build_app(self._inference_routes()))
         management = build_app(ManagementRoutes(self.http, self.registry, self.config.drain_timeout_s,
-                                                metrics_route).routes() + LmiRoutes(self.http).routes()[:1])
+                                                metrics_route).routes() + LmiRoutes(self.http).routes()[:1]
+                               + [openapi.route(openapi.management_document(self.limits))])
         host, port = self.config.inference_host_port()
         if self.config.sagemaker_port is not None:
             port = self.config.sagemaker_port
@@ -147,15 +150,3 @@ class Server:
             tmp = self.ports_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.ports))
             tmp.replace(self.ports_file)
-
-
-def _optional_route_modules() -> list[Any]:
-    """Route modules added by later frontends (OpenAI, TGI), each ``routes(ctx) -> list[Route]``."""
-    modules = []
-    for name in ("serving.frontends.openai", "serving.frontends.tgi"):
-        try:
-            mod = __import__(name, fromlist=["routes"])
-        except ImportError:
-            continue
-        modules.append(mod.routes)
-    return modules

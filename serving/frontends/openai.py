@@ -1,0 +1,287 @@
+"""OpenAI-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
+
+Design note: a thin translation. ``openai_schema`` turns the body into one ``GenerationRequest`` per
+choice; answers are built here in OpenAI's shapes (checked in tests against the ``openai`` package's
+pydantic types). ``stream: true`` gives SSE chunks ending in ``data: [DONE]``; the last chunk of each
+choice also carries ``timings`` (rollserve's per-request timings), whole answers carry them as
+``X-*`` headers. Streaming needs a rolling-batch model: a dynamic-batching model answers ``stream`` with
+a 400 naming ``option.rolling_batch`` (the same decision as the LMI routes). A client that disconnects
+cancels every choice of its request. Errors use the server-wide ``{"error", "error_type", "request_id"}``
+shape (the ``openai`` SDK raises its status-specific exceptions from the status code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from serving.batching.streams import ResultStream
+from serving.errors import InvalidRequest, ServingError, Unavailable
+from serving.frontends.httpio import (REQUEST_ID_HEADER, HttpContext, collect_or_cancel, error_response,
+                                      read_json, request_id, timing_headers, timings_json)
+from serving.frontends.openai_schema import ParsedRequest, parse_chat, parse_completion
+from serving.frontends.prompts import ModelText, ModelTexts
+from serving.types import GenerationResult, TokenDelta, TokenInfo
+
+
+def routes(ctx: HttpContext) -> list[Route]:
+    """The OpenAI routes bound to ``ctx`` (called once by the composition root)."""
+    return OpenAIRoutes(ctx).routes()
+
+
+def _strict(ep: Any) -> bool:
+    config = getattr(ep, "config", None)
+    value = str(config.options.get("strict_parameters", "true")) if config is not None else "true"
+    return value.lower() != "false"
+
+
+def require_streaming(ep: Any) -> None:
+    """Streaming needs a rolling-batch model (documented decision; DJL rejects the same way)."""
+    if not ep.rolling:
+        raise InvalidRequest("'stream' needs a rolling-batch model (set option.rolling_batch=auto); "
+                             f"model {ep.name!r} uses dynamic batching")
+
+
+class OpenAIRoutes:
+    """The OpenAI routes; also serves LMI's ``/invocations`` bodies that carry ``messages``."""
+
+    def __init__(self, ctx: HttpContext) -> None:
+        self.ctx = ctx
+        self.texts = ModelTexts()
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"])]
+
+    async def models(self, request: Request) -> Response:
+        rid = request_id(request)
+        created = int(self.ctx.state.started_at)
+        data = []
+        for name, ep in sorted(self.ctx.registry.endpoints.items()):
+            entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "rollserve",
+                                     "status": ep.state.value}
+            max_len = (getattr(ep, "info", None) or {}).get("max_model_len")
+            if isinstance(max_len, int):
+                entry["max_model_len"] = max_len
+            data.append(entry)
+        return JSONResponse({"object": "list", "data": data}, headers={REQUEST_ID_HEADER: rid})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    async def chat_for_lmi(self, request: Request, body: Any, ep: Any, rid: str) -> Response:
+        """LMI's ``/invocations`` with a ``messages`` body: an OpenAI chat request on ``ep``."""
+        try:
+            return await self._run(request, body, ep, rid, chat=True)
+        except ServingError as exc:
+            return error_response(exc, rid)
+
+    async def _serve(self, request: Request, chat: bool) -> Response:
+        rid = request_id(request)
+        try:
+            if self.ctx.state.draining:
+                raise Unavailable("server is shutting down", retry_after_s=5)
+            body = await read_json(request, self.ctx.max_request_size)
+            model = body.get("model") if isinstance(body, dict) else None
+            if model is not None and not isinstance(model, str):
+                raise InvalidRequest(f"'model' must be a string, got {type(model).__name__}")
+            ep = self.ctx.registry.get(model) if model else self.ctx.registry.only()
+            request.state.model = ep.name  # the metrics label
+            return await self._run(request, body, ep, rid, chat)
+        except ServingError as exc:
+            return error_response(exc, rid)
+
+    async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool) -> Response:
+        text = self.texts.get(ep)
+        parse = parse_chat if chat else parse_completion
+        parsed = parse(body, ep.name, text, rid, self.ctx.limits, _strict(ep))
+        if parsed.stream:
+            require_streaming(ep)
+        streams = _submit(ep, parsed)
+        kind = "chat.completion" if chat else "text_completion"
+        answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{rid}", kind, ep.name, parsed, text)
+        if parsed.stream:
+            return StreamingResponse(answer.events(streams), media_type="text/event-stream",
+                                     headers={REQUEST_ID_HEADER: rid, "Cache-Control": "no-cache"})
+        try:
+            results = await collect_or_cancel(request, streams)
+        except ConnectionAbortedError:
+            return Response(status_code=499)
+        headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings)}
+        return JSONResponse(answer.whole(results), headers=headers)
+
+
+def _submit(ep: Any, parsed: ParsedRequest) -> list[ResultStream]:
+    streams: list[ResultStream] = []
+    try:
+        for choice in parsed.choices:
+            streams.append(ep.submit(choice.request))
+    except ServingError:
+        for s in streams:
+            s.cancel()
+        raise
+    return streams
+
+
+class Answer:
+    """Builds the OpenAI answer (whole or streamed chunks) of one parsed request."""
+
+    def __init__(self, answer_id: str, kind: str, model: str, parsed: ParsedRequest, text: ModelText) -> None:
+        self.id = answer_id
+        self.kind = kind
+        self.chat = kind == "chat.completion"
+        self.model = model
+        self.parsed = parsed
+        self.text = text
+        self.created = int(time.time())
+
+    # --- whole answers ---
+    def whole(self, results: list[GenerationResult]) -> dict[str, Any]:
+        choices = []
+        for choice, result in zip(self.parsed.choices, results):
+            body = result.text
+            if self.parsed.echo:
+                body = choice.prompt_text + body
+            entry: dict[str, Any] = {"index": choice.index, "logprobs": self._logprobs(list(result.tokens)),
+                                     "finish_reason": result.finish_reason.openai}
+            if self.chat:
+                entry["message"] = {"role": "assistant", "content": body}
+            else:
+                entry["text"] = body
+            choices.append(entry)
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage(results)}
+
+    def _usage(self, results: list[Any]) -> dict[str, int]:
+        prompt: dict[int, int] = {}
+        completion = 0
+        for choice, r in zip(self.parsed.choices, results):
+            prompt[choice.prompt_index] = r.prompt_tokens
+            completion += r.generated_tokens if isinstance(r, GenerationResult) else r.num_tokens
+        total_prompt = sum(prompt.values())
+        return {"prompt_tokens": total_prompt, "completion_tokens": completion,
+                "total_tokens": total_prompt + completion}
+
+    def _logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any] | None:
+        if self.parsed.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [self._chat_token(t) for t in tokens]}
+        return self._completion_logprobs(tokens, 0)
+
+    def _chat_token(self, t: TokenInfo) -> dict[str, Any]:
+        def one(text: str, lp: float | None) -> dict[str, Any]:
+            return {"token": text, "logprob": lp if lp is not None else 0.0, "bytes": list(text.encode("utf-8"))}
+        entry = one(t.text, t.logprob)
+        entry["top_logprobs"] = [one(self.text.token_text(i), lp) for i, lp in t.top_logprobs]
+        return entry
+
+    def _completion_logprobs(self, tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t.text)
+        return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{self.text.token_text(i): lp for i, lp in t.top_logprobs} for t in tokens],
+                "text_offset": offsets}
+
+    # --- streamed answers ---
+    async def events(self, streams: list[ResultStream]) -> AsyncIterator[str]:
+        """SSE frames: a first role chunk per choice (chat), content chunks, the finish chunk with
+        ``timings``, the usage chunk when asked, ``[DONE]``. An error ends the stream with an error event."""
+        choices = self.parsed.choices
+        offsets = [0] * len(choices)
+        try:
+            if self.chat:
+                for c in choices:
+                    yield self._frame([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}])
+            elif self.parsed.echo:
+                for c in choices:
+                    yield self._frame([self._completion_choice(c.index, c.prompt_text, [], None, 0)])
+            async for k, delta in _merge(streams):
+                frame = self._delta_frame(k, delta, streams[k], offsets)
+                if frame is not None:
+                    yield frame
+            if self.parsed.include_usage:
+                yield self._frame([], usage=self._usage(streams))
+            yield "data: [DONE]\n\n"
+        except ServingError as exc:
+            err = {"error": exc.message, "error_type": exc.kind.value, "request_id": streams[0].request_id}
+            yield f"data: {json.dumps(err)}\n\n"
+        finally:
+            for s in streams:
+                if not s.done:
+                    s.cancel()
+
+    def _delta_frame(self, k: int, delta: TokenDelta, stream: ResultStream, offsets: list[int]) -> str | None:
+        index = self.parsed.choices[k].index
+        finish = delta.finish_reason.openai if delta.finish_reason is not None else None
+        if not delta.text and finish is None and (self.parsed.logprobs is None or not delta.tokens):
+            return None
+        tokens = list(delta.tokens)
+        if self.chat:
+            lp = {"content": [self._chat_token(t) for t in tokens]} if self.parsed.logprobs is not None else None
+            choice = {"index": index, "delta": {"content": delta.text} if delta.text or finish is None else {},
+                      "logprobs": lp, "finish_reason": finish}
+        else:
+            choice = self._completion_choice(index, delta.text, tokens, finish, offsets[k])
+        offsets[k] += len(delta.text)
+        extra = {"timings": timings_json(stream.timings())} if finish is not None else {}
+        return self._frame([choice], **extra)
+
+    def _completion_choice(self, index: int, text: str, tokens: list[TokenInfo], finish: str | None,
+                           offset: int) -> dict[str, Any]:
+        lp = self._completion_logprobs(tokens, offset) if self.parsed.logprobs is not None else None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def _frame(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        obj = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+               **extra}
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _merge(streams: list[ResultStream]) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """Deltas of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, TokenDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(k: int, stream: ResultStream) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((k, delta))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the consumer side
+            queue.put_nowait((k, exc))
+            return
+        queue.put_nowait((k, None))
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            k, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+

@@ -1,0 +1,202 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 description of every inference and management route.
+
+Design note: written by hand from the route modules' contracts (the routes are plain Starlette handlers
+with no schema of their own); a test checks that every mounted route appears here and a bounded
+schemathesis run fuzzes it. Every operation lists its error responses, all with the server-wide error
+body ``{"error", "error_type", "request_id"}``. Limits in the schemas come from the ``Limits`` in use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from serving.params import Limits
+
+ERRORS = {
+    "400": "invalid request (bad JSON, wrong types, unknown fields, prompt too long, streaming on a "
+           "dynamic-batching model)",
+    "404": "unknown model or route", "413": "body larger than max_request_size (decided from Content-Length)",
+    "422": "validation error (TGI routes)", "424": "the model's handler failed for this request",
+    "429": "queue full (TGI routes)", "499": "the client disconnected before the answer",
+    "500": "internal error", "502": "the worker serving the request died", "503": "queue full, model not "
+    "ready or server draining (Retry-After)", "504": "the request exceeded its predict timeout",
+}
+_INFERENCE_ERRORS = ("400", "404", "413", "424", "499", "500", "502", "503", "504")
+_TGI_ERRORS = ("404", "413", "422", "424", "429", "499", "500", "502", "503", "504")
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _responses(ok: dict[str, Any], codes: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {"200": ok}
+    for code in codes:
+        out[code] = {"description": ERRORS[code], "content": {"application/json": {"schema": _ref("Error")}}}
+    return out
+
+
+def _json_ok(description: str, schema: dict[str, Any], stream: bool = False) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": schema}}
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+        content["application/jsonlines"] = {"schema": {"type": "string"}}
+    return {"description": description, "content": content}
+
+
+def _post(summary: str, body: str, ok: dict[str, Any], codes: tuple[str, ...] = _INFERENCE_ERRORS,
+          params: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "requestBody": {
+        "required": True, "content": {"application/json": {"schema": _ref(body)}}},
+        "responses": _responses(ok, codes)}
+    if params:
+        op["parameters"] = params
+    return {"post": op}
+
+
+def _path_param(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema}
+
+
+def _schemas(limits: Limits) -> dict[str, Any]:
+    num = {"type": "number"}
+    max_tokens = {"type": "integer", "minimum": 1, "maximum": limits.max_new_tokens}
+    stop = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
+                                            "maxItems": limits.max_stop_sequences}]}
+    sampling = {"temperature": {**num, "minimum": 0, "maximum": 2}, "top_p": {**num, "exclusiveMinimum": 0,
+                "maximum": 1}, "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n},
+                "stop": stop, "seed": {"type": "integer", "minimum": 0}, "stream": {"type": "boolean"},
+                "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+                "max_tokens": max_tokens, "user": {"type": "string"},
+                "ignore_eos": {"type": "boolean"}, "top_k": {"type": "integer", "minimum": -1},
+                "repetition_penalty": {**num, "exclusiveMinimum": 0, "maximum": 100},
+                "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                "model": {"type": "string"}}
+    lmi_params = {"type": "object", "properties": {
+        "max_new_tokens": max_tokens, "do_sample": {"type": "boolean"}, "temperature": {**num, "minimum": 0},
+        "top_k": {"type": "integer", "minimum": 0}, "top_p": {**num, "exclusiveMinimum": 0, "maximum": 1},
+        "repetition_penalty": {**num, "exclusiveMinimum": 0}, "seed": {"type": "integer", "minimum": 0},
+        "stop": {"type": "array", "items": {"type": "string"}}, "stop_sequences": {"type": "array", "items":
+        {"type": "string"}}, "ignore_eos": {"type": "boolean"}, "details": {"type": "boolean"},
+        "return_full_text": {"type": "boolean"}, "decoder_input_details": {"type": "boolean"},
+        "top_n_tokens": {"type": "integer", "minimum": 0, "maximum": limits.max_logprobs},
+        "truncate": {"type": "integer", "minimum": 1}}, "additionalProperties": False}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]}, "content": {"type": "string"}}}
+    usage = {"type": "object", "properties": {k: {"type": "integer"} for k in
+                                              ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    return {
+        "Error": {"type": "object", "required": ["error", "error_type", "request_id"], "properties": {
+            "error": {"type": "string"}, "error_type": {"type": "string"}, "request_id": {"type": "string"}}},
+        "LmiRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string"}}]},
+            "parameters": lmi_params, "stream": {"type": "boolean"}}},
+        "LmiAnswer": {"type": "object", "properties": {"generated_text": {"type": "string"},
+                                                       "details": {"type": "object"}}},
+        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
+            **sampling, "prompt": {"oneOf": [{"type": "string", "minLength": 1},
+                                             {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                                             {"type": "array", "items": {"type": "integer", "minimum": 0},
+                                              "minItems": 1}]},
+            "logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_logprobs},
+            "echo": {"type": "boolean"}}},
+        "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
+            **sampling, "messages": {"type": "array", "items": message, "minItems": 1},
+            "max_completion_tokens": max_tokens, "logprobs": {"type": "boolean"},
+            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_logprobs}}},
+        "Completion": {"type": "object", "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                                                        "choices": {"type": "array"}, "usage": usage}},
+        "ModelList": {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array"}}},
+        "TgiRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": {"type": "string", "minLength": 1}, "parameters": lmi_params, "stream": {"type": "boolean"}}},
+        "TgiAnswer": {"type": "object", "properties": {"generated_text": {"type": "string"},
+                                                       "details": {"type": "object"}}},
+    }
+
+
+def inference_document(limits: Limits) -> dict[str, Any]:
+    """The inference API: LMI/SageMaker, OpenAI and TGI routes."""
+    model_q = [_query("model_name", {"type": "string"})]
+    lmi_ok = _json_ok("LMI answer (a list for a list input); a jsonlines or SSE token stream with stream=true",
+                      {"oneOf": [_ref("LmiAnswer"), {"type": "array", "items": _ref("LmiAnswer")}]}, stream=True)
+    openai_ok = _json_ok("the whole answer, or SSE chunks ending in `data: [DONE]` with stream=true",
+                         _ref("Completion"), stream=True)
+    tgi_ok = _json_ok("TGI answer", _ref("TgiAnswer"))
+    tgi_stream = _json_ok("TGI token events (SSE)", {"type": "string"}, stream=True)
+    ping = {"get": {"summary": "health: 200 when every model is READY", "responses": {
+        "200": {"description": "healthy", "content": {"application/json": {"schema": {"type": "object"}}}},
+        "503": {"description": "a model is not ready, or the server is draining",
+                "content": {"application/json": {"schema": {"type": "object"}}}}}}}
+    paths: dict[str, Any] = {
+        "/ping": ping,
+        "/predictions/{model_name}": {"post": {**_post("LMI generation on a named model", "LmiRequest", lmi_ok)
+                                               ["post"], "parameters": [_path_param("model_name")]}},
+        "/invocations": _post("SageMaker/LMI generation (a body with `messages` is an OpenAI chat request); "
+                              "X-Amzn-SageMaker-Custom-Attributes reaches the handler", "LmiRequest", lmi_ok,
+                              params=model_q),
+        "/v1/models": {"get": {"summary": "OpenAI model list", "responses": _responses(
+            _json_ok("models", _ref("ModelList")), ("500",))}},
+        "/v1/completions": _post("OpenAI completions", "CompletionRequest", openai_ok),
+        "/v1/chat/completions": _post("OpenAI chat completions (the model's chat template)", "ChatRequest",
+                                      openai_ok),
+        "/generate": _post("TGI generate", "TgiRequest", tgi_ok, _TGI_ERRORS, model_q),
+        "/generate_stream": _post("TGI generate_stream (SSE)", "TgiRequest", tgi_stream, _TGI_ERRORS, model_q),
+        "/": _post("TGI compat route: generate, or generate_stream with stream=true", "TgiRequest", tgi_ok,
+                   _TGI_ERRORS, model_q),
+        "/info": {"get": {"summary": "TGI model info", "parameters": model_q, "responses": _responses(
+            _json_ok("model info", {"type": "object"}), ("400", "404"))}},
+        "/openapi.json": {"get": {"summary": "this document", "responses": {
+            "200": {"description": "OpenAPI document", "content": {"application/json": {"schema": {"type":
+                                                                                             "object"}}}}}}},
+    }
+    return _document("rollserve inference API", paths, limits)
+
+
+def management_document(limits: Limits) -> dict[str, Any]:
+    """The management API (DJL/TorchServe shape)."""
+    mgmt = ("400", "404", "500", "503")
+    obj = _json_ok("ok", {"type": "object"})
+    ints = {"type": "integer", "minimum": 0}
+    paths: dict[str, Any] = {
+        "/models": {"get": {"summary": "list models", "responses": _responses(obj, ("500",))},
+                    "post": {"summary": "register a model folder of the model store", "parameters": [
+                        _query("url", {"type": "string"}), _query("model_name", {"type": "string"}),
+                        *[_query(k, ints) for k in ("batch_size", "max_batch_delay", "min_worker", "max_worker",
+                                                    "job_queue_size")],
+                        _query("synchronous", {"type": "string"})], "responses": _responses(obj, mgmt)}},
+        "/models/{name}": {"get": {"summary": "describe a model", "parameters": [_path_param("name")],
+                                   "responses": _responses(obj, mgmt)},
+                           "put": {"summary": "scale workers", "parameters": [
+                               _path_param("name"), _query("min_worker", ints), _query("max_worker", ints)],
+                               "responses": _responses(obj, mgmt)},
+                           "delete": {"summary": "unregister", "parameters": [_path_param("name")],
+                                      "responses": _responses(obj, mgmt)}},
+        "/requests/{request_id}": {"delete": {"summary": "cancel a queued or running request",
+                                              "parameters": [_path_param("request_id")],
+                                              "responses": _responses(obj, ("404", "500"))}},
+        "/ping": {"get": {"summary": "health", "responses": _responses(obj, ("503",))}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics",
+                     "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/openapi.json": {"get": {"summary": "this document", "responses": {"200": obj}}},
+    }
+    return _document("rollserve management API", paths, limits)
+
+
+def _document(title: str, paths: dict[str, Any], limits: Limits) -> dict[str, Any]:
+    return {"openapi": "3.1.0", "info": {"title": title, "version": "0.1.0"}, "paths": paths,
+            "components": {"schemas": _schemas(limits)}}
+
+
+def route(document: dict[str, Any]) -> Route:
+    """``GET /openapi.json`` serving ``document``."""
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(document)
+    return Route("/openapi.json", openapi, methods=["GET"])

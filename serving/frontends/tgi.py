@@ -1,0 +1,239 @@
+"""TGI routes: ``POST /generate``, ``POST /generate_stream``, ``POST /`` (TGI's compat route that the
+``text-generation`` client calls), ``GET /info``.
+
+Design note: a thin translation onto ``GenerationRequest``, sharing LMI's parameter checks. TGI clients
+expect TGI's status codes and error types, so this module has its own mapping table: validation errors
+are 422 ``"validation"``, a full queue is 429 ``"overloaded"``, model failures are ``"generation"``; the
+body keeps the server-wide ``{"error", "error_type", "request_id"}`` shape (which is TGI's own shape plus
+the request id). ``null`` parameters mean "default", as in TGI. Parameters TGI has but rollserve cannot
+honour (``grammar``, ``watermark``, ``typical_p``, ``best_of`` > 1, ``frequency_penalty``) are refused at
+any non-neutral value. Streaming needs a rolling-batch model (422 naming ``option.rolling_batch``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from serving.batching.streams import ResultStream
+from serving.errors import ErrorKind, InvalidRequest, ServingError, Unavailable
+from serving.frontends.httpio import (REQUEST_ID_HEADER, STATUS, HttpContext, collect_or_cancel, read_json,
+                                      request_id, timing_headers, timings_json)
+from serving.frontends.prompts import ModelText, ModelTexts
+from serving.params import check_text, parse_lmi_parameters
+from serving.types import GenerationRequest, GenerationResult, TokenInfo
+
+VERSION = "rollserve-0.1.0"
+# core error kind -> (TGI status, TGI error_type); kinds not listed keep the server-wide status.
+TGI_ERRORS: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID: (422, "validation"),
+    ErrorKind.OVERLOADED: (429, "overloaded"),
+    ErrorKind.HANDLER: (424, "generation"),
+    ErrorKind.WORKER_FAILED: (502, "generation"),
+    ErrorKind.INTERNAL: (500, "generation"),
+}
+# TGI parameters rollserve cannot honour: their neutral values (besides null)
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"frequency_penalty": (0, 0.0), "watermark": (False,), "best_of": (1,),
+                                        "typical_p": (1, 1.0), "grammar": (), "adapter_id": ()}
+
+
+def routes(ctx: HttpContext) -> list[Route]:
+    """The TGI routes bound to ``ctx`` (called once by the composition root)."""
+    return TgiRoutes(ctx).routes()
+
+
+def tgi_error(exc: ServingError, rid: str) -> JSONResponse:
+    status, error_type = TGI_ERRORS.get(exc.kind, (STATUS.get(exc.kind, 500), exc.kind.value))
+    headers = {REQUEST_ID_HEADER: rid}
+    if exc.retry_after_s is not None and status in (429, 503):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    return JSONResponse({"error": exc.message, "error_type": error_type, "request_id": rid}, status_code=status,
+                        headers=headers)
+
+
+def _tgi_parameters(params: Any) -> tuple[dict[str, Any] | None, int | None]:
+    """Drop nulls, refuse unsupported non-neutral values; returns (LMI parameters, truncate)."""
+    if params is None:
+        return None, None
+    if not isinstance(params, dict):
+        raise InvalidRequest(f"'parameters' must be an object, got {type(params).__name__}")
+    out = {}
+    for k, v in params.items():
+        if v is None:
+            continue
+        if k in _NEUTRAL:
+            if isinstance(v, bool) != (k == "watermark") or v not in _NEUTRAL[k]:
+                raise InvalidRequest(f"parameter {k!r} is not supported by rollserve; got {v!r}")
+            continue
+        out[k] = v
+    truncate = out.pop("truncate", None)
+    if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1):
+        raise InvalidRequest(f"parameter 'truncate' must be a positive integer, got {truncate!r}")
+    return out, truncate
+
+
+class TgiRoutes:
+    """TGI's routes over the registry's models (``?model_name=`` picks one when several are served)."""
+
+    def __init__(self, ctx: HttpContext) -> None:
+        self.ctx = ctx
+        self.texts = ModelTexts()
+
+    def routes(self) -> list[Route]:
+        return [Route("/generate", self.generate, methods=["POST"]),
+                Route("/generate_stream", self.generate_stream, methods=["POST"]),
+                Route("/", self.compat, methods=["POST"]),
+                Route("/info", self.info, methods=["GET"])]
+
+    def _endpoint(self, request: Request) -> Any:
+        name = request.query_params.get("model_name")
+        ep = self.ctx.registry.get(name) if name else self.ctx.registry.only()
+        request.state.model = ep.name
+        return ep
+
+    async def info(self, request: Request) -> Response:
+        rid = request_id(request)
+        try:
+            ep = self._endpoint(request)
+        except ServingError as exc:
+            return tgi_error(exc, rid)
+        max_len = (getattr(ep, "info", None) or {}).get("max_model_len")
+        config = getattr(ep, "config", None)
+        batching = getattr(config, "batching", None)
+        limits = self.ctx.limits
+        body = {"model_id": ep.name, "model_sha": None, "model_dtype": str(config.options.get("dtype", "fp32"))
+                if config is not None else None, "model_device_type": "cpu", "model_pipeline_tag": "text-generation",
+                "max_concurrent_requests": getattr(batching, "job_queue_size", None), "max_best_of": 1,
+                "max_stop_sequences": limits.max_stop_sequences, "max_input_tokens": (max_len - 1) if max_len else None,
+                "max_input_length": (max_len - 1) if max_len else None, "max_total_tokens": max_len,
+                "max_new_tokens": limits.max_new_tokens, "max_client_batch_size": 1,
+                "rolling_batch": bool(ep.rolling), "router": "rollserve", "version": VERSION, "sha": None,
+                "docker_label": None, "validation_workers": 1, "waiting_served_ratio": 0.0,
+                "max_batch_total_tokens": None, "max_waiting_tokens": 0, "max_batch_size": None}
+        return JSONResponse(body, headers={REQUEST_ID_HEADER: rid})
+
+    async def generate(self, request: Request) -> Response:
+        return await self._serve(request, stream=False)
+
+    async def generate_stream(self, request: Request) -> Response:
+        return await self._serve(request, stream=True)
+
+    async def compat(self, request: Request) -> Response:
+        return await self._serve(request, stream=None)
+
+    async def _serve(self, request: Request, stream: bool | None) -> Response:
+        rid = request_id(request)
+        try:
+            if self.ctx.state.draining:
+                raise Unavailable("server is shutting down", retry_after_s=5)
+            ep = self._endpoint(request)
+            body = await read_json(request, self.ctx.max_request_size)
+            text = self.texts.get(ep)
+            req, want_stream = self._build(body, ep, rid, text, stream)
+            if want_stream and not ep.rolling:
+                raise InvalidRequest("streaming needs a rolling-batch model (set option.rolling_batch=auto); "
+                                     f"model {ep.name!r} uses dynamic batching")
+            result_stream = ep.submit(req)
+            if want_stream:
+                return StreamingResponse(tgi_events(req, result_stream, text), media_type="text/event-stream",
+                                         headers={REQUEST_ID_HEADER: rid, "Cache-Control": "no-cache"})
+            results = await collect_or_cancel(request, [result_stream])
+        except ServingError as exc:
+            return tgi_error(exc, rid)
+        except ConnectionAbortedError:
+            return Response(status_code=499)
+        result = results[0]
+        return JSONResponse(whole_answer(req, result, text, body.get("parameters") or {}),
+                            headers={REQUEST_ID_HEADER: rid, **timing_headers(result.timings)})
+
+    def _build(self, body: Any, ep: Any, rid: str, text: ModelText, stream: bool | None
+               ) -> tuple[GenerationRequest, bool]:
+        if not isinstance(body, dict):
+            raise InvalidRequest("request body must be a JSON object with 'inputs'")
+        unknown = sorted(set(body) - {"inputs", "parameters", "stream"})
+        if unknown:
+            raise InvalidRequest(f"unknown fields: {', '.join(unknown)}")
+        if "inputs" not in body:
+            raise InvalidRequest("missing field 'inputs'")
+        prompt = check_text("inputs", body["inputs"], max_chars=self.ctx.limits.max_prompt_chars)
+        want = body.get("stream", False)
+        if not isinstance(want, bool):
+            raise InvalidRequest("'stream' must be a boolean")
+        lmi_params, truncate = _tgi_parameters(body.get("parameters"))
+        params = parse_lmi_parameters(lmi_params, self.ctx.limits)
+        # TGI samples whenever a sampling warper is set, even without do_sample
+        sampling = params.do_sample or params.temperature != 1.0 or params.top_k > 0 or params.top_p < 1.0
+        params = replace(params, do_sample=sampling and params.temperature != 0.0)
+        ids = text.encode(prompt)
+        token_ids: tuple[int, ...] | None = None
+        if truncate is not None and ids is not None and len(ids) > truncate:
+            token_ids = tuple(ids[-truncate:])
+            ids = list(token_ids)
+        text.check_length(len(ids) if ids is not None else None, params.max_new_tokens, "max_new_tokens")
+        req = GenerationRequest(request_id=rid, model=ep.name, prompt=prompt, params=params,
+                                prompt_token_ids=token_ids, stream=want if stream is None else stream)
+        return req, req.stream
+
+
+def _token(t: TokenInfo, text: ModelText, piece: str | None = None) -> dict[str, Any]:
+    return {"id": t.id, "text": t.text if piece is None else piece, "logprob": t.logprob,
+            "special": text.is_special(t.id)}
+
+
+def _top(t: TokenInfo, text: ModelText) -> list[dict[str, Any]]:
+    return [{"id": i, "text": text.token_text(i), "logprob": lp, "special": text.is_special(i)}
+            for i, lp in t.top_logprobs]
+
+
+def whole_answer(req: GenerationRequest, result: GenerationResult, text: ModelText, raw_params: Any
+                 ) -> dict[str, Any]:
+    out_text = req.prompt + result.text if req.params.return_full_text else result.text
+    answer: dict[str, Any] = {"generated_text": out_text}
+    if req.params.details:
+        prefill: list[dict[str, Any]] = []
+        if isinstance(raw_params, dict) and raw_params.get("decoder_input_details"):
+            ids = list(req.prompt_token_ids) if req.prompt_token_ids else (text.encode(req.prompt) or [])
+            prefill = [{"id": i, "text": text.token_text(i), "logprob": None} for i in ids]
+        answer["details"] = {
+            "finish_reason": result.finish_reason.value, "generated_tokens": result.generated_tokens,
+            "seed": req.params.seed if req.params.do_sample else None, "prefill": prefill,
+            "tokens": [_token(t, text) for t in result.tokens],
+            "top_tokens": [_top(t, text) for t in result.tokens] if req.params.logprobs else None}
+    return answer
+
+
+async def tgi_events(req: GenerationRequest, stream: ResultStream, text: ModelText) -> AsyncIterator[str]:
+    """TGI's SSE token events; the last one carries ``generated_text``, ``details`` and ``timings``."""
+    parts: list[str] = []
+    count = 0
+    try:
+        async for delta in stream:
+            parts.append(delta.text)
+            tokens = list(delta.tokens)
+            for i, t in enumerate(tokens):
+                count += 1
+                last = delta.finish_reason is not None and i == len(tokens) - 1
+                event: dict[str, Any] = {"index": count, "token": _token(t, text, delta.text if len(tokens) == 1
+                                                                         else None),
+                                         "top_tokens": _top(t, text) if req.params.logprobs else None,
+                                         "generated_text": None, "details": None}
+                if last:
+                    full = "".join(parts)
+                    event["generated_text"] = req.prompt + full if req.params.return_full_text else full
+                    event["details"] = {"finish_reason": delta.finish_reason.value if delta.finish_reason else
+                                        "length", "generated_tokens": count,
+                                        "seed": req.params.seed if req.params.do_sample else None}
+                    event["timings"] = timings_json(stream.timings())
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    except ServingError as exc:
+        status, error_type = TGI_ERRORS.get(exc.kind, (0, exc.kind.value))
+        yield f"data: {json.dumps({'error': exc.message, 'error_type': error_type, 'request_id': req.request_id})}\n\n"
+    finally:
+        if not stream.done:
+            stream.cancel()

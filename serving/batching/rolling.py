@@ -17,7 +17,7 @@ from typing import Any
 
 from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
 from serving.batching.streams import ResultStream
-from serving.errors import Overloaded, RequestTimeout, WorkerFailed, error_from_kind
+from serving.errors import ErrorKind, Overloaded, RequestTimeout, WorkerFailed, error_from_kind
 from serving.types import GenerationRequest, TokenDelta
 from serving.worker.messages import Abort, Add, Deltas, Reject
 
@@ -165,7 +165,8 @@ class RollingBatcher:
             if entry is not None:
                 self._release(entry)
                 self._finish_entry(entry)
-                self._observer.on_rejected(self.model, "invalid")
+                if msg.kind == ErrorKind.INVALID.value:  # an engine failure is not the client's fault
+                    self._observer.on_rejected(self.model, "invalid")
                 entry.stream.fail(error_from_kind(msg.kind, msg.message))
                 self._pump()
 

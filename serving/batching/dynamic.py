@@ -48,6 +48,7 @@ class DynamicBatcher:
         self._queue: collections.deque[_Pending] = collections.deque()
         self._idle: collections.deque[Worker] = collections.deque()
         self._inflight: dict[int, tuple[Worker, list[_Pending], asyncio.TimerHandle]] = {}
+        self._gathering: list[_Pending] = []  # taken off the queue, not yet dispatched: still pending
         self._batch_ids = itertools.count(1)
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -85,7 +86,7 @@ class DynamicBatcher:
         self._observer.on_finished(self.model, stream)  # once per stream: success, error or cancel
 
     def num_pending(self) -> int:
-        return len(self._queue) + sum(len(b) for _, b, _ in self._inflight.values())
+        return len(self._queue) + len(self._gathering) + sum(len(b) for _, b, _ in self._inflight.values())
 
     def num_queued(self) -> int:
         """Requests waiting for a worker (not yet in a batch)."""
@@ -160,7 +161,7 @@ class DynamicBatcher:
             worker = self._idle.popleft()
             if not worker.alive:
                 continue
-            batch = [self._queue.popleft()]
+            batch = self._gathering = [self._queue.popleft()]
             deadline = self._clock() + self.max_batch_delay_s
             while len(batch) < self.batch_size:
                 if self._live_queue():
@@ -175,6 +176,7 @@ class DynamicBatcher:
                 except asyncio.TimeoutError:
                     break
             batch = [p for p in batch if not p.stream.done]
+            self._gathering = []
             if not batch:
                 self._idle.appendleft(worker)
                 continue

@@ -3,6 +3,7 @@ beyond a constant set (the model label is bounded; ids, paths and user strings a
 
 from __future__ import annotations
 
+import asyncio
 import random
 import uuid
 from collections.abc import Iterator
@@ -30,28 +31,33 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def test_random_models_and_bad_inputs_add_a_constant_number_of_series(server: ServerProcess) -> None:
     rng = random.Random(7)
 
-    def one(c: httpx.Client, i: int) -> None:
+    async def one(c: httpx.AsyncClient, i: int) -> None:
         name = uuid.UUID(int=rng.getrandbits(128)).hex
         headers = {"X-Request-Id": f"rid-{name}"}
         kind = i % 5
         if kind == 0:
-            c.post(f"{server.url}/predictions/{name}", json={"inputs": name}, headers=headers)
+            await c.post(f"{server.url}/predictions/{name}", json={"inputs": name}, headers=headers)
         elif kind == 1:
-            c.post(f"{server.url}/invocations?model_name={name}", json={"inputs": name}, headers=headers)
+            await c.post(f"{server.url}/invocations?model_name={name}", json={"inputs": name}, headers=headers)
         elif kind == 2:
-            c.post(f"{server.url}/predictions/echo", content=name.encode(), headers=headers)
+            await c.post(f"{server.url}/predictions/echo", content=name.encode(), headers=headers)
         elif kind == 3:
-            c.post(f"{server.url}/predictions/echo", json={"inputs": name, "parameters": {name: 1}, name: name},
-                   headers=headers)
+            await c.post(f"{server.url}/predictions/echo", json={"inputs": name, "parameters": {name: 1}, name: name},
+                         headers=headers)
         else:
-            c.post(f"{server.url}/predictions/echo", json={"inputs": f"{name} ok"}, headers=headers)
+            await c.post(f"{server.url}/predictions/echo", json={"inputs": f"{name} ok"}, headers=headers)
 
-    with httpx.Client(timeout=30) as c:
-        for i in range(10):  # one of each kind first: the constant set of series every kind creates
-            one(c, i)
-        baseline = series(server.mgmt)
-        for i in range(1000):
-            one(c, i)
+    async def flood(first: int, count: int, concurrency: int) -> None:
+        queue = iter(range(first, first + count))
+        async with httpx.AsyncClient(timeout=60) as c:
+            async def lane() -> None:
+                for i in queue:
+                    await one(c, i)
+            await asyncio.gather(*(lane() for _ in range(concurrency)))
+
+    asyncio.run(flood(0, 10, 1))  # one of each kind first: the constant set of series every kind creates
+    baseline = series(server.mgmt)
+    asyncio.run(flood(10, 1000, 16))
     after = series(server.mgmt)
     grown = after - baseline
     assert not grown, sorted(grown)[:10]

@@ -59,11 +59,13 @@ class HuggingFaceHandler(Handler):
         self.model: Any = None
         self.tokenizer: Any = None
         self.max_model_len = 0
+        self.model_name = "-"
         self.eos_token_ids: frozenset[int] = frozenset()
         self.pad_token_id = 0
         self.vocab_size = 0
 
     def initialize(self, ctx: Context) -> None:
+        self.model_name = ctx.model_name
         torch.set_num_threads(int(ctx.option("num_threads", "1") or 1))
         dtype_name = (ctx.option("dtype", "fp32") or "fp32").lower()
         if dtype_name not in DTYPES:
@@ -126,7 +128,9 @@ class HuggingFaceHandler(Handler):
             try:
                 results = self._generate(items)
             except Exception as exc:  # noqa: BLE001 - one group's failure must not fail the others
-                log.exception("generate failed for requests %s", [i.request.request_id for i in items])
+                rids = ",".join(i.request.request_id for i in items)
+                log.exception("request %s model %s: generate failed", rids, self.model_name,
+                              extra={"request_id": rids, "model": self.model_name})
                 results = [Output.failure(i.request.request_id, f"generation failed: {type(exc).__name__}: {exc}")
                            for i in items]
             for item, result in zip(items, results):

@@ -33,7 +33,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     rid = request_id(request)
-    log.exception("request %s failed: %s", rid, type(exc).__name__, exc_info=exc)
+    model = str(request.scope.get("state", {}).get("model", "-"))
+    log.exception("request %s model %s failed: %s", rid, model, type(exc).__name__, exc_info=exc,
+                  extra={"request_id": rid, "model": model})
     return JSONResponse({"error": "internal server error", "error_type": "internal_error", "request_id": rid},
                         status_code=500, headers={REQUEST_ID_HEADER: rid})
 

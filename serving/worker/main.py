@@ -79,7 +79,7 @@ def output_to_wire(out: Any) -> dict[str, Any]:
     }
 
 
-def serve_dynamic(conn: WorkerConnection, handler: Any) -> None:
+def serve_dynamic(conn: WorkerConnection, handler: Any, model: str = "-") -> None:
     from handlers.base import Output
 
     while True:
@@ -96,12 +96,14 @@ def serve_dynamic(conn: WorkerConnection, handler: Any) -> None:
         except ServingError as exc:
             outputs = [Output.failure(i.request_id, exc.message, exc.kind) for i in inputs]
         except Exception as exc:  # noqa: BLE001 - a handler bug fails this batch only
-            log.exception("handler failed on a batch of %d", len(inputs))
+            rids = ",".join(i.request_id for i in inputs)
+            log.exception("request %s model %s: handler failed on a batch of %d", rids, model,
+                          len(inputs), extra={"request_id": rids, "model": model})
             outputs = [Output.failure(i.request_id, f"handler error: {type(exc).__name__}: {exc}") for i in inputs]
         conn.send(BatchResult(batch_id=msg.batch_id, outputs=[output_to_wire(o) for o in outputs]))
 
 
-def serve_rolling(conn: WorkerConnection, handler: Any) -> None:
+def serve_rolling(conn: WorkerConnection, handler: Any, model: str = "-") -> None:
     step = 0
     active: set[str] = set()
     while True:
@@ -117,7 +119,7 @@ def serve_rolling(conn: WorkerConnection, handler: Any) -> None:
                 return
             if isinstance(msg, Add):
                 for d in msg.requests:
-                    if _add(conn, handler, d):
+                    if _add(conn, handler, d, model):
                         active.add(d["request_id"])
             elif isinstance(msg, Abort):
                 for rid in msg.request_ids:
@@ -132,7 +134,10 @@ def serve_rolling(conn: WorkerConnection, handler: Any) -> None:
         try:
             deltas = handler.step()
         except Exception as exc:  # noqa: BLE001 - fail the running requests, keep the worker
-            log.exception("engine step failed; failing %d requests", len(active))
+            rids = ",".join(sorted(active))
+            log.exception("request %s model %s: engine step failed; failing %d requests", rids,
+                          model, len(active),
+                          extra={"request_id": rids, "model": model})
             for rid in sorted(active):
                 handler.abort(rid)
                 conn.send(Reject(request_id=rid, kind=ErrorKind.HANDLER.value,
@@ -147,7 +152,7 @@ def serve_rolling(conn: WorkerConnection, handler: Any) -> None:
                          step_s=time.perf_counter() - t0))
 
 
-def _add(conn: WorkerConnection, handler: Any, d: dict[str, Any]) -> bool:
+def _add(conn: WorkerConnection, handler: Any, d: dict[str, Any], model: str = "-") -> bool:
     """Queue one request in the engine; a refused one is answered with Reject. True if accepted."""
     inp = to_input(d)
     try:
@@ -156,7 +161,8 @@ def _add(conn: WorkerConnection, handler: Any, d: dict[str, Any]) -> bool:
     except ServingError as exc:
         conn.send(Reject(request_id=inp.request_id, kind=exc.kind.value, message=exc.message))
     except Exception as exc:  # noqa: BLE001
-        log.exception("add failed for %s", inp.request_id)
+        log.exception("request %s model %s: add failed", inp.request_id, model,
+                      extra={"request_id": inp.request_id, "model": model})
         conn.send(Reject(request_id=inp.request_id, kind=ErrorKind.HANDLER.value,
                          message=f"{type(exc).__name__}: {exc}"))
     return False
@@ -194,9 +200,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     conn.send(Ready(pid=os.getpid(), info=handler.describe()))
     if init.rolling:
-        serve_rolling(conn, handler)
+        serve_rolling(conn, handler, init.model_name)
     else:
-        serve_dynamic(conn, handler)
+        serve_dynamic(conn, handler, init.model_name)
 
 
 if __name__ == "__main__":

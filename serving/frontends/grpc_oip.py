@@ -21,9 +21,20 @@ import grpc
 
 from serving.batching.streams import ResultStream
 from serving.errors import InvalidRequest, ModelNotFound, ServingError
-from serving.frontends.grpc_calls import (FrontendContext, Registry, check_serving, collect, deadline_of, guarded,
-                                          is_text_model, new_request_id, register_model, register_overrides,
-                                          require_streaming, strict_parameters)
+from serving.frontends.grpc_calls import (
+    FrontendContext,
+    Registry,
+    check_serving,
+    collect,
+    deadline_of,
+    guarded,
+    is_text_model,
+    new_request_id,
+    register_model,
+    register_overrides,
+    require_streaming,
+    strict_parameters,
+)
 from serving.frontends.grpc_tensors import TextInputs, decode_inputs, text_response
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
 from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as pb_grpc
@@ -113,7 +124,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if not s.done:
                     s.cancel()
         include_prompt = inputs.exclude_input is False or inputs.exclude_input is None
-        texts = [(q.prompt if include_prompt else "") + _text_of(r) for q, r in zip(reqs, results)]
+        texts = [(q.prompt if include_prompt else "") + _text_of(r) for q, r in zip(reqs, results, strict=True)]
         return text_response(request, texts, inputs.shape, parameters)
 
     @guarded

@@ -17,9 +17,22 @@ from google.protobuf import json_format, struct_pb2
 
 from serving.batching.streams import ResultStream
 from serving.errors import InvalidRequest
-from serving.frontends.grpc_calls import (FrontendContext, Registry, batching_of, check_num_workers, check_serving,
-                                          collect, deadline_of, guarded, guarded_stream, is_text_model,
-                                          new_request_id, register_model, register_overrides, require_streaming)
+from serving.frontends.grpc_calls import (
+    FrontendContext,
+    Registry,
+    batching_of,
+    check_num_workers,
+    check_serving,
+    collect,
+    deadline_of,
+    guarded,
+    guarded_stream,
+    is_text_model,
+    new_request_id,
+    register_model,
+    register_overrides,
+    require_streaming,
+)
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as pb_grpc
 from serving.params import build_sampling_params, check_text

@@ -81,6 +81,12 @@ def main(target: str, model: str, prompt: str, max_new_tokens: int) -> dict[str,
     out["stream_error"] = str(error) if error is not None else None
     client.stop_stream()
     out.update(stream_pieces=pieces, stream_finals=finals, stream_errors=errors)
+
+    client.unload_model("echo")  # the repository extension, on the torch-free model
+    out["echo_after_unload"] = {m["name"]: m.get("state") for m in
+                                client.get_model_repository_index(as_json=True)["models"]}.get("echo")
+    client.load_model("echo")
+    out["echo_ready_after_load"] = client.is_model_ready("echo")
     client.close()
     return out
 

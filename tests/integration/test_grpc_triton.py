@@ -61,6 +61,7 @@ def test_tritonclient_session(server: ServerProcess) -> None:
     assert "".join(seen["stream_pieces"]) == expected
     assert seen["stream_finals"] == [False] * (NUM_TOKENS - 1) + [True]
     assert "unknown parameters: nonsense" in seen["stream_error"]  # an error response; the stream stays usable
+    assert seen["echo_after_unload"] == "UNAVAILABLE" and seen["echo_ready_after_load"] is True
 
 
 def test_oip_messages_match_tritonclient(tmp_path: Path) -> None:

@@ -233,3 +233,36 @@ def test_model_stream_infer_cancel_cancels_running_requests() -> None:
 
     ep = asyncio.run(run())
     assert ep.cancelled == ["a"]
+
+
+def infer_request(prompt: str = "hi") -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="m", id="r")
+    request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(frame_bytes([prompt.encode()]))
+    return request
+
+
+def test_model_infer_passes_the_client_deadline_and_refuses_while_draining() -> None:
+    async def run() -> tuple[FakeEndpoint, FakeContext]:
+        ep = FakeEndpoint("m")
+        registry = FakeRegistry({"m": ep})
+        ctx = FakeCtx(registry)
+        servicer = OipServicer(ctx, registry, 1.0, "test")  # type: ignore[arg-type]
+        submitted: list[GenerationRequest] = []
+        submit = ep.submit
+        ep.submit = lambda r: (submitted.append(r), submit(r))[1]  # type: ignore[method-assign]
+        call = asyncio.ensure_future(servicer.ModelInfer(infer_request(), FakeContext(remaining=30.0)))
+        await asyncio.wait_for(ep.submitted.wait(), 5)
+        assert submitted[0].deadline is not None
+        assert 25 < submitted[0].deadline - asyncio.get_running_loop().time() <= 30.5
+        ep.streams["r"].push(TokenDelta("r", (TokenInfo(1, " there"),), " there", FinishReason.LENGTH, 1))
+        response = await asyncio.wait_for(call, 5)
+        assert split_bytes(response.raw_output_contents[0], "text_output") == [b"hi there"]
+        ctx.state.draining = True
+        refused = FakeContext()
+        with pytest.raises(Aborted):
+            await servicer.ModelInfer(infer_request(), refused)  # type: ignore[arg-type]
+        return ep, refused
+
+    _, refused = asyncio.run(run())
+    assert refused.code is grpc.StatusCode.UNAVAILABLE and refused.details == "server is shutting down"

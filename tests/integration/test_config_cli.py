@@ -1,0 +1,121 @@
+"""Configuration errors as a running server reports them (per-model FAILED with file, line, key and value,
+while good models keep serving) and the ``serving config`` command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.harness import REPO, ServerProcess, write_model
+
+ECHO = {"option.entryPoint": "echo"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    s = ServerProcess.start(tmp_path_factory.mktemp("config"), models={
+        "good": ECHO,
+        "bad-batch": {**ECHO, "max_batch_delay": "10", "batch_size": "abc"},
+        "bad-queue": {**ECHO, "job_queue_size": "0"},
+    }, wait_ready=False)  # /ping stays 503 with failed models: wait for the good one instead
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{s.mgmt}/models/good", timeout=5).json().get("status") != "READY":
+        assert time.monotonic() < deadline, s.log()
+        time.sleep(0.1)
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("model,line,key,value", [
+    ("bad-batch", 3, "batch_size", "'abc'"),
+    ("bad-queue", 2, "job_queue_size", "'0'"),
+])
+def test_bad_model_config_is_failed_with_where_and_what(server: ServerProcess, model: str, line: int, key: str,
+                                                        value: str) -> None:
+    info = server.describe(model)
+    assert info["status"] == "FAILED"
+    reason = info["reason"]
+    assert f"serving.properties:{line}" in reason and key in reason and value in reason, reason
+    assert "expected an integer >= 1" in reason
+    r = httpx.post(f"{server.url}/predictions/{model}", json={"inputs": "x"}, timeout=10)
+    assert r.status_code == 503 and r.json()["error_type"] == "unavailable"
+
+
+def test_ping_reports_each_model_and_good_model_serves(server: ServerProcess) -> None:
+    ping = httpx.get(f"{server.url}/ping", timeout=10)
+    assert ping.status_code == 503
+    assert ping.json()["models"] == {"good": "READY", "bad-batch": "FAILED", "bad-queue": "FAILED"}
+    r = httpx.post(f"{server.url}/predictions/good", json={"inputs": "fine"}, timeout=10)
+    assert r.status_code == 200 and r.json() == {"generated_text": "fine"}
+    models = httpx.get(f"{server.mgmt}/models", timeout=10).json()["models"]
+    assert {m["modelName"]: m["status"] for m in models} == {"good": "READY", "bad-batch": "FAILED",
+                                                              "bad-queue": "FAILED"}
+
+
+def serving_config(model_dir: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SERVING_", "SAGEMAKER_", "HF_"))}
+    return subprocess.run([sys.executable, "-m", "serving", "config", str(model_dir)], cwd=REPO,
+                          env={**clean, **(env or {})}, capture_output=True, text=True, timeout=60)
+
+
+def setting_line(out: str, key: str) -> str:
+    (line,) = [ln for ln in out.splitlines() if ln.strip().startswith(f"{key} =")]
+    return line
+
+
+def test_config_command_prints_each_key_with_its_source(tmp_path: Path) -> None:
+    d = write_model(tmp_path, "m", {"option.entryPoint": "echo", "batch_size": "4", "option.custom": "x"})
+    proc = serving_config(d)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "batch_size = 4" in setting_line(out, "batch_size")
+    assert "(serving.properties:2)" in setting_line(out, "batch_size")
+    assert "(serving.properties:1)" in setting_line(out, "option.entryPoint")
+    assert "(serving.properties:3)" in setting_line(out, "option.custom")
+    assert "max_batch_delay = 100" in setting_line(out, "max_batch_delay")
+    assert "(default)" in setting_line(out, "max_batch_delay")
+
+
+def test_config_command_shows_env_precedence(tmp_path: Path) -> None:
+    d = write_model(tmp_path, "m", {"option.entryPoint": "echo", "batch_size": "4",
+                                    "option.max_rolling_batch_size": "16"})
+    proc = serving_config(d, {"SERVING_BATCH_SIZE": "6", "OPTION_MAX_ROLLING_BATCH_SIZE": "7"})
+    assert proc.returncode == 0, proc.stderr
+    line = setting_line(proc.stdout, "batch_size")
+    assert "batch_size = 6" in line and "(env SERVING_BATCH_SIZE)" in line
+    line = setting_line(proc.stdout, "option.max_rolling_batch_size")
+    assert "= 7" in line and "(env OPTION_MAX_ROLLING_BATCH_SIZE)" in line
+
+
+@pytest.mark.parametrize("props,env,expect", [
+    ({"batch_size": "abc"}, {}, ["serving.properties:2", "batch_size", "'abc'"]),
+    ({"job_queue_size": "0"}, {}, ["serving.properties:2", "job_queue_size", "'0'"]),
+    ({"no_such_key": "1"}, {}, ["serving.properties:2", "no_such_key", "unknown key"]),
+    ({}, {"SERVING_BATCH_SIZE": "-3"}, ["env SERVING_BATCH_SIZE", "batch_size", "'-3'"]),
+])
+def test_config_command_fails_on_a_bad_value(tmp_path: Path, props: dict[str, str], env: dict[str, str],
+                                              expect: list[str]) -> None:
+    d = write_model(tmp_path, "m", {"option.entryPoint": "echo", **props})
+    proc = serving_config(d, env)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    for part in expect:
+        assert part in proc.stderr, proc.stderr
+
+
+def test_env_overrides_reach_a_running_server(tmp_path: Path) -> None:
+    s = ServerProcess.start(tmp_path, models={"echo": {**ECHO, "batch_size": "2"}},
+                            env={"SERVING_BATCH_SIZE": "5", "OPTION_ECHO_DELAY_MS": "1"})
+    try:
+        info = s.describe("echo")
+        assert info["batch_size"] == 5
+        assert info["config"]["echo_delay_ms"] == "1"
+    finally:
+        s.stop()

@@ -70,7 +70,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     meta = kwargs.get(STEP_KWARG)
     if not isinstance(meta, StepMetadata):
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the {STEP_KWARG!r} forward kwarg")
-    layer = module.layer_idx  # type: ignore[attr-defined]
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
     k_cache = meta.pool.keys[layer]
     v_cache = meta.pool.values[layer]
     k_cache.index_copy_(1, meta.slot_mapping, key[0])  # key[0]: [Hkv, T, D]

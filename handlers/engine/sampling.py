@@ -61,7 +61,8 @@ class RequestSampler:
         """Pick a token from one row of logits [V] given the sequence's tokens so far."""
         scores = logits.unsqueeze(0)
         if self.processors:
-            scores = self.processors(torch.tensor([token_ids], dtype=torch.long), scores.clone())
+            ids = torch.tensor([token_ids], dtype=torch.long)
+            scores = self.processors(ids, scores.clone())  # type: ignore[arg-type]
         if self.greedy:
             return int(scores.argmax(-1))
         scores = self.warpers(None, scores)  # type: ignore[arg-type]

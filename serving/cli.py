@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from pathlib import Path
 
 from serving.config import describe_model_config, load_model_config, load_server_config
 from serving.errors import ConfigError
+from serving.logs import setup_logging
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,18 +40,6 @@ def _start_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-format", choices=["text", "json"], help="log line format")
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--ports-file", type=Path, help="write the bound ports as JSON here (for tooling/tests)")
-
-
-def setup_logging(fmt: str, level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        from pythonjsonlogger.json import JsonFormatter
-        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -30,7 +30,8 @@ class ModelEndpoint:
     """The unit frontends talk to. Event-loop only."""
 
     def __init__(self, config: ModelConfig, observer: BatchObserver | None = None,
-                 clock: Clock = time.monotonic, env: Mapping[str, str] | None = None) -> None:
+                 clock: Clock = time.monotonic, env: Mapping[str, str] | None = None,
+                 log_format: str = "text") -> None:
         self.config = config
         self.name = config.name
         self.state = ModelState.PENDING
@@ -50,7 +51,7 @@ class ModelEndpoint:
         if b.rolling and entry == "huggingface":
             entry = "rolling"
         init = Init(model_name=self.name, model_dir=str(config.model_dir), entry_point=entry,
-                    properties=config.handler_properties(), rolling=b.rolling)
+                    properties=config.handler_properties(), rolling=b.rolling, log_format=log_format)
         self.pool = WorkerPool(self.name, init, self.batcher, config.min_workers,
                                config.model_loading_timeout_s, on_failed=self._failed, env=env)
 

@@ -91,7 +91,7 @@ class ModelRegistry:
         except ConfigError as exc:
             log.error("model %s: invalid configuration: %s", name, exc)
             return FailedEndpoint(name, str(exc))
-        return ModelEndpoint(cfg, self._observer, env=self._env)
+        return ModelEndpoint(cfg, self._observer, env=self._env, log_format=self._server.log_format)
 
     async def register(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {},
                        wait: bool = True) -> AnyEndpoint:

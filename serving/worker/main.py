@@ -15,17 +15,28 @@ import logging
 import os
 import queue
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from serving.errors import ErrorKind, ServingError
+from serving.logs import setup_logging
 from serving.types import GenerationRequest
 from serving.worker import codec
-from serving.worker.messages import (Abort, Add, Batch, BatchResult, Deltas, Init, LoadFailed, Message, Ready,
-                                     Reject, Shutdown)
+from serving.worker.messages import (
+    Abort,
+    Add,
+    Batch,
+    BatchResult,
+    Deltas,
+    Init,
+    LoadFailed,
+    Message,
+    Ready,
+    Reject,
+    Shutdown,
+)
 
 log = logging.getLogger("serving.worker")
 
@@ -172,13 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s worker[%(process)d] %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    setup_logging("text", process_tag="worker")
     conn = WorkerConnection(args.socket)
     init = conn.inbox.get()
     if not isinstance(init, Init):
         return
+    setup_logging(init.log_format, process_tag="worker")
     from handlers.base import Context
     from handlers.loader import load_handler
 

@@ -26,6 +26,7 @@ class Init:
     rolling: bool = False
     device_id: int = -1
     worker_id: int = 0
+    log_format: str = "text"
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -183,6 +184,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
     args = ap.parse_args(argv)
+    # The frontend owns shutdown: a terminal's Ctrl-C or a SIGTERM sent to the whole process group must not
+    # kill workers under in-flight requests; they exit on Shutdown or when the frontend's socket closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging("text", process_tag="worker")
     conn = WorkerConnection(args.socket)
     init = conn.inbox.get()

@@ -96,7 +96,10 @@ class ModelRegistry:
     async def register(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {},
                        wait: bool = True) -> AnyEndpoint:
         """Add a model and start loading it (waits for the load when ``wait``)."""
-        validate_model_name(name)
+        try:
+            validate_model_name(name)
+        except ConfigError as exc:  # a client-supplied name: 400, not an internal error
+            raise InvalidRequest(str(exc)) from None
         if name in self.endpoints:
             raise InvalidRequest(f"model {name!r} is already registered")
         ep = self.build(name, model_dir, overrides)

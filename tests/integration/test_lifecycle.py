@@ -171,6 +171,13 @@ def test_register_rejects_paths_outside_the_store(mgmt_server: ServerProcess, ur
     assert httpx.get(f"{mgmt_server.mgmt}/models/evil", timeout=10).status_code == 404
 
 
+@pytest.mark.parametrize("name", ["../evil", "bad name", ".hidden", "a/b"])
+def test_register_rejects_bad_model_names(mgmt_server: ServerProcess, name: str) -> None:
+    r = httpx.post(f"{mgmt_server.mgmt}/models", params={"url": "extra", "model_name": name}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error_type"] == "invalid_request" and "model name" in r.json()["error"]
+
+
 def test_register_scale_unregister(mgmt_server: ServerProcess) -> None:
     s = mgmt_server
     r = httpx.post(f"{s.mgmt}/models", params={"url": "extra", "model_name": "m2", "batch_size": "2"}, timeout=60)

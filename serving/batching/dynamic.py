@@ -70,8 +70,18 @@ class DynamicBatcher:
                              retry_after_s=1)
         stream = ResultStream(request.request_id, self._clock, on_cancel=self.cancel, on_finish=self._finished)
         self._queue.append(_Pending(request, stream))
+        if request.deadline is not None:
+            delay = max(0.0, request.deadline - self._clock())
+            asyncio.get_running_loop().call_later(delay, self._on_deadline, stream)
         self._changed.set()
         return stream
+
+    def _on_deadline(self, stream: ResultStream) -> None:
+        """The client's deadline passed: fail the request; a queued one never reaches a worker."""
+        if stream.done:
+            return
+        self._observer.on_rejected(self.model, "timeout")
+        stream.fail(RequestTimeout("the request's deadline passed before it completed"))
 
     def cancel(self, request_id: str) -> bool:
         """Drop a queued request (an in-flight batch cannot be interrupted; its result is discarded)."""
@@ -211,7 +221,9 @@ def _deliver(stream: ResultStream, out: dict[str, Any]) -> None:
         stream.fail(error_from_kind(out.get("error_kind") or "handler_error", out["error"]))
         return
     stream.set_payload(out.get("payload"))
-    tokens = tuple(TokenInfo(int(t[0]), str(t[1]), t[2]) for t in out.get("tokens") or ())
+    tokens = tuple(TokenInfo(int(t[0]), str(t[1]), t[2],
+                             tuple((int(i), float(lp)) for i, lp in (t[3] if len(t) > 3 else ())))
+                   for t in out.get("tokens") or ())
     stream.push(TokenDelta(request_id=stream.request_id, tokens=tokens, text=out.get("text") or "",
                            finish_reason=FinishReason(out.get("finish_reason") or "length"),
                            prompt_tokens=int(out.get("prompt_tokens") or 0)))

@@ -332,3 +332,21 @@ def test_rolling_timeout_aborts_the_running_request() -> None:
         assert w.of(Abort) == [Abort(request_ids=["a"])]
         assert b.num_pending() == 0
     run(main())
+
+
+def test_dynamic_client_deadline_fails_a_queued_request_and_it_never_reaches_a_worker() -> None:
+    async def main() -> None:
+        b = dynamic(batch_size=1)
+        w = FakeWorker()
+        s = b.submit(GenerationRequest(request_id="late", model="m", prompt="p", deadline=time.monotonic() + 0.05))
+        with pytest.raises(RequestTimeout):
+            await s.collect()
+        b.worker_ready(w)
+        other = b.submit(req("next"))
+        await until(lambda: w.of(Batch))
+        assert [r["request_id"] for r in w.of(Batch)[0].requests] == ["next"]
+        b.on_message(w, BatchResult(batch_id=w.of(Batch)[0].batch_id, outputs=[ok_output("next")]))
+        assert (await other.collect()).text == "out"
+        await b.close()
+
+    run(main())

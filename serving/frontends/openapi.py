@@ -149,7 +149,8 @@ def inference_document(limits: Limits) -> dict[str, Any]:
                                       openai_ok),
         "/generate": _post("TGI generate", "TgiRequest", tgi_ok, _TGI_ERRORS, model_q),
         "/generate_stream": _post("TGI generate_stream (SSE)", "TgiRequest", tgi_stream, _TGI_ERRORS, model_q),
-        "/": _post("TGI compat route: generate, or generate_stream with stream=true", "TgiRequest", tgi_ok,
+        "/": _post("TGI compat route: generate (a one-element list), or generate_stream with stream=true",
+                   "TgiRequest", _json_ok("TGI answers", {"type": "array", "items": _ref("TgiAnswer")}, stream=True),
                    _TGI_ERRORS, model_q),
         "/info": {"get": {"summary": "TGI model info", "parameters": model_q, "responses": _responses(
             _json_ok("model info", {"type": "object"}), ("400", "404"))}},

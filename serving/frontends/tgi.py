@@ -149,7 +149,9 @@ class TgiRoutes:
         except ConnectionAbortedError:
             return Response(status_code=499)
         result = results[0]
-        return JSONResponse(whole_answer(req, result, text, body.get("parameters") or {}),
+        answer = whole_answer(req, result, text, body.get("parameters") or {})
+        # TGI's compat route answers a one-element list (what the text-generation client reads)
+        return JSONResponse([answer] if stream is None else answer,
                             headers={REQUEST_ID_HEADER: rid, **timing_headers(result.timings)})
 
     def _build(self, body: Any, ep: Any, rid: str, text: ModelText, stream: bool | None

@@ -83,7 +83,7 @@ def output_to_wire(out: Any) -> dict[str, Any]:
         "request_id": out.request_id,
         "text": out.text,
         "finish_reason": out.finish_reason.value,
-        "tokens": [[t.id, t.text, t.logprob] for t in out.tokens],
+        "tokens": [[t.id, t.text, t.logprob, [list(p) for p in t.top_logprobs]] for t in out.tokens],
         "prompt_tokens": out.prompt_tokens,
         "payload": out.payload,
         "error": out.error,

@@ -103,6 +103,8 @@ class ModelRegistry:
         if name in self.endpoints:
             raise InvalidRequest(f"model {name!r} is already registered")
         ep = self.build(name, model_dir, overrides)
+        if isinstance(ep, FailedEndpoint):
+            raise InvalidRequest(f"model {name!r} has an invalid configuration: {ep.reason}")
         self.endpoints[name] = ep
         task = asyncio.ensure_future(ep.start())
         if wait:

@@ -109,8 +109,9 @@ class WorkerHandle:
                 return msgs[0]
 
     async def _read_loop(self, reader: asyncio.StreamReader, decoder: codec.FrameDecoder) -> None:
+        broken = False
         try:
-            while True:
+            while not broken:
                 data = await reader.read(1 << 20)
                 if not data:
                     break
@@ -118,8 +119,14 @@ class WorkerHandle:
                     assert self._listener is not None
                     try:
                         self._listener.on_worker_message(self, msg)
-                    except Exception:  # a frontend bug must not cost the worker and its other requests
-                        log.exception("worker %s: failed to process a %s frame", self.pid, type(msg).__name__)
+                    except Exception:
+                        # A frame half-processed leaves its requests in an unknown state: restart the worker
+                        # so every one of them is retried or failed definitely instead of hanging.
+                        log.exception("worker %s: failed to process a %s frame; restarting it", self.pid,
+                                      type(msg).__name__)
+                        self.kill_soon()
+                        broken = True
+                        break
         except (ConnectionError, ProtocolError) as exc:
             log.warning("worker %s channel broke: %s", self.pid, exc)
         finally:

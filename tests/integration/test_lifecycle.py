@@ -204,3 +204,15 @@ def test_register_scale_unregister(mgmt_server: ServerProcess) -> None:
     # the unregistered model's workers are gone; the base model's remains
     wait_for(lambda: len(s.worker_pids()) == 1, 10, "m2's workers to exit")
     assert s.describe("base")["status"] == "READY"
+
+
+def test_register_with_an_invalid_override_is_400_and_registers_nothing(tmp_path: Path) -> None:
+    server = ServerProcess.start(tmp_path, models={"ok": {"option.entryPoint": "echo"}})
+    try:
+        r = httpx.post(f"{server.mgmt}/models", params={"url": "ok", "model_name": "bad", "batch_size": "0"},
+                       timeout=30)
+        assert r.status_code == 400, r.text
+        assert "batch_size" in r.json()["error"]
+        assert httpx.get(f"{server.mgmt}/models/bad", timeout=10).status_code == 404
+    finally:
+        server.stop()

@@ -81,7 +81,7 @@ class Server:
         openai_routes = OpenAIRoutes(self.http)
         self.state.extra["chat_handler"] = openai_routes.chat_for_lmi  # LMI bodies with `messages`
         return [*LmiRoutes(self.http).routes(), *openai_routes.routes(), *tgi.routes(self.http),
-                openapi.route(openapi.inference_document(self.limits))]
+                openapi.route(lambda: openapi.inference_document(self.limits, sorted(self.registry.endpoints)))]
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -91,7 +91,8 @@ class Server:
         inference = self.metrics.instrument(build_app(self._inference_routes()))
         management = build_app(ManagementRoutes(self.http, self.registry, self.config.drain_timeout_s,
                                                 metrics_route).routes() + LmiRoutes(self.http).routes()[:1]
-                               + [openapi.route(openapi.management_document(self.limits))])
+                               + [openapi.route(lambda: openapi.management_document(
+                                   self.limits, sorted(self.registry.endpoints)))])
         host, port = self.config.inference_host_port()
         if self.config.sagemaker_port is not None:
             port = self.config.sagemaker_port

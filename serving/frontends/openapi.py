@@ -8,6 +8,7 @@ body ``{"error", "error_type", "request_id"}``. Limits in the schemas come from 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -66,8 +67,9 @@ def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "in": "query", "required": False, "schema": schema}
 
 
-def _schemas(limits: Limits) -> dict[str, Any]:
+def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
     num = {"type": "number"}
+    model = {"type": "string", "enum": list(models)} if models else {"type": "string"}
     max_tokens = {"type": "integer", "minimum": 1, "maximum": limits.max_new_tokens}
     stop = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
                                             "maxItems": limits.max_stop_sequences}]}
@@ -79,7 +81,7 @@ def _schemas(limits: Limits) -> dict[str, Any]:
                 "ignore_eos": {"type": "boolean"}, "top_k": {"type": "integer", "minimum": -1},
                 "repetition_penalty": {**num, "exclusiveMinimum": 0, "maximum": 100},
                 "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                "model": {"type": "string"}}
+                "model": model}
     lmi_params = {"type": "object", "properties": {
         "max_new_tokens": max_tokens, "do_sample": {"type": "boolean"}, "temperature": {**num, "minimum": 0},
         "top_k": {"type": "integer", "minimum": 0}, "top_p": {**num, "exclusiveMinimum": 0, "maximum": 1},
@@ -122,9 +124,13 @@ def _schemas(limits: Limits) -> dict[str, Any]:
     }
 
 
-def inference_document(limits: Limits) -> dict[str, Any]:
-    """The inference API: LMI/SageMaker, OpenAI and TGI routes."""
-    model_q = [_query("model_name", {"type": "string"})]
+def _model_schema(models: Sequence[str]) -> dict[str, Any]:
+    return {"type": "string", "enum": list(models)} if models else {"type": "string"}
+
+
+def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, Any]:
+    """The inference API: LMI/SageMaker, OpenAI and TGI routes; ``models``: the registered model names."""
+    model_q = [_query("model_name", _model_schema(models))]
     lmi_ok = _json_ok("LMI answer (a list for a list input); a jsonlines or SSE token stream with stream=true",
                       {"oneOf": [_ref("LmiAnswer"), {"type": "array", "items": _ref("LmiAnswer")}]}, stream=True)
     openai_ok = _json_ok("the whole answer, or SSE chunks ending in `data: [DONE]` with stream=true",
@@ -138,7 +144,8 @@ def inference_document(limits: Limits) -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/ping": ping,
         "/predictions/{model_name}": {"post": {**_post("LMI generation on a named model", "LmiRequest", lmi_ok)
-                                               ["post"], "parameters": [_path_param("model_name")]}},
+                                               ["post"], "parameters": [
+                                                   {**_path_param("model_name"), "schema": _model_schema(models)}]}},
         "/invocations": _post("SageMaker/LMI generation (a body with `messages` is an OpenAI chat request); "
                               "X-Amzn-SageMaker-Custom-Attributes reaches the handler", "LmiRequest", lmi_ok,
                               params=model_q),
@@ -158,10 +165,10 @@ def inference_document(limits: Limits) -> dict[str, Any]:
             "200": {"description": "OpenAPI document", "content": {"application/json": {"schema": {"type":
                                                                                              "object"}}}}}}},
     }
-    return _document("rollserve inference API", paths, limits)
+    return _document("rollserve inference API", paths, limits, models)
 
 
-def management_document(limits: Limits) -> dict[str, Any]:
+def management_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, Any]:
     """The management API (DJL/TorchServe shape)."""
     mgmt = ("400", "404", "500", "503")
     obj = _json_ok("ok", {"type": "object"})
@@ -188,16 +195,16 @@ def management_document(limits: Limits) -> dict[str, Any]:
                      "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/openapi.json": {"get": {"summary": "this document", "responses": {"200": obj}}},
     }
-    return _document("rollserve management API", paths, limits)
+    return _document("rollserve management API", paths, limits, models)
 
 
-def _document(title: str, paths: dict[str, Any], limits: Limits) -> dict[str, Any]:
+def _document(title: str, paths: dict[str, Any], limits: Limits, models: Sequence[str]) -> dict[str, Any]:
     return {"openapi": "3.1.0", "info": {"title": title, "version": "0.1.0"}, "paths": paths,
-            "components": {"schemas": _schemas(limits)}}
+            "components": {"schemas": _schemas(limits, models)}}
 
 
-def route(document: dict[str, Any]) -> Route:
-    """``GET /openapi.json`` serving ``document``."""
+def route(document: Callable[[], dict[str, Any]]) -> Route:
+    """``GET /openapi.json`` serving ``document()`` (built per request: model names change at runtime)."""
     async def openapi(request: Request) -> Response:
-        return JSONResponse(document)
+        return JSONResponse(document())
     return Route("/openapi.json", openapi, methods=["GET"])

@@ -1,0 +1,45 @@
+"""``/openapi.json`` describes every mounted route, and a bounded schemathesis run against it (on the
+torch-free server) finds no 5xx."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.harness import ServerProcess
+
+INFERENCE_ROUTES = {"/ping", "/predictions/{model_name}", "/invocations", "/v1/models", "/v1/completions",
+                    "/v1/chat/completions", "/generate", "/generate_stream", "/", "/info", "/openapi.json"}
+MANAGEMENT_ROUTES = {"/models", "/models/{name}", "/requests/{request_id}", "/ping", "/metrics", "/openapi.json"}
+
+
+def test_document_lists_every_route_with_errors(echo_server: ServerProcess) -> None:
+    doc = httpx.get(f"{echo_server.url}/openapi.json", timeout=10).json()
+    assert doc["openapi"].startswith("3.") and set(doc["paths"]) == INFERENCE_ROUTES
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            if method == "post":
+                errors = {c for c in op["responses"] if c.startswith(("4", "5"))}
+                assert {"404", "413"} <= errors, (path, errors)
+                assert op["responses"]["413"]["content"]["application/json"]["schema"]["$ref"].endswith("/Error")
+    mgmt = httpx.get(f"{echo_server.mgmt}/openapi.json", timeout=10).json()
+    assert set(mgmt["paths"]) == MANAGEMENT_ROUTES
+
+
+def test_schemathesis_finds_no_server_error(echo_server: ServerProcess, tmp_path: Path) -> None:
+    st = shutil.which("st") or str(Path(sys.executable).parent / "st")
+    if not Path(st).exists():
+        pytest.skip("schemathesis is not installed")
+    cmd = [st, "run", f"{echo_server.url}/openapi.json", "--checks", "not_a_server_error",
+           "--max-examples", "25", "--seed", "1", "--request-timeout", "20", "--no-color",
+           "--phases", "examples,fuzzing", "--workers", "2",
+           "--report-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    log = echo_server.log()
+    assert "Traceback" not in log, log[-4000:]

@@ -584,8 +584,9 @@ def run_model(name: str, configs: str, passes: list[str], args: argparse.Namespa
             print(f"  [{key}] BLOCKED: {err}", flush=True)
             return
         m = metrics(res, expected)
+        m["load_avg_1m_after"] = os.getloadavg()[0]
         model_out["results"][key] = m
-        print(f"  [{key}] {_line(m)}", flush=True)
+        print(f"  [{key}] {_line(m)}  load {m['load_avg_1m_after']:.1f}", flush=True)
 
     def arrivals_for(pass_name: str) -> list[float]:
         nonlocal rate
@@ -711,6 +712,7 @@ def markdown(out: dict[str, Any]) -> str:
             kv = f"{m['kv_util_mean']:.3f} ({m['kv_util_min']:.3f})" if "kv_util_mean" in m else ""
             usage = f"{m['kv_usage_peak']:.3f} / {m['kv_usage_mean']:.3f}" if "kv_usage_peak" in m else ""
             note = f" ({m['failed']} failed)" if m.get("failed") else ""
+            note += f" (load {m['load_avg_1m_after']:.1f})" if "load_avg_1m_after" in m else ""
             lines.append(f"| {label} | {p} | {m['output_tok_s']:.1f}{note} | {f3(m['ttft_ms'])} | {f3(m['tpot_ms'], 1)} | "
                          f"{f3(m['itl_ms'], 1)} | {f3(m['e2e_ms'])} | {kv} | {usage} |")
         lines.append("")

@@ -79,6 +79,9 @@ class Handler(abc.ABC):
         """Facts for the frontend (e.g. ``max_model_len``, ``eos_token_id``, ``chat_template``)."""
         return {}
 
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources before the worker exits (called once, on shutdown)."""
+
 
 class RollingHandler(abc.ABC):
     """A continuous-batching handler, driven one step at a time by the worker's engine loop.
@@ -115,6 +118,9 @@ class RollingHandler(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """Facts for the frontend (e.g. ``max_model_len``, ``chat_template``)."""
         return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (e.g. tensor-parallel ranks) before the worker exits."""
 
 
 def option_bool(value: str | None, default: bool = False) -> bool:

@@ -54,6 +54,10 @@ class HuggingFaceRollingHandler(RollingHandler):
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
     def describe(self) -> dict[str, Any]:
         engine = self.engine
         tok = engine.tokenizer

@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -86,7 +87,7 @@ def build_model(out_dir: str | Path, arch: str = "llama", size: str = "small", s
     s = SIZES[size]
     vocab = build_tokenizer(out, s["vocab"], seed)
     vocab_size = max(vocab, s["vocab"])
-    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=2, dtype="float32")
+    common: dict[str, Any] = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=2, dtype="float32")
     config = _config(arch, s, max_position_embeddings, common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
@@ -100,7 +101,7 @@ def build_model(out_dir: str | Path, arch: str = "llama", size: str = "small", s
     return out
 
 
-def _config(arch: str, s: dict[str, int], max_pos: int, common: dict[str, object]) -> object:
+def _config(arch: str, s: dict[str, int], max_pos: int, common: dict[str, Any]) -> Any:
     from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
     if arch == "llama":

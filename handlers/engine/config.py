@@ -33,6 +33,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
     seed: int = 0
+    tensor_parallel_degree: int = 1
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> EngineConfig:
@@ -75,6 +76,7 @@ class EngineConfig:
             trust_remote_code=boolean("trust_remote_code", False),
             allow_unsafe_weights=boolean("allow_unsafe_weights", False),
             seed=integer("seed", 0),
+            tensor_parallel_degree=integer("tensor_parallel_degree", 1, 1),
         )
 
 

@@ -19,6 +19,7 @@ import torch
 from handlers.engine.config import EngineConfig, available_memory_bytes, kv_cache_blocks
 from handlers.engine.detokenizer import IncrementalDetokenizer
 from handlers.engine.paged_attention import KVPool
+from handlers.engine.parallel import TensorParallelGroup, shard_model, start_group
 from handlers.engine.runner import ModelRunner, kv_geometry
 from handlers.engine.sampling import RequestSampler, SampledToken, sample_batch
 from handlers.engine.scheduler import Scheduler, SchedulerConfig
@@ -46,23 +47,28 @@ class LLMEngine:
     """Continuous-batching generation engine. Not thread-safe: call it from one thread."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EngineConfig = EngineConfig(),
-                 available_bytes: int | None = None) -> None:
+                 available_bytes: int | None = None, tp_group: TensorParallelGroup | None = None,
+                 num_kv_heads: int | None = None) -> None:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self._backend_tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
         model_cfg = model.config  # type: ignore[union-attr]
         self.max_model_len = config.max_model_len or int(getattr(model_cfg, "max_position_embeddings", 2048))
-        num_layers, num_kv_heads, head_dim = kv_geometry(model_cfg)
+        num_layers, config_kv_heads, head_dim = kv_geometry(model_cfg)
         dtype = next(model.parameters()).dtype
-        per_token = KVPool.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+        per_token = KVPool.bytes_per_token(num_layers, num_kv_heads or config_kv_heads, head_dim, dtype)
         avail = available_memory_bytes() if available_bytes is None else available_bytes
         num_blocks = kv_cache_blocks(config, self.max_model_len, per_token, avail)
+        self.tp_group = tp_group
+        if tp_group is not None:  # every rank must build the same pool: rank 0 decides
+            num_blocks = tp_group.broadcast_int(num_blocks)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching))
-        self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
+                                  num_kv_heads=num_kv_heads, group=tp_group)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB); %.1f sequences of %d tokens fit",
                     num_blocks, config.block_size, num_blocks * config.block_size * per_token / 2**20,
                     num_blocks * config.block_size / self.max_model_len, self.max_model_len)
@@ -75,16 +81,23 @@ class LLMEngine:
 
     @classmethod
     def from_options(cls, model_dir: Path, options: Mapping[str, str]) -> LLMEngine:
-        """Load model and tokenizer from ``model_dir`` and build an engine from DJL-style options."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Load model and tokenizer from ``model_dir`` and build an engine from DJL-style options.
 
+        With ``tensor_parallel_degree`` N > 1 this process becomes rank 0 of N: it starts the other ranks,
+        and every rank loads and shards the model (see ``handlers.engine.parallel``)."""
         config = EngineConfig.from_options(options)
-        torch.set_num_threads(config.num_threads)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=_TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
-            trust_remote_code=config.trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code)
-        return cls(model, tokenizer, config)
+        group: TensorParallelGroup | None = None
+        if config.tensor_parallel_degree > 1:
+            group = start_group(config.tensor_parallel_degree, model_dir, options)
+        model, tokenizer, config = load_model_and_tokenizer(model_dir, options)
+        kv_heads = shard_model(model, 0, group.world_size) if group is not None else None
+        return cls(model, tokenizer, config, tp_group=group, num_kv_heads=kv_heads)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (no-op without tensor parallelism)."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
+            self.tp_group = None
 
     # --------------------------------------------------------------- requests
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -166,6 +179,24 @@ class LLMEngine:
             **self._counters,
             "blocks_held": {s.request_id: len(s.block_ids) for s in self.scheduler.live_sequences()},
         }
+
+
+def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str]) -> tuple[torch.nn.Module, Any, EngineConfig]:
+    """Parse the options, set torch threads, and load model (safetensors unless allowed) and tokenizer.
+    ``option.model_id`` may name another local folder (relative to ``model_dir`` or absolute)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = EngineConfig.from_options(options)
+    torch.set_num_threads(config.num_threads)
+    source = Path(model_dir)
+    model_id = options.get("model_id")
+    if model_id:
+        source = source / model_id if (source / model_id).exists() else Path(model_id)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=_TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
+        trust_remote_code=config.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
+    return model, tokenizer, config
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -33,10 +35,36 @@ def kv_geometry(config: object) -> tuple[int, int, int]:
     return num_layers, num_kv_heads, int(head_dim)
 
 
-class ModelRunner:
-    """Owns the model and the KV pool; ``execute`` runs one scheduled step and returns sampled-row logits."""
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """One step's flat batch as plain integers (what a tensor-parallel rank receives from rank 0).
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: bool = False) -> None:
+    ``seqs`` holds, per sequence, ``(q_start, start, num_new, block_table)`` where the table lists the
+    blocks covering its first ``start + num_new`` tokens; ``keep`` holds the rows whose logits are sampled.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seqs: list[tuple[int, int, int, list[int]]]
+    keep: list[int]
+
+
+class StepBroadcaster(Protocol):
+    """Sends each step to the other tensor-parallel ranks before rank 0 runs it."""
+
+    def broadcast_step(self, inputs: StepInputs | None) -> StepInputs | None: ...
+
+
+class ModelRunner:
+    """Owns the model and the KV pool; ``execute`` runs one scheduled step and returns sampled-row logits.
+
+    ``num_kv_heads`` overrides the config's count for a tensor-parallel shard; ``group`` (rank 0 only)
+    broadcasts every step to the other ranks.
+    """
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: bool = False,
+                 num_kv_heads: int | None = None, group: StepBroadcaster | None = None) -> None:
         from transformers import AttentionInterface
 
         AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
@@ -50,17 +78,24 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
+        self.group = group
+        num_layers, config_kv_heads, head_dim = kv_geometry(model.config)
         dtype = next(model.parameters()).dtype
-        self.pool = KVPool(num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype)
+        self.pool = KVPool(num_layers, num_blocks * block_size, num_kv_heads or config_kv_heads, head_dim, dtype)
 
-    @torch.inference_mode()
     def execute(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
         """Run the chunks as one flat batch; returns logits [num sampled chunks, vocab] in chunk order."""
+        inputs = self.prepare(chunks)
+        if self.group is not None:
+            self.group.broadcast_step(inputs)
+        return self.forward(inputs)
+
+    def prepare(self, chunks: Seq[ScheduledChunk]) -> StepInputs:
+        """The step's flat batch: token ids, positions, KV slots and per-sequence attention inputs."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        seqs: list[SeqAttention] = []
+        seqs: list[tuple[int, int, int, list[int]]] = []
         keep: list[int] = []
         bs = self.block_size
         for c in chunks:
@@ -71,15 +106,21 @@ class ModelRunner:
             positions.extend(range(c.start, end))
             table = seq.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
-            seqs.append(self._seq_attention(table, q0, c.start, c.num_tokens))
+            seqs.append((q0, c.start, c.num_tokens, table[:-(-end // bs)]))
             if c.samples:
                 keep.append(len(input_ids) - 1)
-        meta = StepMetadata(self.pool, torch.tensor(slots, dtype=torch.long), tuple(seqs))
+        return StepInputs(input_ids, positions, slots, seqs, keep)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Run one prepared step through the model; returns the kept rows' logits [len(keep), vocab]."""
+        seqs = tuple(self._seq_attention(table, q0, start, num_new) for q0, start, num_new, table in inputs.seqs)
+        meta = StepMetadata(self.pool, torch.tensor(inputs.slots, dtype=torch.long), seqs)
         out = self.model(
-            input_ids=torch.tensor([input_ids], dtype=torch.long),
-            position_ids=torch.tensor([positions], dtype=torch.long),
+            input_ids=torch.tensor([inputs.input_ids], dtype=torch.long),
+            position_ids=torch.tensor([inputs.positions], dtype=torch.long),
             use_cache=False,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long),
+            logits_to_keep=torch.tensor(inputs.keep, dtype=torch.long),
             **{STEP_KWARG: meta},
         )
         return out.logits[0]

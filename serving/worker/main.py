@@ -214,10 +214,13 @@ def main(argv: list[str] | None = None) -> None:
                                     "(check option.rolling_batch and option.entryPoint)"))
         return
     conn.send(Ready(pid=os.getpid(), info=handler.describe()))
-    if init.rolling:
-        serve_rolling(conn, handler, init.model_name)
-    else:
-        serve_dynamic(conn, handler, init.model_name)
+    try:
+        if init.rolling:
+            serve_rolling(conn, handler, init.model_name)
+        else:
+            serve_dynamic(conn, handler, init.model_name)
+    finally:
+        handler.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,240 @@
+"""Tensor parallelism for the rolling engine: N ranks per worker through ``torch.distributed``.
+
+Design note (Megatron-style, on stock transformers modules): every rank holds 1/N of the attention heads
+(rows of ``q/k/v_proj``, columns of ``o_proj``) and 1/N of the MLP (rows of ``gate/up_proj``, columns of
+``down_proj``); a forward hook all-reduces the outputs of the attention and MLP blocks (after ``o_proj`` and ``down_proj``). Embeddings, norms and
+``lm_head`` are replicated, so every rank computes the same logits. Transformers' attention reshapes with
+``-1`` heads, so sharded projections need no module changes; the paged attention sees ``Hkv / N`` heads and
+each rank's KV pool holds only its heads.
+
+Rank 0 is the worker process: it owns scheduling, sampling and IPC, and broadcasts each step's flat batch
+(``StepInputs`` packed into one int64 tensor) before running it; ranks 1..N-1 are child processes started
+by rank 0 (``python -m handlers.engine.parallel``) that load their shard, then loop: receive a step, run the
+model, repeat. A failed collective is fatal for the whole group: the worker exits and is restarted by the
+frontend's pool, which respawns its ranks. Backend: gloo on CPU, nccl on GPU. Single node; the group
+address is a loopback TCP port chosen by rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from handlers.engine.runner import StepInputs
+
+logger = logging.getLogger(__name__)
+
+_STOP = -1
+
+
+def pack_step(inputs: StepInputs) -> torch.Tensor:
+    """A step as one int64 tensor: counts, ids, positions, slots, kept rows, then each sequence."""
+    flat = [len(inputs.input_ids), len(inputs.seqs), len(inputs.keep), *inputs.input_ids, *inputs.positions,
+            *inputs.slots, *inputs.keep]
+    for q0, start, num_new, table in inputs.seqs:
+        flat += [q0, start, num_new, len(table), *table]
+    return torch.tensor(flat, dtype=torch.long)
+
+
+def unpack_step(t: torch.Tensor) -> StepInputs:
+    v = t.tolist()
+    n, ns, nk = v[0], v[1], v[2]
+    i = 3
+    ids, pos, slots, keep = v[i:i + n], v[i + n:i + 2 * n], v[i + 2 * n:i + 3 * n], v[i + 3 * n:i + 3 * n + nk]
+    i += 3 * n + nk
+    seqs = []
+    for _ in range(ns):
+        q0, start, num_new, tl = v[i:i + 4]
+        seqs.append((q0, start, num_new, v[i + 4:i + 4 + tl]))
+        i += 4 + tl
+    return StepInputs(ids, pos, slots, seqs, keep)
+
+
+@dataclass
+class TensorParallelGroup:
+    """This process's place in the group, and (on rank 0) the child rank processes it started."""
+
+    rank: int
+    world_size: int
+    children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def broadcast_step(self, inputs: StepInputs | None) -> StepInputs | None:
+        """Rank 0 sends the step (``None`` = stop); other ranks receive it."""
+        if self.rank == 0:
+            payload = pack_step(inputs) if inputs is not None else torch.tensor([], dtype=torch.long)
+            size = torch.tensor([payload.numel() if inputs is not None else _STOP], dtype=torch.long)
+            dist.broadcast(size, 0)
+            if inputs is not None:
+                dist.broadcast(payload, 0)
+            return inputs
+        size = torch.zeros(1, dtype=torch.long)
+        dist.broadcast(size, 0)
+        if int(size.item()) == _STOP:
+            return None
+        payload = torch.empty(int(size.item()), dtype=torch.long)
+        dist.broadcast(payload, 0)
+        return unpack_step(payload)
+
+    def broadcast_int(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.long)
+        dist.broadcast(t, 0)
+        return int(t.item())
+
+    def shutdown(self) -> None:
+        if self.rank == 0:
+            try:
+                self.broadcast_step(None)
+            except Exception:  # noqa: BLE001 - ranks may already be gone
+                pass
+            for child in self.children:
+                try:
+                    child.wait(5)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_group(world_size: int, model_dir: Path, options: Mapping[str, str]) -> TensorParallelGroup:
+    """On the worker (rank 0): spawn ranks 1..N-1 and join the process group with them."""
+    port = _free_port()
+    init_method = f"tcp://127.0.0.1:{port}"
+    children = [
+        subprocess.Popen([sys.executable, "-m", "handlers.engine.parallel", "--rank", str(r),
+                          "--world-size", str(world_size), "--init-method", init_method,
+                          "--model-dir", str(model_dir), "--options", json.dumps(dict(options))],
+                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        for r in range(1, world_size)
+    ]
+    _init(0, world_size, init_method)
+    logger.info("tensor parallel group of %d ranks up (%s)", world_size, dist.get_backend())
+    return TensorParallelGroup(0, world_size, children)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when the worker (rank 0) dies, so no rank is orphaned."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _init(rank: int, world_size: int, init_method: str) -> None:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+
+
+# ----------------------------------------------------------------------------------------- sharding
+def _keep_rows(linear: torch.nn.Linear, start: int, end: int) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight.data[start:end].contiguous(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.data[start:end].contiguous(), requires_grad=False)
+    linear.out_features = end - start
+
+
+def _keep_cols(linear: torch.nn.Linear, start: int, end: int, rank: int) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight.data[:, start:end].contiguous(), requires_grad=False)
+    if linear.bias is not None and rank != 0:  # the all-reduce would add the bias N times
+        linear.bias = torch.nn.Parameter(torch.zeros_like(linear.bias.data), requires_grad=False)
+    linear.in_features = end - start
+
+
+def _all_reduce_hook(module: torch.nn.Module, args: object, output: object) -> None:
+    """Sum the partial outputs of a row-parallel block in place (attention returns a tuple)."""
+    dist.all_reduce(output[0] if isinstance(output, tuple) else output)  # type: ignore[arg-type]
+
+
+def shard_model(model: torch.nn.Module, rank: int, world_size: int) -> int:
+    """Shard a Llama-family model in place for ``rank``; returns this rank's number of KV heads.
+
+    Raises ValueError for a model whose layout is not supported or whose heads do not divide evenly.
+    """
+    cfg: Any = model.config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    inter = int(getattr(cfg, "intermediate_size", 0))
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads), ("intermediate_size", inter)):
+        if n % world_size:
+            raise ValueError(f"tensor_parallel_degree={world_size} does not divide {what}={n}")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: tensor parallelism supports Llama-family models "
+                         "(model.model.layers with q/k/v/o_proj and gate/up/down_proj)")
+    hq, hkv, hi = heads // world_size, kv_heads // world_size, inter // world_size
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or \
+                not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(f"{type(model).__name__}: unsupported layer layout for tensor parallelism")
+        _keep_rows(attn.q_proj, rank * hq * head_dim, (rank + 1) * hq * head_dim)
+        _keep_rows(attn.k_proj, rank * hkv * head_dim, (rank + 1) * hkv * head_dim)
+        _keep_rows(attn.v_proj, rank * hkv * head_dim, (rank + 1) * hkv * head_dim)
+        _keep_cols(attn.o_proj, rank * hq * head_dim, (rank + 1) * hq * head_dim, rank)
+        _keep_rows(mlp.gate_proj, rank * hi, (rank + 1) * hi)
+        _keep_rows(mlp.up_proj, rank * hi, (rank + 1) * hi)
+        _keep_cols(mlp.down_proj, rank * hi, (rank + 1) * hi, rank)
+        # On the blocks, not the projections: prepacking later swaps the Linear modules out.
+        attn.register_forward_hook(_all_reduce_hook)
+        mlp.register_forward_hook(_all_reduce_hook)
+    return hkv
+
+
+# ------------------------------------------------------------------------------------- other ranks
+def rank_main(argv: list[str] | None = None) -> None:
+    """Entry point of ranks 1..N-1: load the shard, then run every step rank 0 broadcasts."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--model-dir", type=Path, required=True)
+    ap.add_argument("--options", required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{args.rank}[%(process)d] %(levelname)s "
+                                                   "%(name)s: %(message)s")
+    from handlers.engine.engine import load_model_and_tokenizer
+    from handlers.engine.runner import ModelRunner
+
+    options = json.loads(args.options)
+    _init(args.rank, args.world_size, args.init_method)
+    group = TensorParallelGroup(args.rank, args.world_size)
+    try:
+        model, _, config = load_model_and_tokenizer(args.model_dir, options)
+        kv_heads = shard_model(model, args.rank, args.world_size)
+        num_blocks = group.broadcast_int(0)
+        runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
+                             num_kv_heads=kv_heads)
+        while True:
+            inputs = group.broadcast_step(None)
+            if inputs is None:
+                break
+            runner.forward(inputs)
+    except Exception:  # noqa: BLE001 - any failure ends this rank; rank 0 sees the broken collective
+        logger.exception("tensor-parallel rank %d failed", args.rank)
+        os._exit(1)
+    group.shutdown()
+
+
+if __name__ == "__main__":
+    rank_main()

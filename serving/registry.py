@@ -90,8 +90,14 @@ class ModelRegistry:
                                                  server=self._server)
         except ConfigError as exc:
             log.error("model %s: invalid configuration: %s", name, exc)
-            return FailedEndpoint(name, str(exc))
+            return FailedEndpoint(name, self._without_paths(str(exc), name, model_dir))
         return ModelEndpoint(cfg, self._observer, env=self._env, log_format=self._server.log_format)
+
+    def _without_paths(self, message: str, name: str, model_dir: Path) -> str:
+        """Clients see a model's files by model name, never by where they live on the server."""
+        for prefix in {str(model_dir.resolve()), str(model_dir)}:
+            message = message.replace(prefix, name)
+        return message.replace(str(self._store), "<model_store>")
 
     async def register(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {},
                        wait: bool = True) -> AnyEndpoint:

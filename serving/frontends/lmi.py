@@ -172,14 +172,22 @@ class LmiRoutes:
         return JSONResponse(answers if was_list else answers[0], headers=headers)
 
     def _stream(self, ep: Any, req: GenerationRequest, stream: ResultStream, rid: str) -> Response:
-        sse = model_option(ep, "output_formatter") == "sse" or model_option(ep, "tgi_compat").lower() == "true"
+        tgi = model_option(ep, "tgi_compat").lower() == "true"
+        sse = tgi or model_option(ep, "output_formatter") == "sse"
         media = "text/event-stream" if sse else "application/jsonlines"
-        return StreamingResponse(lmi_events(req, stream, sse), media_type=media, headers={REQUEST_ID_HEADER: rid})
+        return StreamingResponse(lmi_events(req, stream, sse, tgi), media_type=media,
+                                 headers={REQUEST_ID_HEADER: rid})
 
 
-async def lmi_events(req: GenerationRequest, stream: ResultStream, sse: bool) -> AsyncIterator[str]:
-    """LMI token objects, one per token; the last also carries generated_text, details and timings."""
+async def lmi_events(req: GenerationRequest, stream: ResultStream, sse: bool, tgi: bool = False
+                     ) -> AsyncIterator[str]:
+    """LMI token objects, one per token; the last also carries generated_text, details and timings.
+    With ``tgi`` the token objects take TGI's stream-event shape (``logprob``, ``special``)."""
     def frame(obj: dict[str, Any]) -> str:
+        token = obj.get("token")
+        if tgi and token is not None:
+            token["logprob"] = token.pop("log_prob")
+            token["special"] = obj.get("details", {}).get("finish_reason") == "eos_token"
         data = json.dumps(obj, ensure_ascii=False)
         return f"data: {data}\n\n" if sse else data + "\n"
 

@@ -86,3 +86,4 @@ def test_tgi_compat(formats_server: ServerProcess) -> None:
         assert s.headers["content-type"].startswith("text/event-stream")
         events = _events(s)
     assert events[-1]["generated_text"] == body[0]["generated_text"]
+    assert all(set(e["token"]) == {"id", "text", "logprob", "special"} for e in events if e.get("token"))

@@ -21,6 +21,7 @@ from serving.batching.streams import ResultStream
 from serving.errors import InvalidRequest, ServingError, Unavailable
 from serving.frontends.httpio import (REQUEST_ID_HEADER, HttpContext, collect_or_cancel, error_response,
                                       read_json, request_id, timing_headers, timings_json)
+from serving.frontends.prompts import ModelTexts
 from serving.params import check_text, parse_lmi_parameters
 from serving.types import GenerationRequest, GenerationResult, ModelState, TokenInfo
 
@@ -113,6 +114,16 @@ class LmiRoutes:
 
     def __init__(self, ctx: HttpContext) -> None:
         self.ctx = ctx
+        self.texts = ModelTexts()
+
+    def check_lengths(self, ep: Any, reqs: list[GenerationRequest]) -> None:
+        """Before any work: a prompt that cannot fit the model's context is a 400 naming both counts."""
+        if not is_text_model(ep):
+            return
+        text = self.texts.get(ep)
+        for r in reqs:
+            ids = text.encode(r.prompt)
+            text.check_length(len(ids) if ids is not None else None, r.params.max_new_tokens, "max_new_tokens")
 
     def routes(self) -> list[Route]:
         return [Route("/ping", self.ping, methods=["GET"]),
@@ -145,6 +156,7 @@ class LmiRoutes:
             if isinstance(body, dict) and "messages" in body and chat is not None:
                 return await chat(request, body, ep, rid)  # LMI: a body with messages is OpenAI chat
             reqs, was_list, stream = build_requests(body, ep, rid, attributes_of(request), self.ctx)
+            self.check_lengths(ep, reqs)
             if stream:
                 if not ep.rolling:
                     raise InvalidRequest("'stream' needs a rolling-batch model (set option.rolling_batch=auto); "

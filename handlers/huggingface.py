@@ -133,7 +133,7 @@ class HuggingFaceHandler(Handler):
                               extra={"request_id": rids, "model": self.model_name})
                 results = [Output.failure(i.request.request_id, f"generation failed: {type(exc).__name__}: {exc}")
                            for i in items]
-            for item, result in zip(items, results):
+            for item, result in zip(items, results, strict=True):
                 outputs[item.index] = result
         return [o for o in outputs if o is not None]
 
@@ -213,7 +213,7 @@ class HuggingFaceHandler(Handler):
             ids, texts = ids[:_tokens_covering(texts, end)], texts[:_tokens_covering(texts, end)]
             finish, text = FinishReason.STOP, text[:start]
         tokens = tuple(TokenInfo(id=t, text=s, **self._logprobs(p, logits, k, t))
-                       for k, (t, s) in enumerate(zip(ids, texts)))
+                       for k, (t, s) in enumerate(zip(ids, texts, strict=True)))
         if p.return_full_text:
             prompt = item.request.prompt or self.tokenizer.decode(item.prompt_ids, skip_special_tokens=True)
             text = prompt + text
@@ -243,7 +243,7 @@ class HuggingFaceHandler(Handler):
         result: dict[str, Any] = {"logprob": float(logprobs[token])}
         if p.logprobs > 0:
             top = torch.topk(logprobs, min(p.logprobs, logprobs.shape[-1]))
-            result["top_logprobs"] = tuple(zip(top.indices.tolist(), top.values.tolist()))
+            result["top_logprobs"] = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
         return result
 
 

@@ -58,7 +58,7 @@ class FunctionHandler(Handler):
         if not isinstance(results, (list, tuple)) or len(results) != len(inputs):
             got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
             raise ValueError(f"handle() must return one output per input: {len(inputs)} inputs, got {got}")
-        return [_as_output(item, r) for item, r in zip(inputs, results)]
+        return [_as_output(item, r) for item, r in zip(inputs, results, strict=True)]
 
 
 def _as_output(item: Input, result: Any) -> Output:

@@ -65,7 +65,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> int:
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", bos)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
@@ -87,7 +88,8 @@ def build_model(out_dir: str | Path, arch: str = "llama", size: str = "small", s
     s = SIZES[size]
     vocab = build_tokenizer(out, s["vocab"], seed)
     vocab_size = max(vocab, s["vocab"])
-    common: dict[str, Any] = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=2, dtype="float32")
+    common: dict[str, Any] = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                                  dtype="float32")
     config = _config(arch, s, max_position_embeddings, common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)

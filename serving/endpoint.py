@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from serving.batching.dynamic import DynamicBatcher
-from serving.batching.ports import BatchObserver, Batcher, Clock, NullObserver
+from serving.batching.ports import BatchObserver, Clock, NullObserver
 from serving.batching.rolling import RollingBatcher
 from serving.batching.streams import ResultStream
 from serving.config import ModelConfig

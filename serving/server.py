@@ -24,10 +24,10 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from serving.config import ServerConfig
+from serving.frontends import openapi, tgi
 from serving.frontends.apps import build_app
 from serving.frontends.grpc import GrpcFrontend
 from serving.frontends.httpio import HttpContext, ServerState
-from serving.frontends import openapi, tgi
 from serving.frontends.lmi import LmiRoutes
 from serving.frontends.management import ManagementRoutes
 from serving.frontends.openai import OpenAIRoutes

@@ -46,9 +46,10 @@ class _Request:
 class LLMEngine:
     """Continuous-batching generation engine. Not thread-safe: call it from one thread."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EngineConfig = EngineConfig(),
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EngineConfig | None = None,
                  available_bytes: int | None = None, tp_group: TensorParallelGroup | None = None,
                  num_kv_heads: int | None = None) -> None:
+        config = config or EngineConfig()
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -131,7 +132,7 @@ class LLMEngine:
         sampled = [c.seq for c in plan.chunks if c.samples]
         reqs = [self._requests[s.request_id] for s in sampled]
         tokens = sample_batch(logits, [s.token_ids for s in sampled], [r.sampler for r in reqs])
-        return [self._advance(r, t) for r, t in zip(reqs, tokens)]
+        return [self._advance(r, t) for r, t in zip(reqs, tokens, strict=True)]
 
     def _advance(self, req: _Request, sampled: SampledToken) -> TokenDelta:
         seq = req.seq

@@ -80,7 +80,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return _attend(query, k_cache, v_cache, meta.seqs[0], scaling, gqa).transpose(1, 2), None
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)  # [1, T, H, D]
     for s in meta.seqs:
-        out[:, s.q_start:s.q_end] = _attend(query[:, :, s.q_start:s.q_end], k_cache, v_cache, s, scaling, gqa).transpose(1, 2)
+        rows = _attend(query[:, :, s.q_start:s.q_end], k_cache, v_cache, s, scaling, gqa)
+        out[:, s.q_start:s.q_end] = rows.transpose(1, 2)
     return out, None
 
 

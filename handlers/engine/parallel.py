@@ -2,7 +2,8 @@
 
 Design note (Megatron-style, on stock transformers modules): every rank holds 1/N of the attention heads
 (rows of ``q/k/v_proj``, columns of ``o_proj``) and 1/N of the MLP (rows of ``gate/up_proj``, columns of
-``down_proj``); a forward hook all-reduces the outputs of the attention and MLP blocks (after ``o_proj`` and ``down_proj``). Embeddings, norms and
+``down_proj``); a forward hook all-reduces the outputs of the attention and MLP blocks (after ``o_proj``
+and ``down_proj``). Embeddings, norms and
 ``lm_head`` are replicated, so every rank computes the same logits. Transformers' attention reshapes with
 ``-1`` heads, so sharded projections need no module changes; the paged attention sees ``Hkv / N`` heads and
 each rank's KV pool holds only its heads.

@@ -13,12 +13,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from handlers.engine.paged_attention import (
-    ATTN_IMPLEMENTATION, STEP_KWARG, KVPool, SeqAttention, StepMetadata, paged_attention_forward,
+    ATTN_IMPLEMENTATION,
+    STEP_KWARG,
+    KVPool,
+    SeqAttention,
+    StepMetadata,
+    paged_attention_forward,
 )
 from handlers.engine.prepack import prepack_linear_layers
 from handlers.engine.scheduler import ScheduledChunk
@@ -26,12 +31,12 @@ from handlers.engine.scheduler import ScheduledChunk
 logger = logging.getLogger(__name__)
 
 
-def kv_geometry(config: object) -> tuple[int, int, int]:
+def kv_geometry(config: Any) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a transformers config."""
-    num_layers = int(getattr(config, "num_hidden_layers"))
-    num_heads = int(getattr(config, "num_attention_heads"))
+    num_layers = int(config.num_hidden_layers)
+    num_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
-    head_dim = getattr(config, "head_dim", None) or int(getattr(config, "hidden_size")) // num_heads
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // num_heads
     return num_layers, num_kv_heads, int(head_dim)
 
 

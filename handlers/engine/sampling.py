@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
-    LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
@@ -76,7 +79,7 @@ def sample_batch(logits: torch.Tensor, token_ids: Seq[Seq[int]], samplers: Seq[R
     greedy_rows = [i for i, s in enumerate(samplers) if s.plain_greedy]
     if greedy_rows:
         rows = logits if len(greedy_rows) == len(samplers) else logits[greedy_rows]
-        for i, t in zip(greedy_rows, rows.argmax(-1).tolist()):
+        for i, t in zip(greedy_rows, rows.argmax(-1).tolist(), strict=True):
             chosen[i] = t
     for i, s in enumerate(samplers):
         if not s.plain_greedy:
@@ -90,6 +93,6 @@ def sample_batch(logits: torch.Tensor, token_ids: Seq[Seq[int]], samplers: Seq[R
         top: tuple[tuple[int, float], ...] = ()
         if s.params.logprobs > 0:
             values, ids = logprobs.topk(s.params.logprobs)
-            top = tuple(zip(ids.tolist(), values.tolist()))
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
         result.append(SampledToken(chosen[i], float(logprobs[chosen[i]]), top))
     return result

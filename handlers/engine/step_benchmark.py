@@ -23,7 +23,8 @@ def decode_step_ms(model_dir: Path, batch: int, context: int, steps: int, option
     params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         engine.add(f"r{i}", [5 + (i * 7 + j) % 400 for j in range(context)], params)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+    sched = engine.scheduler
+    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
         engine.step()
     times = []
     for _ in range(steps):

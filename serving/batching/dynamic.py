@@ -17,7 +17,7 @@ from typing import Any
 
 from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
 from serving.batching.streams import ResultStream
-from serving.errors import (Overloaded, RequestTimeout, ServingError, WorkerFailed, error_from_kind)
+from serving.errors import Overloaded, RequestTimeout, ServingError, WorkerFailed, error_from_kind
 from serving.types import FinishReason, GenerationRequest, TokenDelta, TokenInfo
 from serving.worker.messages import Batch, BatchResult
 

@@ -7,13 +7,12 @@ exception becomes a 500 with a request id and no traceback (the traceback goes t
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from collections.abc import Sequence
-
 from starlette.routing import BaseRoute
 
 from serving.frontends.httpio import REQUEST_ID_HEADER, request_id

@@ -19,8 +19,16 @@ from starlette.routing import Route
 
 from serving.batching.streams import ResultStream
 from serving.errors import InvalidRequest, ServingError, Unavailable
-from serving.frontends.httpio import (REQUEST_ID_HEADER, HttpContext, collect_or_cancel, error_response,
-                                      read_json, request_id, timing_headers, timings_json)
+from serving.frontends.httpio import (
+    REQUEST_ID_HEADER,
+    HttpContext,
+    collect_or_cancel,
+    error_response,
+    read_json,
+    request_id,
+    timing_headers,
+    timings_json,
+)
 from serving.frontends.prompts import ModelTexts
 from serving.params import check_text, parse_lmi_parameters
 from serving.types import GenerationRequest, GenerationResult, ModelState, TokenInfo
@@ -178,7 +186,7 @@ class LmiRoutes:
         if not is_text_model(ep) and results[0].payload is not None:
             return JSONResponse(results[0].payload, headers=headers)
         answers = [lmi_answer(r, q.params.details, q.prompt, q.params.return_full_text)
-                   for q, r in zip(reqs, results)]
+                   for q, r in zip(reqs, results, strict=True)]
         if model_option(ep, "tgi_compat").lower() == "true":
             return JSONResponse(answers, headers=headers)
         return JSONResponse(answers if was_list else answers[0], headers=headers)

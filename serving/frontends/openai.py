@@ -24,8 +24,16 @@ from starlette.routing import Route
 
 from serving.batching.streams import ResultStream
 from serving.errors import InvalidRequest, ServingError, Unavailable
-from serving.frontends.httpio import (REQUEST_ID_HEADER, HttpContext, collect_or_cancel, error_response,
-                                      read_json, request_id, timing_headers, timings_json)
+from serving.frontends.httpio import (
+    REQUEST_ID_HEADER,
+    HttpContext,
+    collect_or_cancel,
+    error_response,
+    read_json,
+    request_id,
+    timing_headers,
+    timings_json,
+)
 from serving.frontends.openai_schema import ParsedRequest, parse_chat, parse_completion
 from serving.frontends.prompts import ModelText, ModelTexts
 from serving.types import GenerationResult, TokenDelta, TokenInfo
@@ -149,7 +157,7 @@ class Answer:
     # --- whole answers ---
     def whole(self, results: list[GenerationResult]) -> dict[str, Any]:
         choices = []
-        for choice, result in zip(self.parsed.choices, results):
+        for choice, result in zip(self.parsed.choices, results, strict=True):
             body = result.text
             if self.parsed.echo:
                 body = choice.prompt_text + body
@@ -166,7 +174,7 @@ class Answer:
     def _usage(self, results: list[Any]) -> dict[str, int]:
         prompt: dict[int, int] = {}
         completion = 0
-        for choice, r in zip(self.parsed.choices, results):
+        for choice, r in zip(self.parsed.choices, results, strict=True):
             prompt[choice.prompt_index] = r.prompt_tokens
             completion += r.generated_tokens if isinstance(r, GenerationResult) else r.num_tokens
         total_prompt = sum(prompt.values())

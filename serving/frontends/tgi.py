@@ -23,8 +23,16 @@ from starlette.routing import Route
 
 from serving.batching.streams import ResultStream
 from serving.errors import ErrorKind, InvalidRequest, ServingError, Unavailable
-from serving.frontends.httpio import (REQUEST_ID_HEADER, STATUS, HttpContext, collect_or_cancel, read_json,
-                                      request_id, timing_headers, timings_json)
+from serving.frontends.httpio import (
+    REQUEST_ID_HEADER,
+    STATUS,
+    HttpContext,
+    collect_or_cancel,
+    read_json,
+    request_id,
+    timing_headers,
+    timings_json,
+)
 from serving.frontends.prompts import ModelText, ModelTexts
 from serving.params import check_text, parse_lmi_parameters
 from serving.types import GenerationRequest, GenerationResult, TokenInfo

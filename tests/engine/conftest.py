@@ -34,7 +34,6 @@ _REFS: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
 
 def reference_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """``model.generate(do_sample=False)`` new tokens for one prompt alone (memoised)."""
-    from transformers import AutoModelForCausalLM
 
     key = (str(model_dir), tuple(prompt), max_new_tokens)
     if key not in _REFS:

@@ -17,7 +17,8 @@ from serving.types import FinishReason, SamplingParams
 from tests.engine.conftest import make_prompts, reference_greedy
 
 
-def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, others: int = 0) -> tuple[list[int], str, FinishReason]:
+def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, others: int = 0
+            ) -> tuple[list[int], str, FinishReason]:
     engine.add("main", prompt, params)
     for i, p in enumerate(make_prompts(others, seed=9)):
         engine.add(f"other{i}", p, SamplingParams(max_new_tokens=8, do_sample=True, temperature=1.5))
@@ -64,7 +65,8 @@ def test_stop_token_ids_and_stop_strings(model_dirs: dict[str, Path]) -> None:
     prompt = make_prompts(3, seed=1)[1]
     ids, text, reason = run_one(engine, prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert reason is FinishReason.LENGTH and len(ids) == 12
-    ids2, _, reason2 = run_one(engine, prompt, SamplingParams(max_new_tokens=12, stop_token_ids=(ids[4],), ignore_eos=True))
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=(ids[4],), ignore_eos=True)
+    ids2, _, reason2 = run_one(engine, prompt, params)
     assert reason2 is FinishReason.STOP and ids2 == ids[:ids.index(ids[4]) + 1]
     stop = text[len(text) // 2:len(text) // 2 + 3]
     _, text3, reason3 = run_one(engine, prompt, SamplingParams(max_new_tokens=12, stop=(stop,), ignore_eos=True))

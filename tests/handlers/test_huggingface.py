@@ -75,7 +75,7 @@ def test_greedy_in_batch_of_8_equals_alone(handler: HuggingFaceHandler) -> None:
     assert len(lengths) >= 6  # really different lengths, so left padding is exercised
     outs = handler.handle([Input(str(i), p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(PROMPTS)])
     assert [o.request_id for o in outs] == [str(i) for i in range(len(PROMPTS))]
-    for prompt, out in zip(PROMPTS, outs):
+    for prompt, out in zip(PROMPTS, outs, strict=True):
         assert ids(out) == generate_alone(handler, prompt, 24), prompt
 
 

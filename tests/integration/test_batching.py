@@ -7,7 +7,6 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -61,7 +60,7 @@ def test_full_batch_is_served_together_before_the_delay(server: ServerProcess) -
     t0 = time.monotonic()
     results = asyncio.run(post_many(f"{server.url}/predictions/echo8", bodies))
     elapsed = time.monotonic() - t0
-    for (r, _), body in zip(results, bodies):
+    for (r, _), body in zip(results, bodies, strict=True):
         assert r.status_code == 200, r.text
         assert r.json()["generated_text"] == body["inputs"]
     assert elapsed < BATCH_DELAY_MS / 1000 * 0.66, f"8 requests took {elapsed:.2f}s"

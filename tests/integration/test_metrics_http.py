@@ -44,7 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def test_families_move_as_requests_flow(server: ServerProcess) -> None:
     before = scrape(server.mgmt)
     with httpx.Client(timeout=30) as c:
-        for i in range(7):
+        for _ in range(7):
             assert c.post(server.url + "/predictions/echo", json={"inputs": f"{SECRET} two three"}).status_code == 200
         assert c.post(server.url + "/predictions/echo", content=b"{not json").status_code == 400
         assert c.post(server.url + "/predictions/no-such-model", json={"inputs": "x"}).status_code == 404

@@ -76,12 +76,14 @@ def test_predictions_and_invocations(server: ServerProcess) -> None:
     assert set(r.json()) == {"generated_text"} and isinstance(r.json()["generated_text"], str)
     assert r.headers["X-Request-Id"] and int(r.headers["X-Generated-Tokens"]) <= 3
     # SageMaker route: a single model needs no model_name; a list input gives a list answer
-    r = httpx.post(f"{server.url}/invocations", json={"inputs": ["Hello", "World"], "parameters": {"max_new_tokens": 2}},
+    r = httpx.post(f"{server.url}/invocations",
+                   json={"inputs": ["Hello", "World"], "parameters": {"max_new_tokens": 2}},
                    timeout=60)
     assert r.status_code == 200, r.text
     answers = r.json()
     assert isinstance(answers, list) and len(answers) == 2 and all("generated_text" in a for a in answers)
-    r = httpx.post(f"{server.url}/invocations?model_name={MODEL}", json={"inputs": "Hi", "parameters": {"max_new_tokens": 1}},
+    r = httpx.post(f"{server.url}/invocations?model_name={MODEL}",
+                   json={"inputs": "Hi", "parameters": {"max_new_tokens": 1}},
                    timeout=60)
     assert r.status_code == 200 and "generated_text" in r.json()
 
@@ -105,7 +107,7 @@ def test_greedy_in_a_concurrent_batch_of_8_equals_transformers_generate(
                                           for p in PROMPTS))
 
     responses = asyncio.run(burst())
-    for prompt, r in zip(PROMPTS, responses):
+    for prompt, r in zip(PROMPTS, responses, strict=True):
         assert r.status_code == 200, r.text
         assert token_ids(r.json()) == reference[prompt], prompt
     # the 8 requests were batched (max_batch_delay=500 ms gives them ample time to meet)

@@ -9,8 +9,19 @@ import msgpack
 import pytest
 
 from serving.worker import codec
-from serving.worker.messages import (Abort, Add, Batch, BatchResult, Deltas, Init, LoadFailed, ProtocolError,
-                                     Ready, Reject, Shutdown)
+from serving.worker.messages import (
+    Abort,
+    Add,
+    Batch,
+    BatchResult,
+    Deltas,
+    Init,
+    LoadFailed,
+    ProtocolError,
+    Ready,
+    Reject,
+    Shutdown,
+)
 
 # Hand-assembled msgpack: 4-byte big-endian length, then a fixmap of the dataclass fields in declaration
 # order followed by the type tag "t".

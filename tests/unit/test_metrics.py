@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.rolling import RollingBatcher
-from serving.errors import Overloaded
+from serving.errors import InvalidRequest, Overloaded
 from serving.metrics import UNKNOWN_MODEL, ServingMetrics
 from serving.types import GenerationRequest, ModelState
 from serving.worker.messages import Batch, BatchResult, Deltas, Reject
@@ -63,7 +63,8 @@ def req(rid: str, model: str = "m") -> GenerationRequest:
 
 
 def output(rid: str, n: int = 3) -> dict[str, Any]:
-    return {"request_id": rid, "text": "x " * n, "finish_reason": "length", "tokens": [[i, "x", None] for i in range(n)],
+    return {"request_id": rid, "text": "x " * n, "finish_reason": "length",
+            "tokens": [[i, "x", None] for i in range(n)],
             "prompt_tokens": 2, "payload": None, "error": None, "error_kind": None}
 
 
@@ -163,7 +164,7 @@ def test_rejections_by_reason() -> None:
             b.submit(req("q3"))  # queue full
         queued.cancel()  # client left
         b.on_message(w, Reject(request_id="run", kind="invalid_request", message="prompt too long"))
-        with pytest.raises(Exception):
+        with pytest.raises(InvalidRequest):
             await running.collect()
         await asyncio.sleep(0.15)  # q1 was admitted after the reject and times out
 
@@ -268,4 +269,4 @@ def test_instrumented_app_counts_status_classes_and_buckets_unknown_models(caplo
     assert "user-chosen-name" not in m.render().decode()
     lines = [r for r in caplog.records if r.name == "serving.requests"]
     assert len(lines) == 6
-    assert all(getattr(r, "request_id") == "rid-1" and getattr(r, "model") for r in lines)
+    assert all(r.request_id == "rid-1" and r.model for r in lines)

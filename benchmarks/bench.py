@@ -458,7 +458,8 @@ def start_vllm(path: Path, workdir: Path, threads: int) -> tuple[Subprocess, str
     env.pop("PYTHONPATH", None)
     args = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
             "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
-            "--max-num-seqs", str(MAX_SEQS), "--dtype", "float32", "--max-num-batched-tokens", str(MAX_BATCH_TOKENS)]
+            "--max-num-seqs", str(MAX_SEQS), "--dtype", "float32", "--max-num-batched-tokens", str(MAX_BATCH_TOKENS),
+            "--enable-prefix-caching" if PREFIX_CACHING else "--no-enable-prefix-caching"]
     proc = Subprocess(args, env, workdir / "vllm.log", workdir)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -544,9 +545,15 @@ def _warm_workload(w: Workload, n: int = 2) -> Workload:
     return Workload(reqs, w.seed)
 
 
+PREFIX_CACHING = False  # --prefix-caching turns it on for c, d, f
+
+
 def engine_options(threads: int) -> dict[str, str]:
+    """Options of configurations c and d. Prefix caching is off by default: the workload shares no prefixes
+    within a pass, but pass 2 repeats pass 1's prompts, which a warm prefix cache would skip."""
     return {"max_rolling_batch_size": str(MAX_SEQS), "max_rolling_batch_prefill_tokens": str(MAX_BATCH_TOKENS),
-            "kv_cache_memory_mb": str(KV_CACHE_GIB * 1024), "num_threads": str(threads)}
+            "kv_cache_memory_mb": str(KV_CACHE_GIB * 1024), "num_threads": str(threads),
+            "enable_prefix_caching": "true" if PREFIX_CACHING else "false"}
 
 
 def kv_tokens_for(path: Path) -> int:
@@ -603,7 +610,8 @@ def run_model(name: str, configs: str, passes: list[str], args: argparse.Namespa
         return w.arrivals(rate)
 
     for cfg in [c for c in RUN_ORDER if c in configs]:
-        print(f" -- ({cfg}) {CONFIGS[cfg]}", flush=True)
+        model_out.setdefault("code_state", {})[cfg] = code_state()
+        print(f" -- ({cfg}) {CONFIGS[cfg]}  [code {model_out['code_state'][cfg]}]", flush=True)
         torch.set_num_threads(args.threads)
         t_cfg = time.perf_counter()
         try:
@@ -652,6 +660,21 @@ def run_model(name: str, configs: str, passes: list[str], args: argparse.Namespa
         gc.collect()
         print(f"    ({time.perf_counter() - t_cfg:.0f}s incl. load)", flush=True)
     model_out["ratios"] = ratios(model_out["results"], passes)
+
+
+def code_state() -> str:
+    """HEAD commit + a hash of the working-tree engine/handler sources (others edit them during runs)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted((REPO / "handlers").rglob("*.py")) + sorted((REPO / "serving").rglob("*.py")):
+        h.update(f.read_bytes())
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        head = "?"
+    return f"{head}+src:{h.hexdigest()[:10]}"
 
 
 def _line(m: dict[str, Any]) -> str:
@@ -762,6 +785,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=0.0,
                     help="Poisson arrival rate, requests/s (0 = auto: 0.9 x the rolling engine's burst throughput)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="enable prefix caching in c, d, f (off by default: pass 2 would reuse pass 1's prompts)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: default model, 8 requests, outputs capped at 48 tokens")
     ap.add_argument("--out", type=Path, default=None, help="results stem (default benchmarks/results/bench-STAMP)")
@@ -772,6 +797,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.model == "both":
             args.model = "default"
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    global PREFIX_CACHING
+    PREFIX_CACHING = args.prefix_caching
     import torch
 
     torch.set_num_threads(args.threads)

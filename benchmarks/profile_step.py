@@ -5,7 +5,8 @@ Admits the first ``--batch`` requests of the benchmark workload into ``LLMEngine
 admitting new prompts so steps mix prefill chunks and decodes), then profiles ``--steps`` steps.
 
     python benchmarks/profile_step.py --model 110m --batch 32 --steps 10
-    python benchmarks/profile_step.py --model 110m --phase mixed --steps 10
+    python benchmarks/profile_step.py --model 110m --batch 24 --phase mixed --steps 10   # batch < 32 leaves
+                                                                                          # room for new prompts
 """
 
 from __future__ import annotations

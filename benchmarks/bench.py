@@ -133,8 +133,8 @@ def metrics(result: RunResult, expected: list[int]) -> dict[str, Any]:
     ttft = [r.token_times[0] - r.send for r in ok]
     e2e = [(r.end or r.token_times[-1]) - r.send for r in ok]
     tpot = [((r.end or r.token_times[-1]) - r.token_times[0]) / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
-    itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
-    wrong = sum(1 for r, n in zip(recs, expected) if r.error is None and r.num_tokens != n)
+    itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+    wrong = sum(1 for r, n in zip(recs, expected, strict=True) if r.error is None and r.num_tokens != n)
     return {"completed": len(ok), "failed": len(errors), "errors": errors[:3], "wrong_lengths": wrong,
             "wall_s": wall, "output_tokens": out_tokens, "output_tok_s": out_tokens / wall if wall > 0 else 0.0,
             "request_s": len(ok) / wall if wall > 0 else 0.0,
@@ -201,7 +201,7 @@ class HFHandlerRunner:
         outs = self.handler.handle(inputs)
         done = time.perf_counter()
         steps = self.clock.times if self.clock else []
-        for (req, rec), out in zip(batch, outs):
+        for (_, rec), out in zip(batch, outs, strict=False):
             if out.error:
                 rec.error = out.error
                 continue
@@ -213,7 +213,7 @@ class HFHandlerRunner:
     def run(self, w: Workload, arrivals: list[float], batch_size: int) -> RunResult:
         t0 = time.perf_counter()
         recs = [Rec(t0 + a) for a in arrivals]
-        pending = list(zip(w.requests, recs))
+        pending = list(zip(w.requests, recs, strict=True))
         useful = alloc = 0.0
         util_steps: list[float] = []
         while pending:
@@ -531,7 +531,7 @@ def run_http(kind: str, url: str, w: Workload, arrivals: list[float]) -> RunResu
             t0 = time.perf_counter() + 0.05
             recs = [Rec(t0 + a) for a in arrivals]
             fn = _stream_lmi if kind == "lmi" else _stream_openai
-            await asyncio.gather(*(fn(client, url, r, rec) for r, rec in zip(w.requests, recs)))
+            await asyncio.gather(*(fn(client, url, r, rec) for r, rec in zip(w.requests, recs, strict=True)))
             return recs
 
     return RunResult(asyncio.run(main()))
@@ -681,7 +681,8 @@ def _line(m: dict[str, Any]) -> str:
     if not m.get("completed"):
         return f"no request completed: {m.get('errors')}"
     s = (f"{m['output_tok_s']:.1f} tok/s  wall {m['wall_s']:.1f}s  TTFT p50 {m['ttft_ms']['p50']:.0f}ms  "
-         f"TPOT p50 {m['tpot_ms']['p50']:.1f}ms  ITL p50 {m['itl_ms']['p50']:.1f}ms  E2E p50 {m['e2e_ms']['p50']:.0f}ms")
+         f"TPOT p50 {m['tpot_ms']['p50']:.1f}ms  ITL p50 {m['itl_ms']['p50']:.1f}ms  "
+         f"E2E p50 {m['e2e_ms']['p50']:.0f}ms")
     if m.get("failed") or m.get("wrong_lengths"):
         s += f"  failed {m['failed']} wrong-lengths {m['wrong_lengths']} {m.get('errors')}"
     if "kv_util_mean" in m:
@@ -714,7 +715,8 @@ def markdown(out: dict[str, Any]) -> str:
     for name, mo in out["models"].items():
         lines.append(f"### model `{name}` ({mo['workload']['num_requests']} requests, "
                      f"{mo['workload']['prompt_tokens_total']} prompt / {mo['workload']['output_tokens_total']} "
-                     f"output tokens; Poisson rate {mo.get('poisson_rate_req_s', float('nan')):.2f} req/s)")
+                     f"output tokens" + (f"; Poisson rate {mo['poisson_rate_req_s']:.2f} req/s)"
+                                         if "poisson_rate_req_s" in mo else ")"))
         lines.append("")
         lines.append("| config | pass | out tok/s | TTFT mean / p50 / p99 ms | TPOT mean / p50 / p99 ms | "
                      "ITL mean / p50 / p99 ms | E2E mean / p50 / p99 ms | KV util mean (min) | KV usage peak / mean |")
@@ -736,7 +738,8 @@ def markdown(out: dict[str, Any]) -> str:
             usage = f"{m['kv_usage_peak']:.3f} / {m['kv_usage_mean']:.3f}" if "kv_usage_peak" in m else ""
             note = f" ({m['failed']} failed)" if m.get("failed") else ""
             note += f" (load {m['load_avg_1m_after']:.1f})" if "load_avg_1m_after" in m else ""
-            lines.append(f"| {label} | {p} | {m['output_tok_s']:.1f}{note} | {f3(m['ttft_ms'])} | {f3(m['tpot_ms'], 1)} | "
+            lines.append(f"| {label} | {p} | {m['output_tok_s']:.1f}{note} | {f3(m['ttft_ms'])} | "
+                         f"{f3(m['tpot_ms'], 1)} | "
                          f"{f3(m['itl_ms'], 1)} | {f3(m['e2e_ms'])} | {kv} | {usage} |")
         lines.append("")
         if mo.get("ratios"):

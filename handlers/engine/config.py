@@ -29,7 +29,8 @@ class EngineConfig:
     num_threads: int = 1
     max_model_len: int = 0
     dtype: str = "fp32"
-    prepack_weights: bool = True
+    prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.prepack)
+    fuse_projections: bool = False  # measured neutral-to-slower on this CPU (see closing notes)
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
     seed: int = 0
@@ -72,12 +73,23 @@ class EngineConfig:
             num_threads=integer("num_threads", 1, 1),
             max_model_len=integer("max_model_len", 0),
             dtype=dtype,
-            prepack_weights=boolean("prepack_weights", True),
+            prepack_weights=prepack_mode(options.get("prepack_weights")),
+            fuse_projections=boolean("fuse_projections", False),
             trust_remote_code=boolean("trust_remote_code", False),
             allow_unsafe_weights=boolean("allow_unsafe_weights", False),
             seed=integer("seed", 0),
             tensor_parallel_degree=integer("tensor_parallel_degree", 1, 1),
         )
+
+
+def prepack_mode(raw: str | None) -> str:
+    """``option.prepack_weights``: ``hybrid`` (default), or a boolean (``true`` = packed only)."""
+    value = (raw or "hybrid").strip().lower()
+    if value == "hybrid":
+        return value
+    if value not in _BOOL:
+        raise ConfigError(f"option.prepack_weights={raw!r} must be hybrid, true or false")
+    return "true" if _BOOL[value] else "false"
 
 
 def available_memory_bytes() -> int:

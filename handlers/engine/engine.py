@@ -69,7 +69,7 @@ class LLMEngine:
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching))
         self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
-                                  num_kv_heads=num_kv_heads, group=tp_group)
+                                  num_kv_heads=num_kv_heads, group=tp_group, fuse_weights=config.fuse_projections)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB); %.1f sequences of %d tokens fit",
                     num_blocks, config.block_size, num_blocks * config.block_size * per_token / 2**20,
                     num_blocks * config.block_size / self.max_model_len, self.max_model_len)

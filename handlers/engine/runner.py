@@ -25,6 +25,7 @@ from handlers.engine.paged_attention import (
     StepMetadata,
     paged_attention_forward,
 )
+from handlers.engine.fusion import fuse_projections
 from handlers.engine.prepack import prepack_linear_layers
 from handlers.engine.scheduler import ScheduledChunk
 
@@ -68,8 +69,9 @@ class ModelRunner:
     broadcasts every step to the other ranks.
     """
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: bool = False,
-                 num_kv_heads: int | None = None, group: StepBroadcaster | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: str = "false",
+                 num_kv_heads: int | None = None, group: StepBroadcaster | None = None,
+                 fuse_weights: bool = False) -> None:
         from transformers import AttentionInterface
 
         AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
@@ -77,8 +79,10 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)  # type: ignore[operator]
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:  # type: ignore[union-attr]
             raise ValueError(f"{type(model).__name__} does not support a custom attention implementation")
-        if prepack_weights:
-            n = prepack_linear_layers(model)
+        if fuse_weights:
+            logger.info("fused %d projection groups (QKV, gate/up)", fuse_projections(model))
+        if prepack_weights in ("true", "hybrid"):
+            n = prepack_linear_layers(model, hybrid=prepack_weights == "hybrid")
             logger.info("prepacked %d linear layers for oneDNN", n)
         self.model = model
         self.block_size = block_size

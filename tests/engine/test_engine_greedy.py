@@ -45,6 +45,7 @@ VARIANTS = {
     "chunked-no-prefix": {"max_rolling_batch_prefill_tokens": "32", "enable_prefix_caching": "false"},
     "chunked-prefix": {"max_rolling_batch_prefill_tokens": "32", "block_size": "4"},
     "no-prepack": {"prepack_weights": "false", "block_size": "8"},
+    "packed-only+fused": {"prepack_weights": "true", "fuse_projections": "true"},
 }
 
 

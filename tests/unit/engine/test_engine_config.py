@@ -20,7 +20,10 @@ from serving.errors import ConfigError
     ({"enable_prefix_caching": "False"}, "enable_prefix_caching", False),
     ({"kv_cache_memory_mb": "100"}, "kv_cache_memory_mb", 100),
     ({"max_model_len": "1024"}, "max_model_len", 1024),
-    ({"prepack_weights": "false"}, "prepack_weights", False),
+    ({"prepack_weights": "false"}, "prepack_weights", "false"),
+    ({"prepack_weights": "True"}, "prepack_weights", "true"),
+    ({}, "prepack_weights", "hybrid"),
+    ({}, "fuse_projections", False),
 ])
 def test_options(options: dict[str, str], field: str, value: object) -> None:
     assert getattr(EngineConfig.from_options(options), field) == value
@@ -31,6 +34,7 @@ def test_options(options: dict[str, str], field: str, value: object) -> None:
     ({"block_size": "0"}, "must be >= 1"),
     ({"enable_prefix_caching": "maybe"}, "not a boolean"),
     ({"dtype": "int3"}, "option.dtype"),
+    ({"prepack_weights": "sometimes"}, "must be hybrid, true or false"),
 ])
 def test_bad_options(options: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 # Measured on this CPU (one thread, 768x2048-class weights): the packed weight is 1.3-1.6x faster for 2-16
 # rows, equal at 1 and 32-64, and 10-30% slower for prefill-sized inputs (256-2048 rows).
 HYBRID_MAX_PACKED_ROWS = 16

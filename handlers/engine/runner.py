@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from handlers.engine.fusion import fuse_projections
 from handlers.engine.paged_attention import (
     ATTN_IMPLEMENTATION,
     STEP_KWARG,
@@ -25,7 +26,6 @@ from handlers.engine.paged_attention import (
     StepMetadata,
     paged_attention_forward,
 )
-from handlers.engine.fusion import fuse_projections
 from handlers.engine.prepack import prepack_linear_layers
 from handlers.engine.scheduler import ScheduledChunk
 

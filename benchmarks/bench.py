@@ -782,7 +782,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="both", choices=["default", "110m", "both"])
     ap.add_argument("--configs", default="a,b,c,d,e,f", help="comma-separated subset of a,b,c,d,e,f")
-    ap.add_argument("--passes", default="burst,poisson", help="burst, poisson or both")
+    ap.add_argument("--passes", default="burst,poisson", help="comma-separated: burst, poisson (default both)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1)")
     ap.add_argument("--rate", type=float, default=0.0,
@@ -810,6 +810,8 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         ap.error(f"unknown configs {sorted(bad)}")
     passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+    if not passes or set(passes) - {"burst", "poisson"}:
+        ap.error(f"--passes takes burst and/or poisson, got {args.passes!r}")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out: dict[str, Any] = {"stamp": stamp, "conditions": conditions(args), "args": vars(args) | {"out": str(args.out)},
                            "configs": CONFIGS, "kv_definition": KV_UTIL_DEF, "models": {}}

@@ -1,6 +1,7 @@
 """Measure decode step times of ``LLMEngine`` (B sequences, one new token each), one torch thread.
 
     python -m handlers.engine.step_benchmark MODEL_DIR [--batch 1 8 32] [--context 256] [--steps 10]
+        [--prefill 2048] [--option prepack_weights=hybrid|true|false]
 """
 
 from __future__ import annotations
@@ -35,6 +36,23 @@ def decode_step_ms(model_dir: Path, batch: int, context: int, steps: int, option
     return statistics.median(times)
 
 
+def prefill_step_ms(model_dir: Path, num_tokens: int, options: dict[str, str], repeats: int = 3) -> float:
+    """Best wall time of one step that prefills ``num_tokens`` prompt tokens (16 prompts of equal length)."""
+    engine = LLMEngine.from_options(model_dir, {"max_rolling_batch_prefill_tokens": str(num_tokens), **options})
+    length = max(1, num_tokens // 16)
+    times = []
+    for rep in range(repeats):
+        for i in range(16):
+            prompt = [5 + (i * 31 + j * 7 + rep) % 4000 for j in range(length)]
+            engine.add(f"p{rep}-{i}", prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        while engine.has_work():
+            engine.step()
+    return min(times)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", type=Path)
@@ -42,12 +60,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--option", action="append", default=[], help="KEY=VALUE engine option")
+    ap.add_argument("--prefill", type=int, default=0, help="also time one step prefilling this many tokens")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     options = dict(o.split("=", 1) for o in args.option)
     options.setdefault("kv_cache_memory_mb", "1200")
     result = {b: round(decode_step_ms(args.model_dir, b, args.context, args.steps, options), 1) for b in args.batch}
-    print(json.dumps({"options": options, "context": args.context, "median_step_ms": result}))
+    report: dict[str, object] = {"options": options, "context": args.context, "median_step_ms": result}
+    if args.prefill:
+        report[f"prefill_{args.prefill}_tokens_ms"] = round(prefill_step_ms(args.model_dir, args.prefill, options))
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

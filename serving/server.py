@@ -22,6 +22,7 @@ from typing import Any
 
 import uvicorn
 from prometheus_client import CollectorRegistry
+from starlette.routing import Route
 
 from serving.config import ServerConfig
 from serving.frontends import openapi, tgi
@@ -76,11 +77,12 @@ class Server:
         self._stop = asyncio.Event()
         self.ports: dict[str, int] = {}
         self.grpc: Any = None
+        self.lmi = LmiRoutes(self.http)
 
     def _inference_routes(self) -> list[Any]:
         openai_routes = OpenAIRoutes(self.http)
         self.state.extra["chat_handler"] = openai_routes.chat_for_lmi  # LMI bodies with `messages`
-        return [*LmiRoutes(self.http).routes(), *openai_routes.routes(), *tgi.routes(self.http),
+        return [*self.lmi.routes(), *openai_routes.routes(), *tgi.routes(self.http),
                 openapi.route(lambda: openapi.inference_document(self.limits, sorted(self.registry.endpoints)))]
 
     async def run(self) -> None:
@@ -90,7 +92,7 @@ class Server:
         metrics_route = self.metrics.route
         inference = self.metrics.instrument(build_app(self._inference_routes()))
         management = build_app(ManagementRoutes(self.http, self.registry, self.config.drain_timeout_s,
-                                                metrics_route).routes() + LmiRoutes(self.http).routes()[:1]
+                                                metrics_route).routes() + [Route("/ping", self.lmi.ping)]
                                + [openapi.route(lambda: openapi.management_document(
                                    self.limits, sorted(self.registry.endpoints)))])
         host, port = self.config.inference_host_port()
@@ -100,7 +102,6 @@ class Server:
                      ("management", management, *self.config.management_host_port())]
         mhp = self.config.metrics_host_port()
         if mhp is not None:
-            from starlette.routing import Route
             listeners.append(("metrics", build_app([Route("/metrics", metrics_route)]), *mhp))
         serve_tasks = []
         for name, app, h, p in listeners:

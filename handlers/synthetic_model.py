@@ -5,7 +5,7 @@ random-initialised transformers config (fixed seed) with a byte-level BPE tokeni
 generated corpus, saved as safetensors and loaded back through the ordinary ``from_pretrained`` path.
 The tokenizer carries a chat template so chat routes work.
 
-    python -m handlers.synthetic_model OUT_DIR [--arch llama|qwen2|gpt2] [--size tiny|small|110m]
+    python -m handlers.synthetic_model OUT_DIR [--arch FAMILY] [--size tiny|small|110m]
 """
 
 from __future__ import annotations
@@ -103,28 +103,96 @@ def build_model(out_dir: str | Path, arch: str = "llama", size: str = "small", s
     return out
 
 
-def _config(arch: str, s: dict[str, int], max_pos: int, common: dict[str, Any]) -> Any:
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+# Sliding window of the family matrix's models: small, so that prompts and outputs cross it.
+TEST_SLIDING_WINDOW = 16
 
-    if arch == "llama":
-        return LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
-                           num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                           max_position_embeddings=max_pos, tie_word_embeddings=False, **common)
-    if arch == "qwen2":
-        return Qwen2Config(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
-                           num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                           max_position_embeddings=max_pos, tie_word_embeddings=False, use_sliding_window=False,
-                           **common)
-    if arch == "gpt2":
-        return GPT2Config(n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"], n_positions=max_pos,
-                          **common)
-    raise ValueError(f"unknown arch {arch!r}")
+
+def _config(arch: str, s: dict[str, int], max_pos: int, common: dict[str, Any]) -> Any:
+    """A transformers config of family ``arch`` (see ``FAMILIES``) at size ``s``."""
+    from transformers import AutoConfig
+
+    if arch not in FAMILIES:
+        raise ValueError(f"unknown arch {arch!r}; one of {', '.join(sorted(FAMILIES))}")
+    model_type, extra = FAMILIES[arch](s, max_pos)
+    return AutoConfig.for_model(model_type, **{**common, **extra})
+
+
+def _llama_like(s: dict[str, int], max_pos: int, **extra: Any) -> dict[str, Any]:
+    return dict(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+                num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], max_position_embeddings=max_pos,
+                tie_word_embeddings=False, **extra)
+
+
+def _alternating(s: dict[str, int], first: str = "sliding_attention") -> list[str]:
+    other = "full_attention" if first == "sliding_attention" else "sliding_attention"
+    return [first if i % 2 == 0 else other for i in range(s["layers"])]
+
+
+_W = TEST_SLIDING_WINDOW
+_Family = Any  # Callable[[dict[str, int], int], tuple[str, dict[str, Any]]]
+# name -> (model_type, config kwargs). Windows and soft-caps are small enough to matter in short tests.
+FAMILIES: dict[str, _Family] = {
+    "llama": lambda s, m: ("llama", _llama_like(s, m)),
+    "mistral": lambda s, m: ("mistral", _llama_like(s, m, sliding_window=_W)),
+    "qwen2": lambda s, m: ("qwen2", _llama_like(s, m, use_sliding_window=False)),
+    "qwen2-swa": lambda s, m: ("qwen2", _llama_like(s, m, use_sliding_window=True, sliding_window=_W,
+                                                    max_window_layers=1)),
+    "qwen3": lambda s, m: ("qwen3", _llama_like(s, m, head_dim=s["hidden"] // s["heads"])),
+    "gemma": lambda s, m: ("gemma", _llama_like(s, m, head_dim=s["hidden"] // s["heads"])),
+    "gemma2": lambda s, m: ("gemma2", _llama_like(
+        s, m, head_dim=s["hidden"] // s["heads"], sliding_window=_W, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, query_pre_attn_scalar=s["hidden"] // s["heads"],
+        layer_types=_alternating(s))),
+    "gemma3": lambda s, m: ("gemma3_text", _llama_like(
+        s, m, head_dim=s["hidden"] // s["heads"], sliding_window=_W, query_pre_attn_scalar=s["hidden"] // s["heads"],
+        layer_types=_alternating(s))),
+    "phi3": lambda s, m: ("phi3", _llama_like(s, m, sliding_window=_W)),
+    "starcoder2": lambda s, m: ("starcoder2", _llama_like(s, m, sliding_window=_W)),
+    "mixtral": lambda s, m: ("mixtral", _llama_like(s, m, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": lambda s, m: ("qwen2_moe", _llama_like(
+        s, m, moe_intermediate_size=s["inter"] // 2, shared_expert_intermediate_size=s["inter"], num_experts=4,
+        num_experts_per_tok=2, use_sliding_window=False)),
+    "qwen3_moe": lambda s, m: ("qwen3_moe", _llama_like(
+        s, m, head_dim=s["hidden"] // s["heads"], moe_intermediate_size=s["inter"] // 2, num_experts=4,
+        num_experts_per_tok=2)),
+    "olmo2": lambda s, m: ("olmo2", _llama_like(s, m)),
+    "gpt_oss": lambda s, m: ("gpt_oss", _llama_like(
+        s, m, head_dim=s["hidden"] // s["heads"], sliding_window=_W, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=_alternating(s), rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "cohere": lambda s, m: ("cohere", _llama_like(s, m)),
+    "granite": lambda s, m: ("granite", _llama_like(s, m)),
+    "stablelm": lambda s, m: ("stablelm", _llama_like(s, m)),
+    "phi": lambda s, m: ("phi", _llama_like(s, m)),
+    "gpt2": lambda s, m: ("gpt2", dict(n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"], n_positions=m)),
+    "gpt_neox": lambda s, m: ("gpt_neox", dict(
+        hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], max_position_embeddings=m, tie_word_embeddings=False)),
+    # Falcon-7B layout: one shared K/V head (multi-query), parallel attention + MLP, rotary.
+    "falcon-7b": lambda s, m: ("falcon", dict(
+        hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"], multi_query=True,
+        new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False, max_position_embeddings=m)),
+    # Falcon-40B/180B layout: grouped K/V heads interleaved with their queries, two layer norms.
+    "falcon-40b": lambda s, m: ("falcon", dict(
+        hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        num_kv_heads=s["kv_heads"], new_decoder_architecture=True, parallel_attn=True, bias=False, alibi=False,
+        max_position_embeddings=m)),
+    # Falcon-RW layout: sequential attention and MLP, separate Q/K/V heads, biases.
+    "falcon-rw": lambda s, m: ("falcon", dict(
+        hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"], multi_query=False,
+        new_decoder_architecture=False, parallel_attn=False, bias=True, alibi=False, max_position_embeddings=m)),
+    "falcon-alibi": lambda s, m: ("falcon", dict(
+        hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"], multi_query=False,
+        new_decoder_architecture=False, parallel_attn=False, bias=True, alibi=True, max_position_embeddings=m)),
+    "bloom": lambda s, m: ("bloom", dict(hidden_size=s["hidden"], n_layer=s["layers"], n_head=s["heads"])),
+    "mpt": lambda s, m: ("mpt", dict(d_model=s["hidden"], n_layers=s["layers"], n_heads=s["heads"],
+                                     max_seq_len=m, expansion_ratio=2)),
+}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
-    ap.add_argument("--arch", default="llama", choices=["llama", "qwen2", "gpt2"])
+    ap.add_argument("--arch", default="llama", choices=sorted(FAMILIES))
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

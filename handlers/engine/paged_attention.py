@@ -1,21 +1,39 @@
 """The paged-attention function plugged into transformers models through ``AttentionInterface``.
 
 Design note: the model runs one flat batch ``[1, T]`` of tokens from many sequences with no cache
-object (``use_cache=False``); each layer's attention call receives this step's ``StepMetadata`` through
-the forward kwargs. The function writes the step's new K/V into the layer's slots of the preallocated
-pool (in place), then attends per sequence against that sequence's cached KV. A sequence whose blocks are
-contiguous is read as a view of the pool (no copy); otherwise its slots are gathered.
+object (``use_cache=False``); each attention call finds this step's ``StepMetadata`` through the
+``StepContext`` the runner attached to the model's attention modules (some families do not forward
+extra kwargs to attention, so a kwarg would not reach them). The function writes the step's new K/V
+into the layer's slots of the preallocated pool (in place), then attends per sequence against that
+sequence's cached KV. A sequence whose blocks are contiguous is read as a view of the pool (no copy);
+otherwise its slots are gathered.
+
+Attention features: per-layer sliding windows (a query at position p sees keys (p - window, p], as
+transformers' masks), logit soft-capping (Gemma-2) and attention sinks (gpt-oss ``s_aux``). Plain
+attention runs SDPA's fused CPU kernel; soft-capping and sinks run an exact eager path. Any other
+attention argument with a value raises ``UnsupportedAttentionFeature``: the engine probes one forward
+at load, so a model needing a feature the engine lacks is refused by name, never served wrongly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "rollserve_paged"
-STEP_KWARG = "rollserve_step"
+CONTEXT_ATTR = "rollserve_context"
+
+# Arguments transformers passes to attention that carry no attention semantics (bookkeeping for caches,
+# routers and masks the engine builds itself).
+_NEUTRAL_KWARGS = frozenset({"position_ids", "use_cache", "output_attentions", "output_router_logits",
+                             "cache_position", "past_key_values", "past_key_value", "layer_head_mask",
+                             "is_causal", "output_hidden_states", "return_dict"})
+
+
+class UnsupportedAttentionFeature(ValueError):
+    """A model asked the attention for something the engine does not implement (named in the message)."""
 
 
 class KVPool:
@@ -36,16 +54,28 @@ class KVPool:
 
 
 @dataclass(frozen=True, slots=True)
-class SeqAttention:
-    """One sequence's slice of the step: query rows [q_start, q_end) and its KV of ``kv_len`` tokens.
+class SeqSpan:
+    """One sequence's part of the step, independent of the layer: query rows [q_start, q_start + num_new)
+    are its tokens at positions [start, start + num_new); ``block_table`` covers its first start + num_new
+    tokens (entries wholly before every layer's window may be stale: they are never read)."""
 
-    KV is ``pool[kv_slot_start : kv_slot_start + kv_len]`` when ``kv_index`` is None, else
-    ``pool[kv_index]``. ``mask`` (bool [q, kv_len]) is set for a chunk after cached tokens; ``causal``
-    for a chunk that starts at position 0.
+    q_start: int
+    start: int
+    num_new: int
+    block_table: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SeqAttention:
+    """How one layer reads one sequence: query rows [q_start, q_end) against ``kv_len`` keys at positions
+    [kv_pos, kv_pos + kv_len). KV is ``pool[kv_slot_start : kv_slot_start + kv_len]`` when ``kv_index`` is
+    None, else ``pool[kv_index]``. ``mask`` (bool [q, kv_len], True = visible) or ``causal`` (keys and
+    queries start at the same position) shape it; neither means every key is visible (decode).
     """
 
     q_start: int
     q_end: int
+    kv_pos: int
     kv_len: int
     kv_slot_start: int
     kv_index: torch.Tensor | None
@@ -53,41 +83,98 @@ class SeqAttention:
     causal: bool
 
 
-@dataclass(frozen=True, slots=True)
+def seq_attention(span: SeqSpan, block_size: int, window: int = 0) -> SeqAttention:
+    """The keys one sequence's queries read in a layer with sliding ``window`` (0 = full attention)."""
+    bs = block_size
+    start, n = span.start, span.num_new
+    end = start + n
+    lo = max(0, start - window + 1) if window else 0  # first key the first query sees
+    table = span.block_table
+    b0, b1 = lo // bs, (end - 1) // bs
+    contiguous = table[b1] - table[b0] == b1 - b0 and (
+        b1 - b0 < 2 or all(table[i + 1] == table[i] + 1 for i in range(b0, b1)))
+    index = None
+    if not contiguous:
+        blocks = torch.tensor(table[b0:b1 + 1], dtype=torch.long)
+        index = (blocks[:, None] * bs + torch.arange(bs)).flatten()[lo - b0 * bs:end - b0 * bs]
+    mask = None
+    causal = False
+    if n > 1:
+        if lo == start and (not window or n <= window):
+            causal = True
+        else:
+            q_pos = torch.arange(start, end)[:, None]
+            k_pos = torch.arange(lo, end)[None, :]
+            mask = k_pos <= q_pos
+            if window:
+                mask &= k_pos > q_pos - window
+    return SeqAttention(span.q_start, span.q_start + n, lo, end - lo, table[b0] * bs + lo - b0 * bs, index, mask,
+                        causal)
+
+
+@dataclass(slots=True)
 class StepMetadata:
-    """What every attention layer needs for one step; built once per step by the runner."""
+    """What every attention layer needs for one step; built once per step by the runner. Per-window views
+    of the sequences are built by the first layer that needs them and shared by the others."""
 
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] int64: pool slot of each new token
-    seqs: tuple[SeqAttention, ...]
+    spans: tuple[SeqSpan, ...]
+    block_size: int
+    _views: dict[int, tuple[SeqAttention, ...]] = field(default_factory=dict)
+
+    def views(self, window: int = 0) -> tuple[SeqAttention, ...]:
+        found = self._views.get(window)
+        if found is None:
+            found = tuple(seq_attention(s, self.block_size, window) for s in self.spans)
+            self._views[window] = found
+        return found
+
+
+@dataclass(slots=True)
+class StepContext:
+    """Holder of the step being run, shared by the runner and every attention module of its model."""
+
+    meta: StepMetadata | None = None
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
-                            scaling: float | None = None, dropout: float = 0.0,
+                            scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                            softcap: float | None = None, s_aux: torch.Tensor | None = None,
                             **kwargs: object) -> tuple[torch.Tensor, None]:
-    """AttentionInterface function: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
-    meta = kwargs.get(STEP_KWARG)
-    if not isinstance(meta, StepMetadata):
-        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the {STEP_KWARG!r} forward kwarg")
+    """AttentionInterface function: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None).
+    ``attention_mask`` (transformers' mask over the flat batch) is ignored: the engine masks per sequence."""
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _NEUTRAL_KWARGS)
+    if unknown:
+        raise UnsupportedAttentionFeature(
+            f"{type(module).__name__} passes attention argument(s) {', '.join(unknown)} that the rolling engine "
+            "does not implement")
+    context = getattr(module, CONTEXT_ATTR, None)
+    meta = context.meta if isinstance(context, StepContext) else None
+    if meta is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention called outside an engine step")
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     k_cache = meta.pool.keys[layer]
     v_cache = meta.pool.values[layer]
     k_cache.index_copy_(1, meta.slot_mapping, key[0])  # key[0]: [Hkv, T, D]
     v_cache.index_copy_(1, meta.slot_mapping, value[0])
-    gqa = query.shape[1] != k_cache.shape[0]
-    if len(meta.seqs) == 1:
-        return _attend(query, k_cache, v_cache, meta.seqs[0], scaling, gqa).transpose(1, 2), None
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    eager = softcap is not None or s_aux is not None
+    views = meta.views(int(sliding_window or 0))
+    if len(views) == 1:
+        return _attend(query, k_cache, v_cache, views[0], scaling, eager, softcap, s_aux).transpose(1, 2), None
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)  # [1, T, H, D]
-    for s in meta.seqs:
-        rows = _attend(query[:, :, s.q_start:s.q_end], k_cache, v_cache, s, scaling, gqa)
+    for s in views:
+        rows = _attend(query[:, :, s.q_start:s.q_end], k_cache, v_cache, s, scaling, eager, softcap, s_aux)
         out[:, s.q_start:s.q_end] = rows.transpose(1, 2)
     return out, None
 
 
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: SeqAttention,
-            scaling: float | None, gqa: bool) -> torch.Tensor:
-    """Causal attention of one sequence's queries [1, H, q, D] against its KV; returns [1, H, q, D].
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: SeqAttention, scaling: float,
+            eager: bool, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention of one sequence's queries [1, H, q, D] against its KV; returns [1, H, q, D].
     (4-D inputs, so SDPA takes the CPU flash kernel.)"""
     if s.kv_index is None:
         k = k_cache[:, s.kv_slot_start:s.kv_slot_start + s.kv_len].unsqueeze(0)  # [1, Hkv, L, D], a view
@@ -95,5 +182,33 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: Se
     else:
         k = k_cache.index_select(1, s.kv_index).unsqueeze(0)
         v = v_cache.index_select(1, s.kv_index).unsqueeze(0)
+    if eager:
+        return _attend_eager(q, k, v, s, scaling, softcap, sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, is_causal=s.causal, scale=scaling,
-                                          enable_gqa=gqa)
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _attend_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: SeqAttention, scaling: float,
+                  softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Explicit softmax attention with soft-capped logits and/or a per-head sink logit, computed in fp32
+    as transformers' eager reference does. Query heads are grouped by their KV head (no KV copy)."""
+    _, num_heads, n, head_dim = q.shape
+    num_kv = k.shape[1]
+    g = num_heads // num_kv
+    qg = q.reshape(1, num_kv, g * n, head_dim).float()
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)).mul_(scaling).view(1, num_kv, g, n, s.kv_len)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = s.mask
+    if mask is None and s.causal:
+        mask = torch.ones(n, s.kv_len, dtype=torch.bool).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, num_kv, g, 1, 1).expand(1, num_kv, g, n, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores - scores.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.to(v.dtype).view(1, num_kv, g * n, s.kv_len), v)  # [1, Hkv, g*n, D]
+    return out.view(1, num_heads, n, head_dim)

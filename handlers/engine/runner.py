@@ -20,9 +20,10 @@ import torch
 from handlers.engine.fusion import fuse_projections
 from handlers.engine.paged_attention import (
     ATTN_IMPLEMENTATION,
-    STEP_KWARG,
+    CONTEXT_ATTR,
     KVPool,
-    SeqAttention,
+    SeqSpan,
+    StepContext,
     StepMetadata,
     paged_attention_forward,
 )
@@ -84,6 +85,10 @@ class ModelRunner:
         if prepack_weights in ("true", "hybrid"):
             n = prepack_linear_layers(model, hybrid=prepack_weights == "hybrid")
             logger.info("prepacked %d linear layers for oneDNN", n)
+        self.context = StepContext()
+        for module in model.modules():
+            if hasattr(module, "layer_idx"):
+                setattr(module, CONTEXT_ATTR, self.context)
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -123,29 +128,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Run one prepared step through the model; returns the kept rows' logits [len(keep), vocab]."""
-        seqs = tuple(self._seq_attention(table, q0, start, num_new) for q0, start, num_new, table in inputs.seqs)
-        meta = StepMetadata(self.pool, torch.tensor(inputs.slots, dtype=torch.long), seqs)
-        out = self.model(
-            input_ids=torch.tensor([inputs.input_ids], dtype=torch.long),
-            position_ids=torch.tensor([inputs.positions], dtype=torch.long),
-            use_cache=False,
-            logits_to_keep=torch.tensor(inputs.keep, dtype=torch.long),
-            **{STEP_KWARG: meta},
-        )
+        spans = tuple(SeqSpan(q0, start, num_new, tuple(table)) for q0, start, num_new, table in inputs.seqs)
+        self.context.meta = StepMetadata(self.pool, torch.tensor(inputs.slots, dtype=torch.long), spans,
+                                         self.block_size)
+        try:
+            out = self.model(
+                input_ids=torch.tensor([inputs.input_ids], dtype=torch.long),
+                position_ids=torch.tensor([inputs.positions], dtype=torch.long),
+                use_cache=False,
+                logits_to_keep=torch.tensor(inputs.keep, dtype=torch.long),
+            )
+        finally:
+            self.context.meta = None
         return out.logits[0]
-
-    def _seq_attention(self, table: list[int], q0: int, start: int, num_new: int) -> SeqAttention:
-        bs = self.block_size
-        kv_len = start + num_new
-        num_blocks = -(-kv_len // bs)
-        first = table[0]
-        contiguous = table[num_blocks - 1] - first == num_blocks - 1 and (
-            num_blocks < 3 or all(table[i + 1] == table[i] + 1 for i in range(num_blocks - 1)))
-        index = None
-        if not contiguous:
-            blocks = torch.tensor(table[:num_blocks], dtype=torch.long)
-            index = (blocks[:, None] * bs + torch.arange(bs)).flatten()[:kv_len]
-        mask = None
-        if num_new > 1 and start > 0:
-            mask = torch.ones(num_new, kv_len, dtype=torch.bool).tril(diagonal=start)
-        return SeqAttention(q0, q0 + num_new, kv_len, first * bs, index, mask, causal=num_new > 1 and start == 0)

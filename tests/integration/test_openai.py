@@ -10,8 +10,10 @@ import openai
 import pytest
 from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from tokenizers import Tokenizer
 
-from tests.integration.harness import ServerProcess
+from tests.byte_level import byte_ids
+from tests.integration.harness import DEFAULT_MODEL, ServerProcess
 
 MSGS = [{"role": "user", "content": "Tell me a story"}]
 
@@ -104,6 +106,30 @@ def test_n_logprobs_stop_and_token_prompts(client: openai.OpenAI) -> None:
                                           logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content and all(len(t.top_logprobs) == 2 for t in content)
+
+
+@pytest.mark.parametrize(("words", "completed"), [("The quick brown fox", False), ("Tell me a story about", True)])
+def test_token_id_prompt_ending_inside_a_character_leaks_no_prompt_text(client: openai.OpenAI, words: str,
+                                                                         completed: bool) -> None:
+    """A token-id prompt ending with the first two bytes of '東' (E6 9D): the rolling engine's completion holds
+    only the generated tokens' text, streamed or whole (it used to start with the prompt's last words). The
+    dynamic-batching model (HF generate) decodes the generated ids alone; so do we, except that when the greedy
+    first token is a byte completing the prompt's character (E6 9D AB, U+676B, after the second prompt), we
+    release that character where decoding the generated ids alone gives U+FFFD."""
+    tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    prompt = [1, *tokenizer.encode(words, add_special_tokens=False).ids, *byte_ids(tokenizer, "東")[:2]]
+    assert tokenizer.decode(prompt) == words + "\ufffd"
+    kw = dict(prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(model="tiny-rb", **kw)  # type: ignore[call-overload]
+    chunks = client.completions.create(model="tiny-rb", stream=True, **kw)  # type: ignore[call-overload]
+    streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    dynamic = client.completions.create(model="tiny", **kw).choices[0].text  # type: ignore[call-overload]
+    assert whole.usage is not None and whole.usage.completion_tokens == 8
+    assert len(dynamic) >= 4 and words.split()[-1] not in dynamic
+    if completed:
+        assert dynamic[0] == "\ufffd" and whole.choices[0].text == streamed == "\u676b" + dynamic[1:]
+    else:
+        assert "\ufffd" not in dynamic and whole.choices[0].text == streamed == dynamic
 
 
 def test_sdk_errors(client: openai.OpenAI) -> None:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from handlers.engine.families import UnsupportedModel
+
 ATTN_IMPLEMENTATION = "rollserve_paged"
 CONTEXT_ATTR = "rollserve_context"
 
@@ -32,7 +34,7 @@ _NEUTRAL_KWARGS = frozenset({"position_ids", "use_cache", "output_attentions", "
                              "is_causal", "output_hidden_states", "return_dict"})
 
 
-class UnsupportedAttentionFeature(ValueError):
+class UnsupportedAttentionFeature(UnsupportedModel):
     """A model asked the attention for something the engine does not implement (named in the message)."""
 
 
@@ -136,6 +138,7 @@ class StepContext:
     """Holder of the step being run, shared by the runner and every attention module of its model."""
 
     meta: StepMetadata | None = None
+    calls: int = 0  # attention calls since the runner last reset it (the load-time probe counts layers)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -154,6 +157,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     meta = context.meta if isinstance(context, StepContext) else None
     if meta is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention called outside an engine step")
+    context.calls += 1
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     k_cache = meta.pool.keys[layer]
     v_cache = meta.pool.values[layer]

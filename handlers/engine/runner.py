@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+from handlers.engine.adapters import adapt_model
+from handlers.engine.families import UnsupportedModel
 from handlers.engine.fusion import fuse_projections
 from handlers.engine.paged_attention import (
     ATTN_IMPLEMENTATION,
@@ -33,10 +35,32 @@ from handlers.engine.scheduler import ScheduledChunk
 logger = logging.getLogger(__name__)
 
 
+def use_paged_attention(model: torch.nn.Module) -> None:
+    """Route every attention layer of ``model`` to ``paged_attention_forward``: through transformers'
+    attention interface, or through our adapter for families that bypass it (Falcon)."""
+    from transformers import AttentionInterface
+
+    if adapt_model(model) is not None:
+        return
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    try:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)  # type: ignore[operator]
+    except (ValueError, NotImplementedError) as exc:
+        raise UnsupportedModel(f"{type(model).__name__}: its attention does not go through transformers' "
+                               f"attention interface ({exc})") from None
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:  # type: ignore[union-attr]
+        raise UnsupportedModel(f"{type(model).__name__}: its attention does not go through transformers' "
+                               "attention interface")
+
+
 def kv_geometry(config: Any) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a transformers config."""
     num_layers = int(config.num_hidden_layers)
     num_heads = int(config.num_attention_heads)
+    if getattr(config, "model_type", "") == "falcon":
+        num_kv_heads = int(config.num_kv_heads) if config.new_decoder_architecture else \
+            1 if config.multi_query else num_heads
+        return num_layers, num_kv_heads, int(config.hidden_size) // num_heads
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
     head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // num_heads
     return num_layers, num_kv_heads, int(head_dim)
@@ -73,13 +97,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: str = "false",
                  num_kv_heads: int | None = None, group: StepBroadcaster | None = None,
                  fuse_weights: bool = False) -> None:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
         model.eval()
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)  # type: ignore[operator]
-        if model.config._attn_implementation != ATTN_IMPLEMENTATION:  # type: ignore[union-attr]
-            raise ValueError(f"{type(model).__name__} does not support a custom attention implementation")
+        use_paged_attention(model)
         if fuse_weights:
             logger.info("fused %d projection groups (QKV, gate/up)", fuse_projections(model))
         if prepack_weights in ("true", "hybrid"):
@@ -96,6 +115,21 @@ class ModelRunner:
         num_layers, config_kv_heads, head_dim = kv_geometry(model.config)
         dtype = next(model.parameters()).dtype
         self.pool = KVPool(num_layers, num_blocks * block_size, num_kv_heads or config_kv_heads, head_dim, dtype)
+        self._probe(num_layers)
+
+    def _probe(self, num_layers: int) -> None:
+        """Run one token through the model at load: an attention argument the engine does not implement
+        raises here (the model is refused by name), as does a model whose layers bypass the paged attention.
+        Every tensor-parallel rank probes once, so their collectives pair up."""
+        self.context.calls = 0
+        try:
+            self.forward(StepInputs([0], [0], [0], [(0, 0, 1, [0])], [0]))
+        except UnsupportedModel as exc:
+            raise UnsupportedModel(f"{type(self.model).__name__}: {exc}") from None
+        if self.context.calls != num_layers:
+            raise UnsupportedModel(
+                f"{type(self.model).__name__}: {self.context.calls} of {num_layers} layers ran the engine's paged "
+                "attention; the others use an attention path the rolling engine does not control")
 
     def execute(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
         """Run the chunks as one flat batch; returns logits [num sampled chunks, vocab] in chunk order."""

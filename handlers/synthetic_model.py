@@ -155,6 +155,7 @@ FAMILIES: dict[str, _Family] = {
     "qwen3_moe": lambda s, m: ("qwen3_moe", _llama_like(
         s, m, head_dim=s["hidden"] // s["heads"], moe_intermediate_size=s["inter"] // 2, num_experts=4,
         num_experts_per_tok=2)),
+    "olmo": lambda s, m: ("olmo", _llama_like(s, m)),
     "olmo2": lambda s, m: ("olmo2", _llama_like(s, m)),
     "gpt_oss": lambda s, m: ("gpt_oss", _llama_like(
         s, m, head_dim=s["hidden"] // s["heads"], sliding_window=_W, num_local_experts=4, num_experts_per_tok=2,

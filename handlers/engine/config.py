@@ -1,7 +1,7 @@
 """Engine configuration: parsed once from the model's options (``option.`` prefix already stripped).
 
 Design note: ``EngineConfig`` is a frozen value; ``EngineConfig.from_options`` is the only place that
-reads option strings. KV-cache sizing lives in ``kv_cache_blocks`` so it can be tested with fake numbers.
+reads option strings. KV-cache sizing (the memory preflight) lives in ``handlers.engine.memory``.
 """
 
 from __future__ import annotations
@@ -12,18 +12,20 @@ from dataclasses import dataclass
 from serving.errors import ConfigError
 
 _BOOL = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
-_DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
+_DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "auto")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Limits and switches of one engine. ``max_model_len`` 0 = the model's ``max_position_embeddings``;
-    ``kv_cache_memory_mb`` 0 = sized from available memory."""
+    ``kv_cache_memory_mb`` 0 (``auto``) = ``kv_cache_memory_fraction`` of the memory left after the weights
+    (``handlers.engine.memory``); ``dtype`` ``auto`` = the checkpoint's (``memory.resolve_dtype``)."""
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory_mb: int = 0
+    kv_cache_memory_fraction: float = 0.9
     num_kv_blocks: int = 0  # explicit number of KV blocks; overrides kv_cache_memory_mb (tests, tuning)
     enable_prefix_caching: bool = True
     num_threads: int = 1
@@ -60,6 +62,21 @@ class EngineConfig:
                 raise ConfigError(f"option.{key}={raw!r} is not a boolean (true/false)")
             return _BOOL[raw.strip().lower()]
 
+        def fraction(key: str, default: float) -> float:
+            raw = options.get(key)
+            if raw is None or raw.strip() == "":
+                return default
+            try:
+                value = float(raw.strip())
+            except ValueError:
+                raise ConfigError(f"option.{key}={raw!r} is not a number") from None
+            if not 0 < value <= 1:
+                raise ConfigError(f"option.{key}={raw!r} must be > 0 and <= 1")
+            return value
+
+        kv_mb = options.get("kv_cache_memory_mb")
+        if kv_mb is not None and kv_mb.strip().lower() == "auto":
+            kv_mb = None
         dtype = (options.get("dtype") or "fp32").strip().lower()
         if dtype not in _DTYPES:
             raise ConfigError(f"option.dtype={dtype!r} must be one of {', '.join(_DTYPES)}")
@@ -67,7 +84,8 @@ class EngineConfig:
             max_num_seqs=integer("max_rolling_batch_size", 32, 1),
             max_num_batched_tokens=integer("max_rolling_batch_prefill_tokens", 2048, 1),
             block_size=integer("block_size", 16, 1),
-            kv_cache_memory_mb=integer("kv_cache_memory_mb", 0),
+            kv_cache_memory_mb=integer("kv_cache_memory_mb", 0) if kv_mb is not None else 0,
+            kv_cache_memory_fraction=fraction("kv_cache_memory_fraction", 0.9),
             num_kv_blocks=integer("num_kv_blocks", 0),
             enable_prefix_caching=boolean("enable_prefix_caching", True),
             num_threads=integer("num_threads", 1, 1),
@@ -90,27 +108,3 @@ def prepack_mode(raw: str | None) -> str:
     if value not in _BOOL:
         raise ConfigError(f"option.prepack_weights={raw!r} must be hybrid, true or false")
     return "true" if _BOOL[value] else "false"
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux); 4 GiB when it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
-
-
-def kv_cache_blocks(config: EngineConfig, max_model_len: int, bytes_per_token: int, available_bytes: int) -> int:
-    """Number of KV blocks: the configured MiB, else min(25% of available memory, what max_num_seqs
-    sequences of ``max_model_len`` tokens need)."""
-    block_bytes = bytes_per_token * config.block_size
-    if config.num_kv_blocks > 0:
-        return config.num_kv_blocks
-    if config.kv_cache_memory_mb > 0:
-        return max(1, (config.kv_cache_memory_mb << 20) // block_bytes)
-    needed = config.max_num_seqs * -(-max_model_len // config.block_size)
-    return max(1, min(needed, (available_bytes // 4) // block_bytes))

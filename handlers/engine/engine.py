@@ -10,14 +10,24 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from handlers.engine.config import EngineConfig, available_memory_bytes, kv_cache_blocks
+from handlers.engine.config import EngineConfig
 from handlers.engine.detokenizer import IncrementalDetokenizer
+from handlers.engine.memory import (
+    MemoryBudget,
+    MemoryPlan,
+    memory_budget,
+    plan_loaded_model,
+    preflight,
+    read_model_config,
+    resolve_dtype,
+    weights_dir,
+)
 from handlers.engine.paged_attention import KVPool
 from handlers.engine.parallel import TensorParallelGroup, shard_model, start_group
 from handlers.engine.runner import ModelRunner, kv_geometry
@@ -48,19 +58,27 @@ class LLMEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EngineConfig | None = None,
                  available_bytes: int | None = None, tp_group: TensorParallelGroup | None = None,
-                 num_kv_heads: int | None = None) -> None:
+                 num_kv_heads: int | None = None, memory_plan: MemoryPlan | None = None) -> None:
+        """``memory_plan``: the preflight's (``from_options``); without one, the KV cache is planned for the
+        already-loaded ``model`` from ``available_bytes`` (default: measured now)."""
         config = config or EngineConfig()
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self._backend_tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
-        model_cfg = model.config  # type: ignore[union-attr]
-        self.max_model_len = config.max_model_len or int(getattr(model_cfg, "max_position_embeddings", 2048))
+        model_cfg: Any = model.config
         num_layers, config_kv_heads, head_dim = kv_geometry(model_cfg)
         dtype = next(model.parameters()).dtype
         per_token = KVPool.bytes_per_token(num_layers, num_kv_heads or config_kv_heads, head_dim, dtype)
-        avail = available_memory_bytes() if available_bytes is None else available_bytes
-        num_blocks = kv_cache_blocks(config, self.max_model_len, per_token, avail)
+        if memory_plan is None:  # the caller loaded the model: its weights are in memory already
+            memory_plan = plan_loaded_model(
+                model_cfg.to_dict(), config, dtype=str(dtype), param_bytes=sum(p.nbytes for p in model.parameters()),
+                linear_bytes=sum(m.weight.nbytes for m in model.modules() if type(m) is torch.nn.Linear),
+                kv_bytes_per_token=per_token,
+                budget=memory_budget() if available_bytes is None else MemoryBudget(available_bytes))
+        self.memory_plan = memory_plan.for_bytes_per_token(per_token)
+        self.max_model_len = self.memory_plan.max_model_len
+        num_blocks = self.memory_plan.num_kv_blocks
         self.tp_group = tp_group
         if tp_group is not None:  # every rank must build the same pool: rank 0 decides
             num_blocks = tp_group.broadcast_int(num_blocks)
@@ -87,12 +105,15 @@ class LLMEngine:
         With ``tensor_parallel_degree`` N > 1 this process becomes rank 0 of N: it starts the other ranks,
         and every rank loads and shards the model (see ``handlers.engine.parallel``)."""
         config = EngineConfig.from_options(options)
+        # Before anything loads (and before the other ranks start): refuse a model that cannot fit.
+        plan = preflight(weights_dir(model_dir, options.get("model_id")), config)
+        logger.info("%s", plan.describe().rstrip())
         group: TensorParallelGroup | None = None
         if config.tensor_parallel_degree > 1:
             group = start_group(config.tensor_parallel_degree, model_dir, options)
         model, tokenizer, config = load_model_and_tokenizer(model_dir, options)
         kv_heads = shard_model(model, 0, group.world_size) if group is not None else None
-        return cls(model, tokenizer, config, tp_group=group, num_kv_heads=kv_heads)
+        return cls(model, tokenizer, config, tp_group=group, num_kv_heads=kv_heads, memory_plan=plan)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (no-op without tensor parallelism)."""
@@ -189,10 +210,8 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str]) -> tup
 
     config = EngineConfig.from_options(options)
     torch.set_num_threads(config.num_threads)
-    source = Path(model_dir)
-    model_id = options.get("model_id")
-    if model_id:
-        source = source / model_id if (source / model_id).exists() else Path(model_id)
+    source = weights_dir(model_dir, options.get("model_id"))
+    config = replace(config, dtype=resolve_dtype(config.dtype, read_model_config(source)))  # auto -> fp32, ...
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=_TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
         trust_remote_code=config.trust_remote_code)

@@ -1,10 +1,10 @@
-"""Engine options parsing and KV-cache sizing (table-driven, no torch)."""
+"""Engine options parsing (table-driven, no torch); KV-cache sizing is tested in test_memory.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from handlers.engine.config import EngineConfig, kv_cache_blocks
+from handlers.engine.config import EngineConfig
 from serving.errors import ConfigError
 
 
@@ -19,6 +19,11 @@ from serving.errors import ConfigError
     ({"max_rolling_batch_prefill_tokens": " 512 "}, "max_num_batched_tokens", 512),
     ({"enable_prefix_caching": "False"}, "enable_prefix_caching", False),
     ({"kv_cache_memory_mb": "100"}, "kv_cache_memory_mb", 100),
+    ({"kv_cache_memory_mb": "auto"}, "kv_cache_memory_mb", 0),
+    ({"kv_cache_memory_mb": " AUTO "}, "kv_cache_memory_mb", 0),
+    ({}, "kv_cache_memory_fraction", 0.9),
+    ({"kv_cache_memory_fraction": "0.5"}, "kv_cache_memory_fraction", 0.5),
+    ({"dtype": "auto"}, "dtype", "auto"),
     ({"max_model_len": "1024"}, "max_model_len", 1024),
     ({"prepack_weights": "false"}, "prepack_weights", "false"),
     ({"prepack_weights": "True"}, "prepack_weights", "true"),
@@ -35,18 +40,12 @@ def test_options(options: dict[str, str], field: str, value: object) -> None:
     ({"enable_prefix_caching": "maybe"}, "not a boolean"),
     ({"dtype": "int3"}, "option.dtype"),
     ({"prepack_weights": "sometimes"}, "must be hybrid, true or false"),
+    ({"kv_cache_memory_mb": "lots"}, "option.kv_cache_memory_mb='lots' is not an integer"),
+    ({"kv_cache_memory_fraction": "0"}, "must be > 0 and <= 1"),
+    ({"kv_cache_memory_fraction": "1.5"}, "must be > 0 and <= 1"),
+    ({"kv_cache_memory_fraction": "nan"}, "must be > 0 and <= 1"),
+    ({"kv_cache_memory_fraction": "most"}, "is not a number"),
 ])
 def test_bad_options(options: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_options(options)
-
-
-def test_kv_cache_sizing() -> None:
-    per_token = 1024  # bytes
-    cfg = EngineConfig(max_num_seqs=4, block_size=16)
-    # Enough memory: exactly what 4 sequences of 2048 tokens need.
-    assert kv_cache_blocks(cfg, 2048, per_token, 1 << 40) == 4 * 128
-    # Little memory: a quarter of what is available.
-    assert kv_cache_blocks(cfg, 2048, per_token, 64 * 16 * 1024 * 4) == 64
-    assert kv_cache_blocks(EngineConfig(kv_cache_memory_mb=1, block_size=16), 2048, per_token, 0) == 64
-    assert kv_cache_blocks(EngineConfig(num_kv_blocks=7), 2048, per_token, 0) == 7

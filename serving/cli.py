@@ -1,7 +1,8 @@
 """The ``serving`` command.
 
     serving [start] [--model-store DIR] [--config FILE] [-m NAME=PATH ...] [--log-format text|json]
-    serving config MODEL_DIR        print the effective model configuration and where each value came from
+    serving config MODEL_DIR        print the effective model configuration and where each value came from,
+                                    and a rolling-batch model's memory plan (exit 2 when it cannot fit)
 
 With no arguments it serves every model folder of ./model_store (the default model ships there).
 """
@@ -14,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from serving.config import describe_model_config, load_model_config, load_server_config
+from serving.config import ModelConfig, describe_model_config, load_model_config, load_server_config
 from serving.errors import ConfigError
 from serving.logs import setup_logging
 
@@ -50,7 +51,27 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(describe_model_config(cfg))
+    try:
+        plan = memory_plan(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if plan:
+        print(plan)
     return 0
+
+
+def memory_plan(cfg: ModelConfig) -> str:
+    """The rolling engine's memory plan for a rolling-batch model whose folder has a ``config.json`` (the
+    preflight the worker runs before loading), or "" when none applies. Raises ``ConfigError`` (its
+    ``InsufficientMemory`` when the model cannot fit)."""
+    from handlers.engine.config import EngineConfig
+    from handlers.engine.memory import preflight, weights_dir
+
+    source = weights_dir(cfg.model_dir, cfg.model_id)
+    if not cfg.batching.rolling or not (source / "config.json").is_file():
+        return ""
+    return preflight(source, EngineConfig.from_options(cfg.handler_properties())).describe()
 
 
 def cmd_start(args: argparse.Namespace) -> int:

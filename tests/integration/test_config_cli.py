@@ -3,7 +3,9 @@ while good models keep serving) and the ``serving config`` command."""
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -119,3 +121,60 @@ def test_env_overrides_reach_a_running_server(tmp_path: Path) -> None:
         assert info["config"]["echo_delay_ms"] == "1"
     finally:
         s.stop()
+
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512,
+         "max_position_embeddings": 2048, "tie_word_embeddings": False, "dtype": "float32"}
+
+
+def header_only_checkpoint(d: Path, down_proj: list[int]) -> None:
+    """A config.json and a model.safetensors whose header declares an embedding and one projection (no data:
+    the memory plan reads headers only)."""
+    end = 131072 + 4 * down_proj[0] * down_proj[1]
+    header = {"model.embed_tokens.weight": {"dtype": "F32", "shape": [512, 64], "data_offsets": [0, 131072]},
+              "model.layers.0.mlp.down_proj.weight": {"dtype": "F32", "shape": down_proj,
+                                                      "data_offsets": [131072, end]}}
+    raw = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    (d / "config.json").write_text(json.dumps(LLAMA))
+
+
+ROLLING = {"option.entryPoint": "huggingface", "option.rolling_batch": "auto", "option.max_rolling_batch_size": "4",
+           "option.max_rolling_batch_prefill_tokens": "64"}
+
+
+def test_config_command_prints_the_memory_plan(tmp_path: Path) -> None:
+    d = write_model(tmp_path, "m", ROLLING)
+    header_only_checkpoint(d, [64, 128])
+    proc = serving_config(d)
+    assert proc.returncode == 0, proc.stderr
+    plan = proc.stdout[proc.stdout.index("memory plan"):]
+    # weights: embedding 131072 B + down_proj 32768 B; the projection is the only linear weight
+    for line in ["memory plan (rolling engine, dtype fp32, tensor_parallel_degree 1)",
+                 "  weights          160.0 KiB  (safetensors headers, at fp32)",
+                 "  prepacked         32.0 KiB  (prepack_weights=hybrid: a packed copy of every linear weight)",
+                 "  activations      256.0 KiB  = 64 batched tokens x 64 hidden x 64 B",
+                 "  max_model_len         2048  tokens (max_position_embeddings)",
+                 "  KV per token         512 B  = 2 x 2 layers x 2 KV heads x 16 head_dim x 4 B",
+                 "    need             4.0 MiB  = 4 sequences x 2048 tokens x 512 B",
+                 "  KV blocks              512  hold 4 sequences of 2048 tokens at once"]:
+        assert line in plan.splitlines(), plan
+    # A dynamic-batching model does not use the engine's KV cache: no plan.
+    d = write_model(tmp_path, "dyn", {**ROLLING, "option.rolling_batch": "disable"})
+    header_only_checkpoint(d, [64, 128])
+    proc = serving_config(d)
+    assert proc.returncode == 0 and "memory plan" not in proc.stdout, proc.stdout
+
+
+def test_config_command_refuses_a_model_that_cannot_fit(tmp_path: Path) -> None:
+    d = write_model(tmp_path, "huge", ROLLING)
+    header_only_checkpoint(d, [1 << 20, 1 << 20])  # 4 TiB of fp32, and as much again prepacked
+    proc = serving_config(d)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: the model does not fit this worker's memory: weights 4096.00 GiB + "
+                                  "prepacked copies 4096.00 GiB + activations 256.0 KiB exceed the budget of "), \
+        proc.stderr
+    for knob in ("option.prepack_weights=false", "option.dtype=bf16", "a bigger memory limit"):
+        assert knob in proc.stderr

@@ -139,6 +139,7 @@ class StepContext:
 
     meta: StepMetadata | None = None
     calls: int = 0  # attention calls since the runner last reset it (the load-time probe counts layers)
+    windows: dict[int, int] = field(default_factory=dict)  # layer -> sliding window of its last call (0: none)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -166,7 +167,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     eager = softcap is not None or s_aux is not None
-    views = meta.views(int(sliding_window or 0))
+    window = int(sliding_window or 0)
+    context.windows[layer] = window
+    views = meta.views(window)
     if len(views) == 1:
         return _attend(query, k_cache, v_cache, views[0], scaling, eager, softcap, s_aux).transpose(1, 2), None
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)  # [1, T, H, D]

@@ -122,6 +122,7 @@ class ModelRunner:
         raises here (the model is refused by name), as does a model whose layers bypass the paged attention.
         Every tensor-parallel rank probes once, so their collectives pair up."""
         self.context.calls = 0
+        self.context.windows.clear()
         try:
             self.forward(StepInputs([0], [0], [0], [(0, 0, 1, [0])], [0]))
         except UnsupportedModel as exc:
@@ -130,6 +131,9 @@ class ModelRunner:
             raise UnsupportedModel(
                 f"{type(self.model).__name__}: {self.context.calls} of {num_layers} layers ran the engine's paged "
                 "attention; the others use an attention path the rolling engine does not control")
+        windows = set(self.context.windows.values())
+        # One window shared by every layer: KV blocks that fell out of it can be freed (the scheduler does).
+        self.sliding_window = windows.pop() if len(windows) == 1 else 0
 
     def execute(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
         """Run the chunks as one flat batch; returns logits [num sampled chunks, vocab] in chunk order."""

@@ -6,7 +6,9 @@ requests first-come-first-served while the step stays within ``max_num_batched_t
 within ``max_num_seqs``. Long prompts are split across steps (chunked prefill) so decodes keep flowing.
 A request is admitted only when its blocks fit; when a running sequence cannot get a block, the newest
 running sequence is preempted: its blocks are freed and it goes back to the front of the queue to be
-recomputed from its tokens later.
+recomputed from its tokens later. When every layer of the model attends within one sliding window,
+blocks that fell wholly out of it are freed after each step (as vLLM does): a long sequence then holds
+about window / block_size blocks instead of its whole length.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from handlers.engine.kv_cache import BlockAllocator, block_key
-from handlers.engine.sequence import Sequence, SequenceStatus
+from handlers.engine.sequence import FREED_BLOCK, Sequence, SequenceStatus
 from serving.errors import InvalidRequest
 
 
@@ -30,6 +32,7 @@ class SchedulerConfig:
     num_blocks: int = 1024
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
+    sliding_window: int = 0  # every layer attends to at most this many keys (0: some layer sees all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +163,18 @@ class Scheduler:
                 key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
                 seq.block_hashes.append(key)
                 self.allocator.register_full_block(seq.block_ids[i], key)
+            if self.config.sliding_window:
+                self._free_out_of_window(seq)
+
+    def _free_out_of_window(self, seq: Sequence) -> None:
+        """Free the blocks no future query of ``seq`` can see: every later token is at a position
+        >= num_computed_tokens and reads keys from (position - window, position]. (They are full and
+        registered, so with prefix caching they stay reusable until evicted.)"""
+        first_needed = max(0, seq.num_computed_tokens - self.config.sliding_window + 1) // self.config.block_size
+        for i in range(seq.num_freed_blocks, min(first_needed, len(seq.block_ids))):
+            self.allocator.free([seq.block_ids[i]])
+            seq.block_ids[i] = FREED_BLOCK
+            seq.num_freed_blocks = i + 1
 
     # ---------------------------------------------------------------- helpers
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -190,8 +205,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_ids)
+        self.allocator.free(seq.block_ids[seq.num_freed_blocks:])
         seq.block_ids = []
+        seq.num_freed_blocks = 0
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 

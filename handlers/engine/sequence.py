@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from serving.types import FinishReason, SamplingParams
 
+FREED_BLOCK = -1  # block-table entry of a block freed because it fell out of the sliding window
+
 
 class SequenceStatus(enum.Enum):
     """Where a sequence is in its life: queued, in the running batch, or done."""
@@ -37,6 +39,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    num_freed_blocks: int = 0  # leading block-table entries freed (sliding window): FREED_BLOCK
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
@@ -53,6 +56,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_live_blocks(self) -> int:
+        """Blocks this sequence holds (its table minus the entries freed out of the sliding window)."""
+        return len(self.block_ids) - self.num_freed_blocks
 
     @property
     def num_output_tokens(self) -> int:

@@ -60,15 +60,19 @@ def generate_reference(model_dir: Path, prompts: list[list[int]], max_new_tokens
     return refs
 
 
-def run_together(engine: LLMEngine, prompts: list[list[int]], tag: str) -> list[list[int]]:
-    """Admit all prompts at once and step until done; returns each one's generated token ids."""
-    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+def run_together(engine: LLMEngine, prompts: list[list[int]], tag: str, max_new_tokens: int = MAX_NEW,
+                 peak_blocks: list[int] | None = None) -> list[list[int]]:
+    """Admit all prompts at once and step until done; returns each one's generated token ids.
+    ``peak_blocks`` (if given) receives the most KV blocks any one request held after a step."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add(f"{tag}{i}", p, params)
     got: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(prompts))}
     while engine.has_work():
         for d in engine.step():
             got[d.request_id].extend(t.id for t in d.tokens)
+        if peak_blocks is not None:
+            peak_blocks.append(max(engine.stats()["blocks_held"].values(), default=0))
     return [got[f"{tag}{i}"] for i in range(len(prompts))]
 
 
@@ -94,6 +98,34 @@ def test_family_equals_generate(family_root: Path, family: str) -> None:
     stats = engine.stats()
     assert stats["prefix_cache_hits_total"] > 0
     assert stats["kv_blocks_used"] == 0
+
+
+def test_sliding_window_frees_blocks_out_of_the_window(family_root: Path) -> None:
+    """Mistral attends within the window on every layer: a request holds about window / block_size blocks
+    however long it grows, and its output still equals generate."""
+    model_dir = family_dir(family_root, "mistral")
+    prompts = family_prompts(seed=2)
+    refs = generate_reference(model_dir, prompts, 96)
+    engine = LLMEngine.from_options(model_dir, {**ENGINE_OPTIONS, "enable_prefix_caching": "false"})
+    assert engine.scheduler.config.sliding_window == TEST_SLIDING_WINDOW
+    peaks: list[int] = []
+    got = run_together(engine, prompts, "w", 96, peaks)
+    assert got == refs
+    # Window (16 tokens) plus one prefill chunk (24), in 4-token blocks, plus the partly filled edge blocks.
+    bound = -(-(TEST_SLIDING_WINDOW + 24) // 4) + 2
+    longest = -(-(max(len(p) for p in prompts) + 96) // 4)
+    assert max(peaks) <= bound < longest
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_mixed_full_and_sliding_layers_keep_every_block(family_root: Path) -> None:
+    """Gemma-2 alternates sliding and full layers: the full layers need every block, none is freed."""
+    engine = LLMEngine.from_options(family_dir(family_root, "gemma2"), ENGINE_OPTIONS)
+    assert engine.scheduler.config.sliding_window == 0
+    peaks: list[int] = []
+    run_together(engine, family_prompts(seed=2)[3:4], "g", 40, peaks)
+    # At its last live step the request has fed 30 + 38 tokens (the 40th is sampled, never fed back).
+    assert max(peaks) == -(-(30 + 40 - 2) // 4)
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))

@@ -24,6 +24,14 @@ Environment mapping (DJL Serving conventions):
 Keys in files and overrides match known keys case-insensitively, ignoring ``_`` and ``.``; an unknown
 key without the ``option.`` prefix is an error; unknown ``option.*`` keys pass through to the handler.
 Values are stripped of surrounding whitespace.
+
+``option.rolling_batch`` is resolved here, once, to the batching the model gets (``BatchingConfig``:
+``rolling_batch`` is the effective ``scheduler`` or ``disable``, with the requested value and the reason),
+so the frontend builds the right batcher before any worker starts. ``auto`` picks the rolling engine when
+the model folder's ``config.json`` names an architecture the engine serves exactly and dynamic batching
+(HF ``generate``) otherwise; ``scheduler`` -- and DJL's ``lmi-dist`` and ``vllm``, which name rollserve's
+engine here -- on an architecture the engine refuses is a ``ConfigError`` naming the architecture and the
+feature. The check is ``handlers.engine.families``, torch-free like this module.
 """
 
 from __future__ import annotations
@@ -43,7 +51,15 @@ from serving.properties import parse_properties
 MODEL_PROPERTIES = "serving.properties"
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-ROLLING_BATCH_MODES = ("disable", "auto", "scheduler")
+ROLLING_BATCH_MODES = ("disable", "auto", "scheduler", "lmi-dist", "vllm")
+# DJL's names for rolling-batch engines: rollserve's engine (scheduler) serves these...
+ROLLING_ENGINE_ALIASES = frozenset({"lmi-dist", "vllm"})
+# ...and refuses these, which name engines rollserve does not have.
+_FOREIGN_ROLLING_ENGINES = {"trtllm": "TensorRT-LLM", "tensorrt": "TensorRT-LLM", "tensorrt-llm": "TensorRT-LLM",
+                            "tnx": "transformers-neuronx", "neuronx": "transformers-neuronx",
+                            "deepspeed": "DeepSpeed"}
+# Entry points that run the built-in engine when rolling (the endpoint maps them to ``rolling``).
+ENGINE_ENTRY_POINTS = frozenset({"huggingface", "djl_python.huggingface", "rolling"})
 DTYPES = ("fp32", "fp16", "bf16", "auto")
 _DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
 
@@ -105,6 +121,16 @@ def _choice(choices: tuple[str, ...], aliases: Mapping[str, str] = _EMPTY) -> Pa
         return value
 
     return parse
+
+
+def _rolling_batch(text: str) -> str:
+    value = text.lower()
+    if value in _FOREIGN_ROLLING_ENGINES:
+        raise ValueError(f"{_FOREIGN_ROLLING_ENGINES[value]} is not part of rollserve; use auto or scheduler "
+                         "(rollserve's rolling engine; DJL's lmi-dist and vllm name it too) or disable")
+    if value not in ROLLING_BATCH_MODES:
+        raise ValueError(f"expected one of {', '.join(ROLLING_BATCH_MODES)}")
+    return value
 
 
 def _text(text: str) -> str:
@@ -257,14 +283,21 @@ class BatchingConfig:
     batch_size: int = 1
     max_batch_delay_ms: int = 100
     job_queue_size: int = 1000
-    rolling_batch: str = "disable"  # one of ROLLING_BATCH_MODES
+    rolling_batch: str = "disable"  # effective: "scheduler" (rolling) or "disable" (dynamic batching)
     max_rolling_batch_size: int = 32
     max_rolling_batch_prefill_tokens: int = 2048
+    rolling_batch_requested: str = "disable"  # option.rolling_batch as configured: one of ROLLING_BATCH_MODES
+    rolling_batch_reason: str = "option.rolling_batch=disable: dynamic batching"  # why ``rolling_batch``
 
     @property
     def rolling(self) -> bool:
         """True when the model runs a rolling (continuous) batch instead of dynamic batches."""
         return self.rolling_batch != "disable"
+
+    def describe_rolling_batch(self) -> dict[str, str]:
+        """``{"requested", "effective", "reason"}``: what ``GET /models/{name}`` reports."""
+        return {"requested": self.rolling_batch_requested, "effective": self.rolling_batch,
+                "reason": self.rolling_batch_reason}
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +381,7 @@ _OPTION_KEYS: dict[str, tuple[Parser, str | None]] = {
     "option.trust_remote_code": (_bool, "false"),
     "option.predict_timeout": (_float(0, exclusive=True), "120"),
     "option.model_loading_timeout": (_float(0, exclusive=True), "600"),
-    "option.rolling_batch": (_choice(ROLLING_BATCH_MODES), "disable"),
+    "option.rolling_batch": (_rolling_batch, "disable"),
     "option.max_rolling_batch_size": (_int(1), "32"),
     "option.max_rolling_batch_prefill_tokens": (_int(1), "2048"),
     "option.tensor_parallel_degree": (_int(1), "1"),  # parser replaced per load: 'max' needs a count
@@ -413,6 +446,9 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
         max_setting = settings["maxWorkers"]
         raise _fail("minWorkers", settings["minWorkers"],
                     f"must be <= maxWorkers ({max_setting.value}, from {max_setting.source})")
+    rolling_batch, rolling_reason = _choose_rolling_batch(
+        values["option.rolling_batch"], settings["option.rolling_batch"], values["option.entryPoint"],
+        model_dir, values.get("option.model_id"), values.get("option.max_model_len"))
 
     return ModelConfig(
         name=name,
@@ -431,9 +467,11 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
             batch_size=values["batch_size"],
             max_batch_delay_ms=values["max_batch_delay"],
             job_queue_size=values["job_queue_size"],
-            rolling_batch=values["option.rolling_batch"],
+            rolling_batch=rolling_batch,
             max_rolling_batch_size=values["option.max_rolling_batch_size"],
             max_rolling_batch_prefill_tokens=values["option.max_rolling_batch_prefill_tokens"],
+            rolling_batch_requested=values["option.rolling_batch"],
+            rolling_batch_reason=rolling_reason,
         ),
         parallel=ParallelConfig(tensor_parallel_degree=values["option.tensor_parallel_degree"],
                                 load_on_devices=values["load_on_devices"]),
@@ -445,6 +483,50 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
     )
 
 
+def weights_folder(model_dir: Path, model_id: str | None) -> Path:
+    """Where the model's ``config.json`` and weights are: ``option.model_id`` names another local folder
+    (relative to the model folder or absolute), else the model folder itself (as the handlers load it)."""
+    if not model_id:
+        return Path(model_dir)
+    relative = Path(model_dir) / model_id
+    return relative if relative.exists() else Path(model_id)
+
+
+def _choose_rolling_batch(requested: str, setting: _Setting, entry_point: str, model_dir: Path,
+                          model_id: str | None, max_model_len: str | None) -> tuple[str, str]:
+    """``(effective, reason)`` for ``option.rolling_batch``: ``scheduler`` or ``disable``.
+
+    Only the built-in engine's entry points are checked against the architecture; a custom entry point
+    (``model.py``, a module) keeps rolling batching as requested, its handler being the engine. Raises
+    ``ConfigError`` when an explicit rolling engine is asked for an architecture the engine refuses."""
+    if requested == "disable":
+        return "disable", "option.rolling_batch=disable: dynamic batching"
+    asked = f"option.rolling_batch={requested}" + (
+        " (DJL's name, served by rollserve's rolling engine)" if requested in ROLLING_ENGINE_ALIASES else "")
+    if entry_point not in ENGINE_ENTRY_POINTS:
+        return "scheduler", (f"{asked}: rolling batching with the handler of entry point {entry_point!r} "
+                             "(not the built-in engine, so the architecture is not checked)")
+    folder = weights_folder(model_dir, model_id)
+    if not (folder / "config.json").is_file():
+        return "scheduler", (f"{asked}: rolling engine; no config.json in the model folder to check the "
+                             "architecture before loading (the engine checks it when it loads)")
+    from handlers.engine.families import load_config_dict, unsupported_reason  # torch-free
+
+    config = load_config_dict(folder)
+    limit = int(max_model_len) if max_model_len and max_model_len.isdigit() else None
+    reason = unsupported_reason(config, limit)
+    if reason is None:
+        archs = config.get("architectures")
+        arch = str(archs[0]) if isinstance(archs, list) and archs else str(config.get("model_type"))
+        return "scheduler", f"{asked}: rolling engine; {arch} (model_type={config.get('model_type')}) is supported"
+    if requested == "auto" and entry_point != "rolling":
+        return "disable", (f"{asked}: dynamic batching (HF generate); the rolling engine cannot serve this "
+                           f"model: {reason}")
+    raise _fail("option.rolling_batch", setting,
+                f"the rolling engine cannot serve this model: {reason}; set option.rolling_batch=auto (falls back "
+                "to dynamic batching) or disable")
+
+
 def describe_model_config(cfg: ModelConfig) -> str:
     """A human-readable table, one ``key = value  (source)`` line per setting, for ``serving config``."""
     props = cfg.handler_properties()
@@ -454,6 +536,10 @@ def describe_model_config(cfg: ModelConfig) -> str:
     width = max(len(f"{key} = {value}") for key, value, _ in rows)
     lines = [f"model {cfg.name}  ({cfg.model_dir})"]
     lines += [f"  {f'{key} = {value}':<{width}}  ({source})" for key, value, source in rows]
+    b = cfg.batching
+    lines.append(f"effective rolling_batch = {b.rolling_batch}  "
+                 f"({'rolling' if b.rolling else 'dynamic'} batching; requested {b.rolling_batch_requested})")
+    lines.append(f"  reason: {b.rolling_batch_reason}")
     return "\n".join(lines) + "\n"
 
 

@@ -47,8 +47,14 @@ class ModelEndpoint:
         else:
             self.batcher = DynamicBatcher(self.name, b.batch_size, b.max_batch_delay_ms, b.job_queue_size,
                                           config.predict_timeout_s, self._observer, clock)
+        if b.rolling_batch_requested == "auto" and not b.rolling:
+            log.warning("model %s: option.rolling_batch=auto falls back to dynamic batching: %s", self.name,
+                        b.rolling_batch_reason)
+        else:
+            log.info("model %s: %s batching: %s", self.name, "rolling" if b.rolling else "dynamic",
+                     b.rolling_batch_reason)
         entry = config.entry_point
-        if b.rolling and entry == "huggingface":
+        if b.rolling and entry in ("huggingface", "djl_python.huggingface"):
             entry = "rolling"
         init = Init(model_name=self.name, model_dir=str(config.model_dir), entry_point=entry,
                     properties=config.handler_properties(), rolling=b.rolling, log_format=log_format)
@@ -139,6 +145,7 @@ class ModelEndpoint:
             "model_name": self.name, "status": self.state.value, "reason": self.reason,
             "model_dir": c.model_dir.name, "entry_point": c.entry_point,
             "batching": "rolling" if self.rolling else "dynamic",
+            "rolling_batch": c.batching.describe_rolling_batch(),
             "batch_size": c.batching.batch_size, "max_batch_delay": c.batching.max_batch_delay_ms,
             "job_queue_size": c.batching.job_queue_size, "min_workers": c.min_workers,
             "max_workers": c.max_workers, "target_workers": self.pool.target, "workers": self.pool.describe(),

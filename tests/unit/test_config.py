@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -108,9 +109,11 @@ option.custom_Camel=Value With Spaces
 def test_file_values(tmp_path: Path) -> None:
     cfg = load_model_config(make_model(tmp_path, FULL_PROPERTIES), name="tiny")
     assert cfg.name == "tiny"
-    assert cfg.batching == BatchingConfig(batch_size=4, max_batch_delay_ms=0, job_queue_size=10,
-                                          rolling_batch="scheduler", max_rolling_batch_size=16,
-                                          max_rolling_batch_prefill_tokens=512)
+    assert cfg.batching == BatchingConfig(
+        batch_size=4, max_batch_delay_ms=0, job_queue_size=10, rolling_batch="scheduler", max_rolling_batch_size=16,
+        max_rolling_batch_prefill_tokens=512, rolling_batch_requested="scheduler",
+        rolling_batch_reason="option.rolling_batch=scheduler: rolling engine; no config.json in the model folder to "
+                             "check the architecture before loading (the engine checks it when it loads)")
     assert cfg.batching.rolling is True
     assert cfg.parallel == ParallelConfig(tensor_parallel_degree=2, load_on_devices="0;1")
     assert (cfg.min_workers, cfg.max_workers, cfg.max_idle_time_s) == (1, 2, 5)
@@ -185,9 +188,10 @@ def test_single_values(tmp_path: Path, line: str, attr: str, expected: object) -
         ("# c\noption.trust_remote_code=maybe\n", 2, "option.trust_remote_code", "maybe",
          "expected true or false"),
         ("option.rolling_batch=bogus\n", 1, "option.rolling_batch", "bogus",
-         "expected one of disable, auto, scheduler"),
-        ("option.rolling_batch=vllm\n", 1, "option.rolling_batch", "vllm", "disable, auto, scheduler"),
-        ("option.rolling_batch=lmi-dist\n", 1, "option.rolling_batch", "lmi-dist", "disable, auto, scheduler"),
+         "expected one of disable, auto, scheduler, lmi-dist, vllm"),
+        ("option.rolling_batch=trtllm\n", 1, "option.rolling_batch", "trtllm",
+         "TensorRT-LLM is not part of rollserve; use auto or scheduler"),
+        ("option.rolling_batch=tnx\n", 1, "option.rolling_batch", "tnx", "transformers-neuronx is not part of"),
         ("option.dtype=int3\n", 1, "option.dtype", "int3", "expected one of fp32, fp16, bf16, auto"),
         ("option.predict_timeout=0\n", 1, "option.predict_timeout", "0", "expected a number > 0"),
         ("option.model_loading_timeout=soon\n", 1, "option.model_loading_timeout", "soon", "expected a number"),
@@ -489,3 +493,130 @@ def test_bad_server_env(env: dict[str, str], prefix: str) -> None:
 def test_missing_server_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_server_config(tmp_path / "absent.properties")
+
+
+# --- option.rolling_batch: requested -> effective ---------------------------------------------------
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 2048}
+BLOOM = {"architectures": ["BloomForCausalLM"], "model_type": "bloom"}
+MPT = {"architectures": ["MPTForCausalLM"], "model_type": "mpt"}
+UNKNOWN = {"architectures": ["FancyForCausalLM"], "model_type": "fancy"}
+LONGROPE = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096, "rope_scaling": {"type": "longrope"}}
+ALIBI = "ALiBi position bias (the engine implements rotary and learned positions only)"
+
+
+def make_arch_model(tmp_path: Path, config: dict[str, object] | None, properties: str, **kw: object) -> Path:
+    model_dir = make_model(tmp_path, properties, **kw)  # type: ignore[arg-type]
+    if config is not None:
+        (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+@pytest.mark.parametrize(("config", "requested", "effective", "reason"), [
+    (LLAMA, "auto", "scheduler",
+     "option.rolling_batch=auto: rolling engine; LlamaForCausalLM (model_type=llama) is supported"),
+    (LLAMA, "scheduler", "scheduler",
+     "option.rolling_batch=scheduler: rolling engine; LlamaForCausalLM (model_type=llama) is supported"),
+    (LLAMA, "vllm", "scheduler", "option.rolling_batch=vllm (DJL's name, served by rollserve's rolling engine): "
+                                 "rolling engine; LlamaForCausalLM (model_type=llama) is supported"),
+    (LLAMA, "lmi-dist", "scheduler", "option.rolling_batch=lmi-dist (DJL's name, served by rollserve's rolling "
+                                     "engine): rolling engine; LlamaForCausalLM (model_type=llama) is supported"),
+    (LLAMA, "disable", "disable", "option.rolling_batch=disable: dynamic batching"),
+    (BLOOM, "auto", "disable", "option.rolling_batch=auto: dynamic batching (HF generate); the rolling engine "
+                               f"cannot serve this model: BloomForCausalLM (model_type=bloom): {ALIBI}"),
+    (MPT, "auto", "disable", "option.rolling_batch=auto: dynamic batching (HF generate); the rolling engine "
+                             f"cannot serve this model: MPTForCausalLM (model_type=mpt): {ALIBI}"),
+    (BLOOM, "disable", "disable", "option.rolling_batch=disable: dynamic batching"),
+    (None, "auto", "scheduler", "option.rolling_batch=auto: rolling engine; no config.json in the model folder "
+                                "to check the architecture before loading (the engine checks it when it loads)"),
+])
+def test_rolling_batch_choice(tmp_path: Path, config: dict[str, object] | None, requested: str, effective: str,
+                              reason: str) -> None:
+    cfg = load_model_config(make_arch_model(tmp_path, config, f"option.rolling_batch={requested}\n"))
+    b = cfg.batching
+    assert (b.rolling_batch_requested, b.rolling_batch, b.rolling_batch_reason) == (requested, effective, reason)
+    assert b.rolling is (effective == "scheduler")
+    assert b.describe_rolling_batch() == {"requested": requested, "effective": effective, "reason": reason}
+    assert cfg.options["rolling_batch"] == requested  # the option as configured, for the handler
+
+
+def test_rolling_batch_auto_on_an_unverified_architecture_falls_back(tmp_path: Path) -> None:
+    b = load_model_config(make_arch_model(tmp_path, UNKNOWN, "option.rolling_batch=auto\n")).batching
+    assert b.rolling_batch == "disable"
+    assert b.rolling_batch_reason.startswith(
+        "option.rolling_batch=auto: dynamic batching (HF generate); the rolling engine cannot serve this model: "
+        "FancyForCausalLM (model_type=fancy) is not an architecture the rolling engine has been verified on")
+
+
+@pytest.mark.parametrize("requested", ["scheduler", "vllm", "lmi-dist", "SCHEDULER"])
+@pytest.mark.parametrize(("config", "feature"), [
+    (BLOOM, f"BloomForCausalLM (model_type=bloom): {ALIBI}"),
+    (MPT, f"MPTForCausalLM (model_type=mpt): {ALIBI}"),
+    (UNKNOWN, "FancyForCausalLM (model_type=fancy) is not an architecture the rolling engine has been verified on"),
+])
+def test_explicit_rolling_engine_on_an_unsupported_architecture_is_an_error(
+        tmp_path: Path, config: dict[str, object], feature: str, requested: str) -> None:
+    model_dir = make_arch_model(tmp_path, config, f"batch_size=1\noption.rolling_batch={requested}\n")
+    with pytest.raises(ConfigError) as info:
+        load_model_config(model_dir)
+    assert str(info.value).startswith(
+        f"{model_dir / 'serving.properties'}:2: option.rolling_batch = {requested!r}: the rolling engine cannot "
+        f"serve this model: {feature}")
+    assert str(info.value).endswith("; set option.rolling_batch=auto (falls back to dynamic batching) or disable")
+
+
+def test_rolling_entry_point_with_auto_on_an_unsupported_architecture_is_an_error(tmp_path: Path) -> None:
+    """``option.entryPoint=rolling`` asks for the engine's handler itself: no fallback to dynamic batching."""
+    model_dir = make_arch_model(tmp_path, BLOOM, "option.entryPoint=rolling\noption.rolling_batch=auto\n")
+    with pytest.raises(ConfigError, match=r"serving.properties:2: option.rolling_batch = 'auto': the rolling "
+                                          r"engine cannot serve this model: BloomForCausalLM"):
+        load_model_config(model_dir)
+
+
+def test_rolling_batch_from_env_names_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_model_config(make_arch_model(tmp_path, BLOOM, "batch_size=1\n"), env={"OPTION_ROLLING_BATCH": "vllm"})
+    assert str(info.value).startswith("env OPTION_ROLLING_BATCH: option.rolling_batch = 'vllm': the rolling engine "
+                                      "cannot serve this model: BloomForCausalLM (model_type=bloom)")
+
+
+@pytest.mark.parametrize(("requested", "effective"), [("auto", "scheduler"), ("scheduler", "scheduler"),
+                                                      ("disable", "disable")])
+def test_custom_entry_point_keeps_the_requested_batching(tmp_path: Path, requested: str, effective: str) -> None:
+    """A model.py handler is its own engine: the architecture is not checked, rolling stays as requested."""
+    cfg = load_model_config(make_arch_model(tmp_path, BLOOM, f"option.rolling_batch={requested}\n", model_py=True))
+    assert cfg.entry_point == "model.py"
+    assert cfg.batching.rolling_batch == effective
+    if requested != "disable":
+        assert cfg.batching.rolling_batch_reason == (
+            f"option.rolling_batch={requested}: rolling batching with the handler of entry point 'model.py' "
+            "(not the built-in engine, so the architecture is not checked)")
+
+
+def test_rolling_batch_reads_config_json_of_model_id_folder(tmp_path: Path) -> None:
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "config.json").write_text(json.dumps(BLOOM))
+    model_dir = make_arch_model(tmp_path, LLAMA, "option.model_id=../weights\noption.rolling_batch=auto\n")
+    assert load_model_config(model_dir).batching.rolling_batch == "disable"
+    (model_dir / "serving.properties").write_text(f"option.model_id={weights}\noption.rolling_batch=auto\n")
+    assert load_model_config(model_dir).batching.rolling_batch == "disable"
+    (model_dir / "serving.properties").write_text("option.rolling_batch=auto\n")
+    assert load_model_config(model_dir).batching.rolling_batch == "scheduler"
+
+
+def test_rolling_batch_length_dependent_rope_depends_on_max_model_len(tmp_path: Path) -> None:
+    model_dir = make_arch_model(tmp_path, LONGROPE, "option.rolling_batch=auto\n")
+    b = load_model_config(model_dir).batching
+    assert b.rolling_batch == "disable" and "RoPE scaling 'longrope'" in b.rolling_batch_reason
+    (model_dir / "serving.properties").write_text("option.rolling_batch=auto\noption.max_model_len=4096\n")
+    assert load_model_config(model_dir).batching.rolling_batch == "scheduler"
+
+
+def test_describe_model_config_shows_the_effective_rolling_batch(tmp_path: Path) -> None:
+    cfg = load_model_config(make_arch_model(tmp_path, BLOOM, "option.rolling_batch=auto\n"))
+    lines = describe_model_config(cfg).splitlines()
+    assert lines[-2] == "effective rolling_batch = disable  (dynamic batching; requested auto)"
+    assert lines[-1] == f"  reason: {cfg.batching.rolling_batch_reason}"
+    assert any(line.strip().startswith("option.rolling_batch = auto") for line in lines)

@@ -178,3 +178,22 @@ def test_config_command_refuses_a_model_that_cannot_fit(tmp_path: Path) -> None:
         proc.stderr
     for knob in ("option.prepack_weights=false", "option.dtype=bf16", "a bigger memory limit"):
         assert knob in proc.stderr
+
+
+def test_a_model_that_cannot_fit_is_failed_with_the_figures(tmp_path: Path) -> None:
+    source = tmp_path / "huge-weights"
+    source.mkdir()
+    header_only_checkpoint(source, [1 << 20, 1 << 20])
+    s = ServerProcess.start(tmp_path / "server", models={"good": ECHO, "huge": ROLLING}, sources={"huge": source},
+                            wait_ready=False)
+    try:
+        deadline = time.monotonic() + 60
+        while (info := s.describe("huge"))["status"] != "FAILED":
+            assert time.monotonic() < deadline, s.log()
+            time.sleep(0.1)
+        reason = info["reason"]
+        assert reason.startswith("InsufficientMemory: the model does not fit this worker's memory: weights "
+                                 "4096.00 GiB + prepacked copies 4096.00 GiB + activations 256.0 KiB"), reason
+        assert "option.prepack_weights=false" in reason
+    finally:
+        s.stop()

@@ -206,7 +206,9 @@ class HuggingFaceHandler(Handler):
                 finish, ids = FinishReason.EOS, ids[:k + 1]
                 break
         texts = self._token_texts(ids)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        # As vLLM (and the rolling engine): a stop token ends the text without adding its own.
+        text_ids = ids[:-1] if finish is not FinishReason.LENGTH else ids
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         stop_at = _find_stop(text, p.stop)
         if stop_at is not None:
             start, end = stop_at

@@ -63,7 +63,7 @@ def _plain_linears(model: nn.Module) -> None:
             setattr(model.get_submodule(parent_name) if parent_name else model, attr, plain)
 
 
-def _adapt_falcon_attention(attn: nn.Module) -> None:
+def _adapt_falcon_attention(attn: Any) -> None:
     heads, head_dim = int(attn.num_heads), int(attn.head_dim)
     if attn.new_decoder_architecture:
         kv_heads = int(attn.config.num_kv_heads)

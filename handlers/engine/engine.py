@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from handlers.engine.adapters import adapt_model
 from handlers.engine.config import EngineConfig
 from handlers.engine.detokenizer import IncrementalDetokenizer
+from handlers.engine.families import check_config, load_config_dict
 from handlers.engine.memory import (
     MemoryBudget,
     MemoryPlan,
@@ -82,12 +84,12 @@ class LLMEngine:
         self.tp_group = tp_group
         if tp_group is not None:  # every rank must build the same pool: rank 0 decides
             num_blocks = tp_group.broadcast_int(num_blocks)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
+                                  num_kv_heads=num_kv_heads, group=tp_group, fuse_weights=config.fuse_projections)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching))
-        self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
-                                  num_kv_heads=num_kv_heads, group=tp_group, fuse_weights=config.fuse_projections)
+            enable_prefix_caching=config.enable_prefix_caching, sliding_window=self.runner.sliding_window))
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB); %.1f sequences of %d tokens fit",
                     num_blocks, config.block_size, num_blocks * config.block_size * per_token / 2**20,
                     num_blocks * config.block_size / self.max_model_len, self.max_model_len)
@@ -105,6 +107,7 @@ class LLMEngine:
         With ``tensor_parallel_degree`` N > 1 this process becomes rank 0 of N: it starts the other ranks,
         and every rank loads and shards the model (see ``handlers.engine.parallel``)."""
         config = EngineConfig.from_options(options)
+        check_config(load_config_dict(weights_dir(model_dir, options.get("model_id"))), config.max_model_len)
         # Before anything loads (and before the other ranks start): refuse a model that cannot fit.
         plan = preflight(weights_dir(model_dir, options.get("model_id")), config)
         logger.info("%s", plan.describe().rstrip())
@@ -160,7 +163,9 @@ class LLMEngine:
         token = sampled.token_id
         seq.append_token(token)
         self._counters["generation_tokens_total"] += 1
-        detok = req.detokenizer.push(token)
+        # As vLLM: a stop token (EOS or stop_token_ids) ends the text without adding its own.
+        stop_token = token in req.eos_ids or token in seq.params.stop_token_ids
+        detok = req.detokenizer.push(token, stop_token=stop_token)
         text = detok.released
         finish: FinishReason | None = None
         if token in req.eos_ids:
@@ -199,7 +204,7 @@ class LLMEngine:
             "prefix_cache_queries_total": alloc.prefix_queries,
             "prefix_cache_hits_total": alloc.prefix_hits,
             **self._counters,
-            "blocks_held": {s.request_id: len(s.block_ids) for s in self.scheduler.live_sequences()},
+            "blocks_held": {s.request_id: s.num_live_blocks for s in self.scheduler.live_sequences()},
         }
 
 
@@ -216,6 +221,7 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str]) -> tup
         source, dtype=_TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
         trust_remote_code=config.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
+    adapt_model(model)  # before tensor-parallel sharding, which sees the adapted layout
     return model, tokenizer, config
 
 

@@ -155,9 +155,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             f"{type(module).__name__} passes attention argument(s) {', '.join(unknown)} that the rolling engine "
             "does not implement")
     context = getattr(module, CONTEXT_ATTR, None)
-    meta = context.meta if isinstance(context, StepContext) else None
-    if meta is None:
+    if not isinstance(context, StepContext) or context.meta is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention called outside an engine step")
+    meta = context.meta
     context.calls += 1
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     k_cache = meta.pool.keys[layer]

@@ -68,6 +68,9 @@ def test_stop_token_ids_and_stop_strings(model_dirs: dict[str, Path]) -> None:
     params = SamplingParams(max_new_tokens=12, stop_token_ids=(ids[4],), ignore_eos=True)
     ids2, _, reason2 = run_one(engine, prompt, params)
     assert reason2 is FinishReason.STOP and ids2 == ids[:ids.index(ids[4]) + 1]
+    # As vLLM: the stop token ends the text without adding its own.
+    _, text2, _ = run_one(engine, prompt, params)
+    assert text2 == Tokenizer.from_file(str(model_dirs["llama"] / "tokenizer.json")).decode(ids2[:-1])
     stop = text[len(text) // 2:len(text) // 2 + 3]
     _, text3, reason3 = run_one(engine, prompt, SamplingParams(max_new_tokens=12, stop=(stop,), ignore_eos=True))
     assert reason3 is FinishReason.STOP and text3 == text[:text.find(stop)]

@@ -118,6 +118,9 @@ def test_stop_token_ids(handler: HuggingFaceHandler) -> None:
     out = ask(handler, PROMPTS[5], max_new_tokens=16, stop_token_ids=(stop_id,))
     assert out.finish_reason is FinishReason.STOP
     assert ids(out) == ids(full)[:k + 1]
+    # The stop token's own text is not part of the answer (as vLLM and the rolling engine).
+    assert out.text == handler.tokenizer.decode(ids(full)[:k], skip_special_tokens=True,
+                                                clean_up_tokenization_spaces=False)
 
 
 def test_seed_reproducible(handler: HuggingFaceHandler) -> None:

@@ -107,7 +107,8 @@ class LLMEngine:
         With ``tensor_parallel_degree`` N > 1 this process becomes rank 0 of N: it starts the other ranks,
         and every rank loads and shards the model (see ``handlers.engine.parallel``)."""
         config = EngineConfig.from_options(options)
-        check_config(load_config_dict(weights_dir(model_dir, options.get("model_id"))), config.max_model_len)
+        check_config(load_config_dict(weights_dir(model_dir, options.get("model_id"))), config.max_model_len,
+                     config.tensor_parallel_degree)
         # Before anything loads (and before the other ranks start): refuse a model that cannot fit.
         plan = preflight(weights_dir(model_dir, options.get("model_id")), config)
         logger.info("%s", plan.describe().rstrip())

@@ -27,6 +27,13 @@ ATTENTION_INTERFACE = frozenset({
 ADAPTED = frozenset({"falcon"})
 SUPPORTED = ATTENTION_INTERFACE | ADAPTED
 
+# Families whose layers tensor parallelism knows how to shard (``handlers.engine.parallel.shard_model``):
+# separate q/k/v/o and gate/up/down projections, or Falcon's fused QKV (after its adapter). Not OLMo-2: its
+# q/k norms span all heads, which a head shard cannot compute without another all-reduce; not StableLM: its
+# attention reshapes with the configured head count.
+TENSOR_PARALLEL = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo",
+                             "granite", "cohere", "falcon"})
+
 # Known families the engine refuses, with the feature it lacks.
 _REFUSED = {
     "bloom": "ALiBi position bias (the engine implements rotary and learned positions only)",
@@ -69,11 +76,13 @@ def unsupported_reason(config: Mapping[str, Any], max_model_len: int | None = No
         return f"{arch} (model_type=falcon, alibi=true): ALiBi position bias is not implemented by the engine"
     if config.get("use_bidirectional_attention"):
         return f"{arch} (model_type={model_type}): bidirectional attention (use_bidirectional_attention=true)"
-    rope = _rope_type(config)
-    if rope in _LENGTH_DEPENDENT_ROPE:
-        original = int(_rope_params(config).get("original_max_position_embeddings")
+    limit = int(max_model_len or config.get("max_position_embeddings") or 0)
+    for params in _rope_parameter_sets(config):
+        rope = str(params.get("rope_type") or params.get("type") or "default")
+        if rope not in _LENGTH_DEPENDENT_ROPE:
+            continue
+        original = int(params.get("original_max_position_embeddings")
                        or config.get("original_max_position_embeddings") or 0)
-        limit = int(max_model_len or config.get("max_position_embeddings") or 0)
         if not original or limit > original:
             return (f"{arch} (model_type={model_type}): RoPE scaling {rope!r} changes with a sequence's length, "
                     f"which the engine does not compute per sequence; set option.max_model_len <= "
@@ -81,9 +90,38 @@ def unsupported_reason(config: Mapping[str, Any], max_model_len: int | None = No
     return None
 
 
-def check_config(config: Mapping[str, Any], max_model_len: int | None = None) -> None:
-    """Raise ``UnsupportedModel`` when ``unsupported_reason`` gives one."""
-    reason = unsupported_reason(config, max_model_len)
+def tensor_parallel_reason(config: Mapping[str, Any], degree: int) -> str | None:
+    """Why ``degree`` ranks cannot shard this model, or None when they can (checked before ranks start).
+    Query heads and the MLP must split evenly; KV heads split evenly or, when fewer than the ranks, are
+    replicated (the degree must then be a multiple of them)."""
+    if degree <= 1:
+        return None
+    model_type = str(config.get("model_type") or "")
+    arch = _arch_name(config)
+    if model_type not in TENSOR_PARALLEL:
+        return (f"{arch} (model_type={model_type}): tensor parallelism supports {', '.join(sorted(TENSOR_PARALLEL))}; "
+                "set option.tensor_parallel_degree=1")
+    heads = int(config.get("num_attention_heads") or 0)
+    if model_type == "falcon":
+        kv = int(config.get("num_kv_heads") or heads) if config.get("new_decoder_architecture") else \
+            1 if config.get("multi_query", True) else heads
+        inter = int(config.get("ffn_hidden_size") or 4 * int(config.get("hidden_size") or 0))
+    else:
+        kv = int(config.get("num_key_value_heads") or heads)
+        inter = int(config.get("intermediate_size") or 0)
+    if not heads or heads % degree:
+        return f"{arch}: tensor_parallel_degree={degree} does not divide num_attention_heads={heads}"
+    if inter % degree:
+        return f"{arch}: tensor_parallel_degree={degree} does not divide the MLP width {inter}"
+    if (kv >= degree and kv % degree) or (kv < degree and degree % kv):
+        return (f"{arch}: {kv} KV heads can neither be split nor replicated evenly over "
+                f"tensor_parallel_degree={degree}")
+    return None
+
+
+def check_config(config: Mapping[str, Any], max_model_len: int | None = None, tensor_parallel_degree: int = 1) -> None:
+    """Raise ``UnsupportedModel`` when ``unsupported_reason`` or ``tensor_parallel_reason`` gives one."""
+    reason = unsupported_reason(config, max_model_len) or tensor_parallel_reason(config, tensor_parallel_degree)
     if reason is not None:
         raise UnsupportedModel(reason)
 
@@ -95,14 +133,12 @@ def _arch_name(config: Mapping[str, Any]) -> str:
     return str(config.get("model_type") or "unknown architecture")
 
 
-def _rope_params(config: Mapping[str, Any]) -> Mapping[str, Any]:
+def _rope_parameter_sets(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Every RoPE parameter set of a config: ``rope_parameters``/``rope_scaling``, or one per layer type
+    (Gemma-3 style ``{"full_attention": {...}, "sliding_attention": {...}}``)."""
     for key in ("rope_parameters", "rope_scaling"):
         value = config.get(key)
         if isinstance(value, Mapping):
-            return value
-    return {}
-
-
-def _rope_type(config: Mapping[str, Any]) -> str:
-    params = _rope_params(config)
-    return str(params.get("rope_type") or params.get("type") or "default")
+            nested = [v for v in value.values() if isinstance(v, Mapping)]
+            return nested or [value]
+    return []

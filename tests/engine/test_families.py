@@ -15,11 +15,20 @@ import pytest
 import torch
 
 from handlers.engine.engine import LLMEngine
-from handlers.engine.families import SUPPORTED, UnsupportedModel
+from handlers.engine.families import SUPPORTED, TENSOR_PARALLEL, UnsupportedModel
+from handlers.engine.runner import kv_geometry
 from handlers.synthetic_model import FAMILIES, TEST_SLIDING_WINDOW, build_model
 from serving.types import SamplingParams
 
 MAX_NEW = 48
+
+
+def _tiny() -> dict[str, int]:
+    from handlers.synthetic_model import SIZES
+
+    return SIZES["tiny"]
+
+
 REFUSED = {"bloom": "ALiBi", "mpt": "ALiBi", "falcon-alibi": "ALiBi"}
 EXACT = sorted(set(FAMILIES) - set(REFUSED))
 ENGINE_OPTIONS = {"num_kv_blocks": "160", "block_size": "4", "max_rolling_batch_prefill_tokens": "24"}
@@ -137,19 +146,29 @@ def test_family_refused_by_name(family_root: Path, family: str) -> None:
     assert arch in str(info.value)
 
 
-@pytest.mark.parametrize("family", ["falcon-7b", "falcon-40b"])
-def test_falcon_tensor_parallel_equals_generate(family_root: Path, family: str) -> None:
+TP_FAMILIES = sorted(f for f in EXACT if FAMILIES[f](_tiny(), 64)[0] in TENSOR_PARALLEL)
+
+
+@pytest.mark.parametrize("family", TP_FAMILIES)
+def test_tensor_parallel_equals_generate(family_root: Path, family: str) -> None:
+    """TP=2 (rank 1 a child process over gloo) equals generate; Falcon-7B's single KV head is replicated."""
     model_dir = family_dir(family_root, family)
     prompts = family_prompts(seed=1)
-    refs = generate_reference(model_dir, prompts, MAX_NEW)
+    refs = generate_reference(model_dir, prompts, 24)
     engine = LLMEngine.from_options(model_dir, {**ENGINE_OPTIONS, "tensor_parallel_degree": "2"})
     try:
-        # Falcon-7B has one KV head (replicated on both ranks); the 40B layout's two split one per rank.
-        assert engine.runner.pool.keys[0].shape[0] == 1
-        got = run_together(engine, prompts, "t")
+        config_kv_heads = kv_geometry(engine.model.config)[1]
+        assert engine.runner.pool.keys[0].shape[0] == max(1, config_kv_heads // 2)
+        got = run_together(engine, prompts, "t", 24)
     finally:
         engine.close()
     assert got == refs
+
+
+@pytest.mark.parametrize("family", ["phi3", "mixtral", "gpt2", "olmo2"])
+def test_tensor_parallel_refused_before_ranks_start(family_root: Path, family: str) -> None:
+    with pytest.raises(UnsupportedModel, match="tensor parallelism supports"):
+        LLMEngine.from_options(family_dir(family_root, family), {**ENGINE_OPTIONS, "tensor_parallel_degree": "2"})
 
 
 def test_unknown_attention_argument_refuses_the_model(family_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,9 +191,3 @@ def test_supported_list_matches_the_matrix() -> None:
     """Every model_type the engine claims is exercised above (no claim without a test)."""
     tested = {FAMILIES[f](_tiny(), 64)[0] for f in EXACT}
     assert tested == set(SUPPORTED), (sorted(SUPPORTED - tested), sorted(tested - SUPPORTED))
-
-
-def _tiny() -> dict[str, int]:
-    from handlers.synthetic_model import SIZES
-
-    return SIZES["tiny"]

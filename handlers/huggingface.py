@@ -81,6 +81,11 @@ class HuggingFaceHandler(Handler):
         if ctx.device_id >= 0 and torch.cuda.is_available():
             self.model.to(f"cuda:{ctx.device_id}")
         self.model.eval()
+        # transformers' sliding-window masks count left padding as context: a padded row would see fewer of
+        # its own tokens than alone. Such models batch only prompts of equal length (no padding).
+        layer_types = getattr(self.model.config, "layer_types", None) or ()
+        self._padding_shifts_windows = bool(getattr(self.model.config, "sliding_window", None)) and (
+            not layer_types or "sliding_attention" in layer_types)
         self._init_limits(ctx)
         log.info("model %s loaded from %s (%s, max_model_len=%d)", ctx.model_name, path, dtype_name,
                  self.max_model_len)
@@ -123,7 +128,10 @@ class HuggingFaceHandler(Handler):
             except ServingError as exc:
                 outputs[index] = Output.failure(request.request_id, exc.message, exc.kind)
                 continue
-            groups.setdefault(_group_key(request.params), []).append(item)
+            key = _group_key(request.params)
+            if self._padding_shifts_windows:
+                key = (key, len(item.prompt_ids))
+            groups.setdefault(key, []).append(item)
         for items in groups.values():
             try:
                 results = self._generate(items)
@@ -168,18 +176,17 @@ class HuggingFaceHandler(Handler):
 
     def _generate_kwargs(self, p: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
         stop_ids = set(p.stop_token_ids)
+        # ignore_eos as vLLM: EOS may be generated and does not end the row (stop token ids still do).
+        ends = stop_ids if p.ignore_eos else self.eos_token_ids | stop_ids
         kwargs: dict[str, Any] = {
             "max_new_tokens": max_new_tokens, "pad_token_id": self.pad_token_id,
-            "eos_token_id": sorted(self.eos_token_ids | stop_ids) or None,
+            "eos_token_id": sorted(ends) or None,
             "repetition_penalty": p.repetition_penalty, "num_beams": 1,
         }
         if p.greedy:
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         else:
             kwargs.update(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
-        if p.ignore_eos and self.eos_token_ids - stop_ids:
-            # EOS may neither be sampled nor end the row; stop token ids still end it.
-            kwargs["suppress_tokens"] = sorted(self.eos_token_ids - stop_ids)
         if p.stop:
             kwargs.update(stop_strings=list(p.stop), tokenizer=self.tokenizer)
         return kwargs

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from handlers.engine.cpu import packed_weights_win_everywhere
 from serving.errors import ConfigError
 
 _BOOL = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
@@ -100,11 +101,17 @@ class EngineConfig:
         )
 
 
-def prepack_mode(raw: str | None) -> str:
-    """``option.prepack_weights``: ``hybrid`` (default), or a boolean (``true`` = packed only)."""
-    value = (raw or "hybrid").strip().lower()
+def prepack_mode(raw: str | None, packed_wins_everywhere: bool | None = None) -> str:
+    """``option.prepack_weights``: ``auto`` (default), ``hybrid``, or a boolean (``true`` = packed only).
+    ``auto`` is ``true`` on CPUs where packed weights win at every size (``handlers.engine.cpu``: the plain
+    copy hybrid keeps for prefill would only cost memory there), else ``hybrid``."""
+    value = (raw or "auto").strip().lower()
+    if value == "auto":
+        if packed_wins_everywhere is None:
+            packed_wins_everywhere = packed_weights_win_everywhere()
+        return "true" if packed_wins_everywhere else "hybrid"
     if value == "hybrid":
         return value
     if value not in _BOOL:
-        raise ConfigError(f"option.prepack_weights={raw!r} must be hybrid, true or false")
+        raise ConfigError(f"option.prepack_weights={raw!r} must be auto, hybrid, true or false")
     return "true" if _BOOL[value] else "false"

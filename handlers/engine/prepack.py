@@ -43,9 +43,11 @@ class PackedLinear(nn.Module):
 
 
 def can_prepack(model: nn.Module) -> bool:
-    """True when oneDNN is usable and the model is fp32 on CPU."""
+    """True when oneDNN is usable and the model is on CPU in fp32, or in bf16 where oneDNN runs bf16."""
     p = next(model.parameters())
-    return bool(torch.backends.mkldnn.is_available()) and p.dtype == torch.float32 and p.device.type == "cpu"
+    if not torch.backends.mkldnn.is_available() or p.device.type != "cpu":
+        return False
+    return p.dtype == torch.float32 or (p.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def prepack_linear_layers(model: nn.Module, hybrid: bool = True) -> int:

@@ -165,7 +165,7 @@ def test_tensor_parallel_equals_generate(family_root: Path, family: str) -> None
     assert got == refs
 
 
-@pytest.mark.parametrize("family", ["phi3", "mixtral", "gpt2", "olmo2"])
+@pytest.mark.parametrize("family", sorted(set(EXACT) - set(TP_FAMILIES)))
 def test_tensor_parallel_refused_before_ranks_start(family_root: Path, family: str) -> None:
     with pytest.raises(UnsupportedModel, match="tensor parallelism supports"):
         LLMEngine.from_options(family_dir(family_root, family), {**ENGINE_OPTIONS, "tensor_parallel_degree": "2"})
@@ -191,3 +191,23 @@ def test_supported_list_matches_the_matrix() -> None:
     """Every model_type the engine claims is exercised above (no claim without a test)."""
     tested = {FAMILIES[f](_tiny(), 64)[0] for f in EXACT}
     assert tested == set(SUPPORTED), (sorted(SUPPORTED - tested), sorted(tested - SUPPORTED))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_dynamic_batching_equals_generate(family_root: Path, family: str) -> None:
+    """Dynamic batching (HF generate on a left-padded batch) serves every family, refused ones included:
+    three prompts of different lengths in one batch each equal their own unpadded generate."""
+    from handlers.base import Context, Input
+    from handlers.huggingface import HuggingFaceHandler
+
+    model_dir = family_dir(family_root, family)
+    handler = HuggingFaceHandler()
+    handler.initialize(Context(model_name=family, model_dir=model_dir, properties={"num_threads": "1"}))
+    prompts = family_prompts(seed=4)[1:4]
+    refs = generate_reference(model_dir, prompts, 16)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    outs = handler.handle([Input(request_id=f"d{i}", prompt="", params=params, prompt_token_ids=tuple(p))
+                           for i, p in enumerate(prompts)])
+    for i, out in enumerate(outs):
+        assert out.error is None, out.error
+        assert [t.id for t in out.tokens] == refs[i], f"{family}: prompt {i} ({len(prompts[i])} tokens)"

@@ -142,7 +142,8 @@ def test_eos_ends_generation_unless_ignored(handler: HuggingFaceHandler) -> None
     ignored = ask(h, PROMPTS[2], max_new_tokens=10, ignore_eos=True)
     assert ignored.finish_reason is FinishReason.LENGTH
     assert len(ignored.tokens) == 10
-    assert first not in ids(ignored)
+    # As vLLM (and the rolling engine): EOS may be generated and does not end the row.
+    assert ids(ignored)[0] == first
 
 
 def test_details_and_logprobs(handler: HuggingFaceHandler) -> None:

@@ -141,7 +141,7 @@ def header_only_checkpoint(d: Path, down_proj: list[int]) -> None:
 
 
 ROLLING = {"option.entryPoint": "huggingface", "option.rolling_batch": "auto", "option.max_rolling_batch_size": "4",
-           "option.max_rolling_batch_prefill_tokens": "64"}
+           "option.max_rolling_batch_prefill_tokens": "64", "option.prepack_weights": "hybrid"}
 
 
 def test_config_command_prints_the_memory_plan(tmp_path: Path) -> None:

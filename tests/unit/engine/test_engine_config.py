@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from handlers.engine.config import EngineConfig
@@ -27,7 +29,7 @@ from serving.errors import ConfigError
     ({"max_model_len": "1024"}, "max_model_len", 1024),
     ({"prepack_weights": "false"}, "prepack_weights", "false"),
     ({"prepack_weights": "True"}, "prepack_weights", "true"),
-    ({}, "prepack_weights", "hybrid"),
+    ({"prepack_weights": "hybrid"}, "prepack_weights", "hybrid"),
     ({}, "fuse_projections", False),
 ])
 def test_options(options: dict[str, str], field: str, value: object) -> None:
@@ -39,7 +41,7 @@ def test_options(options: dict[str, str], field: str, value: object) -> None:
     ({"block_size": "0"}, "must be >= 1"),
     ({"enable_prefix_caching": "maybe"}, "not a boolean"),
     ({"dtype": "int3"}, "option.dtype"),
-    ({"prepack_weights": "sometimes"}, "must be hybrid, true or false"),
+    ({"prepack_weights": "sometimes"}, "must be auto, hybrid, true or false"),
     ({"kv_cache_memory_mb": "lots"}, "option.kv_cache_memory_mb='lots' is not an integer"),
     ({"kv_cache_memory_fraction": "0"}, "must be > 0 and <= 1"),
     ({"kv_cache_memory_fraction": "1.5"}, "must be > 0 and <= 1"),
@@ -49,3 +51,25 @@ def test_options(options: dict[str, str], field: str, value: object) -> None:
 def test_bad_options(options: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_options(options)
+
+
+@pytest.mark.parametrize(("raw", "avx512", "mode"), [
+    (None, True, "true"), (None, False, "hybrid"), ("auto", True, "true"), ("AUTO", False, "hybrid"),
+    ("hybrid", True, "hybrid"), ("false", True, "false"), ("yes", False, "true"),
+])
+def test_prepack_auto_follows_the_cpu(raw: str | None, avx512: bool, mode: str) -> None:
+    from handlers.engine.config import prepack_mode
+
+    assert prepack_mode(raw, packed_wins_everywhere=avx512) == mode
+
+
+def test_cpu_flags_from_cpuinfo(tmp_path: Path) -> None:
+    from handlers.engine.cpu import cpu_flags, has_fast_bf16, packed_weights_win_everywhere
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\nprocessor\t: 1\n")
+    flags = cpu_flags(info)
+    assert {"avx2", "avx512f", "avx512_bf16"} <= flags
+    assert packed_weights_win_everywhere(flags) and has_fast_bf16(flags)
+    assert not packed_weights_win_everywhere(frozenset({"avx2"})) and not has_fast_bf16(frozenset({"avx2"}))
+    assert cpu_flags(tmp_path / "missing") == frozenset()

@@ -383,7 +383,8 @@ def test_engine_sizes_its_pool_from_the_plan(llama: Path, gpt2: Path) -> None:
     e = LLMEngine.from_options(gpt2, {"max_model_len": "100", "block_size": "4"})
     assert e.max_model_len == 64 and e.memory_plan.num_kv_blocks == 32 * 16  # capped: learned positions
     # Built around an already-loaded model: only what comes on top of the weights is planned.
-    model, tokenizer, config = load_model_and_tokenizer(llama, {"max_rolling_batch_prefill_tokens": "64"})
+    model, tokenizer, config = load_model_and_tokenizer(llama, {"max_rolling_batch_prefill_tokens": "64",
+                                                                "prepack_weights": "hybrid"})
     assert next(model.parameters()).dtype == torch.float32
     loaded = LLMEngine(model, tokenizer, config, available_bytes=LINEAR + 64 * 64 * 64 + 2 * MIB)
     # The weights are not subtracted again: free = 2 MiB -> 0.9 x 2097152 = 1887436 B -> 230 blocks

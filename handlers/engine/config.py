@@ -33,6 +33,7 @@ class EngineConfig:
     max_model_len: int = 0
     dtype: str = "fp32"
     prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.prepack)
+    attention_kernel: str = "native"  # native (handlers.engine.kernels, PyTorch when it cannot build) | torch
     fuse_projections: bool = False  # measured neutral-to-slower on this CPU (see closing notes)
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
@@ -53,6 +54,12 @@ class EngineConfig:
                 raise ConfigError(f"option.{key}={raw!r} is not an integer") from None
             if value < minimum:
                 raise ConfigError(f"option.{key}={raw!r} must be >= {minimum}")
+            return value
+
+        def choice(key: str, allowed: tuple[str, ...], default: str) -> str:
+            value = (options.get(key) or default).strip().lower()
+            if value not in allowed:
+                raise ConfigError(f"option.{key}={options.get(key)!r} must be one of {', '.join(allowed)}")
             return value
 
         def boolean(key: str, default: bool) -> bool:
@@ -94,6 +101,7 @@ class EngineConfig:
             dtype=dtype,
             prepack_weights=prepack_mode(options.get("prepack_weights")),
             fuse_projections=boolean("fuse_projections", False),
+            attention_kernel=choice("attention_kernel", ("native", "torch"), "native"),
             trust_remote_code=boolean("trust_remote_code", False),
             allow_unsafe_weights=boolean("allow_unsafe_weights", False),
             seed=integer("seed", 0),

@@ -85,7 +85,8 @@ class LLMEngine:
         if tp_group is not None:  # every rank must build the same pool: rank 0 decides
             num_blocks = tp_group.broadcast_int(num_blocks)
         self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
-                                  num_kv_heads=num_kv_heads, group=tp_group, fuse_weights=config.fuse_projections)
+                                  num_kv_heads=num_kv_heads, group=tp_group, fuse_weights=config.fuse_projections,
+                                  use_kernels=config.attention_kernel == "native")
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from handlers.engine.families import UnsupportedModel
+from handlers.engine.kernels import PagedKernels
 
 ATTN_IMPLEMENTATION = "rollserve_paged"
 CONTEXT_ATTR = "rollserve_context"
@@ -47,8 +48,10 @@ class KVPool:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32) -> None:
         self.num_slots = num_slots
-        self.keys = [torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype) for _ in range(num_layers)]
+        # zero_() writes every page now: torch.zeros maps untouched pages that would fault one by one later,
+        # inside decode steps (measured: index_copy_ into fresh slots 25x slower than into touched ones).
+        self.keys = [torch.empty(num_kv_heads, num_slots, head_dim, dtype=dtype).zero_() for _ in range(num_layers)]
+        self.values = [torch.empty(num_kv_heads, num_slots, head_dim, dtype=dtype).zero_() for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -114,16 +117,30 @@ def seq_attention(span: SeqSpan, block_size: int, window: int = 0) -> SeqAttenti
                         causal)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """The step's decode rows for the native kernel (``handlers.engine.kernels``): ``meta`` [n, 4] int64
+    (query row, first key position, end key position, offset of the block table in ``tables``), ``tables``
+    the block tables concatenated (int32); ``rest`` the views of the other sequences (prefill chunks)."""
+
+    meta: torch.Tensor
+    tables: torch.Tensor
+    rest: tuple[SeqAttention, ...]
+
+
 @dataclass(slots=True)
 class StepMetadata:
     """What every attention layer needs for one step; built once per step by the runner. Per-window views
-    of the sequences are built by the first layer that needs them and shared by the others."""
+    of the sequences (and decode plans) are built by the first layer that needs them and shared by the
+    others. ``kernels``: the native decode kernel, when loaded."""
 
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] int64: pool slot of each new token
     spans: tuple[SeqSpan, ...]
     block_size: int
+    kernels: PagedKernels | None = None
     _views: dict[int, tuple[SeqAttention, ...]] = field(default_factory=dict)
+    _plans: dict[int, DecodePlan | None] = field(default_factory=dict)
 
     def views(self, window: int = 0) -> tuple[SeqAttention, ...]:
         found = self._views.get(window)
@@ -131,6 +148,26 @@ class StepMetadata:
             found = tuple(seq_attention(s, self.block_size, window) for s in self.spans)
             self._views[window] = found
         return found
+
+    def decode_plan(self, window: int = 0) -> DecodePlan | None:
+        """The decode rows of this step for the kernel, or None when there are none."""
+        if window in self._plans:
+            return self._plans[window]
+        rows: list[int] = []
+        tables: list[int] = []
+        rest = []
+        for span, view in zip(self.spans, self.views(window), strict=True):
+            if span.num_new != 1:
+                rest.append(view)
+                continue
+            rows += [span.q_start, view.kv_pos, view.kv_pos + view.kv_len, len(tables)]
+            tables += span.block_table
+        plan = None
+        if rows:
+            plan = DecodePlan(torch.tensor(rows, dtype=torch.int64).view(-1, 4),
+                              torch.tensor(tables, dtype=torch.int32), tuple(rest))
+        self._plans[window] = plan
+        return plan
 
 
 @dataclass(slots=True)
@@ -169,6 +206,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     eager = softcap is not None or s_aux is not None
     window = int(sliding_window or 0)
     context.windows[layer] = window
+    if meta.kernels is not None and query.dtype == torch.float32 and query.stride(3) == 1:
+        plan = meta.decode_plan(window)
+        if plan is not None:
+            out = torch.empty(1, query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)  # [1, T, H, D]
+            if meta.kernels.decode(query, k_cache, v_cache, out, plan.meta, plan.tables, meta.block_size, scaling,
+                                   softcap, s_aux):
+                for s in plan.rest:
+                    rows = _attend(query[:, :, s.q_start:s.q_end], k_cache, v_cache, s, scaling, eager, softcap,
+                                   s_aux)
+                    out[:, s.q_start:s.q_end] = rows.transpose(1, 2)
+                return out, None
     views = meta.views(window)
     if len(views) == 1:
         return _attend(query, k_cache, v_cache, views[0], scaling, eager, softcap, s_aux).transpose(1, 2), None

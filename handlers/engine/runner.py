@@ -20,6 +20,7 @@ import torch
 from handlers.engine.adapters import adapt_model
 from handlers.engine.families import UnsupportedModel
 from handlers.engine.fusion import fuse_projections
+from handlers.engine.kernels import load_kernels
 from handlers.engine.paged_attention import (
     ATTN_IMPLEMENTATION,
     CONTEXT_ATTR,
@@ -96,7 +97,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: str = "false",
                  num_kv_heads: int | None = None, group: StepBroadcaster | None = None,
-                 fuse_weights: bool = False) -> None:
+                 fuse_weights: bool = False, use_kernels: bool = True) -> None:
         model.eval()
         use_paged_attention(model)
         if fuse_weights:
@@ -115,6 +116,7 @@ class ModelRunner:
         num_layers, config_kv_heads, head_dim = kv_geometry(model.config)
         dtype = next(model.parameters()).dtype
         self.pool = KVPool(num_layers, num_blocks * block_size, num_kv_heads or config_kv_heads, head_dim, dtype)
+        self.kernels = load_kernels() if use_kernels else None
         self._probe(num_layers)
 
     def _probe(self, num_layers: int) -> None:
@@ -168,7 +170,7 @@ class ModelRunner:
         """Run one prepared step through the model; returns the kept rows' logits [len(keep), vocab]."""
         spans = tuple(SeqSpan(q0, start, num_new, tuple(table)) for q0, start, num_new, table in inputs.seqs)
         self.context.meta = StepMetadata(self.pool, torch.tensor(inputs.slots, dtype=torch.long), spans,
-                                         self.block_size)
+                                         self.block_size, self.kernels)
         try:
             out = self.model(
                 input_ids=torch.tensor([inputs.input_ids], dtype=torch.long),

@@ -46,6 +46,7 @@ VARIANTS = {
     "chunked-prefix": {"max_rolling_batch_prefill_tokens": "32", "block_size": "4"},
     "no-prepack": {"prepack_weights": "false", "block_size": "8"},
     "packed-only+fused": {"prepack_weights": "true", "fuse_projections": "true"},
+    "torch-attention": {"attention_kernel": "torch", "block_size": "4"},
 }
 
 

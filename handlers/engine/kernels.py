@@ -1,0 +1,107 @@
+"""Native kernels of the engine: built from C at first use, called through ctypes, optional.
+
+Design note: ``csrc/paged_attention.c`` is plain C (no torch headers), so building it takes about a second
+with the system compiler (``cc -O3 -march=native -fopenmp``). The shared object is cached per source,
+compiler flags and CPU (``~/.cache/rollserve/kernels``, else a temporary folder) and written atomically, so
+concurrent workers may build it at once. When no compiler is found or the build fails, ``load_kernels``
+returns None and the engine keeps its pure-PyTorch path (logged once): the kernel is a speed-up, never a
+requirement. Runs in the worker process (and every tensor-parallel rank).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from handlers.engine.cpu import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+class PagedKernels:
+    """The loaded shared object; ``decode`` runs one layer's decode rows of every sequence in one call."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.rollserve_paged_decode
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
+                             _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int]
+
+    def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+               meta: torch.Tensor, tables: torch.Tensor, block_size: int, scale: float, softcap: float | None,
+               sinks: torch.Tensor | None) -> bool:
+        """Attention of the decode rows listed in ``meta`` ([n, 4] int64: query row, first key position, end
+        key position, offset of the block table in ``tables`` int32). ``query`` [1, H, T, D] fp32 (D
+        contiguous), pools [Hkv, S, D] contiguous fp32 or bf16, ``out`` [1, T, H, D] fp32 contiguous.
+        Returns False when the shapes are beyond the kernel (the caller then uses its fallback)."""
+        num_heads, head_dim = query.shape[1], query.shape[3]
+        sink_ptr = None
+        if sinks is not None:
+            sinks = sinks.detach().float().contiguous()
+            sink_ptr = sinks.data_ptr()
+        rc = self._fn(query.data_ptr(), query.stride(2), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                      int(k_cache.dtype == torch.bfloat16), k_cache.stride(0), k_cache.stride(1), out.data_ptr(),
+                      out.stride(1), out.stride(2), meta.data_ptr(), tables.data_ptr(), meta.shape[0], num_heads,
+                      k_cache.shape[0], head_dim, block_size, scale, float(softcap or 0.0), sink_ptr,
+                      torch.get_num_threads())
+        return rc == 0
+
+
+@lru_cache(maxsize=1)
+def load_kernels() -> PagedKernels | None:
+    """Build (or find in the cache) and load the kernels; None when they cannot be built here."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: the engine uses its PyTorch attention path (slower decode)")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention-{key}.so"
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        return PagedKernels(ctypes.CDLL(str(target)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        logger.warning("building the paged attention kernel failed (%s %s): the engine uses its PyTorch "
+                       "attention path", exc, detail.decode(errors="replace")[-500:])
+        return None
+
+
+def _build(compiler: str, target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(tmp, target)  # atomic: a concurrent builder's identical file is fine either way
+        logger.info("built %s", target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _cache_dir() -> Path:
+    for candidate in (Path.home() / ".cache" / "rollserve" / "kernels",
+                      Path(tempfile.gettempdir()) / f"rollserve-kernels-{os.getuid()}"):
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+            if os.access(candidate, os.W_OK):
+                return candidate
+        except OSError:
+            continue
+    raise OSError("no writable folder for the kernel cache")

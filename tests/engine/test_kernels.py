@@ -1,0 +1,77 @@
+"""The native paged decode kernel equals the PyTorch attention it replaces, and the engine works without it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from handlers.engine import kernels
+from handlers.engine.kernels import load_kernels
+from handlers.engine.paged_attention import KVPool, SeqSpan, StepMetadata, _attend
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None,
+              sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [H, D], k/v [Hkv, L, D] -> [H, D], eager math in float64."""
+    g = q.shape[0] // k.shape[0]
+    k, v = k.double().repeat_interleave(g, 0), v.double().repeat_interleave(g, 0)
+    s = torch.einsum("hd,hld->hl", q.double(), k) / math.sqrt(q.shape[1])
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None]], dim=1)
+    p = torch.softmax(s, dim=1)[:, :k.shape[1]]
+    return torch.einsum("hl,hld->hd", p, v)
+
+
+def test_kernel_builds_on_this_machine() -> None:
+    assert load_kernels() is not None  # a C compiler is part of the supported setup (and CI's)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "window", "softcap", "with_sinks"), [
+    (4, 4, 0, None, False), (8, 2, 0, None, False), (4, 1, 0, None, False), (4, 2, 5, None, False),
+    (4, 2, 0, 3.0, False), (4, 2, 7, None, True), (6, 3, 0, 2.0, True),
+])
+def test_decode_kernel_equals_reference(dtype: torch.dtype, heads: int, kv_heads: int, window: int,
+                                        softcap: float | None, with_sinks: bool) -> None:
+    torch.manual_seed(0)
+    k_impl = load_kernels()
+    assert k_impl is not None
+    d, bs = 16, 4
+    pool = KVPool(1, 64 * bs, kv_heads, d, dtype)
+    pool.keys[0].normal_()
+    pool.values[0].normal_()
+    # Three sequences with scattered (non-contiguous) blocks, one decode row each, contexts 1, 13 and 30.
+    tables = [(7,), (3, 9, 1, 20), (40, 2, 33, 5, 6, 11, 12, 60)]
+    lengths = [1, 13, 30]
+    spans = tuple(SeqSpan(i, n - 1, 1, t) for i, (n, t) in enumerate(zip(lengths, tables, strict=True)))
+    meta = StepMetadata(pool, torch.zeros(3, dtype=torch.long), spans, bs, k_impl)
+    q = torch.randn(1, 3, heads, d).transpose(1, 2)  # [1, H, T, D], as transformers passes it
+    sinks = torch.randn(heads) if with_sinks else None
+    plan = meta.decode_plan(window)
+    assert plan is not None and plan.rest == ()
+    out = torch.empty(1, 3, heads, d)
+    assert k_impl.decode(q, pool.keys[0], pool.values[0], out, plan.meta, plan.tables, bs, d ** -0.5, softcap, sinks)
+    for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
+        lo = max(0, n - window) if window else 0
+        slots = [table[p // bs] * bs + p % bs for p in range(lo, n)]
+        want = reference(q[0, :, i], pool.keys[0][:, slots].float(), pool.values[0][:, slots].float(), softcap, sinks)
+        torch.testing.assert_close(out[0, i].double(), want, atol=2e-5, rtol=1e-4)
+        if not softcap and sinks is None and dtype == torch.float32:  # the PyTorch path it replaces agrees
+            view = meta.views(window)[i]
+            torch_rows = _attend(q[:, :, i:i + 1], pool.keys[0], pool.values[0], view, d ** -0.5, False, None, None)
+            torch.testing.assert_close(out[0, i], torch_rows[0, :, 0].float(), atol=2e-5, rtol=1e-4)
+
+
+def test_engine_without_a_compiler_uses_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    load_kernels.cache_clear()
+    try:
+        assert load_kernels() is None
+    finally:
+        monkeypatch.undo()
+        load_kernels.cache_clear()
+    assert load_kernels() is not None

@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from handlers.base import Context, Handler, Input, Output, option_bool
+from handlers.engine.cpu import keep_freed_memory
 from handlers.validation import check_length, check_prompt_ids, check_sampling
 from serving.errors import InvalidRequest, ServingError
 from serving.types import FinishReason, SamplingParams, TokenInfo
@@ -67,6 +68,7 @@ class HuggingFaceHandler(Handler):
     def initialize(self, ctx: Context) -> None:
         self.model_name = ctx.model_name
         torch.set_num_threads(int(ctx.option("num_threads", "1") or 1))
+        keep_freed_memory()  # large generate() temporaries reused instead of faulted in again every call
         dtype_name = (ctx.option("dtype", "fp32") or "fp32").lower()
         if dtype_name not in DTYPES:
             raise ValueError(f"option.dtype {dtype_name!r} is not one of {sorted(DTYPES)}")

@@ -18,6 +18,7 @@ import torch
 
 from handlers.engine.adapters import adapt_model
 from handlers.engine.config import EngineConfig
+from handlers.engine.cpu import keep_freed_memory
 from handlers.engine.detokenizer import IncrementalDetokenizer
 from handlers.engine.families import check_config, load_config_dict
 from handlers.engine.memory import (
@@ -217,6 +218,7 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str]) -> tup
 
     config = EngineConfig.from_options(options)
     torch.set_num_threads(config.num_threads)
+    keep_freed_memory()
     source = weights_dir(model_dir, options.get("model_id"))
     config = replace(config, dtype=resolve_dtype(config.dtype, read_model_config(source)))  # auto -> fp32, ...
     model = AutoModelForCausalLM.from_pretrained(

@@ -75,3 +75,20 @@ def test_engine_without_a_compiler_uses_the_torch_path(monkeypatch: pytest.Monke
         monkeypatch.undo()
         load_kernels.cache_clear()
     assert load_kernels() is not None
+
+
+def test_freed_activation_memory_is_reused_without_page_faults() -> None:
+    """After ``keep_freed_memory`` a large temporary allocated again comes back without faulting its pages in."""
+    import resource
+
+    from handlers.engine.cpu import keep_freed_memory
+
+    def faults_of_one_alloc() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t = torch.ones(4 << 20)  # 16 MiB, written once
+        del t
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    assert keep_freed_memory()
+    faults_of_one_alloc()  # the first one grows the heap
+    assert faults_of_one_alloc() < 100  # 16 MiB of fresh 4 KiB pages would be ~4,096 faults

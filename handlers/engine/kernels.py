@@ -38,22 +38,26 @@ class PagedKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.rollserve_paged_decode
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
+        self._fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _I64, _I64,
+                             _PTR, _PTR,
                              _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int]
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                meta: torch.Tensor, tables: torch.Tensor, block_size: int, scale: float, softcap: float | None,
                sinks: torch.Tensor | None) -> bool:
         """Attention of the decode rows listed in ``meta`` ([n, 4] int64: query row, first key position, end
-        key position, offset of the block table in ``tables`` int32). ``query`` [1, H, T, D] fp32 (D
-        contiguous), pools [Hkv, S, D] contiguous fp32 or bf16, ``out`` [1, T, H, D] fp32 contiguous.
+        key position, offset of the block table in ``tables`` int32). ``query`` [1, H, T, D] fp32 or bf16 (D
+        contiguous), pools [Hkv, S, D] contiguous fp32 or bf16, ``out`` [1, T, H, D] contiguous, of the
+        query's dtype.
         Returns False when the shapes are beyond the kernel (the caller then uses its fallback)."""
         num_heads, head_dim = query.shape[1], query.shape[3]
         sink_ptr = None
         if sinks is not None:
             sinks = sinks.detach().float().contiguous()
             sink_ptr = sinks.data_ptr()
-        rc = self._fn(query.data_ptr(), query.stride(2), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        if query.dtype not in (torch.float32, torch.bfloat16) or out.dtype != query.dtype:
+            return False
+        rc = self._fn(query.data_ptr(), int(query.dtype == torch.bfloat16), query.stride(2), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                       int(k_cache.dtype == torch.bfloat16), k_cache.stride(0), k_cache.stride(1), out.data_ptr(),
                       out.stride(1), out.stride(2), meta.data_ptr(), tables.data_ptr(), meta.shape[0], num_heads,
                       k_cache.shape[0], head_dim, block_size, scale, float(softcap or 0.0), sink_ptr,

@@ -206,7 +206,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     eager = softcap is not None or s_aux is not None
     window = int(sliding_window or 0)
     context.windows[layer] = window
-    if meta.kernels is not None and query.dtype == torch.float32 and query.stride(3) == 1:
+    if meta.kernels is not None and query.stride(3) == 1:
         plan = meta.decode_plan(window)
         if plan is not None:
             out = torch.empty(1, query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)  # [1, T, H, D]

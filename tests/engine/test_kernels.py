@@ -49,17 +49,19 @@ def test_decode_kernel_equals_reference(dtype: torch.dtype, heads: int, kv_heads
     lengths = [1, 13, 30]
     spans = tuple(SeqSpan(i, n - 1, 1, t) for i, (n, t) in enumerate(zip(lengths, tables, strict=True)))
     meta = StepMetadata(pool, torch.zeros(3, dtype=torch.long), spans, bs, k_impl)
-    q = torch.randn(1, 3, heads, d).transpose(1, 2)  # [1, H, T, D], as transformers passes it
+    q = torch.randn(1, 3, heads, d).to(dtype).transpose(1, 2)  # [1, H, T, D], as transformers passes it
     sinks = torch.randn(heads) if with_sinks else None
     plan = meta.decode_plan(window)
     assert plan is not None and plan.rest == ()
-    out = torch.empty(1, 3, heads, d)
+    out = torch.empty(1, 3, heads, d, dtype=dtype)
     assert k_impl.decode(q, pool.keys[0], pool.values[0], out, plan.meta, plan.tables, bs, d ** -0.5, softcap, sinks)
     for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
         lo = max(0, n - window) if window else 0
         slots = [table[p // bs] * bs + p % bs for p in range(lo, n)]
-        want = reference(q[0, :, i], pool.keys[0][:, slots].float(), pool.values[0][:, slots].float(), softcap, sinks)
-        torch.testing.assert_close(out[0, i].double(), want, atol=2e-5, rtol=1e-4)
+        want = reference(q[0, :, i].float(), pool.keys[0][:, slots].float(), pool.values[0][:, slots].float(), softcap,
+                         sinks)
+        tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}  # bf16 output
+        torch.testing.assert_close(out[0, i].double(), want, **tol)
         if not softcap and sinks is None and dtype == torch.float32:  # the PyTorch path it replaces agrees
             view = meta.views(window)[i]
             torch_rows = _attend(q[:, :, i:i + 1], pool.keys[0], pool.values[0], view, d ** -0.5, False, None, None)
@@ -83,12 +85,19 @@ def test_freed_activation_memory_is_reused_without_page_faults() -> None:
 
     from handlers.engine.cpu import keep_freed_memory
 
-    def faults_of_one_alloc() -> int:
+    def faults_of_one_step() -> int:
+        """Page faults of a step-like pattern: large temporaries of a few sizes, allocated and freed."""
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        t = torch.ones(4 << 20)  # 16 MiB, written once
-        del t
+        x = torch.ones(1 << 20)
+        for _ in range(6):
+            y = torch.ones(4 << 20)
+            z = x * 2
+            x = torch.ones(2 << 20) + 1
+            del y, z
+        del x
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
     assert keep_freed_memory()
-    faults_of_one_alloc()  # the first one grows the heap
-    assert faults_of_one_alloc() < 100  # 16 MiB of fresh 4 KiB pages would be ~4,096 faults
+    faults = [faults_of_one_step() for _ in range(8)]  # the first ones grow the heap to its high-water mark
+    # Without it every step faults its temporaries in again (measured: 14,304 faults each time).
+    assert max(faults[4:]) < 100, faults

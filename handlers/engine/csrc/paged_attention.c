@@ -5,7 +5,8 @@
  * value row is read once; an online softmax (running max and sum, fp32) walks the keys block by block of
  * the sequence's block table. Optional: logit soft-capping (tanh), a per-head sink logit, and a key range
  * [kv_lo, kv_end) for sliding windows. Layouts: q and out [T, H, D] with any row/head strides; the pool is
- * [Hkv, S, D] (head-major) with D contiguous; fp32 or bf16 pool (bf16 -> fp32 on load).
+ * [Hkv, S, D] (head-major) with D contiguous; fp32 or bf16 pool, query and output (bf16 is converted to fp32
+ * on load; all arithmetic is fp32; bf16 output rounds to nearest even).
  *
  * Built at first use by handlers/engine/kernels.py (cc -O3 -march=native -fopenmp) and called through
  * ctypes; plain C with no torch headers, so it compiles in about a second.
@@ -32,8 +33,16 @@ static inline const float* load_row(const void* base, int is_bf16, int64_t offse
     return dst;
 }
 
-static void attend_one(const float* q, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
-                       const void* v_cache, int is_bf16, int64_t c_stride_h, int64_t c_stride_s, float* out,
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void attend_one(const void* q, int q_bf16, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
+                       const void* v_cache, int is_bf16, int64_t c_stride_h, int64_t c_stride_s, void* out,
                        int64_t o_stride_t, int64_t o_stride_h, const int64_t* meta, const int32_t* tables,
                        int64_t kvh, int64_t group, int64_t d, int64_t block_size, float scale, float softcap,
                        const float* sinks) {
@@ -44,8 +53,12 @@ static void attend_one(const float* q, int64_t q_stride_t, int64_t q_stride_h, c
     float m[MAX_GROUP], l[MAX_GROUP];
     float krow[MAX_DIM], vrow[MAX_DIM];
     for (int64_t j = 0; j < group; j++) {
-        const float* src = q + q_row * q_stride_t + (kvh * group + j) * q_stride_h;
-        for (int64_t i = 0; i < d; i++) { qv[j][i] = src[i] * scale; acc[j][i] = 0.0f; }
+        const int64_t q_off = q_row * q_stride_t + (kvh * group + j) * q_stride_h;
+        for (int64_t i = 0; i < d; i++) {
+            const float x = q_bf16 ? bf16_to_float(((const uint16_t*)q)[q_off + i]) : ((const float*)q)[q_off + i];
+            qv[j][i] = x * scale;
+            acc[j][i] = 0.0f;
+        }
         m[j] = -INFINITY;
         l[j] = 0.0f;
     }
@@ -84,16 +97,20 @@ static void attend_one(const float* q, int64_t q_stride_t, int64_t q_stride_h, c
                 denom = l[j] + expf(sink - m[j]);
             }
         }
-        float* dst = out + q_row * o_stride_t + (kvh * group + j) * o_stride_h;
+        const int64_t o_off = q_row * o_stride_t + (kvh * group + j) * o_stride_h;
         const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-        for (int64_t i = 0; i < d; i++) dst[i] = acc[j][i] * inv;
+        if (q_bf16) {
+            for (int64_t i = 0; i < d; i++) ((uint16_t*)out)[o_off + i] = float_to_bf16(acc[j][i] * inv);
+        } else {
+            for (int64_t i = 0; i < d; i++) ((float*)out)[o_off + i] = acc[j][i] * inv;
+        }
     }
 }
 
 /* meta: num_seqs x 4 int64 (query row, first key position, end key position, offset of its block table in
  * tables). Returns 0, or -1 when the shapes exceed the kernel's fixed buffers (the caller falls back). */
-int rollserve_paged_decode(const float* q, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
-                           const void* v_cache, int is_bf16, int64_t c_stride_h, int64_t c_stride_s, float* out,
+int rollserve_paged_decode(const void* q, int q_bf16, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
+                           const void* v_cache, int is_bf16, int64_t c_stride_h, int64_t c_stride_s, void* out,
                            int64_t o_stride_t, int64_t o_stride_h, const int64_t* meta, const int32_t* tables,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                            int64_t block_size, float scale, float softcap, const float* sinks, int num_threads) {
@@ -104,7 +121,7 @@ int rollserve_paged_decode(const float* q, int64_t q_stride_t, int64_t q_stride_
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t w = 0; w < work; w++) {
         const int64_t s = w / num_kv_heads, kvh = w % num_kv_heads;
-        attend_one(q, q_stride_t, q_stride_h, k_cache, v_cache, is_bf16, c_stride_h, c_stride_s, out, o_stride_t,
+        attend_one(q, q_bf16, q_stride_t, q_stride_h, k_cache, v_cache, is_bf16, c_stride_h, c_stride_s, out, o_stride_t,
                    o_stride_h, meta + 4 * s, tables, kvh, group, d, block_size, scale, softcap, sinks);
     }
     return 0;

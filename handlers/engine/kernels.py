@@ -58,10 +58,10 @@ class PagedKernels:
         if query.dtype not in (torch.float32, torch.bfloat16) or out.dtype != query.dtype:
             return False
         rc = self._fn(query.data_ptr(), int(query.dtype == torch.bfloat16), query.stride(2), query.stride(1),
-                      k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), k_cache.stride(0),
-                      k_cache.stride(1), out.data_ptr(), out.stride(1), out.stride(2), meta.data_ptr(), tables.data_ptr(), meta.shape[0], num_heads,
-                      k_cache.shape[0], head_dim, block_size, scale, float(softcap or 0.0), sink_ptr,
-                      torch.get_num_threads())
+                      k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+                      k_cache.stride(0), k_cache.stride(1), out.data_ptr(), out.stride(1), out.stride(2),
+                      meta.data_ptr(), tables.data_ptr(), meta.shape[0], num_heads, k_cache.shape[0], head_dim,
+                      block_size, scale, float(softcap or 0.0), sink_ptr, torch.get_num_threads())
         return rc == 0
 
 

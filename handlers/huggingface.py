@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from handlers.base import Context, Handler, Input, Output, option_bool
-from handlers.engine.cpu import keep_freed_memory
+from handlers.engine.cpu import auto_threads, keep_freed_memory
 from handlers.validation import check_length, check_prompt_ids, check_sampling
 from serving.errors import InvalidRequest, ServingError
 from serving.types import FinishReason, SamplingParams, TokenInfo
@@ -53,7 +53,7 @@ class HuggingFaceHandler(Handler):
 
     Options: ``model_id`` (path, relative to the model folder or absolute; default the folder itself),
     ``dtype`` (fp32 default, fp16, bf16, auto), ``trust_remote_code`` (false), ``allow_unsafe_weights``
-    (false: safetensors only), ``num_threads`` (torch CPU threads, default 1), ``max_model_len``.
+    (false: safetensors only), ``num_threads`` (torch CPU threads; ``auto``, the default: the cores of the worker's affinity mask / maxWorkers), ``max_model_len``.
     """
 
     def __init__(self) -> None:
@@ -67,7 +67,8 @@ class HuggingFaceHandler(Handler):
 
     def initialize(self, ctx: Context) -> None:
         self.model_name = ctx.model_name
-        torch.set_num_threads(int(ctx.option("num_threads", "1") or 1))
+        threads = (ctx.option("num_threads") or "auto").strip().lower()
+        torch.set_num_threads(auto_threads(int(ctx.option("maxWorkers") or 1)) if threads == "auto" else int(threads))
         keep_freed_memory()  # large generate() temporaries reused instead of faulted in again every call
         dtype_name = (ctx.option("dtype", "fp32") or "fp32").lower()
         if dtype_name not in DTYPES:

@@ -29,7 +29,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9
     num_kv_blocks: int = 0  # explicit number of KV blocks; overrides kv_cache_memory_mb (tests, tuning)
     enable_prefix_caching: bool = True
-    num_threads: int = 1
+    num_threads: int = 0  # 0 = auto: the cores of this worker's affinity mask / (workers x TP ranks)
     max_model_len: int = 0
     dtype: str = "fp32"
     prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.prepack)
@@ -96,7 +96,8 @@ class EngineConfig:
             kv_cache_memory_fraction=fraction("kv_cache_memory_fraction", 0.9),
             num_kv_blocks=integer("num_kv_blocks", 0),
             enable_prefix_caching=boolean("enable_prefix_caching", True),
-            num_threads=integer("num_threads", 1, 1),
+            num_threads=0 if (options.get("num_threads") or "auto").strip().lower() == "auto"
+            else integer("num_threads", 0, 1),
             max_model_len=integer("max_model_len", 0),
             dtype=dtype,
             prepack_weights=prepack_mode(options.get("prepack_weights")),

@@ -9,6 +9,7 @@ weight is 10-30% slower for prefill-sized inputs, so hybrid keeps both.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -69,3 +70,13 @@ def keep_freed_memory(max_block_bytes: int = _MMAP_THRESHOLD_MAX) -> bool:
     # glibc caps the mmap threshold at HEAP_MAX (32 MiB on 64-bit): larger blocks are still mmapped.
     return bool(mallopt(_M_MMAP_THRESHOLD, min(max_block_bytes, _MMAP_THRESHOLD_MAX))) and \
         bool(mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))
+
+
+def auto_threads(num_workers: int = 1, ranks_per_worker: int = 1) -> int:
+    """``option.num_threads=auto``: the cores this process may run on (its affinity mask, which taskset and
+    container CPU sets narrow), shared evenly by the model's workers and their tensor-parallel ranks."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, num_workers * ranks_per_worker))

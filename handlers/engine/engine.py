@@ -18,7 +18,7 @@ import torch
 
 from handlers.engine.adapters import adapt_model
 from handlers.engine.config import EngineConfig
-from handlers.engine.cpu import keep_freed_memory
+from handlers.engine.cpu import auto_threads, keep_freed_memory
 from handlers.engine.detokenizer import IncrementalDetokenizer
 from handlers.engine.families import check_config, load_config_dict
 from handlers.engine.memory import (
@@ -217,7 +217,8 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str]) -> tup
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = EngineConfig.from_options(options)
-    torch.set_num_threads(config.num_threads)
+    torch.set_num_threads(config.num_threads or auto_threads(_int_option(options, "maxWorkers", 1),
+                                                              config.tensor_parallel_degree))
     keep_freed_memory()
     source = weights_dir(model_dir, options.get("model_id"))
     config = replace(config, dtype=resolve_dtype(config.dtype, read_model_config(source)))  # auto -> fp32, ...
@@ -227,6 +228,13 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str]) -> tup
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
     adapt_model(model)  # before tensor-parallel sharding, which sees the adapted layout
     return model, tokenizer, config
+
+
+def _int_option(options: Mapping[str, str], key: str, default: int) -> int:
+    try:
+        return int(options.get(key, default))
+    except ValueError:
+        return default
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:

@@ -15,7 +15,9 @@ from serving.errors import ConfigError
     ({}, "max_num_batched_tokens", 2048),
     ({}, "block_size", 16),
     ({}, "enable_prefix_caching", True),
-    ({}, "num_threads", 1),
+    ({}, "num_threads", 0),
+    ({"num_threads": "auto"}, "num_threads", 0),
+    ({"num_threads": "3"}, "num_threads", 3),
     ({}, "dtype", "fp32"),
     ({"max_rolling_batch_size": "8"}, "max_num_seqs", 8),
     ({"max_rolling_batch_prefill_tokens": " 512 "}, "max_num_batched_tokens", 512),
@@ -73,3 +75,14 @@ def test_cpu_flags_from_cpuinfo(tmp_path: Path) -> None:
     assert packed_weights_win_everywhere(flags) and has_fast_bf16(flags)
     assert not packed_weights_win_everywhere(frozenset({"avx2"})) and not has_fast_bf16(frozenset({"avx2"}))
     assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_auto_threads_share_the_affinity_mask() -> None:
+    import os
+
+    from handlers.engine.cpu import auto_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert auto_threads() == cores
+    assert auto_threads(num_workers=2) == max(1, cores // 2)
+    assert auto_threads(num_workers=1, ranks_per_worker=cores * 4) == 1

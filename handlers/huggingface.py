@@ -53,7 +53,8 @@ class HuggingFaceHandler(Handler):
 
     Options: ``model_id`` (path, relative to the model folder or absolute; default the folder itself),
     ``dtype`` (fp32 default, fp16, bf16, auto), ``trust_remote_code`` (false), ``allow_unsafe_weights``
-    (false: safetensors only), ``num_threads`` (torch CPU threads; ``auto``, the default: the cores of the worker's affinity mask / maxWorkers), ``max_model_len``.
+    (false: safetensors only), ``num_threads`` (torch CPU threads; ``auto``, the default: the cores of the
+    worker's affinity mask / maxWorkers), ``max_model_len``.
     """
 
     def __init__(self) -> None:

@@ -41,6 +41,29 @@ static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as to
     return (uint16_t)(u >> 16);
 }
 
+#define KEY_CHUNK 32
+
+/* exp(x) for x <= 0 (softmax arithmetic), written so that the compiler vectorizes a loop of it:
+ * 2^(x log2 e) split into integer and fraction, degree-6 polynomial for 2^f (relative error ~2e-7). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.4426950408889634f;
+    const float fi = floorf(t);
+    const float f = t - fi;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += ((int32_t)fi) << 23;
+    memcpy(&p, &bits, sizeof p);
+    return p;
+}
+
 static void attend_one(const void* q, int q_bf16, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
                        const void* v_cache, int is_bf16, int64_t c_stride_h, int64_t c_stride_s, void* out,
                        int64_t o_stride_t, int64_t o_stride_h, const int64_t* meta, const int32_t* tables,
@@ -51,7 +74,10 @@ static void attend_one(const void* q, int q_bf16, int64_t q_stride_t, int64_t q_
     float qv[MAX_GROUP][MAX_DIM];
     float acc[MAX_GROUP][MAX_DIM];
     float m[MAX_GROUP], l[MAX_GROUP];
-    float krow[MAX_DIM], vrow[MAX_DIM];
+    float sc[MAX_GROUP][KEY_CHUNK];
+    float kbuf[KEY_CHUNK][MAX_DIM], vbuf[KEY_CHUNK][MAX_DIM];
+    const float* krows[KEY_CHUNK];
+    const float* vrows[KEY_CHUNK];
     for (int64_t j = 0; j < group; j++) {
         const int64_t q_off = q_row * q_stride_t + (kvh * group + j) * q_stride_h;
         for (int64_t i = 0; i < d; i++) {
@@ -62,27 +88,47 @@ static void attend_one(const void* q, int q_bf16, int64_t q_stride_t, int64_t q_
         m[j] = -INFINITY;
         l[j] = 0.0f;
     }
-    for (int64_t pos = kv_lo; pos < kv_end; pos++) {
-        const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
-        const int64_t off = kvh * c_stride_h + slot * c_stride_s;
-        const float* kr = load_row(k_cache, is_bf16, off, d, krow);
-        const float* vr = load_row(v_cache, is_bf16, off, d, vrow);
+    for (int64_t c0 = kv_lo; c0 < kv_end; c0 += KEY_CHUNK) {
+        const int64_t n = kv_end - c0 < KEY_CHUNK ? kv_end - c0 : KEY_CHUNK;
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t pos = c0 + t;
+            const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
+            const int64_t off = kvh * c_stride_h + slot * c_stride_s;
+            krows[t] = load_row(k_cache, is_bf16, off, d, kbuf[t]);
+            vrows[t] = load_row(v_cache, is_bf16, off, d, vbuf[t]);
+        }
         for (int64_t j = 0; j < group; j++) {
-            float s = 0.0f;
+            const float* restrict qj = qv[j];
+            float cmax = m[j];
+            for (int64_t t = 0; t < n; t++) {
+                const float* restrict kr = krows[t];
+                float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t i = 0; i < d; i++) s += qv[j][i] * kr[i];
-            if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
-            if (s > m[j]) {
-                const float c = expf(m[j] - s);  /* exp(-inf) = 0 on the first key */
-                l[j] *= c;
-#pragma omp simd
-                for (int64_t i = 0; i < d; i++) acc[j][i] *= c;
-                m[j] = s;
+                for (int64_t i = 0; i < d; i++) s += qj[i] * kr[i];
+                if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
+                sc[j][t] = s;
+                cmax = s > cmax ? s : cmax;
             }
-            const float p = expf(s - m[j]);
-            l[j] += p;
+            const float c = m[j] == -INFINITY ? 0.0f : exp_nonpositive(m[j] - cmax);
+            m[j] = cmax;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                sc[j][t] = exp_nonpositive(sc[j][t] - cmax);
+                sum += sc[j][t];
+            }
+            l[j] = l[j] * c + sum;
+            float* restrict aj = acc[j];
+            if (c != 1.0f) {
 #pragma omp simd
-            for (int64_t i = 0; i < d; i++) acc[j][i] += p * vr[i];
+                for (int64_t i = 0; i < d; i++) aj[i] *= c;
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const float p = sc[j][t];
+                const float* restrict vr = vrows[t];
+#pragma omp simd
+                for (int64_t i = 0; i < d; i++) aj[i] += p * vr[i];
+            }
         }
     }
     for (int64_t j = 0; j < group; j++) {

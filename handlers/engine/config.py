@@ -24,6 +24,7 @@ class EngineConfig:
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens_while_decoding: int = 256  # 0 = prefill may take the whole step budget
     block_size: int = 16
     kv_cache_memory_mb: int = 0
     kv_cache_memory_fraction: float = 0.9
@@ -91,6 +92,7 @@ class EngineConfig:
         return cls(
             max_num_seqs=integer("max_rolling_batch_size", 32, 1),
             max_num_batched_tokens=integer("max_rolling_batch_prefill_tokens", 2048, 1),
+            max_prefill_tokens_while_decoding=integer("max_prefill_tokens_while_decoding", 256),
             block_size=integer("block_size", 16, 1),
             kv_cache_memory_mb=integer("kv_cache_memory_mb", 0) if kv_mb is not None else 0,
             kv_cache_memory_fraction=fraction("kv_cache_memory_fraction", 0.9),

@@ -91,7 +91,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching, sliding_window=self.runner.sliding_window))
+            enable_prefix_caching=config.enable_prefix_caching, sliding_window=self.runner.sliding_window,
+            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding))
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB); %.1f sequences of %d tokens fit",
                     num_blocks, config.block_size, num_blocks * config.block_size * per_token / 2**20,
                     num_blocks * config.block_size / self.max_model_len, self.max_model_len)

@@ -33,6 +33,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     sliding_window: int = 0  # every layer attends to at most this many keys (0: some layer sees all)
+    max_prefill_tokens_while_decoding: int = 0  # prefill tokens per step while decodes run (0: no cap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,30 +125,42 @@ class Scheduler:
 
     # ------------------------------------------------------------------- step
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step. Never exceeds the token budget or the batch size."""
+        """Plan the next step. Never exceeds the token budget or the batch size; while decodes run, prefill
+        chunks take at most ``max_prefill_tokens_while_decoding`` of it (0 = no such cap)."""
         budget = self.config.max_num_batched_tokens
         planned: dict[int, ScheduledChunk] = {}  # id(seq) -> chunk
         preempted: list[str] = []
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
-            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+        for seq in decodes:
+            if seq.status is SequenceStatus.RUNNING and budget > 0 and self._plan(seq, 1, planned, preempted):
+                budget -= 1
+        prefill_budget = budget
+        if planned and self.config.max_prefill_tokens_while_decoding:
+            # A long prefill chunk stalls every running decode for its whole step (inter-token latency).
+            prefill_budget = min(budget, self.config.max_prefill_tokens_while_decoding)
+        for seq in prefills:
+            if seq.status is not SequenceStatus.RUNNING or prefill_budget == 0:
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._grow_or_preempt(seq, n, planned, preempted):
-                continue
-            planned[id(seq)] = ScheduledChunk(seq, seq.num_computed_tokens, n)
-            budget -= n
-        budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in planned.values())
+            n = min(seq.num_tokens - seq.num_computed_tokens, prefill_budget)
+            if self._plan(seq, n, planned, preempted):
+                prefill_budget -= n
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                chunk = self._admit(self.waiting[0], budget)
+            while self.waiting and prefill_budget > 0 and len(self.running) < self.config.max_num_seqs:
+                chunk = self._admit(self.waiting[0], prefill_budget)
                 if chunk is None:
                     break
                 self.waiting.popleft()
                 planned[id(chunk.seq)] = chunk
-                budget -= chunk.num_tokens
+                prefill_budget -= chunk.num_tokens
         return SchedulerOutput(tuple(planned.values()), tuple(preempted))
+
+    def _plan(self, seq: Sequence, n: int, planned: dict[int, ScheduledChunk], preempted: list[str]) -> bool:
+        """Plan ``n`` tokens of a running sequence (preempting others for blocks if needed)."""
+        if not self._grow_or_preempt(seq, n, planned, preempted):
+            return False
+        planned[id(seq)] = ScheduledChunk(seq, seq.num_computed_tokens, n)
+        return True
 
     def commit(self, output: SchedulerOutput) -> None:
         """Record that the planned chunks' KV is now computed (call after the model step)."""

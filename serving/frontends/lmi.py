@@ -180,7 +180,7 @@ class LmiRoutes:
         except ServingError as exc:
             return error_response(exc, rid)
         except ConnectionAbortedError:
-            return Response(status_code=499)
+            return Response(status_code=499, headers={REQUEST_ID_HEADER: rid})  # logged; the client left
         return self._whole(ep, reqs, results, was_list, rid)
 
     def _whole(self, ep: Any, reqs: list[GenerationRequest], results: list[GenerationResult], was_list: bool,

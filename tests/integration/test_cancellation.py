@@ -45,7 +45,7 @@ def stream_lines(server: ServerProcess, rid: str, max_new_tokens: int, n: int) -
     return lines
 
 
-def wait_for(pred: Any, timeout_s: float = 10.0) -> Any:
+def wait_for(pred: Any, timeout_s: float = 30.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = pred()
@@ -83,6 +83,13 @@ def counters(server: ServerProcess) -> tuple[int, int]:
     return stats.get("num_requests_aborted_total", 0), stats.get("num_requests_finished_total", 0)
 
 
+def settled_counters(server: ServerProcess) -> tuple[int, int]:
+    """The counters once the engine is idle: an abort sent before (e.g. the background fixture's teardown) has
+    then been applied and published, so it cannot land after the baseline."""
+    wait_for(lambda: (lambda s: s.get("num_running", 0) == 0 and not s.get("blocks_held"))(engine(server)[1]))
+    return counters(server)
+
+
 def test_disconnect_aborts_and_frees_blocks(api_server: ServerProcess, background: Any) -> None:
     aborted, finished = counters(api_server)
     lines = stream_lines(api_server, "cut-1", 1000, 3)
@@ -101,7 +108,7 @@ def test_disconnect_aborts_and_frees_blocks(api_server: ServerProcess, backgroun
 
 
 def test_delete_request_cancels_a_running_stream(api_server: ServerProcess) -> None:
-    aborted, finished = counters(api_server)
+    aborted, finished = settled_counters(api_server)
     body = {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 1900, "ignore_eos": True}}
     with httpx.stream("POST", f"{api_server.url}/predictions/{MODEL}", json=body,
                       headers={"X-Request-Id": "del-1"}, timeout=30) as r:
@@ -119,7 +126,7 @@ def test_delete_request_cancels_a_running_stream(api_server: ServerProcess) -> N
 
 
 def test_whole_answer_client_disconnect_aborts_with_499(api_server: ServerProcess) -> None:
-    aborted, finished = counters(api_server)
+    aborted, finished = settled_counters(api_server)
     body = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 1900, "ignore_eos": True}}).encode()
     head = (f"POST /predictions/{MODEL} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"X-Request-Id: whole-1\r\nContent-Length: {len(body)}\r\n\r\n").encode()
@@ -132,7 +139,7 @@ def test_whole_answer_client_disconnect_aborts_with_499(api_server: ServerProces
 
 
 def test_fifty_disconnects_over_three_protocols_leave_no_blocks(api_server: ServerProcess) -> None:
-    aborted, finished = counters(api_server)
+    aborted, finished = settled_counters(api_server)
     for i in range(20):
         assert len(stream_lines(api_server, f"many-{i}", 1000, 3)) == 3
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}

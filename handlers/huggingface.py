@@ -1,7 +1,8 @@
 """HuggingFaceHandler: dynamic-batching text generation with transformers.
 
 Design note: runs in the backend worker process. A batch is split into groups of requests whose
-generation-shaping parameters match (usually one group); each group is left-padded and run through ONE
+generation-shaping parameters match (usually one group; a seeded sampling request is a group of its own, so
+its answer does not depend on its batch-mates); each group is left-padded and run through ONE
 ``model.generate`` (transformers derives position ids from the attention mask, so a prompt's greedy output
 is the same alone or padded in a batch). Items of a group may differ in ``max_new_tokens`` (the group runs
 to the largest; each item is cut at its own) and in what they report (details, logprobs, full text).
@@ -42,10 +43,13 @@ class _Item:
     prompt_ids: list[int]
 
 
-def _group_key(p: SamplingParams) -> Hashable:
-    """Parameters that shape one ``generate`` call; sampling-only ones are dropped for greedy requests."""
+def _group_key(p: SamplingParams, index: int) -> Hashable:
+    """Parameters that shape one ``generate`` call; sampling-only ones are dropped for greedy requests.
+    A seeded sampling request runs alone (keyed by its position ``index``): batch-mates would draw from its
+    seeded generator, and a seed promises the answer the request gets alone."""
     sampling = None if p.greedy else (p.temperature, p.top_k, p.top_p, p.seed)
-    return (sampling, p.repetition_penalty, p.stop, p.stop_token_ids, p.ignore_eos)
+    alone = index if sampling is not None and p.seed is not None else None
+    return (sampling, alone, p.repetition_penalty, p.stop, p.stop_token_ids, p.ignore_eos)
 
 
 class HuggingFaceHandler(Handler):
@@ -132,7 +136,7 @@ class HuggingFaceHandler(Handler):
             except ServingError as exc:
                 outputs[index] = Output.failure(request.request_id, exc.message, exc.kind)
                 continue
-            key = _group_key(request.params)
+            key = _group_key(request.params, index)
             if self._padding_shifts_windows:
                 key = (key, len(item.prompt_ids))
             groups.setdefault(key, []).append(item)

@@ -53,6 +53,11 @@ class ModelRegistry:
         for name, path in extra.items():
             p = Path(path)
             found[name] = p if p.is_absolute() else (Path.cwd() / p)
+        if not found:
+            where = "does not exist" if not self._store.is_dir() else "holds no model folder"
+            log.warning("no model to serve: the model store %s %s (run `serving` in the repository root, or pass "
+                        "--model-store DIR or -m NAME=PATH); /ping answers 503 until a model is registered",
+                        self._store, where)
         return found
 
     def resolve_url(self, url: str) -> Path:

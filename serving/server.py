@@ -133,7 +133,9 @@ class Server:
         await asyncio.sleep(0.1)  # let the last responses flush
 
     async def _serve_http(self, app: Any, sock: socket.socket) -> None:
-        cfg = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
+        # h11 on purpose: its incomplete-event limit bounds a request's head (httptools, uvicorn's "auto" pick
+        # when installed, accepted a 4 MB header here); the default asyncio loop (grpc.aio shares it).
+        cfg = uvicorn.Config(app, http="h11", lifespan="off", log_config=None, access_log=False,
                              timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024)
         server = _Uvicorn(cfg)
         self._servers.append(server)

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # LMI, streaming, OpenAI and management calls against a local rollserve (`serving` in the repo root).
+# Any failed call (HTTP status >= 400) stops the script with curl's error.
 set -euo pipefail
 H=${H:-http://127.0.0.1:8080}
 M=${M:-http://127.0.0.1:8081}
 MODEL=${MODEL:-tiny-llama}
+CURL=(curl -sS --fail-with-body)
 
-curl -s "$H/ping"; echo
-curl -s -X POST "$H/predictions/$MODEL" -H 'content-type: application/json' \
+"${CURL[@]}" "$H/ping"; echo
+"${CURL[@]}" -X POST "$H/predictions/$MODEL" -H 'content-type: application/json' \
   -d '{"inputs": "Deep learning is", "parameters": {"max_new_tokens": 16, "details": true}}'; echo
-curl -s -X POST "$H/invocations" -H 'content-type: application/json' \
+"${CURL[@]}" -X POST "$H/invocations?model_name=$MODEL" -H 'content-type: application/json' \
   -d '{"inputs": ["one", "two"], "parameters": {"max_new_tokens": 8}}'; echo
-# Token streaming (rolling-batch models): jsonlines, one object per token.
-curl -s -N -X POST "$H/predictions/$MODEL" -H 'content-type: application/json' \
-  -d '{"inputs": "Stream me", "parameters": {"max_new_tokens": 8}, "stream": true}' || true; echo
-curl -s -X POST "$H/v1/chat/completions" -H 'content-type: application/json' \
-  -d "{\"model\": \"$MODEL\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": 8}" || true; echo
-curl -s "$M/models"; echo
-curl -s "$M/models/$MODEL"; echo
-curl -s "$M/metrics" | head -20 || true
+# Token streaming (rolling-batch models, as the default model): jsonlines, one object per token.
+"${CURL[@]}" -N -X POST "$H/predictions/$MODEL" -H 'content-type: application/json' \
+  -d '{"inputs": "Stream me", "parameters": {"max_new_tokens": 8}, "stream": true}'; echo
+"${CURL[@]}" -X POST "$H/v1/chat/completions" -H 'content-type: application/json' \
+  -d "{\"model\": \"$MODEL\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": 8}"; echo
+"${CURL[@]}" "$M/models"; echo
+"${CURL[@]}" "$M/models/$MODEL"; echo
+"${CURL[@]}" "$M/metrics" | sed -n '/^rollserve_requests_total/p'

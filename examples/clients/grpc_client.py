@@ -1,5 +1,6 @@
 """Stream tokens over rollserve's typed gRPC API (``rollserve.v1.Generation``), then print the timings.
-A dynamic-batching model (the default ``tiny-llama``) cannot stream: the client then asks for the whole answer.
+The default ``tiny-llama`` is a rolling-batch model and streams; a dynamic-batching model cannot stream, and
+the client then asks for the whole answer.
 
     python examples/clients/grpc_client.py --target 127.0.0.1:8001 --model tiny-llama "Hello"
 

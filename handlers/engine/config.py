@@ -35,7 +35,7 @@ class EngineConfig:
     dtype: str = "fp32"
     prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.prepack)
     attention_kernel: str = "native"  # native (handlers.engine.kernels, PyTorch when it cannot build) | torch
-    fuse_projections: bool = False  # measured neutral-to-slower on this CPU (see closing notes)
+    fuse_projections: bool = False  # measured neutral-to-slower on this CPU (benchmarks/README.md)
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
     seed: int = 0

@@ -1,6 +1,6 @@
 """Fused projections: Q/K/V, and gate/up, each as one matmul over the same input.
 
-Design note (ENGINE-NOTES: fewer, wider matmuls are faster for skinny batches on CPU): transformers'
+Design note (the idea: fewer, wider matmuls are faster for skinny batches on CPU): transformers'
 Llama-family blocks call ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` (and ``gate_proj(x)``, ``up_proj(x)``) one
 after another on the same tensor. Each group's weights are concatenated into one ``nn.Linear``; the first
 member computes the wide product and every member returns its slice (a view), so the model's code runs

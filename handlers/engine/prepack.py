@@ -1,4 +1,5 @@
-"""oneDNN-prepacked linear layers: faster skinny matmuls on CPU (see ENGINE-NOTES: +19-55% at B >= 8).
+"""oneDNN-prepacked linear layers: faster skinny matmuls on CPU (+19-55% per decode step at B >= 8 here;
+benchmarks/README.md, run 3).
 
 Design note: each ``nn.Linear`` weight is reordered once into oneDNN's blocked layout with the stock
 ``torch.ops.mkldnn._reorder_linear_weight`` and run with ``torch.ops.mkldnn._linear_pointwise`` (the

@@ -142,6 +142,9 @@ class LmiRoutes:
         if self.ctx.state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         models = {name: ep.state.value for name, ep in self.ctx.registry.endpoints.items()}
+        if not models:  # e.g. started outside the repository root: serving nothing is not "Healthy"
+            return JSONResponse({"status": "Unhealthy", "models": {}, "reason": "no model is registered"},
+                                status_code=503)
         healthy = all(s == ModelState.READY.value for s in models.values())
         return JSONResponse({"status": "Healthy" if healthy else "Unhealthy", "models": models},
                             status_code=200 if healthy else 503)
@@ -177,7 +180,7 @@ class LmiRoutes:
         except ServingError as exc:
             return error_response(exc, rid)
         except ConnectionAbortedError:
-            return Response(status_code=499)
+            return Response(status_code=499, headers={REQUEST_ID_HEADER: rid})  # logged; the client left
         return self._whole(ep, reqs, results, was_list, rid)
 
     def _whole(self, ep: Any, reqs: list[GenerationRequest], results: list[GenerationResult], was_list: bool,

@@ -125,7 +125,7 @@ class OpenAIRoutes:
         try:
             results = await collect_or_cancel(request, streams)
         except ConnectionAbortedError:
-            return Response(status_code=499)
+            return Response(status_code=499, headers={REQUEST_ID_HEADER: rid})  # logged; the client left
         headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings)}
         return JSONResponse(answer.whole(results), headers=headers)
 

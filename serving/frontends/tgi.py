@@ -155,7 +155,7 @@ class TgiRoutes:
         except ServingError as exc:
             return tgi_error(exc, rid)
         except ConnectionAbortedError:
-            return Response(status_code=499)
+            return Response(status_code=499, headers={REQUEST_ID_HEADER: rid})  # logged; the client left
         result = results[0]
         answer = whole_answer(req, result, text, body.get("parameters") or {})
         # TGI's compat route answers a one-element list (what the text-generation client reads)

@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from typing import Any, Protocol
 
 from serving.worker import codec
@@ -42,6 +43,7 @@ class WorkerHandle:
         self.info: dict[str, Any] = {}
         self.pid: int | None = None
         self.alive = False
+        self.ready_at: float | None = None  # time.monotonic() when the worker answered Ready
         self._env = env
         self._proc: asyncio.subprocess.Process | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -82,6 +84,7 @@ class WorkerHandle:
                 raise WorkerLoadError("worker exited before it was ready")
             self.info = dict(first.info)
             self.alive = True
+            self.ready_at = time.monotonic()
             self._reader_task = asyncio.create_task(self._read_loop(reader, decoder))
         except BaseException:
             await self.kill()

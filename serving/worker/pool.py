@@ -2,8 +2,10 @@
 
 Design note: the pool is the ``WorkerListener`` of its workers and forwards their frames to the model's
 batcher. A worker that dies is reported to the batcher (which retries or fails its requests) and is
-restarted with exponential backoff. A model whose workers fail to load ``max_load_attempts`` times in a
-row is FAILED with the reason and is not retried again, so a broken model never spins the CPU.
+restarted with exponential backoff: the delay doubles with each crash of a worker that had not yet stayed up
+``stable_after_s`` (a crash loop backs off to 30 s between starts), and starts over after a worker that did.
+A model whose workers fail to load ``max_load_attempts`` times in a row is FAILED with the reason and is not
+retried again, so a broken model never spins the CPU.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -30,7 +33,7 @@ class WorkerPool:
 
     def __init__(self, model: str, init: Init, batcher: Batcher, num_workers: int, loading_timeout_s: float,
                  on_failed: Callable[[str], None], max_load_attempts: int = 3,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, stable_after_s: float = 60.0) -> None:
         self.model = model
         self._init = init
         # Workers inherit the server's environment, with hub progress bars off and never a network fetch.
@@ -45,7 +48,8 @@ class WorkerPool:
         self.workers: dict[int, WorkerHandle] = {}
         self._starting = 0
         self._load_failures = 0
-        self._crashes = 0
+        self._crashes = 0  # crashes in a row of workers that had not stayed up stable_after_s
+        self._stable_after_s = stable_after_s
         self.num_restarts = 0
         self.last_error: str | None = None
         self._stopping = False
@@ -104,6 +108,8 @@ class WorkerPool:
         if self._stopping or worker.worker_id in self._retiring:
             self._retiring.discard(worker.worker_id)
             return
+        if worker.ready_at is not None and time.monotonic() - worker.ready_at >= self._stable_after_s:
+            self._crashes = 0  # it had been serving for a while: not a crash loop
         self._crashes += 1
         self.num_restarts += 1
         delay = BACKOFF_S[min(self._crashes - 1, len(BACKOFF_S) - 1)]
@@ -114,8 +120,7 @@ class WorkerPool:
     async def _restart_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
         if not self._stopping and len(self.workers) + self._starting < self.target:
-            if await self._start_one():
-                self._crashes = 0
+            await self._start_one()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

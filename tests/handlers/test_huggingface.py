@@ -203,3 +203,35 @@ def test_failing_group_does_not_fail_other_groups(handler: HuggingFaceHandler,
 def test_chat_template(handler: HuggingFaceHandler) -> None:
     prompt = handler.apply_chat_template([{"role": "user", "content": "hi"}])
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_mixed_sampling_parameters_in_one_batch_each_equal_their_solo_result(handler: HuggingFaceHandler) -> None:
+    """Greedy, seeded sampling (two requests sharing every sampling parameter, seed included), stop strings and
+    different temperatures in one dynamic batch: each item's answer is the one it gets alone."""
+    stop_probe = ask(handler, PROMPTS[3], max_new_tokens=16)
+    stop = stop_probe.text[len(stop_probe.tokens[0].text) + 1:][:3]  # text the greedy answer reaches later
+    assert stop.strip(), stop_probe.text
+
+    def sampled(temperature: float, seed: int, **kw: Any) -> SamplingParams:
+        return SamplingParams(max_new_tokens=12, do_sample=True, temperature=temperature, seed=seed, **kw)
+
+    mixed = [
+        (PROMPTS[1], SamplingParams(max_new_tokens=12)),
+        (PROMPTS[0], sampled(3.0, 7, top_k=50)),
+        (PROMPTS[5], sampled(3.0, 7, top_k=50)),
+        (PROMPTS[3], SamplingParams(max_new_tokens=16, stop=(stop,))),
+        (PROMPTS[6], sampled(5.0, 3, top_p=0.9)),
+        (PROMPTS[7], sampled(2.0, 11, repetition_penalty=1.2)),
+        (PROMPTS[2], SamplingParams(max_new_tokens=10)),
+    ]
+    batch = handler.handle([Input(f"m{i}", p, params) for i, (p, params) in enumerate(mixed)])
+    assert [o.request_id for o in batch] == [f"m{i}" for i in range(len(mixed))]
+    for (prompt, params), out in zip(mixed, batch, strict=True):
+        [alone] = handler.handle([Input("solo", prompt, params)])
+        assert out.error is None and alone.error is None, (out.error, alone.error)
+        assert (ids(out), out.text, out.finish_reason) == (ids(alone), alone.text, alone.finish_reason), \
+            (prompt, params)
+    assert batch[3].finish_reason is FinishReason.STOP and stop not in batch[3].text
+    for k in (1, 2, 4, 5):  # the sampled items really sampled: not their greedy answer
+        prompt, params = mixed[k]
+        assert ids(batch[k]) != ids(ask(handler, prompt, max_new_tokens=12)), prompt

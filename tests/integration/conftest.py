@@ -2,9 +2,9 @@
 models takes most of a test's time on a 2-core machine).
 
 ``api_server``: ``tiny`` (the default model, dynamic batching), ``tiny-rb`` (the same weights, rolling
-batching, small batch) and ``echo`` (torch-free). ``echo_server``: torch-free models only (``echo`` and
-``attrs``, a custom handler that reflects its request attributes), with the inference API bound to
-``SAGEMAKER_BIND_TO_PORT``, as SageMaker starts a container.
+batching, small batch) and ``echo`` (torch-free). ``echo_server``: torch-free models only (``echo``,
+``slow`` (0.5 s per request, one at a time) and ``attrs``, a custom handler that reflects its request
+attributes), with the inference API bound to ``SAGEMAKER_BIND_TO_PORT``, as SageMaker starts a container.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def echo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     server = ServerProcess.start(
         tmp_path_factory.mktemp("echo"),
         models={"echo": {"option.entryPoint": "echo", "option.echo_delay_ms": "0"},
+                "slow": {"option.entryPoint": "echo", "option.echo_delay_ms": "500", "batch_size": "1",
+                         "max_batch_delay": "1"},
                 "attrs": {"option.entryPoint": "model.py"}},
         files={"attrs": {"model.py": ATTRS_HANDLER}},
         env={"SAGEMAKER_BIND_TO_PORT": str(port)}, timeout_s=120)

@@ -100,7 +100,11 @@ class ServerProcess:
             time.sleep(0.05)
         server.ports = json.loads(ports_file.read_text())
         if wait_ready:
-            server.wait_ready(deadline - time.monotonic())
+            try:
+                server.wait_ready(deadline - time.monotonic())
+            except BaseException:
+                server.kill()
+                raise
         return server
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
@@ -109,9 +113,13 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/ping", timeout=2).status_code == 200:
+                ping = httpx.get(self.url + "/ping", timeout=2)
+                if ping.status_code == 200:
                     return
-            except httpx.HTTPError:
+                failed = [m for m, state in ping.json().get("models", {}).items() if state == "FAILED"]
+                if failed:  # it will never be ready: say so now instead of at the timeout
+                    raise RuntimeError(f"models {failed} FAILED:\n{self.log()}")
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"server not ready in time:\n{self.log()}")

@@ -34,3 +34,16 @@ def test_build_script_reproduces_the_shipped_model(tmp_path: Path) -> None:
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         shipped = (REPO / "model_store" / "tiny-llama" / name).read_bytes()
         assert hashlib.sha256((out / name).read_bytes()).digest() == hashlib.sha256(shipped).digest(), name
+
+
+def test_without_a_model_store_the_server_warns_and_is_not_ready(tmp_path: Path) -> None:
+    # `serving` run outside the repository root: ./model_store does not exist there
+    server = ServerProcess.start(tmp_path, config={"model_store": str(tmp_path / "absent")}, wait_ready=False)
+    try:
+        ping = httpx.get(f"{server.url}/ping", timeout=10)
+        assert ping.status_code == 503, ping.text
+        assert ping.json() == {"status": "Unhealthy", "models": {}, "reason": "no model is registered"}
+        assert "no model to serve: the model store" in server.log() and "does not exist" in server.log()
+        assert httpx.get(f"{server.mgmt}/models", timeout=10).json()["models"] == []
+    finally:
+        server.stop()

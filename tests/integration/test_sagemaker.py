@@ -4,6 +4,7 @@ the handler, ``/ping`` answers within 2 s under load."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import httpx
@@ -33,24 +34,35 @@ def test_invocations_lmi_body(echo_server: ServerProcess) -> None:
     assert r.status_code == 200 and r.json()["generated_text"] == "a b c"
 
 
-def test_ping_fast_under_load(echo_server: ServerProcess) -> None:
-    stop = time.monotonic() + 3.0
+def test_ping_answers_at_once_under_load(echo_server: ServerProcess) -> None:
+    """SageMaker wants /ping within 2 s whatever the load: /ping never waits behind inference work. Checked by
+    event order: ten pings all answer while requests sent before them are still queued on a saturated model,
+    and while other clients keep the server's CPU busy."""
+    url = echo_server.url
+    stop = threading.Event()
 
-    def load() -> int:
-        n = 0
+    def busy() -> None:
         with httpx.Client(timeout=30) as c:
-            while time.monotonic() < stop:
-                c.post(f"{echo_server.url}/invocations?model_name=echo", json={"inputs": "x " * 200})
-                n += 1
-        return n
+            while not stop.is_set():
+                c.post(f"{url}/invocations?model_name=echo", json={"inputs": "x " * 200})
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(load) for _ in range(6)]
-        worst = 0.0
-        while time.monotonic() < stop:
-            t0 = time.monotonic()
-            assert httpx.get(f"{echo_server.url}/ping", timeout=2).status_code == 200
-            worst = max(worst, time.monotonic() - t0)
-            time.sleep(0.1)
-        assert sum(f.result() for f in futures) > 0
-    assert worst < 2.0
+    def queued() -> int:
+        return int(echo_server.describe("slow")["batcher"]["queued"])
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        load = [pool.submit(busy) for _ in range(4)]
+        slow = [pool.submit(httpx.post, f"{url}/predictions/slow", json={"inputs": f"s {i}"}, timeout=60)
+                for i in range(8)]
+        deadline = time.monotonic() + 30
+        while queued() < 6:  # one in the worker, the rest queued: about 3.5 s of work ahead
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        pings = [httpx.get(f"{url}/ping", timeout=30) for _ in range(10)]
+        still_queued = queued()
+        stop.set()
+        answers = [f.result() for f in slow]
+        for f in load:
+            f.result()
+    assert [p.status_code for p in pings] == [200] * 10
+    assert still_queued > 0, "the pings waited for the queue to drain"
+    assert sorted(r.json()["generated_text"] for r in answers) == sorted(f"s {i}" for i in range(8))

@@ -70,24 +70,22 @@ def dynamic(**kw: Any) -> DynamicBatcher:
 # --- DynamicBatcher ---------------------------------------------------------------------------------
 
 def test_dynamic_full_batch_goes_out_without_waiting_for_the_delay() -> None:
+    # The delay is an hour and the whole test has 10 s (run()): a batch that goes out went because it was full.
     async def main() -> None:
-        b = dynamic(batch_size=3, max_batch_delay_ms=1000)
+        b = dynamic(batch_size=3, max_batch_delay_ms=3_600_000)
         w = FakeWorker()
         b.worker_ready(w)
-        t0 = time.monotonic()
         streams = [b.submit(req(f"r{i}")) for i in range(4)]
         await until(lambda: w.of(Batch))
-        assert time.monotonic() - t0 < 0.5
         (batch,) = w.of(Batch)
         assert [r["request_id"] for r in batch.requests] == ["r0", "r1", "r2"]
         b.on_message(w, BatchResult(batch_id=batch.batch_id, outputs=[ok_output(f"r{i}", f"t{i}") for i in range(3)]))
         results = [await s.collect() for s in streams[:3]]
         assert [r.text for r in results] == ["t0", "t1", "t2"]
         assert results[0].tokens == (TokenInfo(1, "t0", None),)
-        await until(lambda: len(w.of(Batch)) == 2, 3.0)  # the 4th request, after the delay
-        assert time.monotonic() - t0 >= 0.9
-        assert [r["request_id"] for r in w.of(Batch)[1].requests] == ["r3"]
-        assert b.describe()["batches_total"] == 2
+        await asyncio.sleep(0.05)
+        assert len(w.of(Batch)) == 1 and b.num_pending() == 1  # the 4th waits for batch-mates or the delay
+        assert b.describe()["batches_total"] == 1
         await b.close()
     run(main())
 
@@ -102,8 +100,7 @@ def test_dynamic_partial_batch_waits_for_the_delay() -> None:
         await asyncio.sleep(0.05)
         b.submit(req("b"))
         await until(lambda: w.of(Batch))
-        elapsed = time.monotonic() - t0
-        assert 0.15 <= elapsed < 1.0
+        assert time.monotonic() - t0 >= 0.2  # not before the delay (a lower bound: no machine is too slow)
         assert [r["request_id"] for r in w.of(Batch)[0].requests] == ["a", "b"]
         await b.close()
     run(main())

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import pytest
+
+import handlers.echo
 from handlers.base import Context, Input
 from handlers.echo import EchoHandler
 from serving.errors import ErrorKind
@@ -46,13 +48,13 @@ def test_fail_on_fails_only_matching_item() -> None:
     assert outs[1].error_kind is ErrorKind.HANDLER
 
 
-def test_delay_is_per_batch_not_per_item() -> None:
+def test_delay_is_per_batch_not_per_item(monkeypatch: pytest.MonkeyPatch) -> None:
     handler = make_echo(echo_delay_ms="50")
-    start = time.monotonic()
+    sleeps: list[float] = []
+    monkeypatch.setattr(handlers.echo.time, "sleep", sleeps.append)
     outs = handler.handle([Input(str(i), f"p{i}") for i in range(5)])
-    elapsed = time.monotonic() - start
     assert len(outs) == 5
-    assert 0.045 <= elapsed < 0.2
+    assert sleeps == [0.05]
 
 
 def test_describe() -> None:

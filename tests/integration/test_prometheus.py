@@ -58,8 +58,11 @@ def prometheus(tmp_path: Path, prometheus_binary: str, rollserve: ServerProcess)
     port = free_port()
     target = rollserve.mgmt.removeprefix("http://")
     config = tmp_path / "prometheus.yml"
+    # the management address needs the management token: Prometheus sends it as a bearer credential
+    token = rollserve.tokens["management"]
     config.write_text(f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
-                      f"  - job_name: rollserve\n    static_configs:\n      - targets: ['{target}']\n")
+                      f"  - job_name: rollserve\n    authorization:\n      credentials: '{token}'\n"
+                      f"    static_configs:\n      - targets: ['{target}']\n")
     log = open(tmp_path / "prometheus.log", "wb")
     proc = subprocess.Popen([prometheus_binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)

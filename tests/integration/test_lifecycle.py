@@ -163,7 +163,8 @@ def mgmt_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 @pytest.mark.parametrize("url", ["../outside", "/etc", "escape", "extra/../../outside", "file:///etc",
                                  "does-not-exist"])
 def test_register_rejects_paths_outside_the_store(mgmt_server: ServerProcess, url: str) -> None:
-    r = httpx.post(f"{mgmt_server.mgmt}/models", params={"url": url, "model_name": "evil"}, headers=mgmt_server.mgmt_headers, timeout=10)
+    r = httpx.post(f"{mgmt_server.mgmt}/models", params={"url": url, "model_name": "evil"},
+                   headers=mgmt_server.mgmt_headers, timeout=10)
     assert r.status_code == 400, r.text
     body = r.json()
     assert set(body) == {"error", "error_type", "request_id"} and body["error_type"] == "invalid_request"
@@ -173,28 +174,32 @@ def test_register_rejects_paths_outside_the_store(mgmt_server: ServerProcess, ur
 
 @pytest.mark.parametrize("name", ["../evil", "bad name", ".hidden", "a/b"])
 def test_register_rejects_bad_model_names(mgmt_server: ServerProcess, name: str) -> None:
-    r = httpx.post(f"{mgmt_server.mgmt}/models", params={"url": "extra", "model_name": name}, headers=mgmt_server.mgmt_headers, timeout=10)
+    r = httpx.post(f"{mgmt_server.mgmt}/models", params={"url": "extra", "model_name": name},
+                   headers=mgmt_server.mgmt_headers, timeout=10)
     assert r.status_code == 400, r.text
     assert r.json()["error_type"] == "invalid_request" and "model name" in r.json()["error"]
 
 
 def test_register_scale_unregister(mgmt_server: ServerProcess) -> None:
     s = mgmt_server
-    r = httpx.post(f"{s.mgmt}/models", params={"url": "extra", "model_name": "m2", "batch_size": "2"}, headers=s.mgmt_headers, timeout=60)
+    r = httpx.post(f"{s.mgmt}/models", params={"url": "extra", "model_name": "m2", "batch_size": "2"},
+                   headers=s.mgmt_headers, timeout=60)
     assert r.status_code == 200, r.text
     info = s.describe("m2")
     assert info["status"] == "READY" and info["batch_size"] == 2 and len(info["workers"]) == 1
     r = httpx.post(f"{s.url}/predictions/m2", json={"inputs": "hi m2"}, timeout=10)
     assert r.status_code == 200 and r.json() == {"generated_text": "hi m2"}
     # duplicate name
-    assert httpx.post(f"{s.mgmt}/models", params={"url": "extra", "model_name": "m2"}, headers=s.mgmt_headers, timeout=10).status_code == 400
+    assert httpx.post(f"{s.mgmt}/models", params={"url": "extra", "model_name": "m2"},
+                      headers=s.mgmt_headers, timeout=10).status_code == 400
 
     r = httpx.put(f"{s.mgmt}/models/m2", params={"min_worker": "2"}, headers=s.mgmt_headers, timeout=60)
     assert r.status_code == 200, r.text
     workers = s.describe("m2")["workers"]
     assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
     assert {w["pid"] for w in workers} <= set(s.worker_pids())
-    assert httpx.put(f"{s.mgmt}/models/m2", params={"min_worker": "0"}, headers=s.mgmt_headers, timeout=10).status_code == 400
+    assert httpx.put(f"{s.mgmt}/models/m2", params={"min_worker": "0"},
+                     headers=s.mgmt_headers, timeout=10).status_code == 400
 
     r = httpx.delete(f"{s.mgmt}/models/m2", headers=s.mgmt_headers, timeout=60)
     assert r.status_code == 200, r.text

@@ -18,7 +18,15 @@ from typing import Any
 from serving.batching.pacing import ServiceRate, send_each
 from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
 from serving.batching.streams import ResultStream
-from serving.errors import Overloaded, RequestTimeout, ServingError, Unavailable, WorkerFailed, error_from_kind
+from serving.errors import (
+    HandlerError,
+    Overloaded,
+    RequestTimeout,
+    ServingError,
+    Unavailable,
+    WorkerFailed,
+    error_from_kind,
+)
 from serving.types import FinishReason, GenerationRequest, TokenDelta, TokenInfo
 from serving.worker.messages import Batch, BatchResult
 
@@ -192,7 +200,7 @@ class DynamicBatcher:
             except Exception as exc:  # noqa: BLE001 - a malformed output fails its own request only
                 log.error("request %s model %s: malformed output from the handler: %s", p.request.client_id,
                           self.model, type(exc).__name__)
-                p.stream.fail(ServingError("the model's handler returned a malformed answer for this request"))
+                p.stream.fail(HandlerError("the model's handler returned a malformed answer for this request"))
             self._rate.record()
         if worker.alive:
             self._idle.append(worker)

@@ -25,6 +25,7 @@ from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObse
 from serving.batching.streams import ResultStream
 from serving.errors import (
     ErrorKind,
+    HandlerError,
     Overloaded,
     RequestTimeout,
     ServingError,
@@ -152,7 +153,15 @@ class RollingBatcher:
         return {"mode": "rolling", "waiting": len(self._waiting), "running": len(self._running),
                 "max_rolling_batch_size": self.max_rolling_batch_size, "steps_total": self.num_steps,
                 "watchdog_restarts": self.num_watchdog_kills,
-                "engines": {str(k): v for k, v in self.engine_stats.items()}}
+                "engines": {str(k): self._by_client_id(v) for k, v in self.engine_stats.items()}}
+
+    def _by_client_id(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """Engine stats with ``blocks_held`` keyed by the ids clients know (the engine keys by the server's)."""
+        held = stats.get("blocks_held")
+        if not isinstance(held, dict):
+            return stats
+        names = {rid: e.request.client_id or rid for rid, e in self._running.items()}
+        return {**stats, "blocks_held": {names.get(rid, rid): n for rid, n in held.items()}}
 
     # --- workers ---
     def worker_ready(self, worker: Worker) -> None:
@@ -214,7 +223,7 @@ class RollingBatcher:
         except Exception as exc:  # noqa: BLE001 - a handler bug fails its own request
             log.error("request %s model %s: malformed delta from the worker: %s", entry.request.client_id,
                       self.model, type(exc).__name__)
-            entry.stream.fail(ServingError("the model's worker sent a malformed answer for this request"))
+            entry.stream.fail(HandlerError("the model's worker sent a malformed answer for this request"))
             self.cancel(entry.request.request_id)
             return
         entry.stream.push(delta)

@@ -4,11 +4,12 @@ Design note: runs on the worker's main thread and owns the handler. An engine st
 the requests it can blame. Requests added since they last produced a delta ("fresh": nothing reached
 their client yet) are the suspects: on a failed step they are taken out of the engine and re-admitted one
 at a time ("probation"); if a step fails while exactly one of them is on probation, that one is failed
-(``Reject``, the exception text scrubbed of paths) and the others carry on. A failed step with no suspect
-fails the requests it ran. ``max_step_failures`` failed steps in a row that blame no single request, or a
-handler that reports itself unhealthy (a dead tensor-parallel rank), end the loop with
-``WorkerUnhealthy``: the worker exits and its pool restarts it (requests that had produced nothing are
-retried once there, the others fail definitely).
+(``Reject``, the exception text scrubbed of paths) and the others carry on. A blame is verified by the
+next step, run without a new suspect when other requests are running; a failed step with no suspect
+fails the requests it ran. ``max_step_failures`` failures in a row that no verified blame explains (a
+broken engine blames everyone), or a handler that reports itself unhealthy (a dead tensor-parallel rank),
+end the loop with ``WorkerUnhealthy``: the worker exits and its pool restarts it (requests that had
+produced nothing are retried once there, the others fail definitely).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class RollingLoop:
         self.fresh: dict[str, dict[str, Any]] = {}  # active and no delta yet: safe to take out and re-add
         self.probation: collections.deque[dict[str, Any]] = collections.deque()
         self.on_probation: str | None = None  # the one suspect in the engine
+        self.unverified_blame = False  # a suspect was failed and no step has succeeded since
         self.num_unexplained_failures = 0
         self.step = 0
 
@@ -127,6 +129,8 @@ class RollingLoop:
 
     # --- probation and health ---
     def _admit_probation(self) -> None:
+        if self.unverified_blame and self.handler.has_work():
+            return  # first a step with the requests that were fine: it confirms the blame
         while self.probation and self.on_probation is None:
             d = self.probation.popleft()
             if self._add(d):
@@ -146,6 +150,7 @@ class RollingLoop:
             self._step_failed(exc)
             return
         self.num_unexplained_failures = 0
+        self.unverified_blame = False
         self.step += 1
         for d in deltas:
             self.fresh.pop(d.request_id, None)
@@ -166,8 +171,11 @@ class RollingLoop:
             self.handler.abort(rid)
             self._forget(rid)
             self._reject(rid, ErrorKind.HANDLER.value, f"the engine step failed on this request: {text}")
+            if self.unverified_blame:  # two blames in a row with no good step between: suspect the engine
+                self._count_unexplained(text)
+            self.unverified_blame = True
             return
-        self.num_unexplained_failures += 1
+        self._count_unexplained(text)
         if self.fresh:
             log.warning("model %s: engine step failed (%s); re-admitting its %d new requests one at a time",
                         self.model, text, len(self.fresh))
@@ -184,5 +192,8 @@ class RollingLoop:
                 self.handler.abort(rid)
                 self._forget(rid)
                 self._reject(rid, ErrorKind.HANDLER.value, f"engine step failed: {text}")
+
+    def _count_unexplained(self, text: str) -> None:
+        self.num_unexplained_failures += 1
         if self.num_unexplained_failures >= self.max_step_failures:
             raise WorkerUnhealthy(f"{self.num_unexplained_failures} engine steps in a row failed: {text}")

@@ -36,8 +36,8 @@ class LiveRequests:
         """A fresh internal id for a request the client calls ``client_id``. Raises ``Conflict`` when a live
         request already has that client id."""
         if client_id in self._live:
-            raise Conflict(f"request id {client_id!r} (X-Request-Id) is already used by a request in progress; "
-                           "request ids must be unique among live requests")
+            raise Conflict(f"request id {client_id!r} (X-Request-Id, or the gRPC request id) is already used by a "
+                           "request in progress; request ids must be unique among live requests")
         internal = self._new_id()
         self._live[client_id] = (endpoint, internal)
         return internal

@@ -156,8 +156,11 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.kill()
             raise
-        time.sleep(0.2)
-        leftover = _group_members(self.proc.pid)
+        deadline = time.monotonic() + 5.0  # a process killed at the end (e.g. a tensor-parallel rank killed with
+        leftover = _group_members(self.proc.pid)  # its worker) may take a moment to be reaped by init
+        while leftover and time.monotonic() < deadline:
+            time.sleep(0.1)
+            leftover = _group_members(self.proc.pid)
         if leftover:
             self.kill()
             raise AssertionError(f"processes left after shutdown: {leftover}")

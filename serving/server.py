@@ -17,10 +17,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import time
 from collections.abc import Generator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +82,12 @@ class Server:
         self.limits = Limits(max_stop_sequences=config.max_stop_sequences, max_stop_length=config.max_stop_length,
                              max_stop_token_ids=config.max_stop_token_ids,
                              max_sequences_per_request=config.max_sequences_per_request)
+        # Long prompts are tokenized here, one thread fewer than the CPUs: the event loop keeps a core.
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
+                                                thread_name_prefix="tokenize")
         self.http = HttpContext(registry=self.registry, state=self.state, limits=self.limits,
-                                max_request_size=config.max_request_size, metrics=self.metrics)
+                                max_request_size=config.max_request_size, metrics=self.metrics,
+                                tokenize_pool=self.tokenize_pool)
         self.authority = build_authority(config, Path.cwd())  # raises ConfigError for a bad key file
         self.health = Health(self.registry, self.state, config.ping_requires)
         self._servers: list[_Uvicorn] = []
@@ -147,6 +153,7 @@ class Server:
             s.should_exit = True
         await asyncio.gather(*serve_tasks, return_exceptions=True)
         self.authority.close()
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")
 
     async def _drain(self) -> None:

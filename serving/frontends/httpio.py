@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import uuid
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -71,6 +72,7 @@ class HttpContext:
     limits: Limits
     max_request_size: int
     metrics: Any = None  # serving.metrics.ServingMetrics, when present
+    tokenize_pool: Executor | None = None  # where long prompts are parsed and tokenized (None: asyncio's default)
 
 
 def request_id(request: Request) -> str:

@@ -158,7 +158,7 @@ class LmiRoutes:
             reqs, was_list, stream = build_requests(body, ep, rid, attributes_of(request), self.ctx)
             if is_text_model(ep):
                 self.texts.get(ep)  # on the loop: the cache is not thread-safe
-                await off_loop(body_size(request), self.check_lengths, ep, reqs)
+                await off_loop(self.ctx.tokenize_pool, body_size(request), self.check_lengths, ep, reqs)
             if stream:
                 if not ep.rolling:
                     raise InvalidRequest("'stream' needs a rolling-batch model (set option.rolling_batch=auto); "

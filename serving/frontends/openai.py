@@ -114,7 +114,8 @@ class OpenAIRoutes:
     async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool) -> Response:
         text = self.texts.get(ep)
         parse = parse_chat if chat else parse_completion
-        parsed = await off_loop(body_size(request), parse, body, ep.name, text, rid, self.ctx.limits, _strict(ep))
+        parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse, body, ep.name, text, rid,
+                                self.ctx.limits, _strict(ep))
         if parsed.stream:
             require_streaming(ep)
         streams = _submit(ep, parsed)

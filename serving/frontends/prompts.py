@@ -10,9 +10,11 @@ one ``ModelText`` per endpoint object; it is owned by a route module, never glob
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -95,12 +97,13 @@ INLINE_WORK_BYTES = 4096  # bodies up to this size are tokenized on the event lo
 T = TypeVar("T")
 
 
-async def off_loop(size_bytes: int, fn: Callable[..., T], *args: Any) -> T:
-    """Run ``fn(*args)`` (prompt parsing and tokenization) on a thread unless the body is small, so that
-    long prompts never stall the event loop (``/ping`` and every stream keep flowing)."""
+async def off_loop(pool: Executor | None, size_bytes: int, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` (prompt parsing and tokenization) on ``pool`` unless the body is small, so that long
+    prompts never stall the event loop (``/ping`` and every stream keep flowing). The composition root's
+    pool has one thread fewer than the CPUs, so tokenization cannot take every core from the loop."""
     if size_bytes <= INLINE_WORK_BYTES:
         return fn(*args)
-    return await asyncio.to_thread(fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
 
 class ModelTexts:

@@ -144,7 +144,8 @@ class TgiRoutes:
             ep = self._endpoint(request)
             body = await read_json(request, self.ctx.max_request_size)
             text = self.texts.get(ep)
-            req, want_stream = await off_loop(body_size(request), self._build, body, ep, rid, text, stream)
+            req, want_stream = await off_loop(self.ctx.tokenize_pool, body_size(request), self._build, body, ep, rid,
+                                              text, stream)
             if want_stream and not ep.rolling:
                 raise InvalidRequest("streaming needs a rolling-batch model (set option.rolling_batch=auto); "
                                      f"model {ep.name!r} uses dynamic batching")

@@ -19,6 +19,7 @@ from serving.types import SamplingParams
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k: what every tokenizer and the wire can carry
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1  # what msgpack (the worker channel) can carry
 MAX_PAYLOAD_DEPTH = 64
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +131,10 @@ def build_sampling_params(values: Mapping[str, Any], limits: Limits) -> Sampling
         elif key in ("do_sample", "ignore_eos", "details", "return_full_text"):
             kw[key] = _bool(key, v)
         elif key == "temperature":
-            kw[key] = _float(key, v, 0.0, 100.0)
+            # As vLLM: a positive temperature below MIN_TEMPERATURE is raised to it (smaller ones overflow
+            # the logits; 0 means greedy).
+            t = _float(key, v, 0.0, 100.0)
+            kw[key] = MIN_TEMPERATURE if 0.0 < t < MIN_TEMPERATURE else t
         elif key == "top_k":
             kw[key] = 0 if v == -1 and isinstance(v, int) and not isinstance(v, bool) else _int(key, v, 0,
                                                                                                  MAX_TOKEN_ID)
@@ -138,7 +142,7 @@ def build_sampling_params(values: Mapping[str, Any], limits: Limits) -> Sampling
         elif key == "top_p":
             kw[key] = _float(key, v, 0.0, 1.0, lo_open=True)
         elif key == "repetition_penalty":
-            kw[key] = _float(key, v, 0.0, 100.0, lo_open=True)
+            kw[key] = _float(key, v, 0.01, 100.0)
         elif key == "seed":
             kw[key] = None if v is None else _int(key, v, 0, 2**63 - 1)
         elif key == "stop":

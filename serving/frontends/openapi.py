@@ -82,13 +82,13 @@ def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
                 "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
                 "max_tokens": max_tokens, "user": {"type": "string"},
                 "ignore_eos": {"type": "boolean"}, "top_k": {"type": "integer", "minimum": -1},
-                "repetition_penalty": {**num, "exclusiveMinimum": 0, "maximum": 100},
+                "repetition_penalty": {**num, "minimum": 0.01, "maximum": 100},
                 "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
                 "model": model}
     lmi_params = {"type": "object", "properties": {
         "max_new_tokens": max_tokens, "do_sample": {"type": "boolean"}, "temperature": {**num, "minimum": 0},
         "top_k": {"type": "integer", "minimum": 0}, "top_p": {**num, "exclusiveMinimum": 0, "maximum": 1},
-        "repetition_penalty": {**num, "exclusiveMinimum": 0}, "seed": {"type": "integer", "minimum": 0},
+        "repetition_penalty": {**num, "minimum": 0.01, "maximum": 100}, "seed": {"type": "integer", "minimum": 0},
         "stop": {"type": "array", "items": {"type": "string"}}, "stop_sequences": {"type": "array", "items":
         {"type": "string"}}, "ignore_eos": {"type": "boolean"}, "details": {"type": "boolean"},
         "return_full_text": {"type": "boolean"}, "decoder_input_details": {"type": "boolean"},

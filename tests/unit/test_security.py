@@ -189,3 +189,24 @@ def test_int_parameters_are_bounded() -> None:
         build_sampling_params({"stop_token_ids": [1, 2**31]}, limits)
     with pytest.raises(InvalidRequest, match="'stop_token_ids' has 65 entries; at most 64"):
         build_sampling_params({"stop_token_ids": list(range(65))}, limits)
+
+
+def test_extreme_sampling_values_never_make_a_step_raise() -> None:
+    """Found by the rolling fuzz run: temperature 1e-300 overflowed the logits and multinomial raised inside the
+    engine step, failing every request of the step."""
+    import random
+
+    import torch
+
+    from handlers.engine.sampling import RequestSampler
+    from serving.types import SamplingParams
+
+    logits = torch.linspace(-5, 5, 1024)
+    for params in (SamplingParams(do_sample=True, temperature=1e-300),
+                   SamplingParams(do_sample=True, temperature=5e-324, top_p=0.5),
+                   SamplingParams(do_sample=True, repetition_penalty=1e-300)):
+        assert RequestSampler(params, random.Random(0)).choose(logits, [1, 2, 3]) in range(1024)
+    assert build_sampling_params({"temperature": 1e-300}, Limits()).temperature == 0.01
+    assert build_sampling_params({"temperature": 0}, Limits()).temperature == 0.0
+    with pytest.raises(InvalidRequest, match="repetition_penalty"):
+        build_sampling_params({"repetition_penalty": 1e-300}, Limits())

@@ -115,6 +115,11 @@ class RollingHandler(abc.ABC):
         """Engine gauges/counters (running, waiting, kv blocks, preemptions, prefix hits, ...)."""
         return {}
 
+    def healthy(self) -> bool:
+        """False when the handler cannot serve any more (e.g. a tensor-parallel rank died): the worker exits
+        and is restarted. Called before every step; keep it cheap."""
+        return True
+
     def describe(self) -> dict[str, Any]:
         """Facts for the frontend (e.g. ``max_model_len``, ``chat_template``)."""
         return {}

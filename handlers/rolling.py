@@ -2,7 +2,9 @@
 
 Design note: a thin adapter from the ``RollingHandler`` API (``Input`` in, ``TokenDelta`` out) to the
 engine; tokenization of text prompts happens here, everything else in ``handlers.engine``. Runs in the
-backend worker process, on its engine thread.
+backend worker process, on its engine thread. Every request is checked before it is admitted (sampling
+values, prompt and stop token ids inside the vocabulary): a bad one is refused alone, never left to
+raise inside a step that other requests share.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 from handlers.base import Context, Input, RollingHandler
 from handlers.engine.engine import LLMEngine
-from serving.errors import InvalidRequest
+from handlers.validation import check_prompt_ids, check_sampling, check_stop_token_ids
 from serving.types import TokenDelta
 
 
@@ -20,6 +22,7 @@ class HuggingFaceRollingHandler(RollingHandler):
 
     def __init__(self) -> None:
         self._engine: LLMEngine | None = None
+        self.vocab_size = 0
 
     @property
     def engine(self) -> LLMEngine:
@@ -30,16 +33,18 @@ class HuggingFaceRollingHandler(RollingHandler):
     def initialize(self, ctx: Context) -> None:
         """Load model and tokenizer and preallocate the KV cache; ``ctx.properties`` are the options."""
         self._engine = LLMEngine.from_options(ctx.model_dir, ctx.properties)
+        self.vocab_size = vocab_size(self._engine.model)
 
     def add(self, request: Input) -> None:
-        """Tokenize (unless token ids were given) and queue. Raises ``InvalidRequest`` for an empty prompt
-        or one that can never fit."""
+        """Check, tokenize (unless token ids were given) and queue. Raises ``InvalidRequest`` for bad sampling
+        values, an empty prompt, token ids outside the vocabulary, or a prompt that can never fit."""
+        check_sampling(request.params)
+        check_stop_token_ids(request.params.stop_token_ids, self.vocab_size)
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         else:
             ids = list(self.engine.tokenizer(request.prompt)["input_ids"]) if request.prompt else []
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
+        check_prompt_ids(ids, self.vocab_size)
         self.engine.add(request.request_id, ids, request.params)
 
     def abort(self, request_id: str) -> None:
@@ -54,6 +59,11 @@ class HuggingFaceRollingHandler(RollingHandler):
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def healthy(self) -> bool:
+        """False once a tensor-parallel rank process has exited (the group cannot step any more)."""
+        group = self._engine.tp_group if self._engine is not None else None
+        return group is None or all(child.poll() is None for child in group.children)
+
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
@@ -67,7 +77,14 @@ class HuggingFaceRollingHandler(RollingHandler):
             "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
             "chat_template": getattr(tok, "chat_template", None) if isinstance(
                 getattr(tok, "chat_template", None), str) else None,
-            "vocab_size": int(getattr(engine.model.config, "vocab_size", len(tok))),
+            "vocab_size": self.vocab_size,
             "block_size": engine.config.block_size,
             "num_blocks": engine.scheduler.allocator.num_blocks,
         }
+
+
+def vocab_size(model: Any) -> int:
+    """Token ids the model can read and produce: the embedding rows (and logits), capped by config."""
+    rows = [int(m.num_embeddings) for m in (model.get_input_embeddings(),) if hasattr(m, "num_embeddings")]
+    configured = getattr(model.config, "vocab_size", None)
+    return min([*rows, *([int(configured)] if configured else [])])

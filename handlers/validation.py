@@ -38,7 +38,8 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
         raise InvalidRequest("inputs must not be empty")
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+        raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size}): "
+                             "'prompt' / 'prompt_token_ids' must hold ids of this model's vocabulary")
 
 
 def check_length(num_prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> None:
@@ -48,3 +49,10 @@ def check_length(num_prompt_tokens: int, max_new_tokens: int, max_model_len: int
             f"inputs have {num_prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: "
             f"{num_prompt_tokens + max_new_tokens} exceeds max_model_len {max_model_len}"
         )
+
+
+def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> None:
+    """Reject stop token ids outside the vocabulary. Raises ``InvalidRequest``."""
+    bad = [t for t in stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop_token_ids entry {bad[0]} is outside the vocabulary (size {vocab_size})")

@@ -94,7 +94,12 @@ def cmd_start(args: argparse.Namespace) -> int:
     setup_logging(config.log_format, args.log_level)
     from serving.server import Server
 
-    asyncio.run(Server(config, os.environ, extra, args.ports_file).run())
+    try:
+        server = Server(config, os.environ, extra, args.ports_file)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(server.run())
     return 0
 
 

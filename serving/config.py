@@ -36,6 +36,7 @@ feature. The check is ``handlers.engine.families``, torch-free like this module.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -283,6 +284,7 @@ class BatchingConfig:
     batch_size: int = 1
     max_batch_delay_ms: int = 100
     job_queue_size: int = 1000
+    max_queue_time_s: float = 60.0  # a request waiting this long for a worker gets 503 + Retry-After
     rolling_batch: str = "disable"  # effective: "scheduler" (rolling) or "disable" (dynamic batching)
     max_rolling_batch_size: int = 32
     max_rolling_batch_prefill_tokens: int = 2048
@@ -326,6 +328,7 @@ class ModelConfig:
     max_idle_time_s: int = 60
     predict_timeout_s: float = 120.0
     model_loading_timeout_s: float = 600.0
+    liveness_timeout_s: float = 60.0  # rolling: a worker with work pending and no step for this long is restarted
     trust_remote_code: bool = False
     dtype: str = "fp32"
     model_id: str | None = None
@@ -345,6 +348,7 @@ class ModelConfig:
             "batch_size": str(self.batching.batch_size),
             "max_batch_delay": str(self.batching.max_batch_delay_ms),
             "job_queue_size": str(self.batching.job_queue_size),
+            "max_queue_time": _render(self.batching.max_queue_time_s),
             "minWorkers": str(self.min_workers),
             "maxWorkers": str(self.max_workers),
             "max_idle_time": str(self.max_idle_time_s),
@@ -359,6 +363,7 @@ _MODEL_KEYS: dict[str, tuple[Parser, str | None]] = {
     "batch_size": (_int(1), "1"),
     "max_batch_delay": (_int(0), "100"),
     "job_queue_size": (_int(1), "1000"),
+    "max_queue_time": (_float(0, exclusive=True), "60"),
     "minWorkers": (_int(0), "1"),
     "maxWorkers": (_int(1), "1"),
     "max_idle_time": (_int(0), "60"),
@@ -372,7 +377,7 @@ _MODEL_KEYS: dict[str, tuple[Parser, str | None]] = {
     "cpu.minWorkers": (_int(0), None),
     "cpu.maxWorkers": (_int(0), None),
 }
-_TYPED_MODEL_KEYS = ("engine", "batch_size", "max_batch_delay", "job_queue_size", "minWorkers",
+_TYPED_MODEL_KEYS = ("engine", "batch_size", "max_batch_delay", "job_queue_size", "max_queue_time", "minWorkers",
                      "maxWorkers", "max_idle_time", "load_on_devices")
 _OPTION_KEYS: dict[str, tuple[Parser, str | None]] = {
     "option.entryPoint": (_text, None),  # default depends on the model folder
@@ -381,6 +386,7 @@ _OPTION_KEYS: dict[str, tuple[Parser, str | None]] = {
     "option.trust_remote_code": (_bool, "false"),
     "option.predict_timeout": (_float(0, exclusive=True), "120"),
     "option.model_loading_timeout": (_float(0, exclusive=True), "600"),
+    "option.liveness_timeout": (_float(0, exclusive=True), "60"),
     "option.rolling_batch": (_rolling_batch, "disable"),
     "option.max_rolling_batch_size": (_int(1), "32"),
     "option.max_rolling_batch_prefill_tokens": (_int(1), "2048"),
@@ -388,7 +394,7 @@ _OPTION_KEYS: dict[str, tuple[Parser, str | None]] = {
 }
 _KNOWN_MODEL_KEYS = {_norm(key): key for key in (*_MODEL_KEYS, *_OPTION_KEYS)}
 # Server-level keys that SERVING_* sets on the server, not on each model.
-_SERVER_LEVEL_MODEL_KEYS = frozenset({"job_queue_size"})
+_SERVER_LEVEL_MODEL_KEYS = frozenset({"job_queue_size", "max_queue_time"})
 
 
 def _model_env(env: Mapping[str, str]) -> dict[str, _Setting]:
@@ -433,6 +439,7 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
         "model.py" if (model_dir / "model.py").is_file() else "huggingface", "default", "default")
     if server is not None:
         defaults["job_queue_size"] = _Setting(str(server.job_queue_size), "server config", "server config")
+        defaults["max_queue_time"] = _Setting(_render(server.max_queue_time_s), "server config", "server config")
     settings = {**defaults,
                 **_canonical_keys(raw, _KNOWN_MODEL_KEYS, allow_options=True),
                 **_model_env(env),
@@ -460,6 +467,7 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
         max_idle_time_s=values["max_idle_time"],
         predict_timeout_s=values["option.predict_timeout"],
         model_loading_timeout_s=values["option.model_loading_timeout"],
+        liveness_timeout_s=values["option.liveness_timeout"],
         trust_remote_code=values["option.trust_remote_code"],
         dtype=values["option.dtype"],
         model_id=values.get("option.model_id"),
@@ -467,6 +475,7 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
             batch_size=values["batch_size"],
             max_batch_delay_ms=values["max_batch_delay"],
             job_queue_size=values["job_queue_size"],
+            max_queue_time_s=values["max_queue_time"],
             rolling_batch=rolling_batch,
             max_rolling_batch_size=values["option.max_rolling_batch_size"],
             max_rolling_batch_prefill_tokens=values["option.max_rolling_batch_prefill_tokens"],
@@ -513,7 +522,7 @@ def _choose_rolling_batch(requested: str, setting: _Setting, entry_point: str, m
     from handlers.engine.families import load_config_dict, unsupported_reason  # torch-free
 
     config = load_config_dict(folder)
-    limit = int(max_model_len) if max_model_len and max_model_len.isdigit() else None
+    limit = int(max_model_len) if max_model_len and max_model_len.isascii() and max_model_len.isdigit() else None
     reason = unsupported_reason(config, limit)
     if reason is None:
         archs = config.get("architectures")
@@ -562,15 +571,48 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     sagemaker_port: int | None = None
     log_format: str = "text"
+    max_queue_time_s: float = 60.0
+    ping_requires: str = "all"  # readiness: every load_models model READY, any model READY, or none (liveness)
+    # Security: token authorization (TorchServe-style), the model API switch, browser/DNS-rebinding guards.
+    disable_token_authorization: bool = False
+    inference_auth: str = "auto"  # auto: required when the inference address is not loopback
+    key_file: Path | None = None  # None: key_file.json in the working directory, removed at shutdown
+    management_token: str | None = field(default=None, repr=False)
+    inference_token: str | None = field(default=None, repr=False)
+    enable_model_api: bool = False
+    management_allowed_hosts: tuple[str, ...] = ()
+    management_allowed_origins: tuple[str, ...] = ()
+    # Caps on what one request or one client may ask for (amplification).
+    max_stop_sequences: int = 16
+    max_stop_length: int = 256
+    max_stop_token_ids: int = 64
+    max_sequences_per_request: int = 64
+    max_models: int = 32
+    max_workers_per_model: int = 16
+    grpc_max_concurrent_rpcs: int = 1000
+    grpc_max_stream_requests: int = 64
     sources: Mapping[str, str] = field(default_factory=_empty_mapping)
 
     def inference_host_port(self) -> tuple[str, int]:
         """``(host, port)`` of the inference listener; port 0 means an ephemeral port."""
         return _http_host_port(self.inference_address)
 
-    def management_host_port(self) -> tuple[str, int]:
-        """``(host, port)`` of the management listener."""
-        return _http_host_port(self.management_address)
+    def management_host_port(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the management listener, or None when ``management_address=off``."""
+        return _http_host_port(self.management_address) if self.management_address else None
+
+    @property
+    def management_enabled(self) -> bool:
+        """False when ``management_address=off``: no management listener and no gRPC management RPCs."""
+        return bool(self.management_address)
+
+    def inference_auth_required(self) -> bool:
+        """Inference needs its token: ``inference_auth=true``, or ``auto`` on a non-loopback address."""
+        if self.disable_token_authorization or self.inference_auth == "false":
+            return False
+        if self.inference_auth == "true":
+            return True
+        return not is_loopback(self.inference_host_port()[0])
 
     def metrics_host_port(self) -> tuple[str, int] | None:
         """``(host, port)`` of a separate metrics listener, or None to serve metrics elsewhere."""
@@ -585,9 +627,35 @@ def _http_host_port(address: str) -> tuple[str, int]:
     return _split_host_port(address.partition("://")[2].rstrip("/"))
 
 
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals (127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _management_address(text: str) -> str:
+    return "" if text.lower() == "off" else _http_address(text)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(entry.strip() for entry in text.split(",") if entry.strip())
+
+
+def _token(var: str, value: str) -> str:
+    """A token from the environment: 8-256 printable ASCII characters without spaces (never echoed)."""
+    if not 8 <= len(value) <= 256 or not value.isascii() or not value.isprintable() or " " in value:
+        raise ConfigError(f"env {var}: expected 8 to 256 printable ASCII characters without spaces "
+                          "(the value is not shown)")
+    return value
+
+
 _SERVER_KEYS: dict[str, tuple[Parser, str | None]] = {
     "inference_address": (_http_address, "http://127.0.0.1:8080"),
-    "management_address": (_http_address, "http://127.0.0.1:8081"),
+    "management_address": (_management_address, "http://127.0.0.1:8081"),
     "grpc_address": (_grpc_address, "127.0.0.1:8001"),
     "metrics_address": (lambda text: _http_address(text) if text else "", None),
     "model_store": (_text, "model_store"),
@@ -596,6 +664,22 @@ _SERVER_KEYS: dict[str, tuple[Parser, str | None]] = {
     "max_request_size": (_int(1), str(64 * 1024 * 1024)),
     "drain_timeout": (_float(0, exclusive=False), "30"),
     "log_format": (_choice(("text", "json")), "text"),
+    "max_queue_time": (_float(0, exclusive=True), "60"),
+    "ping_requires": (_choice(("all", "any", "none")), "all"),
+    "disable_token_authorization": (_bool, "false"),
+    "inference_auth": (_choice(("auto", "true", "false")), "auto"),
+    "key_file": (_text, None),
+    "enable_model_api": (_bool, "false"),
+    "management_allowed_hosts": (_names, ""),
+    "management_allowed_origins": (_names, ""),
+    "max_stop_sequences": (_int(0, 1024), "16"),
+    "max_stop_length": (_int(1, 65536), "256"),
+    "max_stop_token_ids": (_int(0, 4096), "64"),
+    "max_sequences_per_request": (_int(1, 4096), "64"),
+    "max_models": (_int(1), "32"),
+    "max_workers_per_model": (_int(1, 1024), "16"),
+    "grpc_max_concurrent_rpcs": (_int(1), "1000"),
+    "grpc_max_stream_requests": (_int(1), "64"),
 }
 _KNOWN_SERVER_KEYS = {_norm(key): key for key in _SERVER_KEYS}
 
@@ -641,7 +725,13 @@ def load_server_config(path: Path | None, *, env: Mapping[str, str] = _EMPTY,
         sagemaker_port = _resolve("sagemaker_port", setting, _int(1, 65535))
         sources["sagemaker_port"] = setting.source
 
+    management_token = _token("SERVING_MANAGEMENT_TOKEN", env["SERVING_MANAGEMENT_TOKEN"]) \
+        if env.get("SERVING_MANAGEMENT_TOKEN") else None
+    inference_token = _token("SERVING_INFERENCE_TOKEN", env["SERVING_INFERENCE_TOKEN"]) \
+        if env.get("SERVING_INFERENCE_TOKEN") else None
     return ServerConfig(
+        management_token=management_token,
+        inference_token=inference_token,
         inference_address=values["inference_address"],
         management_address=values["management_address"],
         grpc_address=values["grpc_address"],
@@ -653,5 +743,18 @@ def load_server_config(path: Path | None, *, env: Mapping[str, str] = _EMPTY,
         drain_timeout_s=values["drain_timeout"],
         sagemaker_port=sagemaker_port,
         log_format=values["log_format"],
+        max_queue_time_s=values["max_queue_time"],
+        ping_requires=values["ping_requires"],
+        disable_token_authorization=values["disable_token_authorization"],
+        inference_auth=values["inference_auth"],
+        key_file=Path(values["key_file"]) if values.get("key_file") else None,
+        enable_model_api=values["enable_model_api"],
+        management_allowed_hosts=values["management_allowed_hosts"],
+        management_allowed_origins=values["management_allowed_origins"],
+        **{key: values[key] for key in _CAP_KEYS},
         sources=MappingProxyType(sources),
     )
+
+
+_CAP_KEYS = ("max_stop_sequences", "max_stop_length", "max_stop_token_ids", "max_sequences_per_request",
+             "max_models", "max_workers_per_model", "grpc_max_concurrent_rpcs", "grpc_max_stream_requests")

@@ -2,7 +2,9 @@
 
 Design note: frontends call ``submit`` and get a ``ResultStream``; they never see workers. The endpoint
 picks the batcher from the config (dynamic or rolling), builds the worker pool and tracks the model's
-lifecycle state (LOADING -> READY, or FAILED with a reason; DRAINING -> UNLOADED on removal).
+lifecycle state (LOADING -> READY, or FAILED with a reason; DRAINING -> UNLOADED on removal). ``submit``
+gives every request a server-generated id (the client's id stays for logs, headers and cancel-by-id; see
+``serving.live_requests``). A model that turns FAILED, or is stopped, fails its pending requests at once.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from serving.batching.dynamic import DynamicBatcher
@@ -19,6 +22,8 @@ from serving.batching.rolling import RollingBatcher
 from serving.batching.streams import ResultStream
 from serving.config import ModelConfig
 from serving.errors import Unavailable
+from serving.live_requests import LiveRequests
+from serving.redact import scrub_paths
 from serving.types import GenerationRequest, ModelState
 from serving.worker.messages import Init
 from serving.worker.pool import WorkerPool
@@ -31,9 +36,10 @@ class ModelEndpoint:
 
     def __init__(self, config: ModelConfig, observer: BatchObserver | None = None,
                  clock: Clock = time.monotonic, env: Mapping[str, str] | None = None,
-                 log_format: str = "text") -> None:
+                 log_format: str = "text", live: LiveRequests | None = None) -> None:
         self.config = config
         self.name = config.name
+        self._live = live if live is not None else LiveRequests()
         self.state = ModelState.PENDING
         self.reason: str | None = None
         self._observer = observer or NullObserver()
@@ -43,10 +49,13 @@ class ModelEndpoint:
         self.batcher: DynamicBatcher | RollingBatcher
         if b.rolling:
             self.batcher = RollingBatcher(self.name, b.max_rolling_batch_size, b.job_queue_size,
-                                          config.predict_timeout_s, self._observer, clock)
+                                          config.predict_timeout_s, self._observer, clock,
+                                          max_queue_time_s=b.max_queue_time_s,
+                                          liveness_timeout_s=config.liveness_timeout_s)
         else:
             self.batcher = DynamicBatcher(self.name, b.batch_size, b.max_batch_delay_ms, b.job_queue_size,
-                                          config.predict_timeout_s, self._observer, clock)
+                                          config.predict_timeout_s, self._observer, clock,
+                                          max_queue_time_s=b.max_queue_time_s)
         if b.rolling_batch_requested == "auto" and not b.rolling:
             log.warning("model %s: option.rolling_batch=auto falls back to dynamic batching: %s", self.name,
                         b.rolling_batch_reason)
@@ -109,15 +118,27 @@ class ModelEndpoint:
 
     def _failed(self, reason: str) -> None:
         self.state = ModelState.FAILED
-        self.reason = reason
+        self.reason = scrub_paths(reason, {str(self.config.model_dir): self.name})
+        self.batcher.fail_pending(Unavailable(f"model {self.name!r} is FAILED: {self.reason}"))
 
     def submit(self, request: GenerationRequest) -> ResultStream:
+        """Queue ``request`` (its ``request_id`` is the client's id; see ``GenerationRequest``). Raises
+        ``Unavailable`` unless READY, ``Conflict`` for a client id already live, ``Overloaded``."""
         if self.state is not ModelState.READY:
             detail = f": {self.reason}" if self.reason else ""
             raise Unavailable(f"model {self.name!r} is {self.state.value}{detail}", retry_after_s=5)
-        return self.batcher.submit(request)
+        client_id = request.client_id or request.request_id
+        internal = self._live.claim(client_id, self)
+        try:
+            stream = self.batcher.submit(replace(request, request_id=internal, client_id=client_id))
+        except BaseException:
+            self._live.release(client_id, internal)
+            raise
+        stream.add_finish_callback(lambda _: self._live.release(client_id, internal))
+        return stream
 
     def cancel(self, request_id: str) -> bool:
+        """Cancel by the server's id (``serving.live_requests`` maps client ids to it)."""
         return self.batcher.cancel(request_id)
 
     async def scale(self, num_workers: int) -> None:
@@ -136,7 +157,7 @@ class ModelEndpoint:
         if self._autoscaler is not None:
             self._autoscaler.cancel()
         await self.pool.stop()
-        await self.batcher.close()
+        await self.batcher.close(f"model {self.name!r} was unloaded before this request finished")
         self.state = ModelState.UNLOADED
 
     def describe(self) -> dict[str, Any]:

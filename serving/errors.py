@@ -15,6 +15,9 @@ class ErrorKind(str, enum.Enum):
     TOO_LARGE = "payload_too_large"
     NOT_FOUND = "not_found"
     METHOD = "method_not_allowed"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    CONFLICT = "conflict"
     OVERLOADED = "overloaded"
     UNAVAILABLE = "unavailable"
     TIMEOUT = "timeout"
@@ -45,6 +48,24 @@ class PayloadTooLarge(ServingError):
 
 class ModelNotFound(ServingError):
     kind = ErrorKind.NOT_FOUND
+
+
+class Unauthorized(ServingError):
+    """A missing or wrong token (HTTP 401 with ``WWW-Authenticate``, gRPC UNAUTHENTICATED)."""
+
+    kind = ErrorKind.UNAUTHORIZED
+
+
+class Forbidden(ServingError):
+    """An operation switched off by configuration (e.g. the model API), or a refused Origin/Host."""
+
+    kind = ErrorKind.FORBIDDEN
+
+
+class Conflict(ServingError):
+    """A client-chosen request id already names a live request (409)."""
+
+    kind = ErrorKind.CONFLICT
 
 
 class Overloaded(ServingError):
@@ -85,8 +106,8 @@ class ConfigError(ValueError):
 
 ERROR_KINDS: dict[str, type[ServingError]] = {
     cls.kind.value: cls
-    for cls in (InvalidRequest, PayloadTooLarge, ModelNotFound, Overloaded, Unavailable, RequestTimeout,
-                Cancelled, WorkerFailed, HandlerError)
+    for cls in (InvalidRequest, PayloadTooLarge, ModelNotFound, Unauthorized, Forbidden, Conflict, Overloaded,
+                Unavailable, RequestTimeout, Cancelled, WorkerFailed, HandlerError)
 }
 
 

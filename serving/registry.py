@@ -4,6 +4,10 @@ Design note: every sub-folder of ``model_store`` is a model named after the fold
 client is resolved inside the model store only: symlinks are resolved first, then the path must still lie
 inside the store (no ``..``, no absolute paths). A model whose configuration is invalid is registered as
 FAILED with the reason, and the others keep serving.
+
+The model API (register, scale, unregister) is refused unless ``enable_model_api=true``; registrations are
+capped (``max_models`` models, ``max_workers_per_model`` workers). ``startup_models`` are the models of
+``load_models`` that readiness waits for (see ``serving.health``); ``live`` maps client request ids.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from pathlib import Path
 from serving.batching.ports import BatchObserver
 from serving.config import ModelConfig, ServerConfig, load_model_config, validate_model_name
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
-from serving.errors import ConfigError, InvalidRequest, ModelNotFound
+from serving.errors import ConfigError, Forbidden, InvalidRequest, ModelNotFound, Overloaded
+from serving.live_requests import LiveRequests
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,8 @@ class ModelRegistry:
         self._observer = observer
         self._store = server.model_store.resolve()
         self.endpoints: dict[str, AnyEndpoint] = {}
+        self.startup_models: set[str] | None = None  # known once discover() ran
+        self.live = LiveRequests()
 
     @property
     def model_store(self) -> Path:
@@ -58,6 +65,7 @@ class ModelRegistry:
             log.warning("no model to serve: the model store %s %s (run `serving` in the repository root, or pass "
                         "--model-store DIR or -m NAME=PATH); /ping answers 503 until a model is registered",
                         self._store, where)
+        self.startup_models = set(found)
         return found
 
     def resolve_url(self, url: str) -> Path:
@@ -96,7 +104,7 @@ class ModelRegistry:
         except ConfigError as exc:
             log.error("model %s: invalid configuration: %s", name, exc)
             return FailedEndpoint(name, self._without_paths(str(exc), name, model_dir))
-        return ModelEndpoint(cfg, self._observer, env=self._env, log_format=self._server.log_format)
+        return ModelEndpoint(cfg, self._observer, env=self._env, log_format=self._server.log_format, live=self.live)
 
     def _without_paths(self, message: str, name: str, model_dir: Path) -> str:
         """Clients see a model's files by model name, never by where they live on the server."""
@@ -106,13 +114,22 @@ class ModelRegistry:
 
     async def register(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {},
                        wait: bool = True) -> AnyEndpoint:
-        """Add a model and start loading it (waits for the load when ``wait``)."""
+        """Add a model over the model API and start loading it (waits for the load when ``wait``).
+        Raises ``Forbidden`` (model API off), ``InvalidRequest``, ``Overloaded`` (``max_models``)."""
+        self.require_model_api("registering a model")
         try:
             validate_model_name(name)
         except ConfigError as exc:  # a client-supplied name: 400, not an internal error
             raise InvalidRequest(str(exc)) from None
         if name in self.endpoints:
             raise InvalidRequest(f"model {name!r} is already registered")
+        if len(self.endpoints) >= self._server.max_models:
+            raise Overloaded(f"{len(self.endpoints)} models are registered; at most {self._server.max_models} "
+                             "(max_models in config.properties)")
+        for key in ("minWorkers", "maxWorkers"):
+            if key in overrides:
+                self.check_num_workers(int(overrides[key]), "min_worker" if key == "minWorkers" else "max_worker",
+                                       minimum=0 if key == "minWorkers" else 1)
         ep = self.build(name, model_dir, overrides)
         if isinstance(ep, FailedEndpoint):
             raise InvalidRequest(f"model {name!r} has an invalid configuration: {ep.reason}")
@@ -123,9 +140,34 @@ class ModelRegistry:
         return ep
 
     async def unregister(self, name: str, drain_timeout_s: float) -> None:
+        """Remove a model over the model API; its pending requests end when the drain ends."""
+        self.require_model_api("unregistering a model")
         ep = self.get(name)
         del self.endpoints[name]
+        if self.startup_models is not None:
+            self.startup_models.discard(name)
         await ep.drain(drain_timeout_s)
+
+    async def scale(self, name: str, num_workers: int) -> AnyEndpoint:
+        """Set a model's number of workers over the model API (1..``max_workers_per_model``)."""
+        self.require_model_api("scaling a model")
+        ep = self.get(name)
+        self.check_num_workers(num_workers, "the number of workers", minimum=1)
+        await ep.scale(num_workers)
+        return ep
+
+    def require_model_api(self, what: str) -> None:
+        """Raise ``Forbidden`` unless ``enable_model_api=true``."""
+        if not self._server.enable_model_api:
+            raise Forbidden(f"{what} needs the model API: set enable_model_api=true in config.properties "
+                            "(it is off by default; models of load_models load at start)")
+
+    def check_num_workers(self, value: int, field: str, minimum: int) -> int:
+        cap = self._server.max_workers_per_model
+        if not minimum <= value <= cap:
+            raise InvalidRequest(f"{field} must be between {minimum} and {cap} (max_workers_per_model), "
+                                 f"got {value}")
+        return value
 
     async def start_all(self, models: Mapping[str, Path]) -> None:
         for name, path in models.items():
@@ -133,6 +175,8 @@ class ModelRegistry:
                 self.endpoints[name] = self.build(validate_model_name(name), path)
             except ConfigError as exc:
                 log.error("model %s: %s", name, exc)
+                if self.startup_models is not None:
+                    self.startup_models.discard(name)
         await asyncio.gather(*(ep.start() for ep in self.endpoints.values()))
 
     async def stop_all(self, drain_timeout_s: float) -> None:

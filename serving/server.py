@@ -1,10 +1,14 @@
 """Composition root and lifecycle of the rollserve frontend process.
 
-Design note: this is the one place that builds everything (registry, frontends, metrics) and passes it
-down; nothing else holds global state. Startup binds the listeners first (SageMaker wants connections
-accepted within 250 ms; ``/ping`` answers 503 while models load), then loads the models. On SIGTERM or
-SIGINT the server drains: ``/ping`` and new requests get 503, in-flight requests finish within
-``drain_timeout_s``, workers are stopped, listeners close; no worker process outlives the server.
+Design note: this is the one place that builds everything (registry, frontends, metrics, token
+authority, health) and passes it down; nothing else holds global state. Startup resolves the tokens and
+writes the key file (``serving.auth``), binds the listeners (SageMaker wants connections accepted within
+250 ms; ``/ping`` answers 503 while models load), then loads the models. Each HTTP API sits behind an
+``ApiGuard`` (management: token, Origin and Host checks; inference: token when required); gRPC behind an
+``AuthInterceptor``. ``management_address=off`` binds no management listener and turns the gRPC management
+RPCs off. On SIGTERM or SIGINT the server drains: readiness and new requests get 503, in-flight requests
+finish within ``drain_timeout_s``, workers are stopped, listeners close, the default key file is removed;
+no worker process outlives the server.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import time
 from collections.abc import Generator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +30,17 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 from starlette.routing import Route
 
+from serving.auth import Scope, build_authority
 from serving.config import ServerConfig
 from serving.frontends import openapi, tgi
 from serving.frontends.apps import build_app
 from serving.frontends.grpc import GrpcFrontend
+from serving.frontends.http_guard import ApiGuard
 from serving.frontends.httpio import HttpContext, ServerState
 from serving.frontends.lmi import LmiRoutes
 from serving.frontends.management import ManagementRoutes
 from serving.frontends.openai import OpenAIRoutes
+from serving.health import Health, HealthRoutes
 from serving.metrics import ServingMetrics
 from serving.params import Limits
 from serving.registry import ModelRegistry
@@ -70,9 +79,17 @@ class Server:
         self.state = ServerState(started_at=time.time())
         self.metrics = ServingMetrics(CollectorRegistry(), models=lambda: self.registry.endpoints)
         self.registry = ModelRegistry(config, env, self.metrics)
-        self.limits = Limits()
+        self.limits = Limits(max_stop_sequences=config.max_stop_sequences, max_stop_length=config.max_stop_length,
+                             max_stop_token_ids=config.max_stop_token_ids,
+                             max_sequences_per_request=config.max_sequences_per_request)
+        # Long prompts are tokenized here, one thread fewer than the CPUs: the event loop keeps a core.
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
+                                                thread_name_prefix="tokenize")
         self.http = HttpContext(registry=self.registry, state=self.state, limits=self.limits,
-                                max_request_size=config.max_request_size, metrics=self.metrics)
+                                max_request_size=config.max_request_size, metrics=self.metrics,
+                                tokenize_pool=self.tokenize_pool)
+        self.authority = build_authority(config, Path.cwd())  # raises ConfigError for a bad key file
+        self.health = Health(self.registry, self.state, config.ping_requires)
         self._servers: list[_Uvicorn] = []
         self._stop = asyncio.Event()
         self.ports: dict[str, int] = {}
@@ -82,24 +99,35 @@ class Server:
     def _inference_routes(self) -> list[Any]:
         openai_routes = OpenAIRoutes(self.http)
         self.state.extra["chat_handler"] = openai_routes.chat_for_lmi  # LMI bodies with `messages`
-        return [*self.lmi.routes(), *openai_routes.routes(), *tgi.routes(self.http),
+        return [*HealthRoutes(self.health).routes(), *self.lmi.routes(), *openai_routes.routes(),
+                *tgi.routes(self.http),
                 openapi.route(lambda: openapi.inference_document(self.limits, sorted(self.registry.endpoints)))]
+
+    def _management_app(self, metrics_route: Any) -> Any:
+        app = build_app(ManagementRoutes(self.http, self.registry, self.config.drain_timeout_s,
+                                         metrics_route).routes() + HealthRoutes(self.health).routes()
+                        + [openapi.route(lambda: openapi.management_document(
+                            self.limits, sorted(self.registry.endpoints)))])
+        c = self.config
+        return ApiGuard(app, self.authority, Scope.MANAGEMENT, browser_checks=True,
+                        allowed_hosts=c.management_allowed_hosts, allowed_origins=c.management_allowed_origins)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         metrics_route = self.metrics.route
-        inference = self.metrics.instrument(build_app(self._inference_routes()))
-        management = build_app(ManagementRoutes(self.http, self.registry, self.config.drain_timeout_s,
-                                                metrics_route).routes() + [Route("/ping", self.lmi.ping)]
-                               + [openapi.route(lambda: openapi.management_document(
-                                   self.limits, sorted(self.registry.endpoints)))])
+        inference = self.metrics.instrument(ApiGuard(build_app(self._inference_routes()), self.authority,
+                                                     Scope.INFERENCE))
         host, port = self.config.inference_host_port()
         if self.config.sagemaker_port is not None:
             port = self.config.sagemaker_port
-        listeners = [("inference", inference, host, port),
-                     ("management", management, *self.config.management_host_port())]
+        listeners = [("inference", inference, host, port)]
+        management_hp = self.config.management_host_port()
+        if management_hp is not None:
+            listeners.append(("management", self._management_app(metrics_route), *management_hp))
+        else:
+            log.info("management API is off (management_address=off)")
         mhp = self.config.metrics_host_port()
         if mhp is not None:
             listeners.append(("metrics", build_app([Route("/metrics", metrics_route)]), *mhp))
@@ -124,6 +152,8 @@ class Server:
         for s in self._servers:
             s.should_exit = True
         await asyncio.gather(*serve_tasks, return_exceptions=True)
+        self.authority.close()
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")
 
     async def _drain(self) -> None:
@@ -145,7 +175,8 @@ class Server:
         hp = self.config.grpc_host_port()
         if hp is None:
             return
-        self.grpc = GrpcFrontend(self.http, self.registry, self.config.drain_timeout_s)
+        self.grpc = GrpcFrontend(self.http, self.registry, self.config.drain_timeout_s, authority=self.authority,
+                                 health=self.health, config=self.config)
         self.ports["grpc"] = await self.grpc.start(*hp)
         log.info("gRPC API listening on %s:%d", hp[0], self.ports["grpc"])
 

@@ -74,6 +74,9 @@ class GenerationRequest:
     ``prompt`` is text; ``prompt_token_ids`` is set instead when a client sent token ids (OpenAI).
     ``payload`` is the raw JSON body for custom handlers that read their own fields.
     ``attributes`` carries pass-through request metadata (e.g. SageMaker custom attributes).
+    A frontend sets ``request_id`` to the id the client knows (``X-Request-Id`` or a generated one);
+    ``ModelEndpoint.submit`` moves it to ``client_id`` and gives the request a server-generated
+    ``request_id``, the only id batchers and workers ever key on (see ``serving.live_requests``).
     """
 
     request_id: str
@@ -85,6 +88,7 @@ class GenerationRequest:
     payload: dict[str, Any] | None = None
     attributes: dict[str, str] = field(default_factory=dict)
     deadline: float | None = None  # absolute time.monotonic() after which the request is aborted
+    client_id: str = ""  # the client's id (logs, headers, cancel-by-id); never a table key
 
     def to_wire(self) -> dict[str, Any]:
         return {

@@ -6,6 +6,9 @@ H=${H:-http://127.0.0.1:8080}
 M=${M:-http://127.0.0.1:8081}
 MODEL=${MODEL:-tiny-llama}
 CURL=(curl -sS --fail-with-body)
+# The management API needs the management token from the key file the server wrote (in its working directory).
+KEY_FILE=${KEY_FILE:-key_file.json}
+AUTH="Authorization: Bearer $(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['management']['key'])" "$KEY_FILE")"
 
 "${CURL[@]}" "$H/ping"; echo
 "${CURL[@]}" -X POST "$H/predictions/$MODEL" -H 'content-type: application/json' \
@@ -17,6 +20,6 @@ CURL=(curl -sS --fail-with-body)
   -d '{"inputs": "Stream me", "parameters": {"max_new_tokens": 8}, "stream": true}'; echo
 "${CURL[@]}" -X POST "$H/v1/chat/completions" -H 'content-type: application/json' \
   -d "{\"model\": \"$MODEL\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": 8}"; echo
-"${CURL[@]}" "$M/models"; echo
-"${CURL[@]}" "$M/models/$MODEL"; echo
-"${CURL[@]}" "$M/metrics" | sed -n '/^rollserve_requests_total/p'
+"${CURL[@]}" -H "$AUTH" "$M/models"; echo
+"${CURL[@]}" -H "$AUTH" "$M/models/$MODEL"; echo
+"${CURL[@]}" -H "$AUTH" "$M/metrics" | sed -n '/^rollserve_requests_total/p'

@@ -2,8 +2,11 @@
 
 Design note: the allocator only hands out block *ids*; the runner owns the memory. Three kinds of block:
 in use (ref count > 0), free (never hashed or evicted), and cached-free (ref count 0 but holding a full
-block of a known token prefix, evictable least-recently-used). A full block's key is the hash of its
-parent block's key and its own tokens, so equal prefixes map to equal chains of keys.
+block of a known token prefix, evictable least-recently-used). A full block's key is the SHA-256 digest
+of its parent block's key and its own token ids, so equal prefixes map to equal chains of keys and a hit
+needs no verification: two different prefixes sharing a key would take a SHA-256 collision (as vLLM;
+Python's ``hash()`` collides trivially, e.g. ``hash(2**61 - 1) == hash(0)``, and would serve one request's
+KV to another).
 
 Placement favours *contiguous* block tables (a sequence's next block is the one after its last, when
 free; a new sequence starts in the middle of the largest free run) because the runner can then read a
@@ -12,16 +15,20 @@ sequence's KV as a view instead of gathering it every step.
 
 from __future__ import annotations
 
+import hashlib
 import re
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
 _FREE_RUN = re.compile(b"\x01+")
+_ROOT = b"\x00" * 32  # the parent of a sequence's first block
 
 
-def block_key(parent: int | None, tokens: Seq[int]) -> int:
-    """Prefix-cache key of a full block: depends on every token of the prefix up to its end."""
-    return hash((parent, tuple(tokens)))
+def block_key(parent: bytes | None, tokens: Seq[int]) -> bytes:
+    """Prefix-cache key of a full block: ``sha256(parent key + token ids as little-endian uint64)``, 32
+    bytes; it depends on every token of the prefix up to the block's end."""
+    return hashlib.sha256((parent or _ROOT) + struct.pack(f"<{len(tokens)}Q", *tokens)).digest()
 
 
 class BlockAllocator:
@@ -37,8 +44,8 @@ class BlockAllocator:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref = [0] * num_blocks
-        self._key: list[int | None] = [None] * num_blocks
-        self._by_key: dict[int, int] = {}
+        self._key: list[bytes | None] = [None] * num_blocks
+        self._by_key: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached-free blocks, LRU first
         self._free_flags = bytearray(b"\x01") * num_blocks  # 1 = free and not cached
         self._num_free = num_blocks
@@ -64,7 +71,7 @@ class BlockAllocator:
         return self._ref[block_id]
 
     # ----------------------------------------------------------- prefix cache
-    def match_prefix(self, token_ids: Seq[int], max_tokens: int) -> tuple[list[int], list[int]]:
+    def match_prefix(self, token_ids: Seq[int], max_tokens: int) -> tuple[list[int], list[bytes]]:
         """Cached full blocks covering the longest prefix of ``token_ids[:max_tokens]``.
 
         Returns (block ids, their keys) without taking references; call ``acquire`` to use them.
@@ -73,8 +80,8 @@ class BlockAllocator:
             return [], []
         bs = self.block_size
         blocks: list[int] = []
-        keys: list[int] = []
-        parent: int | None = None
+        keys: list[bytes] = []
+        parent: bytes | None = None
         for i in range(max_tokens // bs):
             key = block_key(parent, token_ids[i * bs:(i + 1) * bs])
             self.prefix_queries += 1
@@ -94,7 +101,7 @@ class BlockAllocator:
                 del self._evictable[b]
             self._ref[b] += 1
 
-    def register_full_block(self, block_id: int, key: int) -> None:
+    def register_full_block(self, block_id: int, key: bytes) -> None:
         """Record that ``block_id`` now holds the full block with prefix key ``key``."""
         if not self.enable_prefix_caching or self._key[block_id] is not None:
             return

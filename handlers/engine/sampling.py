@@ -68,8 +68,12 @@ class RequestSampler:
             scores = self.processors(ids, scores.clone())  # type: ignore[arg-type]
         if self.greedy:
             return int(scores.argmax(-1))
-        scores = self.warpers(None, scores)  # type: ignore[arg-type]
-        probs = torch.softmax(scores, dim=-1)
+        warped = self.warpers(None, scores)  # type: ignore[arg-type]
+        probs = torch.softmax(warped, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            # Extreme values (a temperature near 0, a tiny repetition penalty) overflow the scores to inf and
+            # the softmax to NaN: take their limit, the greedy choice, instead of failing the whole step.
+            return int(torch.nan_to_num(scores, nan=float("-inf")).argmax(-1))
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 

@@ -38,7 +38,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # SHA-256 digests (kv_cache.block_key)
     num_freed_blocks: int = 0  # leading block-table entries freed (sliding window): FREED_BLOCK
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0

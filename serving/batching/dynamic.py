@@ -15,9 +15,18 @@ import itertools
 import logging
 from typing import Any
 
+from serving.batching.pacing import ServiceRate, send_each
 from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
 from serving.batching.streams import ResultStream
-from serving.errors import Overloaded, RequestTimeout, ServingError, WorkerFailed, error_from_kind
+from serving.errors import (
+    HandlerError,
+    Overloaded,
+    RequestTimeout,
+    ServingError,
+    Unavailable,
+    WorkerFailed,
+    error_from_kind,
+)
 from serving.types import FinishReason, GenerationRequest, TokenDelta, TokenInfo
 from serving.worker.messages import Batch, BatchResult
 
@@ -37,7 +46,7 @@ class DynamicBatcher:
 
     def __init__(self, model: str, batch_size: int, max_batch_delay_ms: int, job_queue_size: int,
                  predict_timeout_s: float, observer: BatchObserver | None = None,
-                 clock: Clock = DEFAULT_CLOCK) -> None:
+                 clock: Clock = DEFAULT_CLOCK, *, max_queue_time_s: float | None = None) -> None:
         self.model = model
         self.batch_size = batch_size
         self.max_batch_delay_s = max_batch_delay_ms / 1000.0
@@ -49,25 +58,65 @@ class DynamicBatcher:
         self._idle: collections.deque[Worker] = collections.deque()
         self._inflight: dict[int, tuple[Worker, list[_Pending], asyncio.TimerHandle]] = {}
         self._gathering: list[_Pending] = []  # taken off the queue, not yet dispatched: still pending
+        self._current_worker: Worker | None = None  # the idle worker the batch being gathered is for
         self._batch_ids = itertools.count(1)
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self.max_queue_time_s = max_queue_time_s
+        self._rate = ServiceRate(clock)
         self.num_batches = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"dynamic-batcher-{self.model}")
+        if self.max_queue_time_s:
+            interval = max(0.05, min(1.0, self.max_queue_time_s / 4))
+            self._watch_task = asyncio.create_task(self._watch(interval), name=f"dynamic-watch-{self.model}")
 
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+    async def close(self, reason: str = "") -> None:
+        """Stop the loop and fail every request still pending (the model is going away)."""
+        for task in (self._task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._watch_task = None
+        self.fail_pending(Unavailable(reason or f"model {self.model!r} was unloaded", retry_after_s=5))
+
+    def fail_pending(self, error: ServingError) -> None:
+        """Fail every queued, gathering and in-flight request with ``error``."""
+        pending = list(self._queue) + list(self._gathering)
+        self._queue.clear()
+        for batch_id, (_, batch, timer) in list(self._inflight.items()):
+            del self._inflight[batch_id]
+            timer.cancel()
+            pending.extend(batch)
+        for p in pending:
+            p.stream.fail(error)
+
+    async def _watch(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.check_queue_time()
+
+    def check_queue_time(self) -> None:
+        """Fail requests queued for ``max_queue_time_s``: 503 + Retry-After from the measured rate."""
+        if not self.max_queue_time_s:
+            return
+        now = self._clock()
+        expired = [p for p in self._queue if now - p.stream.arrival >= self.max_queue_time_s]
+        for p in expired:
+            self._queue.remove(p)
+            self._observer.on_rejected(self.model, "queue_timeout")
+            p.stream.fail(Overloaded(f"the request waited {self.max_queue_time_s:g}s for a worker of model "
+                                     f"{self.model!r} (max_queue_time)",
+                                     retry_after_s=self._rate.retry_after_s(len(self._queue))))
 
     # --- requests ---
     def submit(self, request: GenerationRequest) -> ResultStream:
         if len(self._queue) >= self.job_queue_size:
             self._observer.on_rejected(self.model, "queue_full")
             raise Overloaded(f"model {self.model!r} queue is full ({self.job_queue_size} requests waiting)",
-                             retry_after_s=1)
+                             retry_after_s=self._rate.retry_after_s(len(self._queue)))
         stream = ResultStream(request.request_id, self._clock, on_cancel=self.cancel, on_finish=self._finished)
         self._queue.append(_Pending(request, stream))
         if request.deadline is not None:
@@ -139,13 +188,20 @@ class DynamicBatcher:
             return
         _, batch, timer = entry
         timer.cancel()
-        by_id = {o.get("request_id"): o for o in msg.outputs}
+        by_id = {o.get("request_id"): o for o in msg.outputs if isinstance(o, dict)
+                 and isinstance(o.get("request_id"), str)}
         for p in batch:
             out = by_id.get(p.request.request_id)
             if out is None:
                 p.stream.fail(ServingError("the handler returned no output for this request"))
-            else:
+                continue
+            try:
                 _deliver(p.stream, out)
+            except Exception as exc:  # noqa: BLE001 - a malformed output fails its own request only
+                log.error("request %s model %s: malformed output from the handler: %s", p.request.client_id,
+                          self.model, type(exc).__name__)
+                p.stream.fail(HandlerError("the model's handler returned a malformed answer for this request"))
+            self._rate.record()
         if worker.alive:
             self._idle.append(worker)
         self._changed.set()
@@ -165,35 +221,53 @@ class DynamicBatcher:
     # --- the gathering loop ---
     async def _run(self) -> None:
         while True:
-            while not (self._idle and self._live_queue()):
-                self._changed.clear()
-                await self._changed.wait()
-            worker = self._idle.popleft()
-            if not worker.alive:
+            try:
+                await self._gather_and_dispatch()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad batch
+                log.exception("model %s: dynamic batching loop error; failing the batch being gathered",
+                              self.model)
+                gathering, self._gathering = self._gathering, []
+                for p in gathering:
+                    p.stream.fail(ServingError("internal error while batching this request"))
+                worker, self._current_worker = self._current_worker, None
+                if worker is not None and worker.alive and worker not in self._idle and \
+                        all(w is not worker for w, _, _ in self._inflight.values()):
+                    self._idle.append(worker)
+
+    async def _gather_and_dispatch(self) -> None:
+        while not (self._idle and self._live_queue()):
+            self._changed.clear()
+            await self._changed.wait()
+        worker = self._idle.popleft()
+        if not worker.alive:
+            return
+        self._current_worker = worker
+        batch = self._gathering = [self._queue.popleft()]
+        deadline = self._clock() + self.max_batch_delay_s
+        while len(batch) < self.batch_size:
+            if self._live_queue():
+                batch.append(self._queue.popleft())
                 continue
-            batch = self._gathering = [self._queue.popleft()]
-            deadline = self._clock() + self.max_batch_delay_s
-            while len(batch) < self.batch_size:
-                if self._live_queue():
-                    batch.append(self._queue.popleft())
-                    continue
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    break
-                self._changed.clear()
-                try:
-                    await asyncio.wait_for(self._changed.wait(), remaining)
-                except asyncio.TimeoutError:
-                    break
-            batch = [p for p in batch if not p.stream.done]
-            self._gathering = []
-            if not batch:
-                self._idle.appendleft(worker)
-                continue
-            if not worker.alive:
-                self._retry_or_fail(batch, "the worker died before the batch was sent")
-                continue
-            self._dispatch(worker, batch)
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                break
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        batch = [p for p in batch if not p.stream.done]
+        self._gathering = []
+        self._current_worker = None
+        if not batch:
+            self._idle.appendleft(worker)
+            return
+        if not worker.alive:
+            self._retry_or_fail(batch, "the worker died before the batch was sent")
+            return
+        self._dispatch(worker, batch)
 
     def _live_queue(self) -> bool:
         while self._queue and self._queue[0].stream.done:
@@ -209,11 +283,19 @@ class DynamicBatcher:
         self.num_batches += 1
         self._observer.on_batch(self.model, len(batch))
         try:
-            worker.send(Batch(batch_id=batch_id, requests=[p.request.to_wire() for p in batch]))
+            sent = send_each(worker.send, lambda wires: Batch(batch_id=batch_id, requests=wires), batch,
+                             lambda p: p.request.to_wire(), lambda p, err: p.stream.fail(err))
         except ConnectionError:
             self._inflight.pop(batch_id, None)
             timer.cancel()
             self._retry_or_fail(batch, "the worker died before the batch was sent")
+            return
+        if len(sent) != len(batch):
+            batch[:] = sent  # the in-flight entry holds only what the worker will answer
+            if not sent:
+                self._inflight.pop(batch_id, None)
+                timer.cancel()
+                self._idle.appendleft(worker)
 
 
 def _deliver(stream: ResultStream, out: dict[str, Any]) -> None:

@@ -6,6 +6,11 @@ per worker (``Add``); the rest wait in a queue of ``job_queue_size`` (full -> Ov
 frame is split into the requests' streams; a finished request frees its slot and the next waiting one is
 admitted at once. Cancel sends ``Abort`` so the engine frees the request's KV blocks before its next step.
 A dead worker's requests that had produced nothing are retried once; the others fail definitely.
+
+No request waits forever: a watch task fails requests queued longer than ``max_queue_time_s`` (503 +
+``Retry-After`` from the measured service rate) and is the liveness watchdog: a worker with requests
+admitted that reports no step for ``liveness_timeout_s`` is killed (its pool restarts it) after its
+requests are failed with a definite error. A FAILED or unregistered model fails its requests at once.
 """
 
 from __future__ import annotations
@@ -15,9 +20,19 @@ import collections
 import logging
 from typing import Any
 
+from serving.batching.pacing import ServiceRate, send_each
 from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
 from serving.batching.streams import ResultStream
-from serving.errors import ErrorKind, Overloaded, RequestTimeout, WorkerFailed, error_from_kind
+from serving.errors import (
+    ErrorKind,
+    HandlerError,
+    Overloaded,
+    RequestTimeout,
+    ServingError,
+    Unavailable,
+    WorkerFailed,
+    error_from_kind,
+)
 from serving.types import GenerationRequest, TokenDelta
 from serving.worker.messages import Abort, Add, Deltas, Reject
 
@@ -35,35 +50,50 @@ class _Admitted:
 
 
 class RollingBatcher:
-    """Runs on the event loop; all methods are synchronous (sends are buffered writes)."""
+    """Runs on the event loop; all methods but ``close`` are synchronous (sends are buffered writes)."""
 
     def __init__(self, model: str, max_rolling_batch_size: int, job_queue_size: int, predict_timeout_s: float,
-                 observer: BatchObserver | None = None, clock: Clock = DEFAULT_CLOCK) -> None:
+                 observer: BatchObserver | None = None, clock: Clock = DEFAULT_CLOCK, *,
+                 max_queue_time_s: float | None = None, liveness_timeout_s: float | None = None) -> None:
         self.model = model
         self.max_rolling_batch_size = max_rolling_batch_size
         self.job_queue_size = job_queue_size
         self.predict_timeout_s = predict_timeout_s
+        self.max_queue_time_s = max_queue_time_s
+        self.liveness_timeout_s = liveness_timeout_s
         self._observer = observer or NullObserver()
         self._clock = clock
         self._waiting: collections.OrderedDict[str, _Admitted] = collections.OrderedDict()
         self._running: dict[str, _Admitted] = {}
         self._workers: list[Worker] = []
         self._load: dict[int, int] = {}
+        self._progress: dict[int, float] = {}  # worker id -> when it last stepped (or got work while idle)
+        self._rate = ServiceRate(clock)
+        self._watch_task: asyncio.Task[None] | None = None
         self.engine_stats: dict[int, dict[str, Any]] = {}
         self.num_steps = 0
+        self.num_watchdog_kills = 0
 
     def start(self) -> None:
-        pass
+        limits = [t for t in (self.max_queue_time_s, self.liveness_timeout_s) if t]
+        if limits and self._watch_task is None:
+            interval = max(0.05, min(1.0, min(limits) / 4))
+            self._watch_task = asyncio.create_task(self._watch(interval), name=f"rolling-watch-{self.model}")
 
-    async def close(self) -> None:
-        pass
+    async def close(self, reason: str = "") -> None:
+        """Stop the watch task and fail every request still pending (the model is going away)."""
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+            self._watch_task = None
+        self.fail_pending(Unavailable(reason or f"model {self.model!r} was unloaded", retry_after_s=5))
 
     # --- requests ---
     def submit(self, request: GenerationRequest) -> ResultStream:
         if len(self._waiting) >= self.job_queue_size:
             self._observer.on_rejected(self.model, "queue_full")
             raise Overloaded(f"model {self.model!r} queue is full ({self.job_queue_size} requests waiting)",
-                             retry_after_s=1)
+                             retry_after_s=self._rate.retry_after_s(len(self._waiting)))
         stream = ResultStream(request.request_id, self._clock, on_cancel=self.cancel,
                               on_finish=lambda st: self._observer.on_finished(self.model, st))
         entry = _Admitted(request, stream)
@@ -104,6 +134,14 @@ class RollingBatcher:
         entry.stream.fail(err)  # the observer counts it as rejected (timeout) when the stream ends
         self.cancel(request_id)  # dequeue or abort: the engine frees its KV blocks before the next step
 
+    def fail_pending(self, error: ServingError) -> None:
+        """Fail every waiting and running request with ``error`` (running ones are aborted on live workers)."""
+        for rid in list(self._running) + list(self._waiting):
+            entry = self._waiting.get(rid) or self._running.get(rid)
+            if entry is not None:
+                entry.stream.fail(error)
+                self.cancel(rid)
+
     def num_pending(self) -> int:
         return len(self._waiting) + len(self._running)
 
@@ -114,18 +152,29 @@ class RollingBatcher:
     def describe(self) -> dict[str, Any]:
         return {"mode": "rolling", "waiting": len(self._waiting), "running": len(self._running),
                 "max_rolling_batch_size": self.max_rolling_batch_size, "steps_total": self.num_steps,
-                "engines": {str(k): v for k, v in self.engine_stats.items()}}
+                "watchdog_restarts": self.num_watchdog_kills,
+                "engines": {str(k): self._by_client_id(v) for k, v in self.engine_stats.items()}}
+
+    def _by_client_id(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """Engine stats with ``blocks_held`` keyed by the ids clients know (the engine keys by the server's)."""
+        held = stats.get("blocks_held")
+        if not isinstance(held, dict):
+            return stats
+        names = {rid: e.request.client_id or rid for rid, e in self._running.items()}
+        return {**stats, "blocks_held": {names.get(rid, rid): n for rid, n in held.items()}}
 
     # --- workers ---
     def worker_ready(self, worker: Worker) -> None:
         self._workers.append(worker)
         self._load[worker.worker_id] = 0
+        self._progress[worker.worker_id] = self._clock()
         self._pump()
 
     def worker_lost(self, worker: Worker) -> None:
         if worker in self._workers:
             self._workers.remove(worker)
         self._load.pop(worker.worker_id, None)
+        self._progress.pop(worker.worker_id, None)
         self.engine_stats.pop(worker.worker_id, None)
         requeue: list[_Admitted] = []
         for rid, entry in list(self._running.items()):
@@ -145,20 +194,13 @@ class RollingBatcher:
         self._pump()
 
     def on_message(self, worker: Worker, msg: Any) -> None:
+        self._progress[worker.worker_id] = self._clock()
         if isinstance(msg, Deltas):
             self.num_steps += 1
             self.engine_stats[worker.worker_id] = msg.stats
             self._observer.on_step(self.model, worker.worker_id, msg.stats, msg.step_s, len(msg.deltas))
             for d in msg.deltas:
-                delta = TokenDelta.from_wire(d)
-                entry = self._running.get(delta.request_id)
-                if entry is None:
-                    continue  # aborted meanwhile
-                entry.stream.push(delta)
-                if delta.finish_reason is not None:
-                    del self._running[delta.request_id]
-                    self._release(entry)
-                    self._finish_entry(entry)
+                self._deliver(d)
             self._pump()
         elif isinstance(msg, Reject):
             entry = self._running.pop(msg.request_id, None)
@@ -169,6 +211,27 @@ class RollingBatcher:
                     self._observer.on_rejected(self.model, "invalid")
                 entry.stream.fail(error_from_kind(msg.kind, msg.message))
                 self._pump()
+
+    def _deliver(self, d: dict[str, Any]) -> None:
+        """One delta into its stream; a malformed one fails its request, never the frame's others."""
+        rid = d.get("id") if isinstance(d, dict) else None
+        entry = self._running.get(rid) if isinstance(rid, str) else None
+        if entry is None:
+            return  # aborted meanwhile
+        try:
+            delta = TokenDelta.from_wire(d)
+        except Exception as exc:  # noqa: BLE001 - a handler bug fails its own request
+            log.error("request %s model %s: malformed delta from the worker: %s", entry.request.client_id,
+                      self.model, type(exc).__name__)
+            entry.stream.fail(HandlerError("the model's worker sent a malformed answer for this request"))
+            self.cancel(entry.request.request_id)
+            return
+        entry.stream.push(delta)
+        if delta.finish_reason is not None:
+            del self._running[delta.request_id]
+            self._release(entry)
+            self._finish_entry(entry)
+            self._rate.record()
 
     def _finish_entry(self, entry: _Admitted) -> None:
         if entry.timer is not None:
@@ -189,6 +252,8 @@ class RollingBatcher:
             rid, entry = self._waiting.popitem(last=False)
             if entry.stream.done:
                 continue
+            if self._load[worker.worker_id] == 0:
+                self._progress[worker.worker_id] = self._clock()  # the watchdog counts from the first work
             entry.worker = worker
             self._load[worker.worker_id] += 1
             self._running[rid] = entry
@@ -198,9 +263,16 @@ class RollingBatcher:
             worker = entries[0].worker
             assert worker is not None
             try:
-                worker.send(Add(requests=[e.request.to_wire() for e in entries]))
+                send_each(worker.send, lambda wires: Add(requests=wires), entries, lambda e: e.request.to_wire(),
+                          self._fail_unsent)
             except ConnectionError:
                 pass  # worker_lost will requeue them
+
+    def _fail_unsent(self, entry: _Admitted, error: ServingError) -> None:
+        self._running.pop(entry.request.request_id, None)
+        self._release(entry)
+        self._finish_entry(entry)
+        entry.stream.fail(error)
 
     def _least_loaded(self) -> Worker | None:
         best: Worker | None = None
@@ -209,3 +281,50 @@ class RollingBatcher:
                 if best is None or self._load[w.worker_id] < self._load[best.worker_id]:
                     best = w
         return best
+
+    # --- watch: queue-wait limit and liveness watchdog ---
+    async def _watch(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                self.check_queue_time()
+                self.check_liveness()
+            except Exception:  # noqa: BLE001 - the watch must outlive any one bad check
+                log.exception("model %s: rolling watch check failed", self.model)
+
+    def check_queue_time(self) -> None:
+        """Fail requests that waited ``max_queue_time_s`` for a slot: 503 + Retry-After (measured)."""
+        if not self.max_queue_time_s:
+            return
+        now = self._clock()
+        expired = [rid for rid, e in self._waiting.items() if now - e.stream.arrival >= self.max_queue_time_s]
+        for rid in expired:
+            entry = self._waiting[rid]
+            self._observer.on_rejected(self.model, "queue_timeout")
+            entry.stream.fail(Overloaded(
+                f"the request waited {self.max_queue_time_s:g}s for a free slot of model {self.model!r} "
+                "(max_queue_time)", retry_after_s=self._rate.retry_after_s(len(self._waiting))))
+            self.cancel(rid)
+
+    def check_liveness(self) -> None:
+        """Kill a worker that has requests but reported no step for ``liveness_timeout_s``; fail its requests."""
+        if not self.liveness_timeout_s:
+            return
+        now = self._clock()
+        for worker in list(self._workers):
+            wid = worker.worker_id
+            if not self._load.get(wid) or now - self._progress.get(wid, now) < self.liveness_timeout_s:
+                continue
+            self.num_watchdog_kills += 1
+            log.error("model %s: worker %d made no progress for %.0fs with %d requests (liveness_timeout); "
+                      "restarting it", self.model, wid, now - self._progress[wid], self._load[wid])
+            error = WorkerFailed(f"the model's worker stopped making progress (no engine step for "
+                                 f"{self.liveness_timeout_s:g}s, the liveness_timeout); it is being restarted")
+            for rid, entry in list(self._running.items()):
+                if entry.worker is worker:
+                    entry.stream.fail(error)
+                    self.cancel(rid)
+            self._workers.remove(worker)  # no new work until the pool replaces it
+            kill = getattr(worker, "kill_soon", None)
+            if kill is not None:
+                kill()

@@ -45,6 +45,7 @@ class ResultStream:
         self.error: ServingError | None = None
         self.payload: Any = None
         self._done = False
+        self._finish_callbacks: list[Callable[[ResultStream], None]] = []
         self.num_retries = 0
 
     # --- producer side (batchers) ---
@@ -56,6 +57,13 @@ class ResultStream:
     def started(self) -> bool:
         """True once any token or output reached the client side (no transparent retry after that)."""
         return self.first_token is not None
+
+    def add_finish_callback(self, callback: Callable[[ResultStream], None]) -> None:
+        """Call ``callback(self)`` once when the stream ends (at once if it already has)."""
+        if self._done:
+            callback(self)
+        else:
+            self._finish_callbacks.append(callback)
 
     def mark_dispatched(self) -> None:
         if self.dispatched is None:
@@ -96,9 +104,12 @@ class ResultStream:
         if self.first_token is None:
             self.first_token = now
         self._queue.put_nowait(_END)
+        callbacks, self._finish_callbacks = self._finish_callbacks, []
         if self._on_finish is not None:
+            callbacks.insert(0, self._on_finish)
+        for callback in callbacks:
             try:
-                self._on_finish(self)
+                callback(self)
             except Exception:  # an observer bug must never break the request
                 log.exception("request %s: finish observer failed", self.request_id)
 

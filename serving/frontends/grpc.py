@@ -3,9 +3,12 @@
 Design note: the server carries the Open Inference Protocol v2 service (``inference``, see
 ``grpc_oip``), rollserve's typed ``Generation`` and ``Management`` services (``grpc_typed``),
 ``grpc.health.v1.Health`` and server reflection. Message size is capped at ``max_request_size`` both
-ways (larger -> RESOURCE_EXHAUSTED from gRPC itself). Health answers from the live registry state: the
-whole server (service ``""``) is SERVING when every model is READY, a model name when that model is,
-and everything is NOT_SERVING while the server drains. Stubs come from ``proto/gen`` (generated).
+ways (larger -> RESOURCE_EXHAUSTED from gRPC itself), and concurrent RPCs at ``grpc_max_concurrent_rpcs``
+(beyond: RESOURCE_EXHAUSTED). An ``AuthInterceptor`` checks tokens per RPC; without the management API
+(``management_address=off``) the Management service is not registered. Health answers from the live
+registry state: the whole server (service ``""``) follows readiness (``serving.health``: ``ping_requires``),
+a model name is SERVING when that model is READY, and everything is NOT_SERVING while the server drains.
+Stubs come from ``proto/gen`` (generated).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from serving.auth import TokenAuthority
+from serving.config import ServerConfig
+from serving.frontends.grpc_auth import AuthInterceptor
 from serving.frontends.grpc_calls import FrontendContext, Registry, all_ready
 from serving.frontends.grpc_oip import OipServicer
 from serving.frontends.grpc_typed import GenerationServicer, ManagementServicer
@@ -27,6 +33,7 @@ from serving.frontends.proto.gen.inference import grpc_service_pb2 as oip_pb
 from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as oip_grpc
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as typed_pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as typed_grpc
+from serving.health import Health
 from serving.types import ModelState
 
 log = logging.getLogger("serving.grpc")
@@ -45,10 +52,12 @@ SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 class HealthServicer(health_pb2_grpc.HealthServicer):
     """``grpc.health.v1.Health`` computed from the registry on each call (``Watch`` polls for changes)."""
 
-    def __init__(self, ctx: FrontendContext, registry: Registry, watch_interval_s: float = 0.25) -> None:
+    def __init__(self, ctx: FrontendContext, registry: Registry, watch_interval_s: float = 0.25,
+                 health: Health | None = None) -> None:
         self.ctx = ctx
         self.registry = registry
         self.watch_interval_s = watch_interval_s
+        self.health = health
 
     def status_of(self, service: str) -> int | None:
         """The status of ``service`` ("" = the server, a service name, or a model name); None if unknown."""
@@ -60,7 +69,8 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         if ep is not None:
             return SERVING if ep.state is ModelState.READY else NOT_SERVING
         if not service:
-            return SERVING if all_ready(self.registry) else NOT_SERVING
+            ready = self.health.ready() if self.health is not None else all_ready(self.registry)
+            return SERVING if ready else NOT_SERVING
         return SERVING
 
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
@@ -84,24 +94,38 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 class GrpcFrontend:
     """Builds, starts and stops the gRPC server. Event-loop only."""
 
-    def __init__(self, ctx: FrontendContext, registry: Registry, drain_timeout_s: float = 30.0) -> None:
+    def __init__(self, ctx: FrontendContext, registry: Registry, drain_timeout_s: float = 30.0, *,
+                 authority: TokenAuthority | None = None, health: Health | None = None,
+                 config: ServerConfig | None = None) -> None:
         self.ctx = ctx
         self.registry = registry
         self.drain_timeout_s = drain_timeout_s
+        self.authority = authority or TokenAuthority("", "", enabled=False)
+        self.health = health
+        self.config = config or ServerConfig()
         self.server: grpc.aio.Server | None = None
 
     def build(self) -> grpc.aio.Server:
         size = self.ctx.max_request_size
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
-                                          ("grpc.max_send_message_length", size),
-                                          ("grpc.so_reuseport", 0)])
+        c = self.config
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+                     ("grpc.so_reuseport", 0)],
+            interceptors=[AuthInterceptor(self.authority, c.management_enabled)],
+            maximum_concurrent_rpcs=c.grpc_max_concurrent_rpcs)
         oip_grpc.add_GRPCInferenceServiceServicer_to_server(
-            OipServicer(self.ctx, self.registry, self.drain_timeout_s, _version()), server)
+            OipServicer(self.ctx, self.registry, self.drain_timeout_s, _version(), health=self.health,
+                        max_stream_requests=c.grpc_max_stream_requests), server)
         typed_grpc.add_GenerationServicer_to_server(GenerationServicer(self.ctx, self.registry), server)
-        typed_grpc.add_ManagementServicer_to_server(
-            ManagementServicer(self.ctx, self.registry, self.drain_timeout_s), server)
-        health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(self.ctx, self.registry), server)
-        reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), server)
+        names = SERVICE_NAMES
+        if c.management_enabled:
+            typed_grpc.add_ManagementServicer_to_server(
+                ManagementServicer(self.ctx, self.registry, self.drain_timeout_s), server)
+        else:
+            names = tuple(n for n in SERVICE_NAMES if not n.endswith(".Management"))
+        health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(self.ctx, self.registry, health=self.health),
+                                                     server)
+        reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
         return server
 
     async def start(self, host: str, port: int) -> int:

@@ -31,6 +31,9 @@ GRPC_CODE: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     ErrorKind.METHOD: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorKind.UNAUTHORIZED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorKind.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorKind.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
     ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -40,7 +43,7 @@ GRPC_CODE: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 TEXT_ENTRY_POINTS = ("huggingface", "rolling")
-MAX_WORKERS = 64
+MAX_OPTION_VALUE = 999_999_999  # registration options: what the HTTP API's 9 ASCII digits allow
 # RegisterModel / RepositoryModelLoad option -> serving.properties key (same names as the HTTP API).
 REGISTER_OVERRIDES = {"batch_size": "batch_size", "max_batch_delay": "max_batch_delay",
                       "max_batch_delay_ms": "max_batch_delay", "min_worker": "minWorkers",
@@ -60,6 +63,8 @@ class Registry(Protocol):
     async def register(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {},
                        wait: bool = True) -> Any: ...
     async def unregister(self, name: str, drain_timeout_s: float) -> None: ...
+    async def scale(self, name: str, num_workers: int) -> Any: ...
+    def require_model_api(self, what: str) -> None: ...
 
 
 class FrontendContext(Protocol):
@@ -188,8 +193,9 @@ def register_overrides(options: Mapping[str, int]) -> dict[str, str]:
         key = REGISTER_OVERRIDES.get(name)
         if key is None:
             raise InvalidRequest(f"unknown parameter {name!r}; known: {', '.join(sorted(REGISTER_OVERRIDES))}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidRequest(f"parameter {name!r} must be a non-negative integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_OPTION_VALUE:
+            raise InvalidRequest(f"parameter {name!r} must be an integer between 0 and {MAX_OPTION_VALUE}, "
+                                 f"got {value!r}")
         out[key] = str(value)
     return out
 
@@ -197,6 +203,7 @@ def register_overrides(options: Mapping[str, int]) -> dict[str, str]:
 async def register_model(registry: Registry, name: str, url: str, overrides: dict[str, str],
                          wait: bool) -> Any:
     """Register a model folder of the model store; a synchronous load that fails -> Unavailable."""
+    registry.require_model_api("registering a model")
     if not url:
         raise InvalidRequest("'url' is required (a folder inside the model store)")
     model_dir = registry.resolve_url(url)
@@ -206,8 +213,3 @@ async def register_model(registry: Registry, name: str, url: str, overrides: dic
         raise Unavailable(f"model {name!r} failed to load: {ep.reason}")
     return ep
 
-
-def check_num_workers(num_workers: int) -> int:
-    if num_workers < 1 or num_workers > MAX_WORKERS:
-        raise InvalidRequest(f"the number of workers must be between 1 and {MAX_WORKERS}")
-    return num_workers

@@ -5,6 +5,9 @@ Design note: a translation only. ``ModelInfer`` turns ``text_input`` (+ ``sampli
 stream) serves each request it reads concurrently and, when the request's ``stream`` input is true on a
 rolling-batch model, answers one response per generated token (``triton_final_response`` marks the last).
 A failed request in a stream gets an ``error_message`` response and the stream stays open, as in Triton.
+Back-pressure: at most ``max_stream_requests`` requests of one stream are in flight (the stream is not
+read further until one ends, so HTTP/2 flow control holds the client back) and at most
+``STREAM_RESPONSE_BUFFER`` responses wait for a slow reader (generation of that stream pauses meanwhile).
 ``exclude_input_in_output`` unset means: whole answers start with the prompt, streamed tokens do not.
 The repository extension maps onto the registry (index, register, unregister).
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -38,7 +41,8 @@ from serving.frontends.grpc_calls import (
 from serving.frontends.grpc_tensors import TextInputs, decode_inputs, text_response
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
 from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as pb_grpc
-from serving.params import check_text, parse_lmi_parameters
+from serving.health import Health
+from serving.params import check_sequences, check_text, check_wire_value, parse_lmi_parameters
 from serving.types import GenerationRequest, ModelState
 
 log = logging.getLogger("serving.grpc")
@@ -49,8 +53,7 @@ EMPTY_FINAL = "triton_enable_empty_final_response"
 REPOSITORY_STATE = {ModelState.PENDING: "LOADING", ModelState.LOADING: "LOADING", ModelState.READY: "READY",
                     ModelState.FAILED: "UNAVAILABLE", ModelState.DRAINING: "UNLOADING",
                     ModelState.UNLOADED: "UNAVAILABLE"}
-_READER_DONE = object()
-_TASK_DONE = object()
+STREAM_RESPONSE_BUFFER = 256
 
 
 def _tensor(name: str, datatype: str, shape: list[int]) -> pb.ModelMetadataResponse.TensorMetadata:
@@ -60,17 +63,22 @@ def _tensor(name: str, datatype: str, shape: list[int]) -> pb.ModelMetadataRespo
 class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     """``inference.GRPCInferenceService``. Event-loop only."""
 
-    def __init__(self, ctx: FrontendContext, registry: Registry, drain_timeout_s: float, version: str) -> None:
+    def __init__(self, ctx: FrontendContext, registry: Registry, drain_timeout_s: float, version: str, *,
+                 health: Health | None = None, max_stream_requests: int = 64) -> None:
         self.ctx = ctx
         self.registry = registry
         self.drain_timeout_s = drain_timeout_s
         self.version = version
+        self.health = health
+        self.max_stream_requests = max_stream_requests
 
     # --- health and metadata ---
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ServerReadyResponse:
+        if self.health is not None:
+            return pb.ServerReadyResponse(ready=self.health.ready())
         ready = not self.ctx.state.draining and all(
             ep.state is ModelState.READY for ep in self.registry.endpoints.values())
         return pb.ServerReadyResponse(ready=ready)
@@ -102,7 +110,10 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         inputs = decode_inputs(request)
         limits = self.ctx.limits
         params = parse_lmi_parameters(inputs.parameters, limits, strict=strict_parameters(ep))
+        check_sequences(len(inputs.prompts), limits, "'text_input'")
         prompts = [check_text("text_input", p, max_chars=limits.max_prompt_chars) for p in inputs.prompts]
+        if not is_text_model(ep):
+            check_wire_value("sampling_parameters", inputs.parameters)
         rid = new_request_id(request.id)
         deadline = deadline_of(context)
         text_model = is_text_model(ep)
@@ -137,46 +148,59 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
                                ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Serve each request read from the stream concurrently; interleave their responses."""
-        out: asyncio.Queue[Any] = asyncio.Queue()
+        """Serve the stream's requests concurrently (bounded, see the module note); interleave responses."""
+        out: asyncio.Queue[pb.ModelStreamInferResponse] = asyncio.Queue(maxsize=STREAM_RESPONSE_BUFFER)
+        slots = asyncio.Semaphore(self.max_stream_requests)
+        wake = asyncio.Event()
         tasks: set[asyncio.Task[None]] = set()
+        reading = True
 
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    task = asyncio.ensure_future(self._stream_one(request, context, out.put_nowait))
-                    tasks.add(task)
-                    task.add_done_callback(finished)
-            finally:
-                out.put_nowait(_READER_DONE)
+        async def emit(response: pb.ModelStreamInferResponse) -> None:
+            await out.put(response)  # waits while a slow reader leaves the buffer full
+            wake.set()
 
         def finished(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
-            out.put_nowait(_TASK_DONE)
+            slots.release()
+            wake.set()
+
+        async def read() -> None:
+            nonlocal reading
+            try:
+                async for request in request_iterator:
+                    await slots.acquire()  # back-pressure: read no further while the stream is at its cap
+                    task = asyncio.ensure_future(self._stream_one(request, context, emit))
+                    tasks.add(task)
+                    task.add_done_callback(finished)
+            finally:
+                reading = False
+                wake.set()
 
         reader = asyncio.ensure_future(read())
-        reading = True
         try:
-            while reading or tasks:  # a task's responses are queued before its _TASK_DONE
-                item = await out.get()
-                if item is _READER_DONE:
-                    reading = False
-                elif item is not _TASK_DONE:
-                    yield item
+            while True:
+                while not out.empty():
+                    yield out.get_nowait()
+                if not reading and not tasks:
+                    break
+                wake.clear()
+                if out.empty() and (reading or tasks):
+                    await wake.wait()
         finally:
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
 
     async def _stream_one(self, request: Any, context: grpc.aio.ServicerContext,
-                          emit: Callable[[pb.ModelStreamInferResponse], None]) -> None:
+                          emit: Callable[[pb.ModelStreamInferResponse], Awaitable[None]]) -> None:
         stream: ResultStream | None = None
         try:
             ep, inputs, reqs = self._requests(request, context)
             empty_final = request.parameters[EMPTY_FINAL].bool_param if EMPTY_FINAL in request.parameters else False
             if not inputs.stream:
                 final = {FINAL: True}
-                emit(pb.ModelStreamInferResponse(infer_response=await self._whole(ep, request, inputs, reqs, final)))
+                await emit(pb.ModelStreamInferResponse(
+                    infer_response=await self._whole(ep, request, inputs, reqs, final)))
                 return
             require_streaming(ep)
             if len(reqs) != 1:
@@ -184,16 +208,16 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
             stream = ep.submit(reqs[0])
             prefix = reqs[0].prompt if inputs.exclude_input is False else ""
             async for response in _token_responses(request, stream, prefix, empty_final):
-                emit(pb.ModelStreamInferResponse(infer_response=response))
+                await emit(pb.ModelStreamInferResponse(infer_response=response))
         except ServingError as exc:
-            emit(pb.ModelStreamInferResponse(error_message=exc.message,
+            await emit(pb.ModelStreamInferResponse(error_message=exc.message,
                                               infer_response=pb.ModelInferResponse(
                                                   model_name=request.model_name, id=request.id)))
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - one bad request fails one request
             log.exception("ModelStreamInfer request %s failed", request.id)
-            emit(pb.ModelStreamInferResponse(error_message="internal error"))
+            await emit(pb.ModelStreamInferResponse(error_message="internal error"))
         finally:
             if stream is not None and not stream.done:
                 stream.cancel()
@@ -219,6 +243,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext
                                   ) -> pb.RepositoryModelLoadResponse:
         check_serving(self.ctx)
+        self.registry.require_model_api("loading a model")
         name = request.model_name
         options: dict[str, Any] = {}
         url = name
@@ -228,7 +253,8 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
                 url = value.string_param
             elif which == "int64_param":
                 options[key] = value.int64_param
-            elif which == "string_param" and value.string_param.isdigit():
+            elif which == "string_param" and value.string_param.isascii() and value.string_param.isdigit() \
+                    and len(value.string_param) <= 9:
                 options[key] = int(value.string_param)
             else:
                 raise InvalidRequest(f"parameter {key!r} must be an integer")
@@ -243,6 +269,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     @guarded
     async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext
                                     ) -> pb.RepositoryModelUnloadResponse:
+        self.registry.require_model_api("unloading a model")
         if request.model_name not in self.registry.endpoints:
             raise ModelNotFound(f"model {request.model_name!r} is not registered")
         await self.registry.unregister(request.model_name, self.drain_timeout_s)

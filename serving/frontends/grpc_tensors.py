@@ -107,6 +107,8 @@ def parse_parameters(text: str) -> dict[str, Any]:
             from None
     except RecursionError:
         raise InvalidRequest("input 'sampling_parameters' is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise InvalidRequest(f"input 'sampling_parameters' is not acceptable JSON: {str(exc)[:200]}") from None
     if not isinstance(value, dict):
         raise InvalidRequest("input 'sampling_parameters' must be a JSON object")
     for alias, name in VLLM_ALIASES.items():

@@ -21,7 +21,6 @@ from serving.frontends.grpc_calls import (
     FrontendContext,
     Registry,
     batching_of,
-    check_num_workers,
     check_serving,
     collect,
     deadline_of,
@@ -181,12 +180,12 @@ class ManagementServicer(pb_grpc.ManagementServicer):
 
     @guarded
     async def ScaleWorkers(self, msg: Any, context: grpc.aio.ServicerContext) -> pb.ScaleWorkersResponse:
-        ep = self.registry.get(msg.name)
-        await ep.scale(check_num_workers(msg.num_workers))
+        ep = await self.registry.scale(msg.name, msg.num_workers)
         return pb.ScaleWorkersResponse(name=ep.name, num_workers=msg.num_workers)
 
     @guarded
     async def UnregisterModel(self, msg: Any, context: grpc.aio.ServicerContext) -> pb.UnregisterModelResponse:
+        self.registry.require_model_api("unregistering a model")
         self.registry.get(msg.name)
         await self.registry.unregister(msg.name, self.drain_timeout_s)
         return pb.UnregisterModelResponse(name=msg.name)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import uuid
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,6 +31,9 @@ STATUS: dict[ErrorKind, int] = {
     ErrorKind.TOO_LARGE: 413,
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.METHOD: 405,
+    ErrorKind.UNAUTHORIZED: 401,
+    ErrorKind.FORBIDDEN: 403,
+    ErrorKind.CONFLICT: 409,
     ErrorKind.OVERLOADED: 503,
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.TIMEOUT: 504,
@@ -68,6 +72,7 @@ class HttpContext:
     limits: Limits
     max_request_size: int
     metrics: Any = None  # serving.metrics.ServingMetrics, when present
+    tokenize_pool: Executor | None = None  # where long prompts are parsed and tokenized (None: asyncio's default)
 
 
 def request_id(request: Request) -> str:
@@ -94,7 +99,7 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     """The request body as JSON, or InvalidRequest/PayloadTooLarge. Size is checked before reading."""
     length = request.headers.get("content-length")
     if length is not None:
-        if not length.isdigit():
+        if not (length.isascii() and length.isdigit()):
             raise InvalidRequest("invalid Content-Length header")
         if int(length) > max_bytes:
             raise PayloadTooLarge(f"request body of {int(length)} bytes exceeds max_request_size={max_bytes}")
@@ -106,6 +111,7 @@ async def read_json(request: Request, max_bytes: int) -> Any:
             raise PayloadTooLarge(f"request body exceeds max_request_size={max_bytes}")
         chunks.append(chunk)
     raw = b"".join(chunks)
+    request.state.body_bytes = size  # how much work parsing it may be (see prompts.off_loop)
     if not raw.strip():
         raise InvalidRequest("request body is empty: expected a JSON object")
     try:
@@ -119,6 +125,13 @@ async def read_json(request: Request, max_bytes: int) -> Any:
             from None
     except RecursionError:
         raise InvalidRequest("request body JSON is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise InvalidRequest(f"request body is not acceptable JSON: {str(exc)[:200]}") from None
+
+
+def body_size(request: Request) -> int:
+    """Bytes of the body ``read_json`` read (0 before)."""
+    return int(getattr(request.state, "body_bytes", 0))
 
 
 def timing_headers(t: RequestTimings) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""LMI / DJL routes: ``POST /predictions/{model}``, ``POST /invocations``, ``GET /ping``.
+"""LMI / DJL routes: ``POST /predictions/{model}``, ``POST /invocations`` (``GET /ping``: ``serving.health``).
 
 Design note: a thin translation. The LMI body ``{"inputs", "parameters", "stream"}`` becomes one
 ``GenerationRequest`` per input string; answers are LMI's ``{"generated_text", "details"}`` (a list for a
@@ -22,6 +22,7 @@ from serving.errors import InvalidRequest, ServingError, Unavailable
 from serving.frontends.httpio import (
     REQUEST_ID_HEADER,
     HttpContext,
+    body_size,
     collect_or_cancel,
     error_response,
     read_json,
@@ -29,9 +30,9 @@ from serving.frontends.httpio import (
     timing_headers,
     timings_json,
 )
-from serving.frontends.prompts import ModelTexts
-from serving.params import check_text, parse_lmi_parameters
-from serving.types import GenerationRequest, GenerationResult, ModelState, TokenInfo
+from serving.frontends.prompts import ModelTexts, off_loop
+from serving.params import check_sequences, check_text, check_wire_value, parse_lmi_parameters
+from serving.types import GenerationRequest, GenerationResult, TokenInfo
 
 TEXT_ENTRY_POINTS = ("huggingface", "rolling")
 SAGEMAKER_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
@@ -78,10 +79,10 @@ def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx
         items = inputs if was_list else [inputs]
         if not items:
             raise InvalidRequest("'inputs' must not be an empty list")
-        if len(items) > 256:
-            raise InvalidRequest(f"'inputs' has {len(items)} prompts; at most 256")
+        check_sequences(len(items), ctx.limits)
         prompts = [check_text("inputs", p, max_chars=ctx.limits.max_prompt_chars) for p in items]
     else:
+        check_wire_value("body", body)  # a custom handler's raw payload crosses to the worker as is
         prompts = [inputs if isinstance(inputs, str) else ""]
         was_list = False
     reqs = [GenerationRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", model=ep.name, prompt=p,
@@ -134,20 +135,8 @@ class LmiRoutes:
             text.check_length(len(ids) if ids is not None else None, r.params.max_new_tokens, "max_new_tokens")
 
     def routes(self) -> list[Route]:
-        return [Route("/ping", self.ping, methods=["GET"]),
-                Route("/predictions/{model_name}", self.predictions, methods=["POST"]),
+        return [Route("/predictions/{model_name}", self.predictions, methods=["POST"]),
                 Route("/invocations", self.invocations, methods=["POST"])]
-
-    async def ping(self, request: Request) -> Response:
-        if self.ctx.state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        models = {name: ep.state.value for name, ep in self.ctx.registry.endpoints.items()}
-        if not models:  # e.g. started outside the repository root: serving nothing is not "Healthy"
-            return JSONResponse({"status": "Unhealthy", "models": {}, "reason": "no model is registered"},
-                                status_code=503)
-        healthy = all(s == ModelState.READY.value for s in models.values())
-        return JSONResponse({"status": "Healthy" if healthy else "Unhealthy", "models": models},
-                            status_code=200 if healthy else 503)
 
     async def predictions(self, request: Request) -> Response:
         return await self._serve(request, request.path_params["model_name"])
@@ -167,7 +156,9 @@ class LmiRoutes:
             if isinstance(body, dict) and "messages" in body and chat is not None:
                 return await chat(request, body, ep, rid)  # LMI: a body with messages is OpenAI chat
             reqs, was_list, stream = build_requests(body, ep, rid, attributes_of(request), self.ctx)
-            self.check_lengths(ep, reqs)
+            if is_text_model(ep):
+                self.texts.get(ep)  # on the loop: the cache is not thread-safe
+                await off_loop(self.ctx.tokenize_pool, body_size(request), self.check_lengths, ep, reqs)
             if stream:
                 if not ep.rolling:
                     raise InvalidRequest("'stream' needs a rolling-batch model (set option.rolling_batch=auto); "

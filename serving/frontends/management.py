@@ -3,7 +3,9 @@
 ``GET /models``, ``GET /models/{name}``, ``POST /models?url=&model_name=&batch_size=&max_batch_delay=&
 min_worker=&max_worker=&synchronous=``, ``PUT /models/{name}?min_worker=&max_worker=``,
 ``DELETE /models/{name}``, ``DELETE /requests/{request_id}``, ``GET /ping``. Registration only accepts a
-folder inside the model store (the registry enforces it).
+folder inside the model store (the registry enforces it). Registering, scaling and unregistering need
+``enable_model_api=true`` (403 otherwise; the registry decides). Query integers are ASCII digits only.
+``DELETE /requests/{id}`` cancels by the client's id (``X-Request-Id``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from serving.frontends.httpio import REQUEST_ID_HEADER, HttpContext, error_respo
 
 class Registry(Protocol):
     endpoints: dict[str, Any]
+    live: Any  # serving.live_requests.LiveRequests
 
     def get(self, name: str) -> Any: ...
     def resolve_url(self, url: str) -> Any: ...
     async def register(self, name: str, model_dir: Any, overrides: dict[str, str], wait: bool = True) -> Any: ...
     async def unregister(self, name: str, drain_timeout_s: float) -> None: ...
+    async def scale(self, name: str, num_workers: int) -> Any: ...
+    def require_model_api(self, what: str) -> None: ...
 
 
 _REGISTER_OVERRIDES = {"batch_size": "batch_size", "max_batch_delay": "max_batch_delay",
@@ -36,8 +41,9 @@ def _int_param(request: Request, name: str) -> int | None:
     v = request.query_params.get(name)
     if v is None:
         return None
-    if not v.isdigit():
-        raise InvalidRequest(f"query parameter {name!r} must be a non-negative integer, got {v!r}")
+    if not (v.isascii() and v.isdigit()) or len(v) > 9:
+        raise InvalidRequest(f"query parameter {name!r} must be a non-negative integer (ASCII digits, at most "
+                             f"9), got {v!r}")
     return int(v)
 
 
@@ -81,6 +87,7 @@ class ManagementRoutes:
 
     async def register(self, request: Request) -> Response:
         async def run() -> tuple[Any, int]:
+            self.registry.require_model_api("registering a model")
             url = request.query_params.get("url")
             if not url:
                 raise InvalidRequest("query parameter 'url' is required (a folder inside the model store)")
@@ -102,16 +109,17 @@ class ManagementRoutes:
 
     async def scale(self, request: Request) -> Response:
         async def run() -> tuple[Any, int]:
-            ep = self.registry.get(request.path_params["name"])
+            self.registry.require_model_api("scaling a model")
+            name = request.path_params["name"]
+            self.registry.get(name)
             lo, hi = _int_param(request, "min_worker"), _int_param(request, "max_worker")
             if lo is None and hi is None:
                 raise InvalidRequest("give min_worker and/or max_worker")
             target = lo if lo is not None else hi
+            assert target is not None
             if hi is not None and lo is not None and lo > hi:
                 raise InvalidRequest(f"min_worker ({lo}) must be <= max_worker ({hi})")
-            if not target or target < 1 or target > 64:
-                raise InvalidRequest("the number of workers must be between 1 and 64")
-            await ep.scale(target)
+            ep = await self.registry.scale(name, target)
             return {"status": f"model {ep.name!r} scaled to {target} workers"}, 200
         return await self._guard(request, run)
 
@@ -125,9 +133,9 @@ class ManagementRoutes:
     async def cancel_request(self, request: Request) -> Response:
         async def run() -> tuple[Any, int]:
             rid = request.path_params["request_id"]
-            for ep in self.registry.endpoints.values():
-                if ep.cancel(rid):
-                    return {"status": f"request {rid!r} cancelled"}, 200
+            found = self.registry.live.find(rid)
+            if found is not None and found[0].cancel(found[1]):
+                return {"status": f"request {rid!r} cancelled"}, 200
             raise ModelNotFound(f"request {rid!r} is not queued or running")
         return await self._guard(request, run)
 

@@ -27,6 +27,7 @@ from serving.errors import InvalidRequest, ServingError, Unavailable
 from serving.frontends.httpio import (
     REQUEST_ID_HEADER,
     HttpContext,
+    body_size,
     collect_or_cancel,
     error_response,
     read_json,
@@ -35,7 +36,7 @@ from serving.frontends.httpio import (
     timings_json,
 )
 from serving.frontends.openai_schema import ParsedRequest, parse_chat, parse_completion
-from serving.frontends.prompts import ModelText, ModelTexts
+from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.types import GenerationResult, TokenDelta, TokenInfo
 
 
@@ -113,7 +114,8 @@ class OpenAIRoutes:
     async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool) -> Response:
         text = self.texts.get(ep)
         parse = parse_chat if chat else parse_completion
-        parsed = parse(body, ep.name, text, rid, self.ctx.limits, _strict(ep))
+        parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse, body, ep.name, text, rid,
+                                self.ctx.limits, _strict(ep))
         if parsed.stream:
             require_streaming(ep)
         streams = _submit(ep, parsed)
@@ -226,7 +228,8 @@ class Answer:
                 yield self._frame([], usage=self._usage(streams))
             yield "data: [DONE]\n\n"
         except ServingError as exc:
-            err = {"error": exc.message, "error_type": exc.kind.value, "request_id": streams[0].request_id}
+            rid = self.parsed.choices[0].request.request_id  # the client's id (the stream's is the server's)
+            err = {"error": exc.message, "error_type": exc.kind.value, "request_id": rid}
             yield f"data: {json.dumps(err)}\n\n"
         finally:
             for s in streams:

@@ -15,7 +15,7 @@ from typing import Any
 from serving.errors import InvalidRequest
 from serving.frontends.chat import check_messages, render_chat
 from serving.frontends.prompts import ModelText
-from serving.params import Limits, build_sampling_params, check_text
+from serving.params import MAX_TOKEN_ID, Limits, build_sampling_params, check_sequences, check_text
 from serving.types import GenerationRequest, SamplingParams
 
 COMMON_FIELDS = frozenset({
@@ -165,8 +165,10 @@ def _prompts(prompt: Any, limits: Limits) -> list[str | list[int]]:
 def _token_ids(ids: list[Any]) -> list[int]:
     if not ids:
         raise InvalidRequest("'prompt' token-id list must not be empty")
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids):
-        raise InvalidRequest("'prompt' token ids must be non-negative integers")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= MAX_TOKEN_ID:
+            shown = repr(i) if not isinstance(i, int) or i.bit_length() < 80 else f"an integer of {i.bit_length()} bits"
+            raise InvalidRequest(f"'prompt' token ids must be integers between 0 and {MAX_TOKEN_ID}, got {shown}")
     return list(ids)
 
 
@@ -190,6 +192,7 @@ def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: L
     echo = _flag(body, "echo")
     max_tokens, field = _max_tokens(body, ("max_tokens",), limits)
     prompts = _prompts(body["prompt"], limits)
+    check_sequences(len(prompts) * n, limits, "'prompt' x 'n'")
     base = sampling(body, max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, logprobs, limits)
     choices: list[Choice] = []
     for p_index, prompt in enumerate(prompts):

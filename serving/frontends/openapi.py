@@ -20,14 +20,17 @@ from serving.params import Limits
 ERRORS = {
     "400": "invalid request (bad JSON, wrong types, unknown fields, prompt too long, streaming on a "
            "dynamic-batching model)",
-    "404": "unknown model or route", "413": "body larger than max_request_size (decided from Content-Length)",
+    "401": "missing or wrong token (Authorization: Bearer <token>; WWW-Authenticate)",
+    "403": "switched off by configuration (enable_model_api), or a refused Origin/Host",
+    "404": "unknown model or route", "409": "X-Request-Id already names a request in progress",
+    "413": "body larger than max_request_size (decided from Content-Length)",
     "422": "validation error (TGI routes)", "424": "the model's handler failed for this request",
     "429": "queue full (TGI routes)", "499": "the client disconnected before the answer",
     "500": "internal error", "502": "the worker serving the request died", "503": "queue full, model not "
     "ready or server draining (Retry-After)", "504": "the request exceeded its predict timeout",
 }
-_INFERENCE_ERRORS = ("400", "404", "413", "424", "499", "500", "502", "503", "504")
-_TGI_ERRORS = ("404", "413", "422", "424", "429", "499", "500", "502", "503", "504")
+_INFERENCE_ERRORS = ("400", "401", "404", "409", "413", "424", "499", "500", "502", "503", "504")
+_TGI_ERRORS = ("401", "404", "409", "413", "422", "424", "429", "499", "500", "502", "503", "504")
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -79,13 +82,13 @@ def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
                 "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
                 "max_tokens": max_tokens, "user": {"type": "string"},
                 "ignore_eos": {"type": "boolean"}, "top_k": {"type": "integer", "minimum": -1},
-                "repetition_penalty": {**num, "exclusiveMinimum": 0, "maximum": 100},
+                "repetition_penalty": {**num, "minimum": 0.01, "maximum": 100},
                 "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
                 "model": model}
     lmi_params = {"type": "object", "properties": {
         "max_new_tokens": max_tokens, "do_sample": {"type": "boolean"}, "temperature": {**num, "minimum": 0},
         "top_k": {"type": "integer", "minimum": 0}, "top_p": {**num, "exclusiveMinimum": 0, "maximum": 1},
-        "repetition_penalty": {**num, "exclusiveMinimum": 0}, "seed": {"type": "integer", "minimum": 0},
+        "repetition_penalty": {**num, "minimum": 0.01, "maximum": 100}, "seed": {"type": "integer", "minimum": 0},
         "stop": {"type": "array", "items": {"type": "string"}}, "stop_sequences": {"type": "array", "items":
         {"type": "string"}}, "ignore_eos": {"type": "boolean"}, "details": {"type": "boolean"},
         "return_full_text": {"type": "boolean"}, "decoder_input_details": {"type": "boolean"},
@@ -137,12 +140,8 @@ def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, 
                          _ref("Completion"), stream=True)
     tgi_ok = _json_ok("TGI answer", _ref("TgiAnswer"))
     tgi_stream = _json_ok("TGI token events (SSE)", {"type": "string"}, stream=True)
-    ping = {"get": {"summary": "health: 200 when every model is READY", "responses": {
-        "200": {"description": "healthy", "content": {"application/json": {"schema": {"type": "object"}}}},
-        "503": {"description": "a model is not ready, or the server is draining",
-                "content": {"application/json": {"schema": {"type": "object"}}}}}}}
     paths: dict[str, Any] = {
-        "/ping": ping,
+        **health_paths(),
         "/predictions/{model_name}": {"post": {**_post("LMI generation on a named model", "LmiRequest", lmi_ok)
                                                ["post"], "parameters": [
                                                    {**_path_param("model_name"), "schema": _model_schema(models)}]}},
@@ -170,7 +169,7 @@ def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, 
 
 def management_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, Any]:
     """The management API (DJL/TorchServe shape)."""
-    mgmt = ("400", "404", "500", "503")
+    mgmt = ("400", "401", "403", "404", "500", "503")
     obj = _json_ok("ok", {"type": "object"})
     ints = {"type": "integer", "minimum": 0}
     paths: dict[str, Any] = {
@@ -189,8 +188,8 @@ def management_document(limits: Limits, models: Sequence[str] = ()) -> dict[str,
                                       "responses": _responses(obj, mgmt)}},
         "/requests/{request_id}": {"delete": {"summary": "cancel a queued or running request",
                                               "parameters": [_path_param("request_id")],
-                                              "responses": _responses(obj, ("404", "500"))}},
-        "/ping": {"get": {"summary": "health", "responses": _responses(obj, ("503",))}},
+                                              "responses": _responses(obj, ("401", "404", "500"))}},
+        **health_paths(),
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics",
                      "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/openapi.json": {"get": {"summary": "this document", "responses": {"200": obj}}},
@@ -198,9 +197,22 @@ def management_document(limits: Limits, models: Sequence[str] = ()) -> dict[str,
     return _document("rollserve management API", paths, limits, models)
 
 
+def health_paths() -> dict[str, Any]:
+    """``/ping`` and ``/health/ready`` (readiness, ``ping_requires``) and ``/health/live`` (liveness); no token."""
+    body = {"application/json": {"schema": {"type": "object"}}}
+    ready = {"get": {"summary": "readiness (ping_requires: all|any|none); no token needed", "security": [],
+                     "responses": {"200": {"description": "ready", "content": body},
+                                   "503": {"description": "not ready, or the server is draining", "content": body}}}}
+    live = {"get": {"summary": "liveness: 200 while the process serves; no token needed", "security": [],
+                    "responses": {"200": {"description": "live", "content": body}}}}
+    return {"/ping": ready, "/health/ready": ready, "/health/live": live}
+
+
 def _document(title: str, paths: dict[str, Any], limits: Limits, models: Sequence[str]) -> dict[str, Any]:
     return {"openapi": "3.1.0", "info": {"title": title, "version": "0.1.0"}, "paths": paths,
-            "components": {"schemas": _schemas(limits, models)}}
+            "security": [{"bearer": []}],
+            "components": {"schemas": _schemas(limits, models),
+                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
 
 
 def route(document: Callable[[], dict[str, Any]]) -> Route:

@@ -9,10 +9,14 @@ one ``ModelText`` per endpoint object; it is owned by a route module, never glob
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
@@ -44,7 +48,9 @@ class ModelText:
         """Token ids of ``text`` as the worker will see them (special tokens added), or None."""
         if self.tokenizer is None:
             return None
-        return list(self.tokenizer.encode(text).ids)
+        # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized on a
+        # thread (see ``off_loop``) then leaves the event loop free.
+        return list(self.tokenizer.encode_batch([text])[0].ids)
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str | None:
         if self.tokenizer is None:
@@ -85,6 +91,19 @@ class ModelText:
         if num_prompt_tokens is None or self.max_model_len is None:
             return cap
         return max(1, min(cap, self.max_model_len - num_prompt_tokens))
+
+
+INLINE_WORK_BYTES = 4096  # bodies up to this size are tokenized on the event loop (cheaper than a thread hop)
+T = TypeVar("T")
+
+
+async def off_loop(pool: Executor | None, size_bytes: int, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` (prompt parsing and tokenization) on ``pool`` unless the body is small, so that long
+    prompts never stall the event loop (``/ping`` and every stream keep flowing). The composition root's
+    pool has one thread fewer than the CPUs, so tokenization cannot take every core from the loop."""
+    if size_bytes <= INLINE_WORK_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
 
 class ModelTexts:

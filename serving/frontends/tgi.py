@@ -27,13 +27,14 @@ from serving.frontends.httpio import (
     REQUEST_ID_HEADER,
     STATUS,
     HttpContext,
+    body_size,
     collect_or_cancel,
     read_json,
     request_id,
     timing_headers,
     timings_json,
 )
-from serving.frontends.prompts import ModelText, ModelTexts
+from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.params import check_text, parse_lmi_parameters
 from serving.types import GenerationRequest, GenerationResult, TokenInfo
 
@@ -143,7 +144,8 @@ class TgiRoutes:
             ep = self._endpoint(request)
             body = await read_json(request, self.ctx.max_request_size)
             text = self.texts.get(ep)
-            req, want_stream = self._build(body, ep, rid, text, stream)
+            req, want_stream = await off_loop(self.ctx.tokenize_pool, body_size(request), self._build, body, ep, rid,
+                                              text, stream)
             if want_stream and not ep.rolling:
                 raise InvalidRequest("streaming needs a rolling-batch model (set option.rolling_batch=auto); "
                                      f"model {ep.name!r} uses dynamic batching")

@@ -4,40 +4,42 @@ Design note: this is the only module where ``serving`` meets ``handlers``. The w
 frontend's private unix socket, receives ``Init``, loads the handler and answers ``Ready`` (or
 ``LoadFailed``). A reader thread turns incoming frames into an inbox queue; the main thread owns the
 handler and all writes. Dynamic mode runs ``handle(batch)`` per ``Batch``; rolling mode runs the engine
-loop: drain Add/Abort, ``step()``, send one ``Deltas`` frame per step. If the frontend goes away the
-worker exits at once (no orphans).
+loop (``rolling_loop``): drain Add/Abort, ``step()``, send one ``Deltas`` frame per step. If the frontend
+goes away the worker exits at once (no orphans). Every text bound for a client (load failures, handler
+and engine errors) is scrubbed of file-system paths first (the log keeps them); an output that cannot be
+encoded fails its own request only.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import queue
 import signal
 import socket
+import sys
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from serving.errors import ErrorKind, ServingError
 from serving.logs import setup_logging
+from serving.redact import scrub_paths
 from serving.types import GenerationRequest
 from serving.worker import codec
 from serving.worker.messages import (
-    Abort,
-    Add,
     Batch,
     BatchResult,
-    Deltas,
     Init,
     LoadFailed,
     Message,
     Ready,
-    Reject,
     Shutdown,
 )
+from serving.worker.rolling_loop import RollingLoop, WorkerUnhealthy
 
 log = logging.getLogger("serving.worker")
 
@@ -91,7 +93,8 @@ def output_to_wire(out: Any) -> dict[str, Any]:
     }
 
 
-def serve_dynamic(conn: WorkerConnection, handler: Any, model: str = "-") -> None:
+def serve_dynamic(conn: WorkerConnection, handler: Any, model: str = "-", redact: Callable[[str], str] = str
+                  ) -> None:
     from handlers.base import Output
 
     while True:
@@ -112,72 +115,31 @@ def serve_dynamic(conn: WorkerConnection, handler: Any, model: str = "-") -> Non
             log.exception("request %s model %s: handler failed on a batch of %d", rids, model,
                           len(inputs), extra={"request_id": rids, "model": model})
             outputs = [Output.failure(i.request_id, f"handler error: {type(exc).__name__}: {exc}") for i in inputs]
-        conn.send(BatchResult(batch_id=msg.batch_id, outputs=[output_to_wire(o) for o in outputs]))
+        conn.send(BatchResult(batch_id=msg.batch_id, outputs=[_encodable_output(o, model, redact) for o in outputs]))
 
 
-def serve_rolling(conn: WorkerConnection, handler: Any, model: str = "-") -> None:
-    step = 0
-    active: set[str] = set()
-    while True:
-        block = not handler.has_work()
-        aborted = False
-        while True:
-            try:
-                msg = conn.inbox.get(block=block, timeout=None)
-            except queue.Empty:
-                break
-            block = False
-            if msg is None or isinstance(msg, Shutdown):
-                return
-            if isinstance(msg, Add):
-                for d in msg.requests:
-                    if _add(conn, handler, d, model):
-                        active.add(d["request_id"])
-            elif isinstance(msg, Abort):
-                for rid in msg.request_ids:
-                    handler.abort(rid)
-                    active.discard(rid)
-                aborted = True
-        if not handler.has_work():
-            if aborted:  # no step will follow: publish the freed blocks now
-                conn.send(Deltas(step=step, deltas=[], stats=handler.stats()))
-            continue
-        t0 = time.perf_counter()
-        try:
-            deltas = handler.step()
-        except Exception as exc:  # noqa: BLE001 - fail the running requests, keep the worker
-            rids = ",".join(sorted(active))
-            log.exception("request %s model %s: engine step failed; failing %d requests", rids,
-                          model, len(active),
-                          extra={"request_id": rids, "model": model})
-            for rid in sorted(active):
-                handler.abort(rid)
-                conn.send(Reject(request_id=rid, kind=ErrorKind.HANDLER.value,
-                                 message=f"engine step failed: {type(exc).__name__}: {exc}"))
-            active.clear()
-            continue
-        step += 1
-        for d in deltas:
-            if d.finish_reason is not None:
-                active.discard(d.request_id)
-        conn.send(Deltas(step=step, deltas=[d.to_wire() for d in deltas], stats=handler.stats(),
-                         step_s=time.perf_counter() - t0))
-
-
-def _add(conn: WorkerConnection, handler: Any, d: dict[str, Any], model: str = "-") -> bool:
-    """Queue one request in the engine; a refused one is answered with Reject. True if accepted."""
-    inp = to_input(d)
+def _encodable_output(out: Any, model: str, redact: Callable[[str], str]) -> dict[str, Any]:
+    """One output as a wire dict that surely encodes: a malformed or unencodable one becomes its own failure."""
+    rid = str(getattr(out, "request_id", ""))
     try:
-        handler.add(inp)
-        return True
-    except ServingError as exc:
-        conn.send(Reject(request_id=inp.request_id, kind=exc.kind.value, message=exc.message))
-    except Exception as exc:  # noqa: BLE001
-        log.exception("request %s model %s: add failed", inp.request_id, model,
-                      extra={"request_id": inp.request_id, "model": model})
-        conn.send(Reject(request_id=inp.request_id, kind=ErrorKind.HANDLER.value,
-                         message=f"{type(exc).__name__}: {exc}"))
-    return False
+        wire = output_to_wire(out)
+        if wire.get("error"):
+            wire["error"] = redact(str(wire["error"]))
+        codec.encode(BatchResult(batch_id=0, outputs=[wire]))
+        return wire
+    except Exception as exc:  # noqa: BLE001 - one bad output fails one request
+        log.error("request %s model %s: the handler's output cannot be sent: %s: %s", rid, model,
+                  type(exc).__name__, exc, extra={"request_id": rid, "model": model})
+        return {"request_id": rid, "text": "", "finish_reason": "error", "tokens": [], "prompt_tokens": 0,
+                "payload": None, "error": f"the handler returned an output that cannot be sent ({type(exc).__name__}"
+                "; integers must fit in 64 bits, strings must be valid Unicode)",
+                "error_kind": ErrorKind.HANDLER.value}
+
+
+def serve_rolling(conn: WorkerConnection, handler: Any, model: str = "-", redact: Callable[[str], str] = str
+                  ) -> None:
+    """Run the rolling engine loop; raises ``WorkerUnhealthy`` when the worker must be restarted."""
+    RollingLoop(conn, handler, to_input, model, redact).run()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,12 +161,13 @@ def main(argv: list[str] | None = None) -> None:
 
     ctx = Context(model_name=init.model_name, model_dir=Path(init.model_dir), properties=init.properties,
                   device_id=init.device_id)
+    redact = functools.partial(scrub_paths, replacements={init.model_dir: init.model_name})
     try:
         handler = load_handler(ctx, init.entry_point)
         handler.initialize(ctx)
     except Exception as exc:  # noqa: BLE001 - reported to the frontend, which marks the model FAILED
         log.exception("model %s failed to load", init.model_name)
-        conn.send(LoadFailed(reason=f"{type(exc).__name__}: {exc}"))
+        conn.send(LoadFailed(reason=redact(f"{type(exc).__name__}: {exc}")))
         return
     from handlers.base import RollingHandler
 
@@ -216,9 +179,15 @@ def main(argv: list[str] | None = None) -> None:
     conn.send(Ready(pid=os.getpid(), info=handler.describe()))
     try:
         if init.rolling:
-            serve_rolling(conn, handler, init.model_name)
+            serve_rolling(conn, handler, init.model_name, redact)
         else:
-            serve_dynamic(conn, handler, init.model_name)
+            serve_dynamic(conn, handler, init.model_name, redact)
+    except WorkerUnhealthy as exc:
+        # Exit at once: closing the handler could wait on a dead tensor-parallel rank. The frontend's pool
+        # restarts the worker; the other ranks die with this process (PR_SET_PDEATHSIG).
+        log.error("model %s: worker restarts: %s", init.model_name, exc)
+        sys.stderr.flush()
+        os._exit(3)
     finally:
         handler.close()
 

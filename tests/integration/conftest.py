@@ -10,6 +10,7 @@ attributes), with the inference API bound to ``SAGEMAKER_BIND_TO_PORT``, as Sage
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -66,3 +67,27 @@ def server_log_since(server: ServerProcess, offset: int) -> str:
 
 def log_size(server: ServerProcess) -> int:
     return len(server.log())
+
+
+@pytest.fixture(scope="session")
+def hostile_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The server of the "one request must never break a model" tests (see tests/integration/hostile.py)."""
+    from tests.integration.hostile import BROKEN_HANDLER, CUSTOM_HANDLER, POISON_HANDLER
+
+    server = ServerProcess.start(tmp_path_factory.mktemp("hostile"), models={
+        "dyn": {"option.entryPoint": "huggingface", "batch_size": "4", "max_batch_delay": "30"},
+        "roll": {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "4"},
+        "custom": {"option.entryPoint": "model.py", "batch_size": "4", "max_batch_delay": "50"},
+        "poison": {"option.entryPoint": "model.py", "option.rolling_batch": "auto"},
+        "slowecho": {"option.entryPoint": "echo", "option.echo_delay_ms": "150"},
+        "broken": {"option.entryPoint": "model.py"},
+    }, files={"custom": {"model.py": CUSTOM_HANDLER}, "poison": {"model.py": POISON_HANDLER},
+              "broken": {"model.py": BROKEN_HANDLER}},
+        config={"ping_requires": "any", "enable_model_api": "true", "max_models": "7", "max_workers_per_model": "2",
+                "grpc_max_stream_requests": "4", "grpc_max_concurrent_rpcs": "6"}, timeout_s=300)
+    deadline = time.monotonic() + 300  # ping_requires=any: wait for every model that can load
+    while any(server.describe(m)["status"] != "READY" for m in ("dyn", "roll", "custom", "poison", "slowecho")):
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.2)
+    yield server
+    server.stop()

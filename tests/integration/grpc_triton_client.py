@@ -2,7 +2,8 @@
 
 tritonclient registers its own ``inference.*`` protobuf symbols, which clash with rollserve's in one
 process, so the tests run this script in a subprocess: ``python grpc_triton_client.py TARGET MODEL PROMPT
-MAX_NEW_TOKENS`` prints one JSON object with what the client saw.
+MAX_NEW_TOKENS [MANAGEMENT_TOKEN]`` prints one JSON object with what the client saw (the repository calls
+send the management token).
 """
 
 from __future__ import annotations
@@ -38,15 +39,16 @@ def decode(result: Any) -> list[str]:
     return [b.decode() for b in result.as_numpy("text_output").reshape(-1)]
 
 
-def main(target: str, model: str, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+def main(target: str, model: str, prompt: str, max_new_tokens: int, token: str = "") -> dict[str, Any]:
     client = grpcclient.InferenceServerClient(url=target)
+    auth = {"authorization": f"Bearer {token}"} if token else None
     params = {"max_new_tokens": max_new_tokens, "ignore_eos": True}
     out: dict[str, Any] = {
         "live": client.is_server_live(), "ready": client.is_server_ready(),
         "model_ready": client.is_model_ready(model), "unknown_model_ready": client.is_model_ready("no-such-model"),
         "server_metadata": client.get_server_metadata(as_json=True),
         "model_metadata": client.get_model_metadata(model, as_json=True),
-        "index": client.get_model_repository_index(as_json=True),
+        "index": client.get_model_repository_index(headers=auth, as_json=True),
     }
     result = client.infer(model, text_inputs(prompt, params, exclude_input=True), request_id="infer-1",
                           outputs=[grpcclient.InferRequestedOutput("text_output")])
@@ -82,14 +84,14 @@ def main(target: str, model: str, prompt: str, max_new_tokens: int) -> dict[str,
     client.stop_stream()
     out.update(stream_pieces=pieces, stream_finals=finals, stream_errors=errors)
 
-    client.unload_model("echo")  # the repository extension, on the torch-free model
+    client.unload_model("echo", headers=auth)  # the repository extension, on the torch-free model
     out["echo_after_unload"] = {m["name"]: m.get("state") for m in
-                                client.get_model_repository_index(as_json=True)["models"]}.get("echo")
-    client.load_model("echo")
+                                client.get_model_repository_index(headers=auth, as_json=True)["models"]}.get("echo")
+    client.load_model("echo", headers=auth)
     out["echo_ready_after_load"] = client.is_model_ready("echo")
     client.close()
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+    print(json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:6])))

@@ -3,7 +3,8 @@
 ``ServerProcess.start(tmp_path, models={...}, config={...})`` writes a model store and a
 config.properties, runs ``python -m serving`` in its own process group, waits until the bound ports are
 known and ``/ping`` answers 200 (or until ``wait_ready=False``), and ``stop()`` SIGTERMs it and checks that
-the whole process tree is gone.
+the whole process tree is gone. The server's tokens are read from the key file it writes in its working
+directory: ``mgmt_headers`` / ``inference_headers`` carry them (``Authorization: Bearer ...``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,25 @@ class ServerProcess:
     workdir: Path
     ports: dict[str, int] = field(default_factory=dict)
     log_path: Path | None = None
+    tokens: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def mgmt_headers(self) -> dict[str, str]:
+        """``Authorization`` for the management API (empty when the server wrote no key file)."""
+        return {"Authorization": f"Bearer {self.tokens['management']}"} if "management" in self.tokens else {}
+
+    @property
+    def inference_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens['inference']}"} if "inference" in self.tokens else {}
+
+    @property
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC ``authorization`` metadata with the management token (it opens management RPCs)."""
+        return (("authorization", f"Bearer {self.tokens['management']}"),) if "management" in self.tokens else ()
+
+    @property
+    def grpc_inference_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.tokens['inference']}"),) if "inference" in self.tokens else ()
 
     @property
     def url(self) -> str:
@@ -99,6 +119,8 @@ class ServerProcess:
                 raise RuntimeError(f"server did not start:\n{server.log()}")
             time.sleep(0.05)
         server.ports = json.loads(ports_file.read_text())
+        key_file = Path(cfg.get("key_file") or "key_file.json")
+        server.tokens = read_tokens(key_file if key_file.is_absolute() else workdir / key_file)
         if wait_ready:
             try:
                 server.wait_ready(deadline - time.monotonic())
@@ -131,7 +153,7 @@ class ServerProcess:
         return [int(p) for p in _children(self.proc.pid)]
 
     def describe(self, model: str) -> dict[str, Any]:
-        return httpx.get(f"{self.mgmt}/models/{model}", timeout=10).json()
+        return httpx.get(f"{self.mgmt}/models/{model}", headers=self.mgmt_headers, timeout=10).json()
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, wait, and assert no process of the group survives. Returns the exit code."""
@@ -142,8 +164,11 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.kill()
             raise
-        time.sleep(0.2)
-        leftover = _group_members(self.proc.pid)
+        deadline = time.monotonic() + 5.0  # a process killed at the end (e.g. a tensor-parallel rank killed with
+        leftover = _group_members(self.proc.pid)  # its worker) may take a moment to be reaped by init
+        while leftover and time.monotonic() < deadline:
+            time.sleep(0.1)
+            leftover = _group_members(self.proc.pid)
         if leftover:
             self.kill()
             raise AssertionError(f"processes left after shutdown: {leftover}")
@@ -155,6 +180,14 @@ class ServerProcess:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+
+
+def read_tokens(key_file: Path) -> dict[str, str]:
+    """``{"management": ..., "inference": ...}`` from a server's key file ({} when there is none)."""
+    if not key_file.exists():
+        return {}
+    data = json.loads(key_file.read_text())
+    return {scope: data[scope]["key"] for scope in ("management", "inference") if scope in data}
 
 
 def _children(pid: int) -> list[str]:

@@ -71,7 +71,7 @@ def background(api_server: ServerProcess) -> Any:
     thread.start()
     wait_for(lambda: "bg-long" in engine(api_server)[1].get("blocks_held", {}))
     yield
-    r = httpx.delete(f"{api_server.mgmt}/requests/bg-long", timeout=10)
+    r = httpx.delete(f"{api_server.mgmt}/requests/bg-long", headers=api_server.mgmt_headers, timeout=10)
     assert r.status_code == 200, r.text
     assert done.wait(30)
     thread.join(5)
@@ -114,12 +114,12 @@ def test_delete_request_cancels_a_running_stream(api_server: ServerProcess) -> N
                       headers={"X-Request-Id": "del-1"}, timeout=30) as r:
         lines = r.iter_lines()
         assert json.loads(next(lines))["token"]["id"] >= 0
-        d = httpx.delete(f"{api_server.mgmt}/requests/del-1", timeout=10)
+        d = httpx.delete(f"{api_server.mgmt}/requests/del-1", headers=api_server.mgmt_headers, timeout=10)
         assert d.status_code == 200, d.text
         rest = [json.loads(line) for line in lines if line.strip()]
     assert rest[-1]["details"]["finish_reason"] == "error" and rest[-1]["error_type"] == "cancelled"
     assert len(rest) < 1800
-    assert httpx.delete(f"{api_server.mgmt}/requests/del-1", timeout=10).status_code == 404
+    assert httpx.delete(f"{api_server.mgmt}/requests/del-1", headers=api_server.mgmt_headers, timeout=10).status_code == 404
     stats = wait_for(lambda: (s := engine(api_server)[1])["num_requests_aborted_total"] == aborted + 1 and s)
     assert "del-1" not in stats["blocks_held"] and stats["kv_blocks_used"] == 0, stats
     assert stats["num_requests_finished_total"] == finished

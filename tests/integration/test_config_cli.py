@@ -28,7 +28,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "bad-queue": {**ECHO, "job_queue_size": "0"},
     }, wait_ready=False)  # /ping stays 503 with failed models: wait for the good one instead
     deadline = time.monotonic() + 60
-    while httpx.get(f"{s.mgmt}/models/good", timeout=5).json().get("status") != "READY":
+    while httpx.get(f"{s.mgmt}/models/good", headers=s.mgmt_headers, timeout=5).json().get("status") != "READY":
         assert time.monotonic() < deadline, s.log()
         time.sleep(0.1)
     yield s
@@ -56,7 +56,7 @@ def test_ping_reports_each_model_and_good_model_serves(server: ServerProcess) ->
     assert ping.json()["models"] == {"good": "READY", "bad-batch": "FAILED", "bad-queue": "FAILED"}
     r = httpx.post(f"{server.url}/predictions/good", json={"inputs": "fine"}, timeout=10)
     assert r.status_code == 200 and r.json() == {"generated_text": "fine"}
-    models = httpx.get(f"{server.mgmt}/models", timeout=10).json()["models"]
+    models = httpx.get(f"{server.mgmt}/models", headers=server.mgmt_headers, timeout=10).json()["models"]
     assert {m["modelName"]: m["status"] for m in models} == {"good": "READY", "bad-batch": "FAILED",
                                                               "bad-queue": "FAILED"}
 

@@ -44,6 +44,6 @@ def test_without_a_model_store_the_server_warns_and_is_not_ready(tmp_path: Path)
         assert ping.status_code == 503, ping.text
         assert ping.json() == {"status": "Unhealthy", "models": {}, "reason": "no model is registered"}
         assert "no model to serve: the model store" in server.log() and "does not exist" in server.log()
-        assert httpx.get(f"{server.mgmt}/models", timeout=10).json()["models"] == []
+        assert httpx.get(f"{server.mgmt}/models", headers=server.mgmt_headers, timeout=10).json()["models"] == []
     finally:
         server.stop()

@@ -89,7 +89,7 @@ def _wait_settled(server: ServerProcess, model: str, timeout_s: float = 240) -> 
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        r = httpx.get(f"{server.mgmt}/models/{model}", timeout=10)
+        r = httpx.get(f"{server.mgmt}/models/{model}", headers=server.mgmt_headers, timeout=10)
         if r.status_code == 200 and r.json().get("status") in ("FAILED", "READY"):
             return dict(r.json())
         time.sleep(0.2)

@@ -25,13 +25,15 @@ NUM_TOKENS = 6
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     s = ServerProcess.start(tmp_path_factory.mktemp("grpc-triton"),
-                            models={"roll": {"option.rolling_batch": "auto"}, "echo": {"option.entryPoint": "echo"}})
+                            models={"roll": {"option.rolling_batch": "auto"}, "echo": {"option.entryPoint": "echo"}},
+                            config={"enable_model_api": "true"})
     yield s
     s.stop()
 
 
 def test_tritonclient_session(server: ServerProcess) -> None:
-    proc = subprocess.run([sys.executable, str(CLIENT), server.grpc_target, "roll", PROMPT, str(NUM_TOKENS)],
+    proc = subprocess.run([sys.executable, str(CLIENT), server.grpc_target, "roll", PROMPT, str(NUM_TOKENS),
+                           server.tokens["management"]],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     seen = json.loads(proc.stdout)

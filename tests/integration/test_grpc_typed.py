@@ -28,7 +28,7 @@ MAX_REQUEST_SIZE = 1 << 20
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     s = ServerProcess.start(tmp_path_factory.mktemp("grpc-typed"),
                             models={"roll": {"option.rolling_batch": "auto"}, "echo": {"option.entryPoint": "echo"}},
-                            config={"max_request_size": str(MAX_REQUEST_SIZE)})
+                            config={"max_request_size": str(MAX_REQUEST_SIZE), "enable_model_api": "true"})
     yield s
     s.stop()
 
@@ -156,13 +156,15 @@ def _drain(call: Any) -> list[Any]:
 def test_management_and_health(server: ServerProcess, channel: grpc.Channel) -> None:
     mgmt = pb_grpc.ManagementStub(channel)
     health = health_pb2_grpc.HealthStub(channel)
+    md = server.grpc_metadata  # management RPCs need the management token
 
     def status(service: str) -> int:
         return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
 
-    listed = {m.name: (m.status, m.batching) for m in mgmt.ListModels(pb.ListModelsRequest(), timeout=10).models}
+    models = mgmt.ListModels(pb.ListModelsRequest(), timeout=10, metadata=md).models
+    listed = {m.name: (m.status, m.batching) for m in models}
     assert listed == {"echo": ("READY", "dynamic"), "roll": ("READY", "rolling")}
-    described = mgmt.DescribeModel(pb.DescribeModelRequest(name="roll"), timeout=10)
+    described = mgmt.DescribeModel(pb.DescribeModelRequest(name="roll"), timeout=10, metadata=md)
     assert described.status == "READY" and described.num_workers == 1
     assert described.details["batcher"]["mode"] == "rolling"
     for service in ("", "roll", "echo", "inference.GRPCInferenceService", "rollserve.v1.Generation"):
@@ -172,28 +174,29 @@ def test_management_and_health(server: ServerProcess, channel: grpc.Channel) -> 
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
     with pytest.raises(grpc.RpcError) as err:
-        mgmt.ScaleWorkers(pb.ScaleWorkersRequest(name="echo", num_workers=0), timeout=10)
+        mgmt.ScaleWorkers(pb.ScaleWorkersRequest(name="echo", num_workers=0), timeout=10, metadata=md)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as err:
-        mgmt.RegisterModel(pb.RegisterModelRequest(url="../etc"), timeout=10)
+        mgmt.RegisterModel(pb.RegisterModelRequest(url="../etc"), timeout=10, metadata=md)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-    registered = mgmt.RegisterModel(pb.RegisterModelRequest(url="echo", model_name="echo2", batch_size=2), timeout=60)
+    registered = mgmt.RegisterModel(pb.RegisterModelRequest(url="echo", model_name="echo2", batch_size=2),
+                                    timeout=60, metadata=md)
     assert registered.status == "READY"
     assert status("echo2") == health_pb2.HealthCheckResponse.SERVING
-    scaled = mgmt.ScaleWorkers(pb.ScaleWorkersRequest(name="echo2", num_workers=2), timeout=60)
+    scaled = mgmt.ScaleWorkers(pb.ScaleWorkersRequest(name="echo2", num_workers=2), timeout=60, metadata=md)
     assert scaled.num_workers == 2
-    assert mgmt.DescribeModel(pb.DescribeModelRequest(name="echo2"), timeout=10).target_workers == 2
-    mgmt.UnregisterModel(pb.UnregisterModelRequest(name="echo2"), timeout=60)
+    assert mgmt.DescribeModel(pb.DescribeModelRequest(name="echo2"), timeout=10, metadata=md).target_workers == 2
+    mgmt.UnregisterModel(pb.UnregisterModelRequest(name="echo2"), timeout=60, metadata=md)
     with pytest.raises(grpc.RpcError) as err:
-        mgmt.DescribeModel(pb.DescribeModelRequest(name="echo2"), timeout=10)
+        mgmt.DescribeModel(pb.DescribeModelRequest(name="echo2"), timeout=10, metadata=md)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
     bad = server.workdir / "model_store" / "bad"  # an invalid configuration: refused, nothing registered
     bad.mkdir()
     (bad / "serving.properties").write_text("batch_size=many\n")
     with pytest.raises(grpc.RpcError) as err:
-        mgmt.RegisterModel(pb.RegisterModelRequest(url="bad"), timeout=60)
+        mgmt.RegisterModel(pb.RegisterModelRequest(url="bad"), timeout=60, metadata=md)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "batch_size" in err.value.details() and str(server.workdir) not in err.value.details()
     assert status("") == health_pb2.HealthCheckResponse.SERVING

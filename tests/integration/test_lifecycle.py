@@ -211,7 +211,7 @@ def test_model_failing_to_load_is_failed_and_server_stays_idle(tmp_path: Path) -
 @pytest.fixture(scope="module")
 def mgmt_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     workdir = tmp_path_factory.mktemp("mgmt")
-    s = ServerProcess.start(workdir, models={"base": ECHO}, config={"load_models": "base"})
+    s = ServerProcess.start(workdir, models={"base": ECHO}, config={"load_models": "base", "enable_model_api": "true"})
     store = workdir / "model_store"
     write_model(store, "extra", dict(ECHO))
     outside = workdir / "outside"
@@ -224,42 +224,47 @@ def mgmt_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 @pytest.mark.parametrize("url", ["../outside", "/etc", "escape", "extra/../../outside", "file:///etc",
                                  "does-not-exist"])
 def test_register_rejects_paths_outside_the_store(mgmt_server: ServerProcess, url: str) -> None:
-    r = httpx.post(f"{mgmt_server.mgmt}/models", params={"url": url, "model_name": "evil"}, timeout=10)
+    r = httpx.post(f"{mgmt_server.mgmt}/models", params={"url": url, "model_name": "evil"},
+                   headers=mgmt_server.mgmt_headers, timeout=10)
     assert r.status_code == 400, r.text
     body = r.json()
     assert set(body) == {"error", "error_type", "request_id"} and body["error_type"] == "invalid_request"
     assert "/etc" not in body["error"] or url == "/etc"
-    assert httpx.get(f"{mgmt_server.mgmt}/models/evil", timeout=10).status_code == 404
+    assert httpx.get(f"{mgmt_server.mgmt}/models/evil", headers=mgmt_server.mgmt_headers, timeout=10).status_code == 404
 
 
 @pytest.mark.parametrize("name", ["../evil", "bad name", ".hidden", "a/b"])
 def test_register_rejects_bad_model_names(mgmt_server: ServerProcess, name: str) -> None:
-    r = httpx.post(f"{mgmt_server.mgmt}/models", params={"url": "extra", "model_name": name}, timeout=10)
+    r = httpx.post(f"{mgmt_server.mgmt}/models", params={"url": "extra", "model_name": name},
+                   headers=mgmt_server.mgmt_headers, timeout=10)
     assert r.status_code == 400, r.text
     assert r.json()["error_type"] == "invalid_request" and "model name" in r.json()["error"]
 
 
 def test_register_scale_unregister(mgmt_server: ServerProcess) -> None:
     s = mgmt_server
-    r = httpx.post(f"{s.mgmt}/models", params={"url": "extra", "model_name": "m2", "batch_size": "2"}, timeout=60)
+    r = httpx.post(f"{s.mgmt}/models", params={"url": "extra", "model_name": "m2", "batch_size": "2"},
+                   headers=s.mgmt_headers, timeout=60)
     assert r.status_code == 200, r.text
     info = s.describe("m2")
     assert info["status"] == "READY" and info["batch_size"] == 2 and len(info["workers"]) == 1
     r = httpx.post(f"{s.url}/predictions/m2", json={"inputs": "hi m2"}, timeout=10)
     assert r.status_code == 200 and r.json() == {"generated_text": "hi m2"}
     # duplicate name
-    assert httpx.post(f"{s.mgmt}/models", params={"url": "extra", "model_name": "m2"}, timeout=10).status_code == 400
+    assert httpx.post(f"{s.mgmt}/models", params={"url": "extra", "model_name": "m2"},
+                      headers=s.mgmt_headers, timeout=10).status_code == 400
 
-    r = httpx.put(f"{s.mgmt}/models/m2", params={"min_worker": "2"}, timeout=60)
+    r = httpx.put(f"{s.mgmt}/models/m2", params={"min_worker": "2"}, headers=s.mgmt_headers, timeout=60)
     assert r.status_code == 200, r.text
     workers = s.describe("m2")["workers"]
     assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
     assert {w["pid"] for w in workers} <= set(s.worker_pids())
-    assert httpx.put(f"{s.mgmt}/models/m2", params={"min_worker": "0"}, timeout=10).status_code == 400
+    assert httpx.put(f"{s.mgmt}/models/m2", params={"min_worker": "0"},
+                     headers=s.mgmt_headers, timeout=10).status_code == 400
 
-    r = httpx.delete(f"{s.mgmt}/models/m2", timeout=60)
+    r = httpx.delete(f"{s.mgmt}/models/m2", headers=s.mgmt_headers, timeout=60)
     assert r.status_code == 200, r.text
-    assert httpx.get(f"{s.mgmt}/models/m2", timeout=10).status_code == 404
+    assert httpx.get(f"{s.mgmt}/models/m2", headers=s.mgmt_headers, timeout=10).status_code == 404
     r = httpx.post(f"{s.url}/predictions/m2", json={"inputs": "gone"}, timeout=10)
     assert r.status_code == 404 and r.json()["error_type"] == "not_found"
     # the unregistered model's workers are gone; the base model's remains
@@ -268,12 +273,13 @@ def test_register_scale_unregister(mgmt_server: ServerProcess) -> None:
 
 
 def test_register_with_an_invalid_override_is_400_and_registers_nothing(tmp_path: Path) -> None:
-    server = ServerProcess.start(tmp_path, models={"ok": {"option.entryPoint": "echo"}})
+    server = ServerProcess.start(tmp_path, models={"ok": {"option.entryPoint": "echo"}},
+                                 config={"enable_model_api": "true"})
     try:
         r = httpx.post(f"{server.mgmt}/models", params={"url": "ok", "model_name": "bad", "batch_size": "0"},
-                       timeout=30)
+                       headers=server.mgmt_headers, timeout=30)
         assert r.status_code == 400, r.text
         assert "batch_size" in r.json()["error"]
-        assert httpx.get(f"{server.mgmt}/models/bad", timeout=10).status_code == 404
+        assert httpx.get(f"{server.mgmt}/models/bad", headers=server.mgmt_headers, timeout=10).status_code == 404
     finally:
         server.stop()

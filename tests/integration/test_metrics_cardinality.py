@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.harness import ServerProcess
 
 
-def series(url: str) -> set[tuple[str, frozenset[tuple[str, str]]]]:
-    text = httpx.get(url + "/metrics", timeout=10).text
+def series(url: str, headers: dict[str, str]) -> set[tuple[str, frozenset[tuple[str, str]]]]:
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     return {(s.name, frozenset(s.labels.items())) for f in text_string_to_metric_families(text) for s in f.samples}
 
 
@@ -56,11 +56,11 @@ def test_random_models_and_bad_inputs_add_a_constant_number_of_series(server: Se
             await asyncio.gather(*(lane() for _ in range(concurrency)))
 
     asyncio.run(flood(0, 10, 1))  # one of each kind first: the constant set of series every kind creates
-    baseline = series(server.mgmt)
+    baseline = series(server.mgmt, server.mgmt_headers)
     asyncio.run(flood(10, 1000, 16))
-    after = series(server.mgmt)
+    after = series(server.mgmt, server.mgmt_headers)
     grown = after - baseline
     assert not grown, sorted(grown)[:10]
-    text = httpx.get(server.mgmt + "/metrics", timeout=10).text
+    text = httpx.get(server.mgmt + "/metrics", headers=server.mgmt_headers, timeout=10).text
     assert "rid-" not in text and "/predictions" not in text
     assert len(after) < 400

@@ -19,8 +19,8 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 SECRET = "zebra-quartz-prompt-marker"
 
 
-def scrape(url: str) -> Samples:
-    text = httpx.get(url + "/metrics", timeout=10).text
+def scrape(url: str, headers: dict[str, str] | None = None) -> Samples:
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     return {(s.name, frozenset(s.labels.items())): s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
 
@@ -42,13 +42,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def test_families_move_as_requests_flow(server: ServerProcess) -> None:
-    before = scrape(server.mgmt)
+    before = scrape(server.mgmt, server.mgmt_headers)
     with httpx.Client(timeout=30) as c:
         for _ in range(7):
             assert c.post(server.url + "/predictions/echo", json={"inputs": f"{SECRET} two three"}).status_code == 200
         assert c.post(server.url + "/predictions/echo", content=b"{not json").status_code == 400
         assert c.post(server.url + "/predictions/no-such-model", json={"inputs": "x"}).status_code == 404
-    after = scrape(server.mgmt)
+    after = scrape(server.mgmt, server.mgmt_headers)
 
     def moved(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
@@ -72,13 +72,13 @@ def test_families_move_as_requests_flow(server: ServerProcess) -> None:
 
 
 def test_full_queue_moves_the_rejected_counter(server: ServerProcess) -> None:
-    before = scrape(server.mgmt)
+    before = scrape(server.mgmt, server.mgmt_headers)
     with ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(lambda i: httpx.post(server.url + "/predictions/slow", json={"inputs": "a"},
                                                    timeout=30).status_code, range(8)))
     full = codes.count(503)
     assert full >= 1 and codes.count(200) + full == 8, codes
-    after = scrape(server.mgmt)
+    after = scrape(server.mgmt, server.mgmt_headers)
     moved = (value(after, "rollserve_requests_rejected_total", model="slow", reason="queue_full")
              - value(before, "rollserve_requests_rejected_total", model="slow", reason="queue_full"))
     assert moved == full

@@ -13,9 +13,11 @@ import pytest
 
 from tests.integration.harness import ServerProcess
 
-INFERENCE_ROUTES = {"/ping", "/predictions/{model_name}", "/invocations", "/v1/models", "/v1/completions",
+INFERENCE_ROUTES = {"/ping", "/health/live", "/health/ready", "/predictions/{model_name}",
+                    "/invocations", "/v1/models", "/v1/completions",
                     "/v1/chat/completions", "/generate", "/generate_stream", "/", "/info", "/openapi.json"}
-MANAGEMENT_ROUTES = {"/models", "/models/{name}", "/requests/{request_id}", "/ping", "/metrics", "/openapi.json"}
+MANAGEMENT_ROUTES = {"/models", "/models/{name}", "/requests/{request_id}", "/ping", "/health/live",
+                     "/health/ready", "/metrics", "/openapi.json"}
 
 
 def test_document_lists_every_route_with_errors(echo_server: ServerProcess) -> None:
@@ -27,7 +29,7 @@ def test_document_lists_every_route_with_errors(echo_server: ServerProcess) -> N
                 errors = {c for c in op["responses"] if c.startswith(("4", "5"))}
                 assert {"404", "413"} <= errors, (path, errors)
                 assert op["responses"]["413"]["content"]["application/json"]["schema"]["$ref"].endswith("/Error")
-    mgmt = httpx.get(f"{echo_server.mgmt}/openapi.json", timeout=10).json()
+    mgmt = httpx.get(f"{echo_server.mgmt}/openapi.json", headers=echo_server.mgmt_headers, timeout=10).json()
     assert set(mgmt["paths"]) == MANAGEMENT_ROUTES
 
 

@@ -68,6 +68,8 @@ def prometheus(tmp_path: Path, prometheus_binary: str, rollserve: ServerProcess)
     target = rollserve.mgmt.removeprefix("http://")
     config = tmp_path / "prometheus.yml"
     config.write_text(example_config(target))
+    # the shipped config reads the management token from this file (relative to the config's folder)
+    (config.parent / "rollserve-management-token").write_text(rollserve.tokens["management"] + "\n")
     log = open(tmp_path / "prometheus.log", "wb")
     proc = subprocess.Popen([prometheus_binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)

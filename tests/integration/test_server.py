@@ -142,7 +142,10 @@ def test_errors_are_json_without_internals(server: ServerProcess) -> None:
                  400, "invalid_request")
     assert_error(httpx.get(f"{url}/no/such/route", timeout=10), 404, "not_found")
     assert_error(httpx.get(f"{url}/predictions/{MODEL}", timeout=10), 405, "method_not_allowed")
-    assert_error(httpx.delete(f"{server.mgmt}/models/nope", timeout=10), 404, "not_found")
+    # the model API is off by default: 403 naming the key, before the model is even looked up
+    forbidden = assert_error(httpx.delete(f"{server.mgmt}/models/nope", headers=server.mgmt_headers, timeout=10),
+                             403, "forbidden")
+    assert "enable_model_api" in forbidden["error"]
     big = {"inputs": "x" * (MAX_REQUEST_SIZE + 10)}
     assert_error(httpx.post(f"{url}/predictions/{MODEL}", json=big, timeout=10), 413, "payload_too_large")
 

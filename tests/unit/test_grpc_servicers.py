@@ -129,7 +129,7 @@ def test_register_overrides() -> None:
     assert register_overrides({"batch_size": 4, "min_workers": 2}) == {"batch_size": "4", "minWorkers": "2"}
     with pytest.raises(InvalidRequest, match="unknown parameter 'colour'"):
         register_overrides({"colour": 1})
-    with pytest.raises(InvalidRequest, match="non-negative integer"):
+    with pytest.raises(InvalidRequest, match="integer between 0 and 999999999"):
         register_overrides({"batch_size": -1})
 
 

@@ -1,0 +1,66 @@
+"""Readiness under ``ping_requires`` and the live client-id table (409 on a duplicate), without sockets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from serving.errors import Conflict
+from serving.health import Health
+from serving.live_requests import LiveRequests, counter_ids
+from serving.types import ModelState
+
+
+@dataclass
+class Ep:
+    state: ModelState
+
+
+@dataclass
+class Registry:
+    endpoints: dict[str, Ep]
+    startup_models: set[str] | None
+
+
+@dataclass
+class State:
+    draining: bool = False
+
+
+def test_readiness_follows_ping_requires() -> None:
+    reg = Registry({"a": Ep(ModelState.READY), "b": Ep(ModelState.FAILED), "late": Ep(ModelState.FAILED)},
+                   {"a", "b"})
+    state = State()
+    assert not Health(reg, state, "all").ready()  # a startup model FAILED
+    assert Health(reg, state, "any").ready()
+    assert Health(reg, state, "none").ready()
+    reg.startup_models = {"a"}  # b was unregistered; "late" (registered later) never counts
+    assert Health(reg, state, "all").ready()
+    assert Health(reg, state, "all").live()
+    state.draining = True
+    assert not any(Health(reg, state, p).ready() for p in ("all", "any", "none"))
+    assert Health(reg, state, "all").live()
+
+
+def test_not_ready_before_the_startup_models_are_known_or_built() -> None:
+    assert not Health(Registry({}, None), State(), "all").ready()
+    assert not Health(Registry({}, {"a"}), State(), "all").ready()  # discovered, not yet built
+    assert not Health(Registry({"a": Ep(ModelState.LOADING)}, {"a"}), State(), "all").ready()
+    assert Health(Registry({}, set()), State(), "all").ready()
+    with pytest.raises(ValueError):
+        Health(Registry({}, set()), State(), "most")
+
+
+def test_client_ids_are_unique_among_live_requests() -> None:
+    live = LiveRequests(counter_ids("x"))
+    first = live.claim("abc", "ep1")
+    assert first == "x-1"
+    with pytest.raises(Conflict, match="'abc'"):
+        live.claim("abc", "ep2")
+    assert live.find("abc") == ("ep1", first)
+    live.release("abc", "stale-id")  # a stale release must not free a newer claim
+    assert live.find("abc") == ("ep1", first)
+    live.release("abc", first)
+    assert live.find("abc") is None and len(live) == 0
+    assert live.claim("abc", "ep2") == "x-2"  # reusable once the request ended

@@ -239,7 +239,7 @@ def main() -> int:
     failures = len(report["streams"]["failures"]) + len(report["dynamic"]["failures"])
     worst = max((r["drift_pct_per_hour"] for r in report["rss"].values()), default=0.0)
     report["targets_met"] = failures == 0 and worst < 5.0
-    text = json.dumps(report, indent=2)
+    text = json.dumps(report, indent=2, default=str)
     print(text)
     if args.out is not None:
         args.out.write_text(text)

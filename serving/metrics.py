@@ -32,7 +32,7 @@ from serving.types import ModelState
 log = logging.getLogger("serving.requests")
 
 UNKNOWN_MODEL = "__unknown__"
-REJECT_REASONS = ("queue_full", "invalid", "cancelled", "timeout")
+REJECT_REASONS = ("queue_full", "queue_timeout", "invalid", "cancelled", "timeout")
 MODEL_STATE_KEY = "model"  # a route sets ``request.state.model = ep.name`` once it resolved the model
 REQUEST_ID_HEADER = b"x-request-id"
 INVALID_STATUSES = (400, 413, 422)
@@ -71,7 +71,7 @@ class ServingMetrics:
         self.requests = Counter("rollserve_requests", "Inference requests by HTTP status class",
                                 m + ["status_class"], registry=r)
         self.rejected = Counter("rollserve_requests_rejected", "Requests rejected or ended early, by reason "
-                                "(queue_full, invalid, cancelled, timeout)", m + ["reason"], registry=r)
+                                "(queue_full, queue_timeout, invalid, cancelled, timeout)", m + ["reason"], registry=r)
         self.success = Counter("rollserve_request_success", "Requests that finished, by finish reason",
                                m + ["finished_reason"], registry=r)
         self.failures = Counter("rollserve_request_failures", "Requests that ended in an error, by error kind",

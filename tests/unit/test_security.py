@@ -210,3 +210,21 @@ def test_extreme_sampling_values_never_make_a_step_raise() -> None:
     assert build_sampling_params({"temperature": 0}, Limits()).temperature == 0.0
     with pytest.raises(InvalidRequest, match="repetition_penalty"):
         build_sampling_params({"repetition_penalty": 1e-300}, Limits())
+
+
+@pytest.mark.parametrize(("overrides", "check"), [
+    ({}, lambda c: c.management_enabled and c.ping_requires == "all" and not c.enable_model_api
+     and c.max_stop_token_ids == 64 and c.max_sequences_per_request == 64 and c.max_queue_time_s == 60),
+    ({"management_address": "off"}, lambda c: not c.management_enabled and c.management_host_port() is None),
+    ({"management_allowed_hosts": "a.example, b.example"},
+     lambda c: c.management_allowed_hosts == ("a.example", "b.example")),
+    ({"max_queue_time": "2.5", "ping_requires": "none"}, lambda c: c.max_queue_time_s == 2.5)])
+def test_server_keys(overrides: dict[str, str], check: Any) -> None:
+    assert check(load_server_config(None, overrides=overrides))
+
+
+@pytest.mark.parametrize("overrides", [{"ping_requires": "most"}, {"inference_auth": "maybe"},
+                                       {"max_workers_per_model": "0"}, {"max_stop_token_ids": "5000"}])
+def test_bad_server_keys(overrides: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match=next(iter(overrides))):
+        load_server_config(None, overrides=overrides)

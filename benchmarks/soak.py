@@ -212,7 +212,8 @@ async def soak(args: argparse.Namespace, url: str, mgmt: str, tokens: dict[str, 
         d = drift_per_hour(points, args.warmup_s)
         if d is not None:
             report["rss"][name] = {"after_warmup_mib": round(d[0], 2), "end_mib": round(d[1], 2),
-                                   "drift_pct_per_hour": round(d[2], 2)}
+                                   "drift_pct_per_hour": round(d[2], 2),
+                                   "samples_mib": [[round(t), round(v, 2)] for t, v in points]}
     return report
 
 

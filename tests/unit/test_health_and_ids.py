@@ -47,7 +47,8 @@ def test_not_ready_before_the_startup_models_are_known_or_built() -> None:
     assert not Health(Registry({}, None), State(), "all").ready()
     assert not Health(Registry({}, {"a"}), State(), "all").ready()  # discovered, not yet built
     assert not Health(Registry({"a": Ep(ModelState.LOADING)}, {"a"}), State(), "all").ready()
-    assert Health(Registry({}, set()), State(), "all").ready()
+    assert not Health(Registry({}, set()), State(), "all").ready()  # serving nothing is not ready
+    assert Health(Registry({"a": Ep(ModelState.READY)}, set()), State(), "all").ready()  # only API-registered
     with pytest.raises(ValueError):
         Health(Registry({}, set()), State(), "most")
 

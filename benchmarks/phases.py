@@ -1,0 +1,75 @@
+"""Phase timings of the rolling engine in-process: [wall ms, thread-CPU ms] medians of a decode step (B
+sequences x context) and of one prefill step (1 x 256 and 16 x 128 tokens), one torch thread.
+
+    python benchmarks/phases.py benchmarks/models/llama-110m
+    PYTHONPATH=/path/to/an/older/checkout python benchmarks/phases.py MODEL_DIR   # the same on other code
+
+CPU time is what to compare on a shared machine: other jobs stretch wall time far more than CPU time.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from handlers.engine.engine import LLMEngine
+from serving.types import SamplingParams
+
+OPTIONS = {"kv_cache_memory_mb": "1500", "num_threads": "1"}
+
+
+def _timed(step: Callable[[], object]) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.thread_time()
+    step()
+    return time.perf_counter() - t0, time.thread_time() - c0
+
+
+def _medians(samples: list[tuple[float, float]]) -> list[float]:
+    return [round(statistics.median(s[i] for s in samples) * 1e3, 1) for i in (0, 1)]
+
+
+def decode(model: str, batch: int, context: int, steps: int = 8) -> list[float]:
+    engine = LLMEngine.from_options(model, {**OPTIONS, "max_rolling_batch_size": str(batch)})
+    params = SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)
+    for i in range(batch):
+        engine.add(f"r{i}", [5 + (i * 7 + j) % 400 for j in range(context)], params)
+    sched = engine.scheduler
+    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
+        engine.step()
+    return _medians([_timed(engine.step) for _ in range(steps)])
+
+
+def prefill(model: str, num_prompts: int, length: int, repeats: int = 3) -> list[float]:
+    engine = LLMEngine.from_options(model, {**OPTIONS, "max_rolling_batch_prefill_tokens": str(num_prompts * length)})
+    samples = []
+    for rep in range(repeats + 1):  # the first one warms up
+        for i in range(num_prompts):
+            prompt = [5 + (i * 31 + j * 7 + rep) % 4000 for j in range(length)]
+            engine.add(f"p{rep}-{i}", prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
+        sample = _timed(engine.step)
+        if rep:
+            samples.append(sample)
+        while engine.has_work():
+            engine.step()
+    return _medians(samples)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    model = sys.argv[1]
+    out: dict[str, list[float]] = {}
+    for batch in (1, 8, 32):
+        for context in (128, 1024):
+            out[f"decode B={batch} ctx={context}"] = decode(model, batch, context)
+    out["prefill 1x256"] = prefill(model, 1, 256)
+    out["prefill 16x128"] = prefill(model, 16, 128)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

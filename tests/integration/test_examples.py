@@ -62,7 +62,8 @@ def test_example_model_folders_load_and_answer(server: ServerProcess) -> None:
 
 def test_curl_script(server: ServerProcess) -> None:
     out = run_client("bash", str(EXAMPLES / "clients" / "curl.sh"),
-                     env={"H": server.url, "M": server.mgmt, "MODEL": "tiny-llama"})
+                     env={"H": server.url, "M": server.mgmt, "MODEL": "tiny-llama",
+                          "KEY_FILE": str(server.workdir / "key_file.json")})
     assert '"status":"Healthy"' in out and '"generated_text"' in out and '"chat.completion"' in out
     assert '"finish_reason":"length"' in out and "rollserve_requests_total{" in out
 

@@ -107,7 +107,8 @@ def test_a_full_rolling_queue_is_503_over_http_and_resource_exhausted_over_grpc(
         assert "queue is full" in (err.value.details() or "")
         batcher = server.describe("roll1")["batcher"]
         assert (batcher["running"], batcher["waiting"]) == (1, 1)  # refused, while nothing had moved on
-        assert httpx.delete(f"{server.mgmt}/requests/long", timeout=10).status_code == 200
+        assert httpx.delete(f"{server.mgmt}/requests/long", headers=server.mgmt_headers, timeout=10).status_code \
+            == 200
         answer = queued.result()
     first.join(60)
     assert answer.status_code == 200 and answer.json()["details"]["generated_tokens"] == 4  # ran once freed

@@ -19,7 +19,8 @@ def project_files() -> list[Path]:
     """The project's text files (virtualenvs, caches, git data and built benchmark models pruned)."""
     files = []
     for root, dirs, names in os.walk(REPO):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith((".venv", ".git"))]
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith((".venv", ".git"))
+                   and not d.endswith(".egg-info")]  # pip's build metadata (a copy of an older README)
         files += [Path(root) / n for n in names if n != ".git" and Path(n).suffix in SUFFIXES]
     return files
 

@@ -309,10 +309,11 @@ class Evaluator:
         self.restarts.append((config.group.label, time.perf_counter() - t0))
 
     def _check_effective(self, config: Config, answer: dict[str, Any]) -> None:
-        effective = answer.get("knobs") or answer.get("effective") or {}
+        """The PUT's answer lists every knob's effective value (``{"knobs": {name: {"value": ...}}}``)."""
+        effective = answer.get("knobs", {})
         for k, v in config.knobs:
-            got = effective.get(k)
-            if got is not None and int(got) != v:
+            got = effective.get(k, {}).get("value")
+            if got != v:
                 raise RuntimeError(f"PUT {k}={v}: the server reports {k}={got}")
 
     @property

@@ -199,8 +199,9 @@ class Tuner:
             for g in space.groups}
 
         def tell(g: Group, o: Outcome) -> None:
-            studies[g].add_trial(optuna.trial.create_trial(params=dict(o.config.knobs), distributions=dists[g],
-                                                           value=o.score))
+            params = dict(o.config.knobs)
+            if all(k.lo <= params[k.name] <= k.hi for k in knobs_of(g.mode)):  # a folder value outside: not told
+                studies[g].add_trial(optuna.trial.create_trial(params=params, distributions=dists[g], value=o.score))
 
         tell(space.baseline.group, self.outcomes[space.baseline.id])
         # 2. one seed per other group

@@ -56,6 +56,8 @@ from benchmarks.workload import BenchRequest, Workload, build_workload  # noqa: 
 from serving.bench.clients import Target, run_requests  # noqa: E402
 from serving.bench.launch import LocalServer, Subprocess, wait_http  # noqa: E402
 from serving.bench.metrics import Rec, RunResult, metrics  # noqa: E402
+from serving.bench.runner import conditions as machine  # noqa: E402
+from serving.bench.runner import summary_line  # noqa: E402
 
 RESULTS = HERE / "results"
 VLLM_PYTHON = HERE / ".venv-vllm" / "bin" / "python"
@@ -490,14 +492,8 @@ def code_state() -> str:
 
 
 def _line(m: dict[str, Any]) -> str:
-    if not m.get("completed"):
-        return f"no request completed: {m.get('errors')}"
-    s = (f"{m['output_tok_s']:.1f} tok/s  wall {m['wall_s']:.1f}s  TTFT p50 {m['ttft_ms']['p50']:.0f}ms  "
-         f"TPOT p50 {m['tpot_ms']['p50']:.1f}ms  ITL p50 {m['itl_ms']['p50']:.1f}ms  "
-         f"E2E p50 {m['e2e_ms']['p50']:.0f}ms")
-    if m.get("failed") or m.get("wrong_lengths"):
-        s += f"  failed {m['failed']} wrong-lengths {m['wrong_lengths']} {m.get('errors')}"
-    if "kv_util_mean" in m:
+    s = summary_line(m)
+    if m.get("completed") and "kv_util_mean" in m:
         s += f"  KV util mean {m['kv_util_mean']:.3f}"
     return s
 
@@ -575,12 +571,7 @@ def conditions(args: argparse.Namespace) -> str:
         load = os.getloadavg()
     except OSError:
         load = (float("nan"),) * 3
-    cpu = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu = machine()["cpu"]
     import torch
     import transformers
 

@@ -40,41 +40,67 @@ async def sleep_until(t: float) -> None:
         await asyncio.sleep(d)
 
 
-async def lmi(client: Any, target: Target, req: BenchRequest, rec: Rec, stream: bool) -> None:
-    body = {"inputs": req.prompt, "stream": stream,
-            "parameters": {"max_new_tokens": req.max_new_tokens, "ignore_eos": True, "details": True}}
+def _lmi_line(line: str, rec: Rec, t: float) -> bool:
+    """One jsonlines object of an LMI stream: a token, or the last object (finish reason). True: stream over."""
+    if not line.strip():
+        return False
+    obj = json.loads(line)
+    tok = obj.get("token")
+    if tok is not None and tok.get("id", -1) >= 0:
+        rec.token_times.append(t)
+    if obj.get("generated_text") is not None and (obj.get("details") or {}).get("finish_reason") == "error":
+        rec.error = "stream ended with error"
+    return False
+
+
+def _openai_line(line: str, rec: Rec, t: float) -> bool:
+    """One SSE line of an OpenAI completion stream: a chunk (a token), the usage chunk, or ``[DONE]``."""
+    if not line.startswith("data:"):
+        return False
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return True
+    obj = json.loads(data)
+    if obj.get("choices"):
+        rec.token_times.append(t)
+    if obj.get("usage"):
+        rec.n_out = obj["usage"]["completion_tokens"]
+    return False
+
+
+async def _http(client: Any, url: str, body: dict[str, Any], headers: dict[str, str], rec: Rec, stream: bool,
+                count: Callable[[Any], int], line: Callable[[str, Rec, float], bool]) -> None:
+    """POST ``body`` at ``rec.send``: a whole answer (``count`` reads its output tokens from the JSON) or a
+    stream read line by line (``line`` records each and says when it is over)."""
     await sleep_until(rec.send)
     try:
         if not stream:
-            resp = await client.post(f"{target.url}/predictions/{target.model}", json=body, headers=target.headers)
+            resp = await client.post(url, json=body, headers=headers)
             t = time.perf_counter()
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {resp.text[:200]!r}"
                 return
-            rec.n_out = int(resp.json()["details"]["generated_tokens"])
+            rec.n_out = count(resp.json())
             rec.token_times.append(t)
             rec.end = t
             return
-        async with client.stream("POST", f"{target.url}/predictions/{target.model}", json=body,
-                                 headers=target.headers) as resp:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return
-            async for line in resp.aiter_lines():
-                if not line.strip():
-                    continue
-                t = time.perf_counter()
-                obj = json.loads(line)
-                tok = obj.get("token")
-                if tok is not None and tok.get("id", -1) >= 0:
-                    rec.token_times.append(t)
-                if obj.get("generated_text") is not None:
-                    details = obj.get("details") or {}
-                    if details.get("finish_reason") == "error":
-                        rec.error = "stream ended with error"
+            async for text in resp.aiter_lines():
+                if line(text, rec, time.perf_counter()):
+                    break
             rec.end = time.perf_counter()
     except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
         rec.error = f"{type(exc).__name__}: {exc}"
+
+
+async def lmi(client: Any, target: Target, req: BenchRequest, rec: Rec, stream: bool) -> None:
+    body = {"inputs": req.prompt, "stream": stream,
+            "parameters": {"max_new_tokens": req.max_new_tokens, "ignore_eos": True, "details": True}}
+    await _http(client, f"{target.url}/predictions/{target.model}", body, target.headers, rec, stream,
+                lambda obj: int(obj["details"]["generated_tokens"]), _lmi_line)
 
 
 async def openai(client: Any, target: Target, req: BenchRequest, rec: Rec, stream: bool) -> None:
@@ -83,38 +109,8 @@ async def openai(client: Any, target: Target, req: BenchRequest, rec: Rec, strea
                             "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    await sleep_until(rec.send)
-    try:
-        if not stream:
-            resp = await client.post(f"{target.url}/v1/completions", json=body, headers=target.headers)
-            t = time.perf_counter()
-            if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {resp.text[:200]!r}"
-                return
-            rec.n_out = int(resp.json()["usage"]["completion_tokens"])
-            rec.token_times.append(t)
-            rec.end = t
-            return
-        async with client.stream("POST", f"{target.url}/v1/completions", json=body,
-                                 headers=target.headers) as resp:
-            if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                t = time.perf_counter()
-                obj = json.loads(data)
-                if obj.get("choices"):
-                    rec.token_times.append(t)
-                if obj.get("usage"):
-                    rec.n_out = obj["usage"]["completion_tokens"]
-            rec.end = time.perf_counter()
-    except Exception as exc:  # noqa: BLE001
-        rec.error = f"{type(exc).__name__}: {exc}"
+    await _http(client, f"{target.url}/v1/completions", body, target.headers, rec, stream,
+                lambda obj: int(obj["usage"]["completion_tokens"]), _openai_line)
 
 
 async def grpc_typed(stub: Any, target: Target, req: BenchRequest, rec: Rec, stream: bool) -> None:

@@ -140,7 +140,7 @@ class LocalServer:
                     raise RuntimeError(f"rollserve did not start:\n{proc.tail()}")
                 time.sleep(0.1)
             ports = json.loads(ports_file.read_text())
-            tokens = _read_tokens(Path(cfg["key_file"]))
+            tokens = read_tokens(Path(cfg["key_file"]))
             server = cls(proc, workdir, name, ports, tokens)
             server.wait_ready(deadline)
         except BaseException:
@@ -186,7 +186,8 @@ class LocalServer:
         self.proc.stop()
 
 
-def _read_tokens(key_file: Path) -> dict[str, str]:
+def read_tokens(key_file: Path) -> dict[str, str]:
+    """``{"management": ..., "inference": ...}`` from a server's key file ({} when there is none)."""
     if not key_file.exists():
         return {}
     data = json.loads(key_file.read_text())

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from serving.bench.launch import read_tokens
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "model_store" / "tiny-llama"
 
@@ -180,14 +182,6 @@ class ServerProcess:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
-
-
-def read_tokens(key_file: Path) -> dict[str, str]:
-    """``{"management": ..., "inference": ...}`` from a server's key file ({} when there is none)."""
-    if not key_file.exists():
-        return {}
-    data = json.loads(key_file.read_text())
-    return {scope: data[scope]["key"] for scope in ("management", "inference") if scope in data}
 
 
 def _children(pid: int) -> list[str]:

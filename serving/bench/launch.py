@@ -72,16 +72,11 @@ def read_properties(model_dir: Path) -> dict[str, str]:
     return {e.key: e.value for e in parse_properties(path.read_text(encoding="utf-8"), str(path))}
 
 
-class LocalServer:
-    """One model folder served by a private rollserve process (``start``); ``stop`` ends it."""
+class ServerAddresses:
+    """A local server's addresses (from its ports file) and management header (from its key file)."""
 
-    def __init__(self, proc: Subprocess, workdir: Path, name: str, ports: dict[str, int],
-                 tokens: dict[str, str]) -> None:
-        self.proc = proc
-        self.workdir = workdir
-        self.name = name
-        self.ports = ports
-        self.tokens = tokens
+    ports: dict[str, int]
+    tokens: dict[str, str]
 
     @property
     def url(self) -> str:
@@ -92,12 +87,25 @@ class LocalServer:
         return f"http://127.0.0.1:{self.ports['management']}"
 
     @property
-    def grpc_target(self) -> str | None:
-        return f"127.0.0.1:{self.ports['grpc']}" if "grpc" in self.ports else None
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
 
     @property
     def mgmt_headers(self) -> dict[str, str]:
+        """``Authorization`` for the management API (empty when the server wrote no key file)."""
         return {"Authorization": f"Bearer {self.tokens['management']}"} if "management" in self.tokens else {}
+
+
+class LocalServer(ServerAddresses):
+    """One model folder served by a private rollserve process (``start``); ``stop`` ends it."""
+
+    def __init__(self, proc: Subprocess, workdir: Path, name: str, ports: dict[str, int],
+                 tokens: dict[str, str]) -> None:
+        self.proc = proc
+        self.workdir = workdir
+        self.name = name
+        self.ports = ports
+        self.tokens = tokens
 
     @classmethod
     def start(cls, model_dir: Path, workdir: Path, *, name: str | None = None,

@@ -234,7 +234,8 @@ class Tuner:
                     studies[g].tell(trial, o.score)
                     n += not seen
                     repeats = repeats + 1 if seen else 0
-                    stale = stale + 1 if self.incumbent is before else 0
+                    if not seen:  # patience counts measured configurations
+                        stale = stale + 1 if self.incumbent is before else 0
                     if last and stale >= self.plan.patience:
                         self.stop_reason = f"{self.plan.patience} trials in a row without a better configuration"
                         return

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
 def load_text(preset: str) -> str:
     from importlib import resources
 
-    return resources.files("serving.bench").joinpath("presets", f"{preset}.yaml").read_text()
+    return resources.files("serving.bench").joinpath("presets").joinpath(f"{preset}.yaml").read_text()
 
 
 def markdown(doc: dict[str, Any]) -> str:

@@ -372,7 +372,7 @@ def load_scenario(spec: str | Path) -> Scenario:
         if str(spec) not in presets():
             raise ScenarioError(f"{spec!r} is neither a scenario file nor a preset (presets: "
                                 f"{', '.join(presets())})")
-        res = resources.files("serving.bench").joinpath("presets", f"{spec}.yaml")
+        res = resources.files("serving.bench").joinpath("presets").joinpath(f"{spec}.yaml")
         text, source, default_name = res.read_text(encoding="utf-8"), f"preset {spec}", str(spec)
     try:
         data = yaml.safe_load(text)

@@ -101,9 +101,9 @@ def test_certainly_violated_counts_only_values_known_to_exceed() -> None:
                                   now=0.5)
     # any failure misses the SLO
     assert certainly_violated(slo, [Rec(0.0, error="HTTP 500")], [4], True, now=0.0)
-    # ITL: 2 requests of 3 tokens = 4 gaps; p99 (rank 2.97) is over once 4 - 2 = 2 gaps are
+    # ITL: 2 requests of 3 tokens = 4 gaps; p99 (rank 2.97) is over once 4 - 2 = 2 gaps are (an open gap counts)
     itl = parse_slo("itl_p99=100ms")
-    a, b = Rec(0.0, [0.01, 0.5]), Rec(0.0, [0.01, 0.02])
+    a, b = Rec(0.0, [0.01, 0.5]), Rec(0.0, [0.01, 0.02, 0.03], end=0.03)  # b is done: no open gap
     assert not certainly_violated(itl, [a, b], [3, 3], True, now=0.55)
     assert certainly_violated(itl, [a, b], [3, 3], True, now=0.7)  # a's open gap is 200 ms
     assert not certainly_violated(itl, [a, b], [3, 3], False, now=5.0)  # whole answers have no gaps

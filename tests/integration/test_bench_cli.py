@@ -88,7 +88,9 @@ def test_bench_on_the_default_model_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize("api,model,streamed", [("grpc", "tiny-rb", True), ("openai", "tiny", False)])
 def test_bench_against_a_running_server(api_server: ServerProcess, tmp_path: Path, api: str, model: str,
                                         streamed: bool) -> None:
-    (tmp_path / "s.yaml").write_text(SCENARIO.replace("api: lmi", f"api: {api}"))
+    # one burst pass of 4 requests (the pass logic is the test above's)
+    (tmp_path / "s.yaml").write_text(SCENARIO.replace("api: lmi", f"api: {api}").replace("num_requests: 6",
+        "num_requests: 4").replace("  - {process: poisson, rate: 0.5x}\n", ""))
     out = tmp_path / "out"
     args = ["--url", api_server.url, "--model", model, "--tokenizer", str(DEFAULT_MODEL), "--scenario",
             str(tmp_path / "s.yaml"), "--out", str(out), "--grpc", api_server.grpc_target]
@@ -99,6 +101,7 @@ def test_bench_against_a_running_server(api_server: ServerProcess, tmp_path: Pat
     result = json.loads((out / "bench.json").read_text())
     assert (result["api"], result["stream"], result["server"]) == (api, streamed, {"url": api_server.url})
     w = workload_of(load_scenario(tmp_path / "s.yaml"), load_tokenizer(DEFAULT_MODEL))
+    assert [p["label"] for p in result["passes"]] == ["burst"]
     for p in result["passes"]:
         check_pass(p, [(r.prompt_len, r.max_new_tokens) for r in w.requests], streamed)
     assert png_size(out / "ttft_distribution.png") == (825, 528)

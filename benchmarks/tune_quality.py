@@ -51,7 +51,7 @@ RESULTS = HERE / "results"
 GRID = {"rolling": {"max_rolling_batch_size": [4, 8, 16, 32, 64],
                     "max_rolling_batch_prefill_tokens": [256, 1024, 4096]},
         "dynamic": {"batch_size": [1, 4, 8, 16], "max_batch_delay": [10, 100]}}
-SLOS = {"default": ("ttft_p99=300ms,itl_p99=40ms", "ttft_p99=2s,itl_p99=200ms"),
+SLOS = {"default": ("ttft_p99=500ms,itl_p99=100ms", "ttft_p99=2s,itl_p99=250ms"),
         "110m": ("ttft_p99=2s,itl_p99=150ms", "ttft_p99=8s,itl_p99=500ms")}
 
 

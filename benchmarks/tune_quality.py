@@ -48,9 +48,12 @@ from serving.bench.search import Config, Evaluator, Outcome, better, build_space
 from serving.bench.workload import load_tokenizer  # noqa: E402
 
 RESULTS = HERE / "results"
-GRID = {"rolling": {"max_rolling_batch_size": [4, 8, 16, 32, 64],
-                    "max_rolling_batch_prefill_tokens": [256, 1024, 4096]},
-        "dynamic": {"batch_size": [1, 4, 8, 16], "max_batch_delay": [10, 100]}}
+GRIDS = {"full": {"rolling": {"max_rolling_batch_size": [4, 8, 16, 32, 64],
+                             "max_rolling_batch_prefill_tokens": [256, 1024, 4096]},
+                 "dynamic": {"batch_size": [1, 4, 8, 16], "max_batch_delay": [10, 100]}},
+         "small": {"rolling": {"max_rolling_batch_size": [4, 16, 64], "max_rolling_batch_prefill_tokens": [256, 4096]},
+                   "dynamic": {"batch_size": [1, 8], "max_batch_delay": [10, 100]}}}
+GRID = GRIDS["full"]
 SLOS = {"default": ("ttft_p99=500ms,itl_p99=100ms", "ttft_p99=2s,itl_p99=250ms"),
         "110m": ("ttft_p99=2s,itl_p99=150ms", "ttft_p99=8s,itl_p99=500ms")}
 
@@ -136,7 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scenario", default="tune", help="the tune scenario (relative ladder), default the preset")
     ap.add_argument("--num-requests", type=int, help="requests a run (default: the scenario's)")
     ap.add_argument("--out", type=Path, help="results stem (default benchmarks/results/tune-quality-MODEL-STAMP)")
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="full", help="grid values (default full)")
+    ap.add_argument("--ladder", help="START,FACTOR,COUNT: an absolute ladder (requests/s) instead of the "
+                                     "calibrated one")
     args = ap.parse_args(argv)
+    global GRID
+    GRID = GRIDS[args.grid]
     path = model_dir(args.model)
     tight, loose = args.tight or SLOS[args.model][0], args.loose or SLOS[args.model][1]
     slos = [parse_slo(tight), parse_slo(loose)]
@@ -159,13 +167,18 @@ def main(argv: list[str] | None = None) -> None:
     ev = Evaluator(path, work / "calibration", w, [], scenario.api, slos)
     ev.baseline = space.baseline
     t0 = time.monotonic()
-    try:
-        m = ev.burst(space.baseline)
-    finally:
-        ev.close()
+    if args.ladder:
+        start, factor, count = (float(x) for x in args.ladder.split(","))
+        rates = [start * factor ** i for i in range(int(count))]
+        burst = None
+    else:
+        try:
+            m = ev.burst(space.baseline)
+        finally:
+            ev.close()
+        burst = m["request_s"]
+        rates = [p.rate.resolve(burst, "ladder") for p in scenario.passes if p.sweep_index is not None and p.rate]
     calib_s = time.monotonic() - t0
-    burst = m["request_s"]
-    rates = [p.rate.resolve(burst, "ladder") for p in scenario.passes if p.sweep_index is not None and p.rate]
     raw = yaml.safe_load(Path(scenario.source).read_text()) if Path(scenario.source).is_file() else \
         yaml.safe_load(load_text(args.scenario))
     raw["num_requests"] = scenario.num_requests
@@ -174,10 +187,11 @@ def main(argv: list[str] | None = None) -> None:
     scen_file.write_text(yaml.safe_dump(raw, sort_keys=False))
     doc["calibration"] = {"burst_req_s": burst, "seconds": calib_s, "ladder_req_s": [round(r, 4) for r in rates],
                           "scenario_file": str(scen_file)}
-    print(f"calibration: burst {burst:.3f} req/s; ladder " + ", ".join(f"{r:.3g}" for r in rates), flush=True)
+    print(f"calibration: burst {burst} req/s; ladder " + ", ".join(f"{r:.3g}" for r in rates), flush=True)
 
     # 2. the grid (both SLOs on the same runs)
     doc["grid"] = run_grid(path, scen_file, slos, work / "grid")
+    doc["grid"]["values"] = GRID
     # 3. the tunes
     doc["tunes"] = {}
     for label, slo in (("tight", tight), ("loose", loose)):
@@ -218,7 +232,7 @@ def markdown(doc: dict[str, Any]) -> str:
     g = doc["grid"]
     lines = [f"model `{doc['model']}`; CPU {doc['lscpu']['Model name']} ({doc['lscpu']['CPU(s)']} CPUs); load "
              f"average at start {doc['load_avg_at_start'][0]:.2f}",
-             f"calibration: burst {doc['calibration']['burst_req_s']:.3f} req/s, ladder "
+             f"calibration: burst {doc['calibration']['burst_req_s']} req/s, ladder "
              + ", ".join(f"{x:g}" for x in doc["calibration"]["ladder_req_s"]) + " req/s",
              f"grid: {g['points']} points in {len(g['groups'])} groups ({', '.join(g['groups'])}), {g['runs']} runs, "
              f"{g['wall_s'] / 60:.1f} min for both SLOs", "",

@@ -38,11 +38,53 @@ DYN = {"option.entryPoint": "echo", "option.echo_delay_ms": "300", "batch_size":
        "max_batch_delay": "600000",  # ten minutes: a batch goes out when full, never because of the delay
        "max_queue_time": "900"}
 POOL = {"option.entryPoint": "echo", "option.echo_delay_ms": "1500", "batch_size": "1", "max_batch_delay": "1"}
+STEPS_HANDLER = '''
+import time
+
+from handlers.base import RollingHandler
+from serving.types import FinishReason, TokenDelta, TokenInfo
+
+
+class Handler(RollingHandler):
+    """A torch-free rolling handler: one word per step, a step takes 20 ms."""
+
+    def initialize(self, ctx):
+        self.requests = {}
+
+    def add(self, request):
+        self.requests[request.request_id] = [request, 0]
+
+    def abort(self, request_id):
+        self.requests.pop(request_id, None)
+
+    def has_work(self):
+        return bool(self.requests)
+
+    def stats(self):
+        return {"num_running": len(self.requests)}
+
+    def step(self):
+        time.sleep(0.02)
+        out = []
+        for rid, entry in list(self.requests.items()):
+            request, n = entry
+            entry[1] = n + 1
+            done = entry[1] >= request.params.max_new_tokens
+            word = f"{request.prompt}{n} "
+            out.append(TokenDelta(rid, (TokenInfo(n, word),), word, FinishReason.LENGTH if done else None,
+                                  1 if n == 0 else None))
+            if done:
+                del self.requests[rid]
+        return out
+'''
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    s = ServerProcess.start(tmp_path_factory.mktemp("knobs"), models={"roll": ROLL, "dyn": DYN, "pool": POOL},
+    s = ServerProcess.start(tmp_path_factory.mktemp("knobs"),
+                            models={"roll": ROLL, "dyn": DYN, "pool": POOL,
+                                    "steps": {"option.entryPoint": "model.py", "option.rolling_batch": "auto"}},
+                            files={"steps": {"model.py": STEPS_HANDLER}},
                             config={"enable_model_api": "true", "max_workers_per_model": "3",
                                     "job_queue_size": "500"},
                             env={"OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS": "2048"}, timeout_s=240)
@@ -340,53 +382,62 @@ def test_without_the_model_api_batching_knobs_change_and_worker_counts_are_refus
 
 # --- workers: both bounds apply, and scaling down retires the idlest after its requests ---------------
 
-def workers(server: ServerProcess) -> list[dict[str, Any]]:
-    return list(server.describe("pool")["workers"])
+def workers(server: ServerProcess, model: str) -> list[dict[str, Any]]:
+    return list(server.describe(model)["workers"])
 
 
+def job(model: str, name: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """A request that keeps a worker busy for a while (1.5 s of echo; 100 steps of 20 ms) and its answer."""
+    if model == "pool":
+        return {"inputs": name}, {"generated_text": name}
+    return {"inputs": name, "parameters": {"max_new_tokens": 100}}, \
+        {"generated_text": "".join(f"{name}{i} " for i in range(100))}
+
+
+@pytest.mark.parametrize("model", ["pool", "steps"])
 def test_min_and_max_worker_both_apply_and_scaling_down_retires_the_idlest_after_its_requests(
-        server: ServerProcess) -> None:
-    r = put(server, "pool", min_worker=2, max_worker=3)
+        server: ServerProcess, model: str) -> None:
+    url = f"{server.url}/predictions/{model}"
+    r = put(server, model, min_worker=2, max_worker=3)
     assert r.status_code == 200, r.text
     assert r.json()["changed"] == {"min_worker": 2, "max_worker": 3} and r.json()["target_workers"] == 2
-    info = server.describe("pool")
+    info = server.describe(model)
     assert (info["min_workers"], info["max_workers"], info["target_workers"]) == (2, 3, 2)
     assert [w["status"] for w in info["workers"]] == ["READY", "READY"]
     assert info["knobs"]["max_worker"] == {"value": 3, "source": "API", "from": "API", "applies": True}
 
     # one worker busy, one idle: going down to one worker retires the idle one at once
-    busy = Load(f"{server.url}/predictions/pool", [{"inputs": "keep me"}])
+    body, expected = job(model, "keep")
+    busy = Load(url, [body])
     loads = wait_for(lambda: (lambda ws: ws if sorted(w["in_flight"] for w in ws) == [0, 1] else None)(
-        workers(server)), "one busy worker")
+        workers(server, model)), "one busy worker")
     busy_id = next(w["id"] for w in loads if w["in_flight"] == 1)
     idle_id = next(w["id"] for w in loads if w["in_flight"] == 0)
-    r = put(server, "pool", min_worker=1, max_worker=1)
+    r = put(server, model, min_worker=1, max_worker=1)
     assert r.status_code == 200, r.text
     assert r.json()["retiring_workers"] == [idle_id] and r.json()["target_workers"] == 1
     (answer,) = busy.wait()
-    assert answer.status_code == 200 and answer.json() == {"generated_text": "keep me"}
-    wait_for(lambda: [w["id"] for w in workers(server)] == [busy_id], "the idle worker to stop")
+    assert (answer.status_code, answer.json()) == (200, expected)
+    wait_for(lambda: [w["id"] for w in workers(server, model)] == [busy_id], "the idle worker to stop")
 
-    # two busy workers: the one retired finishes its request first; nothing is lost or retried
-    assert put(server, "pool", min_worker=2, max_worker=2).status_code == 200
-    wait_for(lambda: len(workers(server)) == 2, "two workers")
-    both = Load(f"{server.url}/predictions/pool", [{"inputs": "first"}, {"inputs": "second"}])
-    wait_for(lambda: [w["in_flight"] for w in workers(server)] == [1, 1], "both workers busy")
-    log_before = len(server.log())
-    r = put(server, "pool", max_worker=1)
+    # two busy workers: the one retired gets no new request and stops only once its own finished
+    assert put(server, model, min_worker=2, max_worker=2).status_code == 200
+    wait_for(lambda: len(workers(server, model)) == 2, "two workers")
+    jobs = [job(model, name) for name in ("first", "second", "third")]
+    both = Load(url, [body for body, _ in jobs[:2]])
+    wait_for(lambda: [w["in_flight"] for w in workers(server, model)] == [1, 1], "both workers busy")
+    r = put(server, model, max_worker=1)
     assert r.status_code == 200, r.text
     assert r.json()["changed"] == {"min_worker": 1, "max_worker": 1}  # min follows a max below it
     (retiring,) = r.json()["retiring_workers"]
-    states = {w["id"]: (w["status"], w["in_flight"]) for w in workers(server)}
+    states = {w["id"]: (w["status"], w["in_flight"]) for w in workers(server, model)}
     assert states[retiring] == ("RETIRING", 1), states  # still finishing its request
-    third = Load(f"{server.url}/predictions/pool", [{"inputs": "third"}])  # goes to the other worker
+    third = Load(url, [jobs[2][0]])  # goes to the other worker
     responses = both.wait() + third.wait()
-    assert [(r.status_code, r.json()) for r in responses] == [
-        (200, {"generated_text": t}) for t in ("first", "second", "third")]
-    wait_for(lambda: len(workers(server)) == 1, "the retired worker to stop")
-    assert retiring not in [w["id"] for w in workers(server)]
-    log = server.log()[log_before:]
-    assert "retrying" not in log.lower() and "exited; restarting" not in log, log
+    assert [(r.status_code, r.json()) for r in responses] == [(200, expected) for _, expected in jobs]
+    wait_for(lambda: len(workers(server, model)) == 1, "the retired worker to stop")
+    assert retiring not in [w["id"] for w in workers(server, model)]
+    assert server.describe(model)["worker_restarts"] == 0
 
 
 # --- gRPC -------------------------------------------------------------------------------------------

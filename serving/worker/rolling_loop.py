@@ -126,7 +126,7 @@ class RollingLoop:
 
     def _configure(self, msg: Configure) -> None:
         """Apply the options the handler can change live (the frontend enforces the others itself)."""
-        live = getattr(self.handler, "live_options", frozenset())
+        live: frozenset[str] = getattr(self.handler, "live_options", frozenset())
         options = {key: value for key, value in msg.options.items() if key in live}
         try:
             if options:

@@ -178,6 +178,12 @@ def batch_buckets(server: ServerProcess, model: str) -> dict[str, float]:
     return out
 
 
+def running(server: ServerProcess) -> tuple[int, int]:
+    """Requests running on the rolling model: (the frontend's count, the engine's)."""
+    batcher, engine = roll_state(server)
+    return int(batcher["running"]), int(engine.get("num_running", 0))
+
+
 def roll_state(server: ServerProcess) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the frontend's rolling batcher, the engine's stats of its one worker)."""
     batcher = server.describe("roll")["batcher"]
@@ -207,8 +213,7 @@ def test_rolling_batch_size_32_to_4_to_32_under_64_requests(server: ServerProces
     # 32 long requests fill the batch; their lengths differ, so they finish one by one
     first = [greedy(PROMPTS[i % 8], 40 + 2 * i) for i in range(32)]
     load1 = Load(url, first)
-    wait_for(lambda: (lambda b, e: b["running"] == 32 and e.get("num_running") == 32)(*roll_state(server)),
-             "32 requests running")
+    wait_for(lambda: running(server) == (32, 32), "32 requests running")
     second = [greedy(PROMPTS[i % 8], 40 + 2 * (i % 8)) for i in range(32)]
     load2 = Load(url, second)
     wait_for(lambda: roll_state(server)[0]["waiting"] == 32, "32 more requests waiting")
@@ -247,9 +252,13 @@ def test_rolling_batch_size_32_to_4_to_32_under_64_requests(server: ServerProces
     assert engine["max_num_seqs"] == 32
     raised = engine["limits"]
     assert raised["waiting_at_change"] > 0 and raised["running_at_change"] <= 4, raised
-    stats = wait_for(lambda: (lambda e: e if e["limits"]["first_step_admitted"] is not None and
-                              e["limits"]["changes"] == raised["changes"] else None)(roll_state(server)[1]),
-                     "a step after the raise")
+    def stepped_since_raise() -> dict[str, Any] | None:
+        stats = roll_state(server)[1]
+        limits = stats["limits"]
+        return stats if limits["changes"] == raised["changes"] and limits["first_step_admitted"] is not None \
+            else None
+
+    stats = wait_for(stepped_since_raise, "a step after the raise")
     assert stats["limits"]["first_step_admitted"] == raised["waiting_at_change"]  # all of them, at once
     assert stats["limits"]["peak_running_admitting"] == raised["running_at_change"] + raised["waiting_at_change"]
     wait_for(lambda: gauge(server, "rollserve_num_requests_running", "roll") > 4, "the gauge above the old limit")
@@ -345,7 +354,7 @@ def test_get_shows_every_knob_with_its_source(server: ServerProcess) -> None:
 def test_a_bad_knob_is_a_400_naming_it_and_changes_nothing(server: ServerProcess, query: dict[str, str],
                                                            named: tuple[str, ...]) -> None:
     before = server.describe("dyn")
-    error(put(server, "dyn", **query), 400, *named)
+    error(httpx.put(f"{server.mgmt}/models/dyn", params=query, headers=server.mgmt_headers, timeout=30), 400, *named)
     after = server.describe("dyn")
     assert after["knobs"] == before["knobs"] and after["target_workers"] == before["target_workers"]
 
@@ -409,10 +418,12 @@ def test_min_and_max_worker_both_apply_and_scaling_down_retires_the_idlest_after
     # one worker busy, one idle: going down to one worker retires the idle one at once
     body, expected = job(model, "keep")
     busy = Load(url, [body])
-    loads = wait_for(lambda: (lambda ws: ws if sorted(w["in_flight"] for w in ws) == [0, 1] else None)(
-        workers(server, model)), "one busy worker")
-    busy_id = next(w["id"] for w in loads if w["in_flight"] == 1)
-    idle_id = next(w["id"] for w in loads if w["in_flight"] == 0)
+    def one_busy() -> dict[int, int] | None:
+        loads = {w["in_flight"]: w["id"] for w in workers(server, model)}
+        return loads if sorted(loads) == [0, 1] else None
+
+    loads = wait_for(one_busy, "one busy worker")  # in flight -> worker id
+    busy_id, idle_id = loads[1], loads[0]
     r = put(server, model, min_worker=1, max_worker=1)
     assert r.status_code == 200, r.text
     assert r.json()["retiring_workers"] == [idle_id] and r.json()["target_workers"] == 1

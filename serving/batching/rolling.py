@@ -33,8 +33,8 @@ from serving.errors import (
     WorkerFailed,
     error_from_kind,
 )
+from serving.ipc.messages import Abort, Add, Deltas, Reject
 from serving.types import GenerationRequest, TokenDelta
-from serving.worker.messages import Abort, Add, Deltas, Reject
 
 log = logging.getLogger(__name__)
 

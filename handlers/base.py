@@ -13,7 +13,7 @@ import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from serving.errors import ErrorKind
 from serving.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
@@ -88,8 +88,11 @@ class RollingHandler(abc.ABC):
 
     All methods run on the worker's main thread. ``add`` raises ``serving.errors.InvalidRequest`` for a
     request that can never run (e.g. prompt longer than the context); ``step`` runs one forward pass over
-    every running sequence and returns the deltas it produced.
+    every running sequence and returns the deltas it produced. ``live_options`` names the options that
+    ``configure`` can change on the running handler (``PUT /models/{name}``); any other needs a reload.
     """
+
+    live_options: ClassVar[frozenset[str]] = frozenset()
 
     @abc.abstractmethod
     def initialize(self, ctx: Context) -> None:
@@ -111,9 +114,15 @@ class RollingHandler(abc.ABC):
     def step(self) -> list[TokenDelta]:
         """Run one engine iteration; return one delta per request that advanced or finished."""
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, Any]:
         """Engine gauges/counters (running, waiting, kv blocks, preemptions, prefix hits, ...)."""
         return {}
+
+    def configure(self, options: Mapping[str, int]) -> None:
+        """Apply new values of ``live_options`` (already checked by the frontend) from the next step on,
+        between steps; called only with keys of ``live_options``."""
+        if options:
+            raise NotImplementedError(f"{type(self).__name__} cannot change {sorted(options)} while it runs")
 
     def healthy(self) -> bool:
         """False when the handler cannot serve any more (e.g. a tensor-parallel rank died): the worker exits

@@ -9,6 +9,7 @@ raise inside a step that other requests share.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from handlers.base import Context, Input, RollingHandler
@@ -19,6 +20,8 @@ from serving.types import TokenDelta
 
 class HuggingFaceRollingHandler(RollingHandler):
     """Continuous batching over a Hugging Face model directory (``ctx.model_dir``)."""
+
+    live_options = frozenset({"max_rolling_batch_size", "max_rolling_batch_prefill_tokens"})
 
     def __init__(self) -> None:
         self._engine: LLMEngine | None = None
@@ -58,6 +61,11 @@ class HuggingFaceRollingHandler(RollingHandler):
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def configure(self, options: Mapping[str, int]) -> None:
+        """The engine's batch size and step token budget, from the next step on."""
+        self.engine.configure(max_num_seqs=options.get("max_rolling_batch_size"),
+                              max_num_batched_tokens=options.get("max_rolling_batch_prefill_tokens"))
 
     def healthy(self) -> bool:
         """False once a tensor-parallel rank process has exited (the group cannot step any more)."""

@@ -316,7 +316,8 @@ class ModelConfig:
 
     ``options`` holds every ``option.*`` key (known ones with their effective value, defaults included),
     prefix stripped. ``sources`` maps each full key to ``serving.properties:LINE``, ``env VAR``,
-    ``default``, ``server config`` or ``override``.
+    ``default``, ``server config (<where the server's value came from>)``, ``override`` (registration
+    parameters) or ``API`` (changed on the live model, ``serving.knobs``).
     """
 
     name: str
@@ -393,6 +394,12 @@ _OPTION_KEYS: dict[str, tuple[Parser, str | None]] = {
     "option.tensor_parallel_degree": (_int(1), "1"),  # parser replaced per load: 'max' needs a count
 }
 _KNOWN_MODEL_KEYS = {_norm(key): key for key in (*_MODEL_KEYS, *_OPTION_KEYS)}
+
+
+def model_config_keys() -> tuple[str, ...]:
+    """Every typed model key (``batch_size``, ``minWorkers``, ``option.dtype``, ...) as spelled in files."""
+    return (*_MODEL_KEYS, *_OPTION_KEYS)
+
 # Server-level keys that SERVING_* sets on the server, not on each model.
 _SERVER_LEVEL_MODEL_KEYS = frozenset({"job_queue_size", "max_queue_time"})
 
@@ -438,8 +445,10 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
     defaults["option.entryPoint"] = _Setting(
         "model.py" if (model_dir / "model.py").is_file() else "huggingface", "default", "default")
     if server is not None:
-        defaults["job_queue_size"] = _Setting(str(server.job_queue_size), "server config", "server config")
-        defaults["max_queue_time"] = _Setting(_render(server.max_queue_time_s), "server config", "server config")
+        for key, value in (("job_queue_size", str(server.job_queue_size)),
+                           ("max_queue_time", _render(server.max_queue_time_s))):
+            inherited = f"server config ({server.sources.get(key, 'default')})"
+            defaults[key] = _Setting(value, inherited, inherited)
     settings = {**defaults,
                 **_canonical_keys(raw, _KNOWN_MODEL_KEYS, allow_options=True),
                 **_model_env(env),

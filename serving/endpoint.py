@@ -5,6 +5,11 @@ picks the batcher from the config (dynamic or rolling), builds the worker pool a
 lifecycle state (LOADING -> READY, or FAILED with a reason; DRAINING -> UNLOADED on removal). ``submit``
 gives every request a server-generated id (the client's id stays for logs, headers and cancel-by-id; see
 ``serving.live_requests``). A model that turns FAILED, or is stopped, fails its pending requests at once.
+
+``update`` changes live knobs (``serving.knobs``) without a reload: the batcher takes its values at once
+(the engines at their next step), workers started later load with the new configuration, and the worker
+count moves inside the new ``[min_worker, max_worker]`` range. ``config`` always holds the effective values;
+those changed over the API have the source ``API``.
 """
 
 from __future__ import annotations
@@ -14,14 +19,16 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
+from serving import knobs
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.ports import BatchObserver, Clock, NullObserver
 from serving.batching.rolling import RollingBatcher
 from serving.batching.streams import ResultStream
 from serving.config import ModelConfig
-from serving.errors import Unavailable
+from serving.errors import HandlerError, InvalidRequest, Unavailable
 from serving.ipc.messages import Init
 from serving.live_requests import LiveRequests
 from serving.redact import scrub_paths
@@ -29,6 +36,8 @@ from serving.types import GenerationRequest, ModelState
 from serving.worker.pool import WorkerPool
 
 log = logging.getLogger(__name__)
+
+ENGINE_KNOBS = frozenset({"max_rolling_batch_size", "max_rolling_batch_prefill_tokens"})  # live engine options
 
 
 class ModelEndpoint:
@@ -45,6 +54,7 @@ class ModelEndpoint:
         self._observer = observer or NullObserver()
         self.load_time_s: float | None = None
         self._autoscaler: asyncio.Task[None] | None = None
+        self._update_lock = asyncio.Lock()
         b = config.batching
         self.batcher: DynamicBatcher | RollingBatcher
         if b.rolling:
@@ -92,17 +102,20 @@ class ModelEndpoint:
             self.load_time_s = time.monotonic() - t0
             log.info("model %s ready in %.1fs (%s batching)", self.name, self.load_time_s,
                      "rolling" if self.rolling else "dynamic")
-            if self.config.max_workers > self.pool.target:
-                self._autoscaler = asyncio.create_task(self._autoscale())
+            self._start_autoscaler()
+
+    def _start_autoscaler(self) -> None:
+        if self._autoscaler is None and self.config.max_workers > self.pool.target:
+            self._autoscaler = asyncio.create_task(self._autoscale())
 
     async def _autoscale(self, interval_s: float = 0.5) -> None:
         """DJL-style elasticity between minWorkers and maxWorkers: add a worker while requests keep
         queueing for two checks in a row; retire one after ``max_idle_time`` with nothing pending."""
-        c = self.config
         busy_checks = 0
         idle_since = time.monotonic()
         while self.state is ModelState.READY:
             await asyncio.sleep(interval_s)
+            c = self.config  # changed by update()
             now = time.monotonic()
             busy_checks = busy_checks + 1 if self.batcher.num_queued() > 0 else 0
             if self.batcher.num_pending():
@@ -144,6 +157,134 @@ class ModelEndpoint:
     async def scale(self, num_workers: int) -> None:
         await self.pool.scale(num_workers)
 
+    # --- live knobs ---
+    async def update(self, values: Mapping[str, int]) -> dict[str, Any]:
+        """Change live knobs (names and values checked by ``serving.knobs``; the worker range by the
+        registry). Everything is checked before anything changes. Raises ``InvalidRequest`` for a knob of the
+        other batching mode, a handler that cannot change one live, or ``min_worker`` > ``max_worker``;
+        ``Unavailable`` unless READY. Returns what changed and the effective knobs."""
+        async with self._update_lock:
+            if self.state is not ModelState.READY:
+                raise Unavailable(f"model {self.name!r} is {self.state.value}; its knobs change once it is READY",
+                                  retry_after_s=5)
+            new, changed = self._updated_config(values)
+            engine_options: dict[str, int] = {}
+            if ENGINE_KNOBS & set(changed):  # the engines get both limits, so that every one has the same
+                engine_options = {k: int(new.options[k]) for k in sorted(ENGINE_KNOBS)}
+            self.config = new
+            self.pool.update_init(new.handler_properties())
+            b = new.batching
+            answer: dict[str, Any] = {}
+            if isinstance(self.batcher, RollingBatcher):
+                acks = self.batcher.configure(max_rolling_batch_size=b.max_rolling_batch_size,
+                                              job_queue_size=b.job_queue_size, engine_options=engine_options)
+                answer["engines"] = await self._engine_answers(acks)
+            else:
+                answer["batches_before"] = self.batcher.num_batches  # the batches that went out before the change
+                self.batcher.configure(batch_size=b.batch_size, max_batch_delay_ms=b.max_batch_delay_ms,
+                                       job_queue_size=b.job_queue_size)
+            retiring: list[int] = []
+            if {"min_worker", "max_worker"} & set(changed):
+                target = min(max(self.pool.target, max(1, new.min_workers)), new.max_workers)
+                if target != self.pool.target or self.pool.num_serving != target:
+                    retiring = await self.pool.scale(target)
+                self._start_autoscaler()
+            log.info("model %s: changed over the API: %s", self.name,
+                     ", ".join(f"{k}={v}" for k, v in changed.items()))
+            return {"status": f"model {self.name!r} updated", "modelName": self.name, "changed": changed,
+                    **answer, "target_workers": self.pool.target, "retiring_workers": retiring,
+                    "knobs": self.knobs()}
+
+    def _updated_config(self, values: Mapping[str, int]) -> tuple[ModelConfig, dict[str, int]]:
+        """The config with ``values`` applied, and every knob whose value changes (a bound moved by the other
+        one included)."""
+        c, b = self.config, self.config.batching
+        mode = "rolling" if self.rolling else "dynamic"
+        wrong = [n for n in values if knobs.BY_NAME[n].applies not in ("any", mode)]
+        if wrong:
+            own = ", ".join(k.name for k in knobs.KNOBS if k.applies in ("any", mode))
+            raise InvalidRequest(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to model "
+                                 f"{self.name!r}: it uses {mode} batching (it changes {own})")
+        if "max_rolling_batch_prefill_tokens" in values:
+            fixed = [wid for wid, h in sorted(self.pool.workers.items())
+                     if "max_rolling_batch_prefill_tokens" not in h.live_options]
+            if fixed:
+                raise InvalidRequest(f"max_rolling_batch_prefill_tokens cannot change on a live model whose handler "
+                                     f"({c.entry_point!r}) does not support it: it needs a reload")
+        lo, hi = values.get("min_worker"), values.get("max_worker")
+        if lo is not None and hi is not None and lo > hi:
+            raise InvalidRequest(f"min_worker ({lo}) must be <= max_worker ({hi})")
+        min_workers = lo if lo is not None else min(c.min_workers, hi) if hi is not None else c.min_workers
+        max_workers = hi if hi is not None else max(c.max_workers, lo) if lo is not None else c.max_workers
+        wanted = {"batch_size": values.get("batch_size", b.batch_size),
+                  "max_batch_delay": values.get("max_batch_delay", b.max_batch_delay_ms),
+                  "max_rolling_batch_size": values.get("max_rolling_batch_size", b.max_rolling_batch_size),
+                  "max_rolling_batch_prefill_tokens": values.get("max_rolling_batch_prefill_tokens",
+                                                                 b.max_rolling_batch_prefill_tokens),
+                  "job_queue_size": values.get("job_queue_size", b.job_queue_size),
+                  "min_worker": min_workers, "max_worker": max_workers}
+        current = self._knob_values()
+        changed = {k: v for k, v in wanted.items() if k in values or v != current[k]}
+        batching = replace(b, batch_size=wanted["batch_size"], max_batch_delay_ms=wanted["max_batch_delay"],
+                           job_queue_size=wanted["job_queue_size"],
+                           max_rolling_batch_size=wanted["max_rolling_batch_size"],
+                           max_rolling_batch_prefill_tokens=wanted["max_rolling_batch_prefill_tokens"])
+        options = dict(c.options)
+        for name in ("max_rolling_batch_size", "max_rolling_batch_prefill_tokens"):
+            options[name] = str(wanted[name])
+        sources = dict(c.sources)
+        for name in changed:
+            sources[knobs.BY_NAME[name].key] = knobs.API_SOURCE
+        return replace(c, batching=batching, min_workers=min_workers, max_workers=max_workers,
+                       options=MappingProxyType(options), sources=MappingProxyType(sources)), changed
+
+    async def _engine_answers(self, acks: Mapping[int, asyncio.Future[Any]]) -> dict[str, Any]:
+        """Each worker's engine limits right after it applied the change (``Configured``), by worker id. A
+        worker that has not answered within ``liveness_timeout`` is reported ``pending`` (the change waits in
+        its queue); one that went away is left out (its replacement loads with the new values)."""
+        if not acks:
+            return {}
+        done, _ = await asyncio.wait(acks.values(), timeout=self.config.liveness_timeout_s)
+        out: dict[str, Any] = {}
+        refused = []
+        for wid, future in sorted(acks.items()):
+            if future not in done:
+                out[str(wid)] = "pending"
+                continue
+            msg = future.result()
+            if msg is None:
+                continue
+            if msg.error is not None:
+                refused.append(msg.error)
+                continue
+            out[str(wid)] = {k: msg.stats[k] for k in ("max_num_seqs", "max_num_batched_tokens", "limits",
+                                                       "num_running", "num_waiting", "num_steps_total")
+                             if k in msg.stats}
+        if refused:
+            raise HandlerError(f"model {self.name!r}: a worker's engine refused the new options ({refused[0]}); the "
+                               "frontend applies them, workers started later load with them")
+        return out
+
+    def _knob_values(self) -> dict[str, int]:
+        c, b = self.config, self.config.batching
+        return {"batch_size": b.batch_size, "max_batch_delay": b.max_batch_delay_ms,
+                "max_rolling_batch_size": b.max_rolling_batch_size,
+                "max_rolling_batch_prefill_tokens": b.max_rolling_batch_prefill_tokens,
+                "job_queue_size": b.job_queue_size, "min_worker": c.min_workers, "max_worker": c.max_workers}
+
+    def knobs(self) -> dict[str, dict[str, Any]]:
+        """Every live knob: its effective value, where it came from (``file``, ``env``, ``API``, ``default``),
+        the exact source (``serving.properties:3``, ``env SERVING_BATCH_SIZE``, ...) and whether it applies to
+        this model's batching."""
+        mode = "rolling" if self.rolling else "dynamic"
+        values = self._knob_values()
+        out: dict[str, dict[str, Any]] = {}
+        for knob in knobs.KNOBS:
+            raw = self.config.sources.get(knob.key, "default")
+            out[knob.name] = {"value": values[knob.name], "source": knobs.source_kind(raw), "from": raw,
+                              "applies": knob.applies in ("any", mode)}
+        return out
+
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests, wait up to ``timeout_s`` for in-flight ones, then stop the workers."""
         if self.state is ModelState.READY:
@@ -171,7 +312,8 @@ class ModelEndpoint:
             "job_queue_size": c.batching.job_queue_size, "min_workers": c.min_workers,
             "max_workers": c.max_workers, "target_workers": self.pool.target, "workers": self.pool.describe(),
             "worker_restarts": self.pool.num_restarts, "load_time_s": self.load_time_s,
-            "config": c.handler_properties(), "batcher": self.batcher.describe(),
+            "config": c.handler_properties(), "batcher": self.batcher.describe(), "knobs": self.knobs(),
+            "sources": {key: {"source": knobs.source_kind(raw), "from": raw} for key, raw in sorted(c.sources.items())},
         }
 
 
@@ -201,6 +343,9 @@ class FailedEndpoint:
         self.state = ModelState.UNLOADED
 
     async def scale(self, num_workers: int) -> None:
+        raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
+
+    async def update(self, values: Mapping[str, int]) -> dict[str, Any]:
         raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
 
     def describe(self) -> dict[str, Any]:

@@ -6,7 +6,9 @@ inside the store (no ``..``, no absolute paths). A model whose configuration is 
 FAILED with the reason, and the others keep serving.
 
 The model API (register, scale, unregister) is refused unless ``enable_model_api=true``; registrations are
-capped (``max_models`` models, ``max_workers_per_model`` workers). ``startup_models`` are the models of
+capped (``max_models`` models, ``max_workers_per_model`` workers). ``update_model`` changes a live model's
+knobs (``serving.knobs``): batching and queue knobs need only the management token (the frontends check it),
+worker counts are scaling and need the model API too. ``startup_models`` are the models of
 ``load_models`` that readiness waits for (see ``serving.health``); ``live`` maps client request ids.
 """
 
@@ -16,7 +18,9 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from serving import knobs
 from serving.batching.ports import BatchObserver
 from serving.config import ModelConfig, ServerConfig, load_model_config, validate_model_name
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
@@ -155,6 +159,16 @@ class ModelRegistry:
         self.check_num_workers(num_workers, "the number of workers", minimum=1)
         await ep.scale(num_workers)
         return ep
+
+    async def update_model(self, name: str, values: Mapping[str, int]) -> dict[str, Any]:
+        """Change live knobs of a model (names and values checked by ``serving.knobs``). ``min_worker`` and
+        ``max_worker`` need the model API (as scaling) and lie in 1..``max_workers_per_model``."""
+        workers = [key for key in knobs.WORKER_KNOBS if key in values]
+        if workers:
+            self.require_model_api(f"changing a model's workers ({', '.join(workers)})")
+            for key in workers:
+                self.check_num_workers(values[key], key, minimum=1)
+        return await self.get(name).update(values)
 
     def require_model_api(self, what: str) -> None:
         """Raise ``Forbidden`` unless ``enable_model_api=true``."""

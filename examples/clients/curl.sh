@@ -22,4 +22,6 @@ AUTH="Authorization: Bearer $(python3 -c "import json,sys; print(json.load(open(
   -d "{\"model\": \"$MODEL\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": 8}"; echo
 "${CURL[@]}" -H "$AUTH" "$M/models"; echo
 "${CURL[@]}" -H "$AUTH" "$M/models/$MODEL"; echo
+# Change a knob of the live model without a reload (README: "Changing a live model"): the engine's batch limit.
+"${CURL[@]}" -X PUT -H "$AUTH" "$M/models/$MODEL?max_rolling_batch_size=32"; echo
 "${CURL[@]}" -H "$AUTH" "$M/metrics" | sed -n '/^rollserve_requests_total/p'

@@ -141,6 +141,20 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def configure(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+        """Change the running batch's size and the step's token budget from the next step on (None keeps a
+        value); running requests are never preempted to comply. The KV cache and the activation allowance keep
+        the sizes planned at load: a larger batch than planned may preempt for blocks, a larger token budget
+        uses activation memory beyond the plan (logged)."""
+        planned = self.memory_plan.max_num_batched_tokens
+        if max_num_batched_tokens is not None and max_num_batched_tokens > planned:
+            logger.warning("max_rolling_batch_prefill_tokens=%d exceeds the %d tokens the memory plan reserved "
+                           "activations for at load", max_num_batched_tokens, planned)
+        self.scheduler.set_limits(max_num_seqs, max_num_batched_tokens)
+        cfg = self.scheduler.config
+        logger.info("engine limits: max_rolling_batch_size=%d, max_rolling_batch_prefill_tokens=%d (from the "
+                    "next step)", cfg.max_num_seqs, cfg.max_num_batched_tokens)
+
     # ------------------------------------------------------------------- step
     def step(self) -> list[TokenDelta]:
         """Run one iteration; returns a delta for every request that produced a token."""
@@ -189,7 +203,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
-        """Gauges and counters; ``blocks_held`` maps each live request id to its number of KV blocks."""
+        """Gauges and counters; ``blocks_held`` maps each live request id to its number of KV blocks;
+        ``max_num_seqs``/``max_num_batched_tokens`` are the limits in force and ``limits`` what the steps since
+        they last changed did (``scheduler.LimitsRecord``)."""
         alloc = self.scheduler.allocator
         return {
             "num_running": len(self.scheduler.running),
@@ -202,6 +218,9 @@ class LLMEngine:
             "prefix_cache_queries_total": alloc.prefix_queries,
             "prefix_cache_hits_total": alloc.prefix_hits,
             **self._counters,
+            "max_num_seqs": self.scheduler.config.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
+            "limits": self.scheduler.limits.as_dict(),
             "blocks_held": {s.request_id: s.num_live_blocks for s in self.scheduler.live_sequences()},
         }
 

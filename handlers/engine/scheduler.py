@@ -9,13 +9,19 @@ running sequence is preempted: its blocks are freed and it goes back to the fron
 recomputed from its tokens later. When every layer of the model attends within one sliding window,
 blocks that fell wholly out of it are freed after each step (as vLLM does): a long sequence then holds
 about window / block_size blocks instead of its whole length.
+
+``set_limits`` changes ``max_num_seqs`` and ``max_num_batched_tokens`` of a live scheduler; the next
+``schedule`` plans with them. A batch size lowered below the running count admits nothing until fewer than
+the new limit run; no sequence is preempted to comply. ``LimitsRecord`` tells what the steps since the last
+change did (how many they admitted, the largest running batch an admitting step left), so a caller can see
+that a change took effect at the next step.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from handlers.engine.kv_cache import BlockAllocator, block_key
 from handlers.engine.sequence import FREED_BLOCK, Sequence, SequenceStatus
@@ -62,6 +68,30 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
+@dataclass(slots=True)
+class LimitsRecord:
+    """What the scheduler did since its limits last changed (``set_limits``); all zero before any change.
+
+    ``first_step_admitted`` is how many sequences the first ``schedule`` after the change admitted (None
+    until it ran); ``peak_running_admitting`` the largest running batch that a step which admitted anything
+    left since the change (a lowered ``max_num_seqs`` bounds it once fewer sequences run)."""
+
+    changes: int = 0
+    changed_at_schedule: int = 0  # the scheduler's schedule() count when the change was applied
+    running_at_change: int = 0
+    waiting_at_change: int = 0
+    first_step_admitted: int | None = None
+    admitted_since_change: int = 0
+    peak_running_admitting: int = 0
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {"changes": self.changes, "changed_at_schedule": self.changed_at_schedule,
+                "running_at_change": self.running_at_change, "waiting_at_change": self.waiting_at_change,
+                "first_step_admitted": self.first_step_admitted,
+                "admitted_since_change": self.admitted_since_change,
+                "peak_running_admitting": self.peak_running_admitting}
+
+
 class Scheduler:
     """FCFS continuous-batching scheduler with chunked prefill, prefix caching and recompute preemption."""
 
@@ -72,6 +102,21 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.num_schedules = 0
+        self.limits = LimitsRecord()
+
+    def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+        """Change the batch size and the token budget of the coming steps (None keeps a value). Sequences
+        already running keep running; the next ``schedule`` admits under the new limits."""
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.config = replace(self.config,
+                              max_num_seqs=self.config.max_num_seqs if max_num_seqs is None else max_num_seqs,
+                              max_num_batched_tokens=self.config.max_num_batched_tokens
+                              if max_num_batched_tokens is None else max_num_batched_tokens)
+        self.limits = LimitsRecord(changes=self.limits.changes + 1, changed_at_schedule=self.num_schedules,
+                                   running_at_change=len(self.running), waiting_at_change=len(self.waiting))
 
     # --------------------------------------------------------------- requests
     def add(self, seq: Sequence) -> None:
@@ -145,6 +190,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, prefill_budget)
             if self._plan(seq, n, planned, preempted):
                 prefill_budget -= n
+        admitted = 0
         if not preempted:
             while self.waiting and prefill_budget > 0 and len(self.running) < self.config.max_num_seqs:
                 chunk = self._admit(self.waiting[0], prefill_budget)
@@ -153,7 +199,20 @@ class Scheduler:
                 self.waiting.popleft()
                 planned[id(chunk.seq)] = chunk
                 prefill_budget -= chunk.num_tokens
+                admitted += 1
+        self._record(admitted)
         return SchedulerOutput(tuple(planned.values()), tuple(preempted))
+
+    def _record(self, admitted: int) -> None:
+        self.num_schedules += 1
+        record = self.limits
+        if not record.changes:
+            return
+        if record.first_step_admitted is None:
+            record.first_step_admitted = admitted
+        if admitted:
+            record.admitted_since_change += admitted
+            record.peak_running_admitting = max(record.peak_running_admitting, len(self.running))
 
     def _plan(self, seq: Sequence, n: int, planned: dict[int, ScheduledChunk], preempted: list[str]) -> bool:
         """Plan ``n`` tokens of a running sequence (preempting others for blocks if needed)."""

@@ -5,6 +5,12 @@ until ``batch_size`` or ``max_batch_delay_ms`` after the first was picked up, an
 Results come back per item, so one item's failure never fails its batch-mates. A worker that dies with a
 batch in flight gets each request retried once (nothing reached the client yet), then failed. A request
 whose client left before dispatch is dropped when the batch is gathered.
+
+``configure`` changes ``batch_size``, ``max_batch_delay`` and ``job_queue_size`` of the live batcher: the
+batch being gathered is re-checked at once (its delay counts from its first request with the new value, and
+requests beyond a lowered size go back to the front of the queue), so every batch dispatched afterwards
+follows the new values. ``retire`` stops sending batches to a worker that is being scaled away;
+``worker_load`` tells how many of its requests are still in flight.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class DynamicBatcher:
         self._watch_task: asyncio.Task[None] | None = None
         self.max_queue_time_s = max_queue_time_s
         self._rate = ServiceRate(clock)
+        self._retiring: set[int] = set()  # worker ids that get no new batch (scaled away)
         self.num_batches = 0
 
     def start(self) -> None:
@@ -153,7 +160,33 @@ class DynamicBatcher:
 
     def describe(self) -> dict[str, Any]:
         return {"mode": "dynamic", "queued": len(self._queue), "in_flight_batches": len(self._inflight),
-                "idle_workers": len(self._idle), "batches_total": self.num_batches}
+                "idle_workers": len(self._idle), "batches_total": self.num_batches, "batch_size": self.batch_size,
+                "max_batch_delay": round(self.max_batch_delay_s * 1000), "job_queue_size": self.job_queue_size}
+
+    # --- live knobs ---
+    def configure(self, batch_size: int | None = None, max_batch_delay_ms: int | None = None,
+                  job_queue_size: int | None = None) -> None:
+        """New values from the batch being gathered on (None keeps a value). A smaller ``job_queue_size``
+        refuses new requests while more wait; it never drops a queued one."""
+        if batch_size is not None:
+            self.batch_size = batch_size
+        if max_batch_delay_ms is not None:
+            self.max_batch_delay_s = max_batch_delay_ms / 1000.0
+        if job_queue_size is not None:
+            self.job_queue_size = job_queue_size
+        self._changed.set()  # the gathering loop re-checks its batch against the new values
+
+    def worker_load(self, worker: Worker) -> int:
+        """Requests of ``worker``'s batches in flight (and of the batch being gathered for it)."""
+        load = sum(len(b) for w, b, _ in self._inflight.values() if w is worker)
+        return load + (len(self._gathering) if self._current_worker is worker else 0)
+
+    def retire(self, worker: Worker) -> None:
+        """Send ``worker`` no new batch; its batches in flight finish as usual (see ``worker_load``)."""
+        self._retiring.add(worker.worker_id)
+        if worker in self._idle:
+            self._idle.remove(worker)
+        self._changed.set()
 
     # --- workers ---
     def worker_ready(self, worker: Worker) -> None:
@@ -161,6 +194,7 @@ class DynamicBatcher:
         self._changed.set()
 
     def worker_lost(self, worker: Worker) -> None:
+        self._retiring.discard(worker.worker_id)
         if worker in self._idle:
             self._idle.remove(worker)
         for batch_id, (w, batch, timer) in list(self._inflight.items()):
@@ -202,7 +236,7 @@ class DynamicBatcher:
                           self.model, type(exc).__name__)
                 p.stream.fail(HandlerError("the model's handler returned a malformed answer for this request"))
             self._rate.record()
-        if worker.alive:
+        if worker.alive and worker.worker_id not in self._retiring:
             self._idle.append(worker)
         self._changed.set()
 
@@ -233,6 +267,7 @@ class DynamicBatcher:
                     p.stream.fail(ServingError("internal error while batching this request"))
                 worker, self._current_worker = self._current_worker, None
                 if worker is not None and worker.alive and worker not in self._idle and \
+                        worker.worker_id not in self._retiring and \
                         all(w is not worker for w, _, _ in self._inflight.values()):
                     self._idle.append(worker)
 
@@ -245,12 +280,13 @@ class DynamicBatcher:
             return
         self._current_worker = worker
         batch = self._gathering = [self._queue.popleft()]
-        deadline = self._clock() + self.max_batch_delay_s
-        while len(batch) < self.batch_size:
+        started = self._clock()
+        # batch_size and max_batch_delay_s are read on every pass: configure() wakes this loop
+        while len(batch) < self.batch_size and worker.worker_id not in self._retiring:
             if self._live_queue():
                 batch.append(self._queue.popleft())
                 continue
-            remaining = deadline - self._clock()
+            remaining = started + self.max_batch_delay_s - self._clock()
             if remaining <= 0:
                 break
             self._changed.clear()
@@ -258,9 +294,16 @@ class DynamicBatcher:
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except asyncio.TimeoutError:
                 break
+        while len(batch) > self.batch_size:  # the size was lowered meanwhile: the newest go back, in order
+            self._queue.appendleft(batch.pop())
         batch = [p for p in batch if not p.stream.done]
         self._gathering = []
         self._current_worker = None
+        if worker.worker_id in self._retiring:  # scaled away meanwhile: the batch waits for another worker
+            for p in reversed(batch):
+                self._queue.appendleft(p)
+            self._changed.set()
+            return
         if not batch:
             self._idle.appendleft(worker)
             return

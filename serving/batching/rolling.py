@@ -11,13 +11,22 @@ No request waits forever: a watch task fails requests queued longer than ``max_q
 ``Retry-After`` from the measured service rate) and is the liveness watchdog: a worker with requests
 admitted that reports no step for ``liveness_timeout_s`` is killed (its pool restarts it) after its
 requests are failed with a definite error. A FAILED or unregistered model fails its requests at once.
+
+``configure`` changes ``max_rolling_batch_size``, ``job_queue_size`` and the engines' live options on the
+running model: admission follows the new size at once (a lowered one admits nothing until fewer run, and
+nothing is preempted), then every worker gets a ``Configure`` frame after the ``Add`` frames of the requests
+that the new size admitted, so the engine's next step plans them under its new limits; each worker answers
+``Configured``. A worker started later gets the same options before its first request. ``retire`` stops
+admitting into a worker that is being scaled away; ``worker_load`` tells how many of its requests still run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from serving.batching.pacing import ServiceRate, send_each
@@ -33,7 +42,7 @@ from serving.errors import (
     WorkerFailed,
     error_from_kind,
 )
-from serving.ipc.messages import Abort, Add, Deltas, Reject
+from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Reject
 from serving.types import GenerationRequest, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -73,6 +82,10 @@ class RollingBatcher:
         self.engine_stats: dict[int, dict[str, Any]] = {}
         self.num_steps = 0
         self.num_watchdog_kills = 0
+        self.engine_options: dict[str, int] = {}  # live options changed over the API (sent to every worker)
+        self._configure_seq = itertools.count(1)
+        self._acks: dict[tuple[int, int], asyncio.Future[Configured | None]] = {}  # (worker id, seq)
+        self._retiring: set[int] = set()  # worker ids admitting nothing new (scaled away)
 
     def start(self) -> None:
         limits = [t for t in (self.max_queue_time_s, self.liveness_timeout_s) if t]
@@ -151,7 +164,8 @@ class RollingBatcher:
 
     def describe(self) -> dict[str, Any]:
         return {"mode": "rolling", "waiting": len(self._waiting), "running": len(self._running),
-                "max_rolling_batch_size": self.max_rolling_batch_size, "steps_total": self.num_steps,
+                "max_rolling_batch_size": self.max_rolling_batch_size, "job_queue_size": self.job_queue_size,
+                "steps_total": self.num_steps,
                 "watchdog_restarts": self.num_watchdog_kills,
                 "engines": {str(k): self._by_client_id(v) for k, v in self.engine_stats.items()}}
 
@@ -163,19 +177,62 @@ class RollingBatcher:
         names = {rid: e.request.client_id or rid for rid, e in self._running.items()}
         return {**stats, "blocks_held": {names.get(rid, rid): n for rid, n in held.items()}}
 
+    # --- live knobs ---
+    def configure(self, max_rolling_batch_size: int | None = None, job_queue_size: int | None = None,
+                  engine_options: Mapping[str, int] | None = None) -> dict[int, asyncio.Future[Configured | None]]:
+        """Apply new values (None keeps one). ``engine_options`` (``max_rolling_batch_size``,
+        ``max_rolling_batch_prefill_tokens``) go to every worker's engine after the requests the new size
+        admits; returns one future per worker id, resolved with its ``Configured`` answer (None when the
+        worker went away first). A smaller ``job_queue_size`` refuses new requests while more wait; it drops none."""
+        if job_queue_size is not None:
+            self.job_queue_size = job_queue_size
+        if max_rolling_batch_size is not None:
+            self.max_rolling_batch_size = max_rolling_batch_size
+        self._pump()  # a raised size admits waiting requests now: their Add frames go before the Configure
+        if not engine_options:
+            return {}
+        self.engine_options.update(engine_options)
+        return {w.worker_id: self._send_configure(w) for w in self._workers if w.alive}
+
+    def _send_configure(self, worker: Worker) -> asyncio.Future[Configured | None]:
+        seq = next(self._configure_seq)
+        future: asyncio.Future[Configured | None] = asyncio.get_running_loop().create_future()
+        try:
+            worker.send(Configure(seq=seq, options=dict(self.engine_options)))
+        except ConnectionError:
+            future.set_result(None)  # a restarted worker gets the options when it is ready
+            return future
+        self._acks[(worker.worker_id, seq)] = future
+        return future
+
+    def worker_load(self, worker: Worker) -> int:
+        """Requests admitted into ``worker`` that have not finished."""
+        return self._load.get(worker.worker_id, 0)
+
+    def retire(self, worker: Worker) -> None:
+        """Admit nothing new into ``worker``; its running requests finish as usual (see ``worker_load``)."""
+        self._retiring.add(worker.worker_id)
+
     # --- workers ---
     def worker_ready(self, worker: Worker) -> None:
         self._workers.append(worker)
         self._load[worker.worker_id] = 0
         self._progress[worker.worker_id] = self._clock()
+        if self.engine_options:  # changed over the API since this worker's Init was made: before any Add
+            self._send_configure(worker)
         self._pump()
 
     def worker_lost(self, worker: Worker) -> None:
         if worker in self._workers:
             self._workers.remove(worker)
+        self._retiring.discard(worker.worker_id)
         self._load.pop(worker.worker_id, None)
         self._progress.pop(worker.worker_id, None)
         self.engine_stats.pop(worker.worker_id, None)
+        for key in [k for k in self._acks if k[0] == worker.worker_id]:
+            future = self._acks.pop(key)
+            if not future.done():
+                future.set_result(None)
         requeue: list[_Admitted] = []
         for rid, entry in list(self._running.items()):
             if entry.worker is not worker:
@@ -202,6 +259,15 @@ class RollingBatcher:
             for d in msg.deltas:
                 self._deliver(d)
             self._pump()
+        elif isinstance(msg, Configured):
+            if msg.error is None:
+                self.engine_stats[worker.worker_id] = msg.stats
+            else:
+                log.error("model %s: worker %d refused the new engine options: %s", self.model, worker.worker_id,
+                          msg.error)
+            future = self._acks.pop((worker.worker_id, msg.seq), None)
+            if future is not None and not future.done():
+                future.set_result(msg)
         elif isinstance(msg, Reject):
             entry = self._running.pop(msg.request_id, None)
             if entry is not None:
@@ -277,7 +343,8 @@ class RollingBatcher:
     def _least_loaded(self) -> Worker | None:
         best: Worker | None = None
         for w in self._workers:
-            if w.alive and self._load.get(w.worker_id, 0) < self.max_rolling_batch_size:
+            if w.alive and w.worker_id not in self._retiring and \
+                    self._load.get(w.worker_id, 0) < self.max_rolling_batch_size:
                 if best is None or self._load[w.worker_id] < self._load[best.worker_id]:
                     best = w
         return best

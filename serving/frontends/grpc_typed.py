@@ -3,7 +3,8 @@
 Design note: a translation only. Typed sampling fields that the client set (proto3 presence) go through
 ``build_sampling_params``, so a bad value gets the HTTP message. ``GenerateStream`` sends one message per
 generated token (rolling-batch models); the last message carries the finish reason and the request's
-timings. Management mirrors the HTTP management API over the same registry.
+timings. Management mirrors the HTTP management API over the same registry (``UpdateModel`` is
+``PUT /models/{name}``: the knobs the client set, checked by ``serving.knobs``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format, struct_pb2
 
+from serving import knobs
 from serving.batching.streams import ResultStream
 from serving.errors import InvalidRequest
 from serving.frontends.grpc_calls import (
@@ -182,6 +184,14 @@ class ManagementServicer(pb_grpc.ManagementServicer):
     async def ScaleWorkers(self, msg: Any, context: grpc.aio.ServicerContext) -> pb.ScaleWorkersResponse:
         ep = await self.registry.scale(msg.name, msg.num_workers)
         return pb.ScaleWorkersResponse(name=ep.name, num_workers=msg.num_workers)
+
+    @guarded
+    async def UpdateModel(self, msg: Any, context: grpc.aio.ServicerContext) -> pb.UpdateModelResponse:
+        values = knobs.check_values({k.name: getattr(msg, k.name) for k in knobs.KNOBS if msg.HasField(k.name)})
+        answer = await self.registry.update_model(msg.name, values)
+        details = struct_pb2.Struct()
+        json_format.ParseDict(json.loads(json.dumps(answer, default=str)), details)
+        return pb.UpdateModelResponse(name=msg.name, details=details)
 
     @guarded
     async def UnregisterModel(self, msg: Any, context: grpc.aio.ServicerContext) -> pb.UnregisterModelResponse:

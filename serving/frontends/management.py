@@ -1,11 +1,13 @@
 """Management API (DJL/TorchServe shape) on its own address.
 
 ``GET /models``, ``GET /models/{name}``, ``POST /models?url=&model_name=&batch_size=&max_batch_delay=&
-min_worker=&max_worker=&synchronous=``, ``PUT /models/{name}?min_worker=&max_worker=``,
+min_worker=&max_worker=&synchronous=``, ``PUT /models/{name}?batch_size=&max_batch_delay=&
+max_rolling_batch_size=&max_rolling_batch_prefill_tokens=&job_queue_size=&min_worker=&max_worker=``,
 ``DELETE /models/{name}``, ``DELETE /requests/{request_id}``, ``GET /ping``. Registration only accepts a
-folder inside the model store (the registry enforces it). Registering, scaling and unregistering need
-``enable_model_api=true`` (403 otherwise; the registry decides). Query integers are ASCII digits only.
-``DELETE /requests/{id}`` cancels by the client's id (``X-Request-Id``).
+folder inside the model store (the registry enforces it). Registering, scaling (``min_worker``/``max_worker``
+of a PUT) and unregistering need ``enable_model_api=true`` (403 otherwise; the registry decides); the other
+knobs of a PUT change a live model with the management token alone (``serving.knobs``). Query integers are
+ASCII digits only. ``DELETE /requests/{id}`` cancels by the client's id (``X-Request-Id``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from serving import knobs
 from serving.errors import InvalidRequest, ModelNotFound, ServingError
 from serving.frontends.httpio import REQUEST_ID_HEADER, HttpContext, error_response, request_id
 
@@ -29,7 +32,7 @@ class Registry(Protocol):
     def resolve_url(self, url: str) -> Any: ...
     async def register(self, name: str, model_dir: Any, overrides: dict[str, str], wait: bool = True) -> Any: ...
     async def unregister(self, name: str, drain_timeout_s: float) -> None: ...
-    async def scale(self, name: str, num_workers: int) -> Any: ...
+    async def update_model(self, name: str, values: dict[str, int]) -> dict[str, Any]: ...
     def require_model_api(self, what: str) -> None: ...
 
 
@@ -59,7 +62,7 @@ class ManagementRoutes:
         routes = [Route("/models", self.list_models, methods=["GET"]),
                   Route("/models", self.register, methods=["POST"]),
                   Route("/models/{name}", self.describe, methods=["GET"]),
-                  Route("/models/{name}", self.scale, methods=["PUT"]),
+                  Route("/models/{name}", self.update, methods=["PUT"]),
                   Route("/models/{name}", self.unregister, methods=["DELETE"]),
                   Route("/requests/{request_id}", self.cancel_request, methods=["DELETE"])]
         if self.metrics_route is not None:
@@ -107,20 +110,11 @@ class ManagementRoutes:
                 200 if sync else 202
         return await self._guard(request, run)
 
-    async def scale(self, request: Request) -> Response:
+    async def update(self, request: Request) -> Response:
+        """Change knobs of a live model (``serving.knobs``): every one checked before any changes."""
         async def run() -> tuple[Any, int]:
-            self.registry.require_model_api("scaling a model")
-            name = request.path_params["name"]
-            self.registry.get(name)
-            lo, hi = _int_param(request, "min_worker"), _int_param(request, "max_worker")
-            if lo is None and hi is None:
-                raise InvalidRequest("give min_worker and/or max_worker")
-            target = lo if lo is not None else hi
-            assert target is not None
-            if hi is not None and lo is not None and lo > hi:
-                raise InvalidRequest(f"min_worker ({lo}) must be <= max_worker ({hi})")
-            ep = await self.registry.scale(name, target)
-            return {"status": f"model {ep.name!r} scaled to {target} workers"}, 200
+            values = knobs.parse_query(request.query_params.multi_items())
+            return await self.registry.update_model(request.path_params["name"], values), 200
         return await self._guard(request, run)
 
     async def unregister(self, request: Request) -> Response:

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from serving import knobs
 from serving.params import Limits
 
 ERRORS = {
@@ -181,8 +182,11 @@ def management_document(limits: Limits, models: Sequence[str] = ()) -> dict[str,
                         _query("synchronous", {"type": "string"})], "responses": _responses(obj, mgmt)}},
         "/models/{name}": {"get": {"summary": "describe a model", "parameters": [_path_param("name")],
                                    "responses": _responses(obj, mgmt)},
-                           "put": {"summary": "scale workers", "parameters": [
-                               _path_param("name"), _query("min_worker", ints), _query("max_worker", ints)],
+                           "put": {"summary": "change knobs of the live model without a reload (min_worker and "
+                                              "max_worker need enable_model_api)", "parameters": [
+                               _path_param("name"),
+                               *[_query(k.name, {"type": "integer", "minimum": k.minimum, "maximum": knobs.MAX_VALUE,
+                                                 "description": k.meaning}) for k in knobs.KNOBS]],
                                "responses": _responses(obj, mgmt)},
                            "delete": {"summary": "unregister", "parameters": [_path_param("name")],
                                       "responses": _responses(obj, mgmt)}},

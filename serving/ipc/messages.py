@@ -4,8 +4,8 @@ Design note: every frame is one msgpack map with a type tag ``t``; these datacla
 shapes allowed on the channel (``decode_message`` rejects anything else), so nothing received can
 execute code. Requests and deltas travel in the dict forms defined in ``serving.types``.
 
-Frontend -> worker: Init, Batch (dynamic), Add / Abort (rolling), Shutdown.
-Worker -> frontend: Ready, LoadFailed, BatchResult, Deltas, Reject.
+Frontend -> worker: Init, Batch (dynamic), Add / Abort / Configure (rolling), Shutdown.
+Worker -> frontend: Ready, LoadFailed, BatchResult, Deltas, Reject, Configured (rolling).
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ class Init:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    """The handler loaded; ``info`` is the handler's ``describe()``."""
+    """The handler loaded; ``info`` is the handler's ``describe()``; ``live_options`` the options its
+    ``configure`` changes while it runs (rolling handlers)."""
 
     TAG: ClassVar[str] = "ready"
     pid: int
     info: dict[str, Any] = field(default_factory=dict)
+    live_options: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +100,36 @@ class Reject:
 
 
 @dataclass(frozen=True, slots=True)
+class Configure:
+    """Rolling: new values of live options (``max_rolling_batch_size``, ...), applied between two steps,
+    after every frame sent before it. ``seq`` numbers the change; the worker answers ``Configured``."""
+
+    TAG: ClassVar[str] = "configure"
+    seq: int
+    options: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Configured:
+    """Rolling: change ``seq`` is in force from the next step on (``stats``: the engine's right after it), or
+    was refused (``error``; nothing changed)."""
+
+    TAG: ClassVar[str] = "configured"
+    seq: int
+    stats: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     TAG: ClassVar[str] = "shutdown"
 
 
-Message = Union[Init, Ready, LoadFailed, Batch, BatchResult, Add, Abort, Deltas, Reject, Shutdown]
+Message = Union[Init, Ready, LoadFailed, Batch, BatchResult, Add, Abort, Deltas, Reject, Configure, Configured,
+                Shutdown]
 MESSAGE_TYPES: dict[str, type] = {
-    cls.TAG: cls for cls in (Init, Ready, LoadFailed, Batch, BatchResult, Add, Abort, Deltas, Reject, Shutdown)
+    cls.TAG: cls for cls in (Init, Ready, LoadFailed, Batch, BatchResult, Add, Abort, Deltas, Reject, Configure,
+                             Configured, Shutdown)
 }
 
 

@@ -41,6 +41,7 @@ class WorkerHandle:
         self.worker_id = worker_id
         self.init = init
         self.info: dict[str, Any] = {}
+        self.live_options: frozenset[str] = frozenset()  # what the handler's configure() changes (Ready)
         self.pid: int | None = None
         self.alive = False
         self.ready_at: float | None = None  # time.monotonic() when the worker answered Ready
@@ -83,6 +84,7 @@ class WorkerHandle:
             if not isinstance(first, Ready):
                 raise WorkerLoadError("worker exited before it was ready")
             self.info = dict(first.info)
+            self.live_options = frozenset(first.live_options)
             self.alive = True
             self.ready_at = time.monotonic()
             self._reader_task = asyncio.create_task(self._read_loop(reader, decoder))

@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         conn.send(LoadFailed(reason=f"entry point {init.entry_point!r} is not {want} "
                                     "(check option.rolling_batch and option.entryPoint)"))
         return
-    conn.send(Ready(pid=os.getpid(), info=handler.describe()))
+    conn.send(Ready(pid=os.getpid(), info=handler.describe(),
+                    live_options=sorted(getattr(handler, "live_options", frozenset()))))
     try:
         if init.rolling:
             serve_rolling(conn, handler, init.model_name, redact)

@@ -6,6 +6,10 @@ restarted with exponential backoff: the delay doubles with each crash of a worke
 ``stable_after_s`` (a crash loop backs off to 30 s between starts), and starts over after a worker that did.
 A model whose workers fail to load ``max_load_attempts`` times in a row is FAILED with the reason and is not
 retried again, so a broken model never spins the CPU.
+
+Scaling down retires the idlest workers (fewest requests in flight; the newest on a tie): the batcher stops
+giving them work at once, and each one is stopped only after its requests in flight finished, so no request
+is lost or retried. ``update_init`` makes workers started later load with a changed configuration.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class WorkerEvents(Protocol):
     def worker_ready(self, worker: WorkerHandle) -> None: ...
     def worker_lost(self, worker: WorkerHandle) -> None: ...
     def on_message(self, worker: WorkerHandle, msg: Message) -> None: ...
+    def worker_load(self, worker: WorkerHandle) -> int: ...
+    def retire(self, worker: WorkerHandle) -> None: ...
 
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 
@@ -62,6 +68,7 @@ class WorkerPool:
         self.last_error: str | None = None
         self._stopping = False
         self._retiring: set[int] = set()
+        self._scale_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self.info: dict[str, Any] = {}
 
@@ -69,6 +76,15 @@ class WorkerPool:
     def num_starting(self) -> int:
         """Workers being spawned or loading right now."""
         return self._starting
+
+    @property
+    def num_serving(self) -> int:
+        """Workers that take new requests (ready, not being retired)."""
+        return sum(1 for wid in self.workers if wid not in self._retiring)
+
+    def update_init(self, properties: dict[str, str]) -> None:
+        """Workers started from now on load with these handler properties (a changed live knob)."""
+        self._init = replace(self._init, properties=dict(properties))
 
     async def start(self) -> bool:
         """Start ``target`` workers; returns True once at least one is ready (False if loading failed)."""
@@ -127,7 +143,7 @@ class WorkerPool:
 
     async def _restart_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
-        if not self._stopping and len(self.workers) + self._starting < self.target:
+        if not self._stopping and self.num_serving + self._starting < self.target:
             await self._start_one()
 
     def _spawn(self, coro: Any) -> None:
@@ -136,17 +152,31 @@ class WorkerPool:
         task.add_done_callback(self._tasks.discard)
 
     # --- management ---
-    async def scale(self, num_workers: int) -> None:
-        """Grow or shrink to ``num_workers`` (>= 1). Shrinking stops idle-most workers gracefully."""
-        self.target = max(1, num_workers)
-        extra = self.target - len(self.workers) - self._starting
-        if extra > 0:
-            await asyncio.gather(*(self._start_one() for _ in range(extra)))
-        while len(self.workers) > self.target:
-            wid, handle = self.workers.popitem()
-            self._retiring.add(wid)
-            self._batcher.worker_lost(handle)
-            await handle.stop()
+    async def scale(self, num_workers: int) -> list[int]:
+        """Grow or shrink to ``num_workers`` (>= 1) serving workers. Growing waits until the new workers are
+        ready; shrinking retires the idlest workers in the background (see the module note). Returns the ids
+        of the workers being retired."""
+        async with self._scale_lock:
+            self.target = max(1, num_workers)
+            extra = self.target - self.num_serving - self._starting
+            if extra > 0:
+                await asyncio.gather(*(self._start_one() for _ in range(extra)))
+            retired: list[int] = []
+            while self.num_serving > self.target:
+                serving = [h for wid, h in self.workers.items() if wid not in self._retiring]
+                handle = min(serving, key=lambda h: (self._batcher.worker_load(h), -h.worker_id))
+                self._retiring.add(handle.worker_id)
+                self._batcher.retire(handle)
+                retired.append(handle.worker_id)
+                log.info("model %s: retiring worker %d (pid %s) once its %d requests in flight finish", self.model,
+                         handle.worker_id, handle.pid, self._batcher.worker_load(handle))
+                self._spawn(self._retire(handle))
+            return retired
+
+    async def _retire(self, handle: WorkerHandle, poll_s: float = 0.02) -> None:
+        while handle.alive and self._batcher.worker_load(handle) > 0:
+            await asyncio.sleep(poll_s)
+        await handle.stop()
 
     async def stop(self) -> None:
         self._stopping = True
@@ -157,5 +187,6 @@ class WorkerPool:
         self.workers.clear()
 
     def describe(self) -> list[dict[str, Any]]:
-        return [{"id": wid, "pid": h.pid, "status": "READY" if h.alive else "STOPPED"}
+        return [{"id": wid, "pid": h.pid, "in_flight": self._batcher.worker_load(h),
+                 "status": "STOPPED" if not h.alive else "RETIRING" if wid in self._retiring else "READY"}
                 for wid, h in sorted(self.workers.items())]

@@ -10,6 +10,10 @@ fails the requests it ran. ``max_step_failures`` failures in a row that no verif
 broken engine blames everyone), or a handler that reports itself unhealthy (a dead tensor-parallel rank),
 end the loop with ``WorkerUnhealthy``: the worker exits and its pool restarts it (requests that had
 produced nothing are retried once there, the others fail definitely).
+
+``Configure`` (``PUT /models/{name}``) is applied where it stands in the inbox, between two steps: the
+requests added before it are in the engine when the new limits take effect, and the next step plans with
+them. The loop answers ``Configured`` with the engine's stats right after the change (or the refusal).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from serving.errors import ErrorKind, ServingError
-from serving.ipc.messages import Abort, Add, Deltas, Message, Reject, Shutdown
+from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
 
 log = logging.getLogger("serving.worker")
 
@@ -100,6 +104,8 @@ class RollingLoop:
                     self.handler.abort(rid)
                 self.probation = collections.deque(d for d in self.probation if d.get("request_id") not in gone)
                 aborted = True
+            elif isinstance(msg, Configure):
+                self._configure(msg)
 
     def _add(self, d: dict[str, Any]) -> bool:
         """Queue one request in the engine; a refused one is answered with Reject. True if accepted."""
@@ -117,6 +123,19 @@ class RollingLoop:
         self.active.add(rid)
         self.fresh[rid] = d
         return True
+
+    def _configure(self, msg: Configure) -> None:
+        """Apply the options the handler can change live (the frontend enforces the others itself)."""
+        live: frozenset[str] = getattr(self.handler, "live_options", frozenset())
+        options = {key: value for key, value in msg.options.items() if key in live}
+        try:
+            if options:
+                self.handler.configure(options)
+        except Exception as exc:  # noqa: BLE001 - a refused change leaves the engine as it was
+            log.exception("model %s: configure %s failed", self.model, options)
+            self.conn.send(Configured(seq=msg.seq, error=self.redact(f"{type(exc).__name__}: {exc}")))
+            return
+        self.conn.send(Configured(seq=msg.seq, stats=self.handler.stats()))
 
     def _reject(self, rid: str, kind: str, message: str) -> None:
         self.conn.send(Reject(request_id=rid, kind=kind, message=self.redact(message)))

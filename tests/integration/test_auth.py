@@ -23,7 +23,8 @@ from tests.integration.test_hostile_values import oip_request
 
 ECHO = {"option.entryPoint": "echo"}
 MANAGEMENT_ROUTES = [("GET", "/models", {}), ("GET", "/models/echo", {}), ("POST", "/models", {"url": "echo"}),
-                     ("PUT", "/models/echo", {"min_worker": "1"}), ("DELETE", "/models/nope", {}),
+                     ("PUT", "/models/echo", {"min_worker": "1"}), ("PUT", "/models/echo", {"batch_size": "1"}),
+                     ("DELETE", "/models/nope", {}),
                      ("DELETE", "/requests/nope", {}), ("GET", "/metrics", {}), ("GET", "/openapi.json", {})]
 INFERENCE_ROUTES = [("POST", "/predictions/echo", {"inputs": "hi"}), ("POST", "/invocations", {"inputs": "hi"}),
                     ("POST", "/v1/completions", {"model": "echo", "prompt": "hi"}), ("GET", "/v1/models", None),
@@ -52,7 +53,7 @@ def test_key_file_is_private_and_tokens_stay_out_of_the_log(server: ServerProces
 
 
 @pytest.mark.parametrize(("method", "path", "params"), MANAGEMENT_ROUTES,
-                         ids=[f"{m} {p}" for m, p, _ in MANAGEMENT_ROUTES])
+                         ids=[f"{m} {p} {','.join(q)}".strip() for m, p, q in MANAGEMENT_ROUTES])
 def test_every_management_route_needs_the_management_token(server: ServerProcess, method: str, path: str,
                                                            params: dict[str, str]) -> None:
     url = server.mgmt + path
@@ -61,7 +62,9 @@ def test_every_management_route_needs_the_management_token(server: ServerProcess
         assert r.status_code == 401, (headers, r.text)
         assert r.headers["WWW-Authenticate"].startswith("Bearer") and r.json()["error_type"] == "unauthorized"
     r = httpx.request(method, url, params=params, headers=server.mgmt_headers, timeout=30)
-    expected = {"POST": 403, "PUT": 403, "DELETE": 403 if path.startswith("/models") else 404}.get(method, 200)
+    # a PUT that scales (min_worker) is the model API; one that changes batching knobs needs the token only
+    expected = {"POST": 403, "PUT": 403 if "min_worker" in params else 200,
+                "DELETE": 403 if path.startswith("/models") else 404}.get(method, 200)
     assert r.status_code == expected, r.text
     if expected == 403:
         assert "enable_model_api" in r.json()["error"]
@@ -98,6 +101,10 @@ def grpc_calls(channel: grpc.Channel) -> dict[str, Callable[[Any], Any]]:
                                                      metadata=md),
         "UnregisterModel": lambda md: mgmt.UnregisterModel(pb.UnregisterModelRequest(name="echo"), timeout=t,
                                                            metadata=md),
+        "UpdateModel": lambda md: mgmt.UpdateModel(pb.UpdateModelRequest(name="echo", batch_size=1), timeout=t,
+                                                   metadata=md),
+        "UpdateModel(min_worker)": lambda md: mgmt.UpdateModel(pb.UpdateModelRequest(name="echo", min_worker=1),
+                                                               timeout=t, metadata=md),
         "RepositoryIndex": lambda md: oip.RepositoryIndex(oip_pb.RepositoryIndexRequest(), timeout=t, metadata=md),
         "RepositoryModelLoad": lambda md: oip.RepositoryModelLoad(oip_pb.RepositoryModelLoadRequest(
             model_name="echo"), timeout=t, metadata=md),
@@ -112,8 +119,9 @@ def grpc_calls(channel: grpc.Channel) -> dict[str, Callable[[Any], Any]]:
     }
 
 
-MODEL_API_RPCS = {"RegisterModel", "ScaleWorkers", "UnregisterModel", "RepositoryModelLoad", "RepositoryModelUnload"}
-MANAGEMENT_RPCS = MODEL_API_RPCS | {"ListModels", "DescribeModel", "RepositoryIndex"}
+MODEL_API_RPCS = {"RegisterModel", "ScaleWorkers", "UnregisterModel", "RepositoryModelLoad", "RepositoryModelUnload",
+                  "UpdateModel(min_worker)"}
+MANAGEMENT_RPCS = MODEL_API_RPCS | {"ListModels", "DescribeModel", "RepositoryIndex", "UpdateModel"}
 
 
 def code_of(call: Callable[[Any], Any], metadata: Any) -> grpc.StatusCode:

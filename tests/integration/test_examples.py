@@ -66,6 +66,7 @@ def test_curl_script(server: ServerProcess) -> None:
                           "KEY_FILE": str(server.workdir / "key_file.json")})
     assert '"status":"Healthy"' in out and '"generated_text"' in out and '"chat.completion"' in out
     assert '"finish_reason":"length"' in out and "rollserve_requests_total{" in out
+    assert '"changed":{"max_rolling_batch_size":32}' in out
 
 
 def test_http_stream_client(server: ServerProcess) -> None:

@@ -14,6 +14,8 @@ from serving.ipc.messages import (
     Add,
     Batch,
     BatchResult,
+    Configure,
+    Configured,
     Deltas,
     Init,
     LoadFailed,
@@ -40,6 +42,7 @@ ROUND_TRIP = [
     Init(model_name="m", model_dir="/models/m", entry_point="echo", properties={"batch_size": "2"},
          rolling=True, device_id=0, worker_id=3),
     Ready(pid=123, info={"max_model_len": 2048, "chat_template": None}),
+    Ready(pid=124, info={}, live_options=["max_rolling_batch_size"]),
     LoadFailed(reason="ValueError: no weights"),
     Batch(batch_id=1, requests=[{"request_id": "a", "prompt": "héllo"}]),
     BatchResult(batch_id=1, outputs=[{"request_id": "a", "text": "x", "tokens": [[1, "x", -0.5]]}]),
@@ -48,6 +51,9 @@ ROUND_TRIP = [
     Deltas(step=4, deltas=[{"id": "b", "tk": [[5, "y", None, []]], "fr": "eos"}], stats={"running": 1},
            step_s=0.25),
     Reject(request_id="b", kind="invalid_request", message="prompt too long"),
+    Configure(seq=2, options={"max_rolling_batch_size": 4}),
+    Configured(seq=2, stats={"max_num_seqs": 4, "limits": {"first_step_admitted": None}}),
+    Configured(seq=3, error="ValueError: no"),
     Shutdown(),
 ]
 

@@ -72,7 +72,8 @@ def test_server_job_queue_size_is_the_model_default(tmp_path: Path) -> None:
     model_dir = make_model(tmp_path)
     cfg = load_model_config(model_dir, server=server)
     assert cfg.batching.job_queue_size == 7
-    assert cfg.sources["job_queue_size"] == "server config"
+    assert cfg.sources["job_queue_size"] == "server config (env SERVING_JOB_QUEUE_SIZE)"
+    assert cfg.sources["max_queue_time"] == "server config (default)"
     (model_dir / "serving.properties").write_text("job_queue_size=9\n")
     assert load_model_config(model_dir, server=server).batching.job_queue_size == 9
 

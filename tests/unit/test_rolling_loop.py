@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from serving.errors import InvalidRequest
-from serving.ipc.messages import Abort, Add, Deltas, Message, Reject, Shutdown
+from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
 from serving.types import FinishReason, TokenDelta, TokenInfo
 from serving.worker.rolling_loop import RollingLoop, WorkerUnhealthy
 
@@ -176,3 +176,48 @@ def test_two_poisons_among_running_requests_are_both_blamed_without_a_restart() 
         if engine.has_work():
             loop._step()
     assert set(ch.rejects()) == {"p1", "p2"} and sorted(ch.finished()) == ["fine", "old1", "old2"]
+
+
+class ConfigurableEngine(FakeEngine):
+    """A FakeEngine whose batch limit changes live; it records what was in it when each change came."""
+
+    live_options = frozenset({"max_rolling_batch_size"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changes: list[tuple[dict[str, int], list[str]]] = []
+
+    def configure(self, options: dict[str, int]) -> None:
+        if options.get("max_rolling_batch_size") == 13:
+            raise ValueError("13 refused in /opt/engine/limits.py")
+        self.changes.append((dict(options), sorted(self.requests)))
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_running": len(self.requests), "changes": len(self.changes)}
+
+
+def test_configure_applies_between_steps_after_the_requests_sent_before_it() -> None:
+    ch, engine = run_loop([Add(requests=[wire("a")]), Add(requests=[wire("b")]),
+                           Configure(seq=1, options={"max_rolling_batch_size": 4,
+                                                     "max_rolling_batch_prefill_tokens": 99}),
+                           Add(requests=[wire("c")])], ConfigurableEngine())
+    # only the options the handler changes live reach it; a and b were in the engine, c not yet
+    assert engine.changes == [({"max_rolling_batch_size": 4}, ["a", "b"])]
+    answers = [m for m in ch.sent if isinstance(m, Configured)]
+    assert answers == [Configured(seq=1, stats={"num_running": 2, "changes": 1})]
+    assert ch.sent.index(answers[0]) == 0  # before the first step's Deltas
+    assert sorted(ch.finished()) == ["a", "b", "c"]
+
+
+def test_a_refused_configure_is_answered_with_the_reason_and_the_loop_goes_on() -> None:
+    ch, engine = run_loop([Add(requests=[wire("a")]), Configure(seq=7, options={"max_rolling_batch_size": 13})],
+                          ConfigurableEngine())
+    (answer,) = [m for m in ch.sent if isinstance(m, Configured)]
+    assert answer == Configured(seq=7, error="ValueError: 13 refused in <path>/limits.py")
+    assert engine.changes == [] and ch.finished() == ["a"]
+
+
+def test_a_handler_without_live_options_is_answered_without_being_called() -> None:
+    ch, engine = run_loop([Configure(seq=2, options={"max_rolling_batch_size": 4}), Add(requests=[wire("a")])])
+    assert [m for m in ch.sent if isinstance(m, Configured)] == [Configured(seq=2, stats={"num_running": 0})]
+    assert ch.finished() == ["a"]

@@ -161,3 +161,69 @@ def test_prefill_tokens_capped_while_decodes_run() -> None:
         if sum(sizes) >= 1000:
             break
     assert sizes == [256, 256, 256, 232]
+
+
+def _step_all(sched: Scheduler) -> list[str]:
+    """One step in which every sampled sequence gets a token (finishing at its max_new_tokens); returns the
+    ids the step admitted."""
+    before = {s.request_id for s in sched.running}
+    out = sched.schedule()
+    sched.commit(out)
+    for c in out.chunks:
+        if c.samples:
+            c.seq.append_token(7)
+            if c.seq.num_output_tokens >= c.seq.params.max_new_tokens:
+                sched.finish(c.seq)
+    return [c.seq.request_id for c in out.chunks if c.seq.request_id not in before]
+
+
+def test_lowering_max_num_seqs_admits_nothing_until_fewer_run_and_never_preempts() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=4, num_blocks=256))
+    for i in range(8):  # staggered lengths: one finishes per step from the 3rd step on
+        sched.add(Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=2 + i)))
+    for i in range(8, 20):
+        sched.add(Sequence(f"w{i}", [4, 5, 6], SamplingParams(max_new_tokens=50)))
+    assert len(_step_all(sched)) == 8
+    sched.set_limits(max_num_seqs=3)
+    assert sched.config.max_num_seqs == 3 and sched.config.max_num_batched_tokens == 512
+    assert sched.limits.as_dict() == {"changes": 1, "changed_at_schedule": 1, "running_at_change": 8,
+                                      "waiting_at_change": 12, "first_step_admitted": None,
+                                      "admitted_since_change": 0, "peak_running_admitting": 0}
+    running = []
+    while len(sched.running) >= 3:
+        assert _step_all(sched) == []  # nothing admitted while 3 or more run
+        running.append(len(sched.running))
+    assert running == [7, 6, 5, 4, 3, 2]  # one finished per step, none preempted
+    assert sched.num_preemptions == 0
+    assert _step_all(sched) == ["w8"]  # 2 run: the next step admits one, up to the new limit
+    for _ in range(5):
+        _step_all(sched)
+        assert len(sched.running) <= 3
+    record = sched.limits
+    assert record.first_step_admitted == 0 and record.peak_running_admitting == 3
+    assert record.admitted_since_change == 12 - len(sched.waiting)
+
+
+def test_raising_max_num_seqs_admits_the_waiting_at_the_next_step() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=512, block_size=4, num_blocks=256))
+    for i in range(10):
+        sched.add(Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=50)))
+    assert _step_all(sched) == ["r0", "r1"]
+    assert _step_all(sched) == []
+    sched.set_limits(max_num_seqs=6, max_num_batched_tokens=100)
+    assert sched.limits.running_at_change == 2 and sched.limits.waiting_at_change == 8
+    assert _step_all(sched) == ["r2", "r3", "r4", "r5"]
+    assert sched.limits.first_step_admitted == 4 and sched.limits.peak_running_admitting == 6
+    sched.set_limits(max_num_seqs=10, max_num_batched_tokens=7)  # 6 decodes + one prompt token
+    assert sched.limits.changes == 2 and sched.limits.first_step_admitted is None
+    out = sched.schedule()
+    assert out.num_batched_tokens == 7 and [(c.seq.request_id, c.num_tokens) for c in out.chunks][-1] == ("r6", 1)
+    assert sched.limits.first_step_admitted == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5])
+def test_set_limits_refuses_bad_values_and_changes_nothing(bad: object) -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4))
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
+        sched.set_limits(max_num_seqs=bad)  # type: ignore[arg-type]
+    assert sched.config.max_num_seqs == 4 and sched.limits.changes == 0

@@ -230,3 +230,31 @@ class UnregisterModelResponse(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UpdateModelRequest(_message.Message):
+    __slots__ = ("name", "batch_size", "max_batch_delay", "max_rolling_batch_size", "max_rolling_batch_prefill_tokens", "job_queue_size", "min_worker", "max_worker")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_DELAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROLLING_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROLLING_BATCH_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    JOB_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKER_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    batch_size: int
+    max_batch_delay: int
+    max_rolling_batch_size: int
+    max_rolling_batch_prefill_tokens: int
+    job_queue_size: int
+    min_worker: int
+    max_worker: int
+    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., max_batch_delay: _Optional[int] = ..., max_rolling_batch_size: _Optional[int] = ..., max_rolling_batch_prefill_tokens: _Optional[int] = ..., job_queue_size: _Optional[int] = ..., min_worker: _Optional[int] = ..., max_worker: _Optional[int] = ...) -> None: ...
+
+class UpdateModelResponse(_message.Message):
+    __slots__ = ("name", "details")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    details: _struct_pb2.Struct
+    def __init__(self, name: _Optional[str] = ..., details: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...

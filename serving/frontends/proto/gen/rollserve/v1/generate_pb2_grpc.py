@@ -183,6 +183,11 @@ class ManagementStub:
                 request_serializer=serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UnregisterModelRequest.SerializeToString,
                 response_deserializer=serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UnregisterModelResponse.FromString,
                 _registered_method=True)
+        self.UpdateModel = channel.unary_unary(
+                '/rollserve.v1.Management/UpdateModel',
+                request_serializer=serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UpdateModelRequest.SerializeToString,
+                response_deserializer=serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UpdateModelResponse.FromString,
+                _registered_method=True)
 
 
 class ManagementServicer:
@@ -219,6 +224,13 @@ class ManagementServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateModel(self, request, context):
+        """Changes knobs of a live model without a reload (PUT /models/{name}); unset fields keep their value.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ManagementServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -246,6 +258,11 @@ def add_ManagementServicer_to_server(servicer, server):
                     servicer.UnregisterModel,
                     request_deserializer=serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UnregisterModelRequest.FromString,
                     response_serializer=serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UnregisterModelResponse.SerializeToString,
+            ),
+            'UpdateModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateModel,
+                    request_deserializer=serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UpdateModelRequest.FromString,
+                    response_serializer=serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UpdateModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -384,6 +401,33 @@ class Management:
             '/rollserve.v1.Management/UnregisterModel',
             serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UnregisterModelRequest.SerializeToString,
             serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UnregisterModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollserve.v1.Management/UpdateModel',
+            serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UpdateModelRequest.SerializeToString,
+            serving_dot_frontends_dot_proto_dot_gen_dot_rollserve_dot_v1_dot_generate__pb2.UpdateModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

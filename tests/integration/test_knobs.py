@@ -1,0 +1,420 @@
+"""Knobs of a live model (``PUT /models/{name}``, gRPC ``UpdateModel``) through a real server under load.
+
+The acceptance runs: on a rolling model ``max_rolling_batch_size`` 32 -> 4 -> 32 while 64 requests run, and on
+a dynamic model ``batch_size``/``max_batch_delay`` while 64 requests run; no request fails and every answer is
+the model's own. What the engine did is read from its own stats (``GET /models/{name}``: the limits in force
+and what the steps since the last change admitted) and from the Prometheus gauge and histogram, never from a
+wall clock. Then: where each value came from, refused and bad knobs (each a 400 naming it, nothing changed),
+tokens and the model API switch, worker counts (both bounds apply; scaling down retires the idlest worker
+after its requests finish), and the gRPC equivalent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
+from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as pb_grpc
+from tests.integration.harness import DEFAULT_MODEL, ServerProcess
+
+PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4 5", "Once upon a time there was",
+           "a", "Why is the sky blue?", "def main():", "The quick brown fox"]
+LONG = 102  # the longest answer of the rolling load
+ROLL = {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "32", "option.max_model_len": "256",
+        # no prefill cap while decodes run: a raised batch size admits every waiting prompt at one step
+        "option.max_prefill_tokens_while_decoding": "0",
+        "option.predict_timeout": "900", "max_queue_time": "900"}
+DYN = {"option.entryPoint": "echo", "option.echo_delay_ms": "300", "batch_size": "8",
+       "max_batch_delay": "600000",  # ten minutes: a batch goes out when full, never because of the delay
+       "max_queue_time": "900"}
+POOL = {"option.entryPoint": "echo", "option.echo_delay_ms": "1500", "batch_size": "1", "max_batch_delay": "1"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    s = ServerProcess.start(tmp_path_factory.mktemp("knobs"), models={"roll": ROLL, "dyn": DYN, "pool": POOL},
+                            config={"enable_model_api": "true", "max_workers_per_model": "3",
+                                    "job_queue_size": "500"},
+                            env={"OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS": "2048"}, timeout_s=240)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    """Greedy token ids of every prompt from transformers' own generate, alone, EOS ignored (as the requests)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out: dict[str, list[int]] = {}
+    with torch.no_grad():
+        for p in PROMPTS:
+            enc = tok(p, return_tensors="pt")
+            gen = model.generate(**enc, max_new_tokens=LONG, do_sample=False, pad_token_id=0)
+            out[p] = gen[0, enc["input_ids"].shape[1]:].tolist()
+    return out
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+class Load:
+    """Requests posted concurrently from a thread of their own; ``wait()`` returns every response."""
+
+    def __init__(self, url: str, bodies: list[dict[str, Any]]) -> None:
+        self.responses: list[httpx.Response] = []
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run(url, bodies)), daemon=True)
+        self._thread.start()
+
+    async def _run(self, url: str, bodies: list[dict[str, Any]]) -> None:
+        async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=200)) as client:
+            self.responses = list(await asyncio.gather(*(client.post(url, json=b) for b in bodies)))
+
+    def wait(self, timeout_s: float = 900) -> list[httpx.Response]:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the load did not finish"
+        return self.responses
+
+
+def wait_for(cond: Any, what: str, timeout_s: float = 300) -> Any:
+    """Poll ``cond`` until it returns something true (a hang guard, not a performance bound)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := cond()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return value
+
+
+def put(server: ServerProcess, model: str, headers: dict[str, str] | None = None, **knobs: Any) -> httpx.Response:
+    return httpx.put(f"{server.mgmt}/models/{model}", params={k: str(v) for k, v in knobs.items()},
+                     headers=server.mgmt_headers if headers is None else headers, timeout=120)
+
+
+def error(r: httpx.Response, status: int, *named: str) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error", "error_type", "request_id"}, body
+    for text in named:
+        assert text in body["error"], (text, body["error"])
+    return str(body["error"])
+
+
+def metrics(server: ServerProcess) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = httpx.get(f"{server.mgmt}/metrics", headers=server.mgmt_headers, timeout=10).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def gauge(server: ServerProcess, name: str, model: str) -> float:
+    return metrics(server).get((name, frozenset({("model", model)})), 0.0)
+
+
+def batch_buckets(server: ServerProcess, model: str) -> dict[str, float]:
+    """The ``rollserve_batch_size`` histogram of ``model``: cumulative buckets by ``le``, plus count and sum."""
+    out: dict[str, float] = {}
+    for (name, labels), v in metrics(server).items():
+        d = dict(labels)
+        if d.get("model") != model:
+            continue
+        if name == "rollserve_batch_size_bucket":
+            out[d["le"]] = v
+        elif name in ("rollserve_batch_size_count", "rollserve_batch_size_sum"):
+            out[name.rsplit("_", 1)[1]] = v
+    return out
+
+
+def roll_state(server: ServerProcess) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the frontend's rolling batcher, the engine's stats of its one worker)."""
+    batcher = server.describe("roll")["batcher"]
+    engines = list(batcher["engines"].values())
+    return batcher, (engines[0] if engines else {})
+
+
+def greedy(prompt: str, n: int) -> dict[str, Any]:
+    return {"inputs": prompt, "parameters": {"max_new_tokens": n, "do_sample": False, "ignore_eos": True,
+                                             "details": True}}
+
+
+def check_answers(responses: list[httpx.Response], bodies: list[dict[str, Any]],
+                  reference: dict[str, list[int]]) -> None:
+    assert len(responses) == len(bodies)
+    for r, body in zip(responses, bodies, strict=True):
+        assert r.status_code == 200, r.text
+        n = body["parameters"]["max_new_tokens"]
+        assert [t["id"] for t in r.json()["details"]["tokens"]] == reference[body["inputs"]][:n], body
+
+
+# --- acceptance: rolling ------------------------------------------------------------------------------
+
+def test_rolling_batch_size_32_to_4_to_32_under_64_requests(server: ServerProcess,
+                                                            reference: dict[str, list[int]]) -> None:
+    url = f"{server.url}/predictions/roll"
+    # 32 long requests fill the batch; their lengths differ, so they finish one by one
+    first = [greedy(PROMPTS[i % 8], 40 + 2 * i) for i in range(32)]
+    load1 = Load(url, first)
+    wait_for(lambda: (lambda b, e: b["running"] == 32 and e.get("num_running") == 32)(*roll_state(server)),
+             "32 requests running")
+    second = [greedy(PROMPTS[i % 8], 40 + 2 * (i % 8)) for i in range(32)]
+    load2 = Load(url, second)
+    wait_for(lambda: roll_state(server)[0]["waiting"] == 32, "32 more requests waiting")
+
+    # 32 -> 4 with 32 running: nothing is preempted, nothing admitted until fewer than 4 run
+    r = put(server, "roll", max_rolling_batch_size=4)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["changed"] == {"max_rolling_batch_size": 4}
+    (engine,) = answer["engines"].values()
+    assert engine["max_num_seqs"] == 4 and engine["max_num_batched_tokens"] == 2048
+    running_at_change = engine["limits"]["running_at_change"]
+    assert running_at_change > 4, engine  # the change really came while more than 4 ran
+    wait_for(lambda: roll_state(server)[1]["num_running"] < 4, "fewer than 4 running")
+    samples: list[float] = []
+    # until 12 requests were admitted under the new limit, every reading stays within it
+    while True:
+        batcher, stats = roll_state(server)
+        samples.append(gauge(server, "rollserve_num_requests_running", "roll"))
+        assert batcher["running"] <= 4 and stats["num_running"] <= 4, (batcher, stats)
+        assert stats["limits"]["peak_running_admitting"] <= 4, stats
+        if stats["limits"]["admitted_since_change"] >= 12:
+            break
+        time.sleep(0.01)
+    assert max(samples) <= 4 and samples, samples
+    limits = stats["limits"]
+    assert limits["first_step_admitted"] == 0  # the first step after the change ran 32: it admitted none
+    assert limits["peak_running_admitting"] == 4  # refilled to exactly the new limit, never past it
+    assert stats["num_preemptions_total"] == 0 and stats["num_requests_aborted_total"] == 0
+    assert batcher["max_rolling_batch_size"] == 4 and batcher["waiting"] > 0
+
+    # 4 -> 32: the waiting requests go to the engine before the new limit and join it at its next step
+    r = put(server, "roll", max_rolling_batch_size=32)
+    assert r.status_code == 200, r.text
+    (engine,) = r.json()["engines"].values()
+    assert engine["max_num_seqs"] == 32
+    raised = engine["limits"]
+    assert raised["waiting_at_change"] > 0 and raised["running_at_change"] <= 4, raised
+    stats = wait_for(lambda: (lambda e: e if e["limits"]["first_step_admitted"] is not None and
+                              e["limits"]["changes"] == raised["changes"] else None)(roll_state(server)[1]),
+                     "a step after the raise")
+    assert stats["limits"]["first_step_admitted"] == raised["waiting_at_change"]  # all of them, at once
+    assert stats["limits"]["peak_running_admitting"] == raised["running_at_change"] + raised["waiting_at_change"]
+    wait_for(lambda: gauge(server, "rollserve_num_requests_running", "roll") > 4, "the gauge above the old limit")
+
+    check_answers(load1.wait(), first, reference)
+    check_answers(load2.wait(), second, reference)
+    batcher, stats = roll_state(server)
+    assert stats["num_preemptions_total"] == 0 and stats["num_requests_aborted_total"] == 0
+    assert batcher["running"] == 0 and batcher["waiting"] == 0
+    knob = server.describe("roll")["knobs"]["max_rolling_batch_size"]
+    assert knob == {"value": 32, "source": "API", "from": "API", "applies": True}
+
+
+# --- acceptance: dynamic ------------------------------------------------------------------------------
+
+def test_dynamic_batch_size_and_delay_change_while_64_requests_run(server: ServerProcess) -> None:
+    before = batch_buckets(server, "dyn")
+    bodies = [{"inputs": f"request number {i}"} for i in range(64)]
+    load = Load(f"{server.url}/predictions/dyn", bodies)
+    wait_for(lambda: server.describe("dyn")["batcher"]["batches_total"] >= 2, "two batches of 8")
+    r = put(server, "dyn", batch_size=4, max_batch_delay=590000)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["changed"] == {"batch_size": 4, "max_batch_delay": 590000}
+    old = answer["batches_before"]
+    assert 2 <= old <= 7, answer  # the change came while requests ran
+    responses = load.wait()
+    for r, body in zip(responses, bodies, strict=True):
+        assert r.status_code == 200 and r.json() == {"generated_text": body["inputs"]}, r.text
+    after = batch_buckets(server, "dyn")
+    grown = {k: after[k] - before.get(k, 0.0) for k in after}
+    new = (64 - 8 * old) // 4
+    # the batches before the change had 8 requests each, every one after it 4 (a full batch: the delay is long)
+    assert grown["count"] == old + new and grown["sum"] == 64
+    assert grown["3.0"] == 0 and grown["4.0"] == new and grown["6.0"] == new and grown["8.0"] == old + new
+    described = server.describe("dyn")
+    assert (described["batch_size"], described["max_batch_delay"]) == (4, 590000)
+    assert described["batcher"]["batch_size"] == 4
+
+    # the delay of the batch being gathered: a lone request waits ten minutes for batch-mates, until the change
+    lone = Load(f"{server.url}/predictions/dyn", [{"inputs": "alone"}])
+    wait_for(lambda: gauge(server, "rollserve_num_requests_running", "dyn") == 1, "the lone request gathering")
+    assert server.describe("dyn")["batcher"]["batches_total"] == old + new  # not sent yet
+    assert put(server, "dyn", max_batch_delay=5).status_code == 200
+    (r,) = lone.wait(60)
+    assert r.status_code == 200 and r.json() == {"generated_text": "alone"}
+    assert batch_buckets(server, "dyn")["1.0"] - before.get("1.0", 0.0) == 1
+
+
+# --- GET: every value and where it came from -----------------------------------------------------------
+
+def test_get_shows_every_knob_with_its_source(server: ServerProcess) -> None:
+    knobs = server.describe("dyn")["knobs"]
+    assert set(knobs) == {"batch_size", "max_batch_delay", "max_rolling_batch_size",
+                          "max_rolling_batch_prefill_tokens", "job_queue_size", "min_worker", "max_worker"}
+    prefill = knobs["max_rolling_batch_prefill_tokens"]
+    assert prefill == {"value": 2048, "source": "env", "from": "env OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS",
+                       "applies": False}
+    assert knobs["job_queue_size"]["source"] == "file" and knobs["job_queue_size"]["value"] == 500
+    assert knobs["job_queue_size"]["from"].startswith("server config (config.properties:")
+    assert knobs["max_rolling_batch_size"] == {"value": 32, "source": "default", "from": "default", "applies": False}
+    pool = server.describe("pool")
+    assert pool["knobs"]["batch_size"] == {"value": 1, "source": "file", "from": "serving.properties:3",
+                                           "applies": True}
+    assert pool["sources"]["option.echo_delay_ms"] == {"source": "file", "from": "serving.properties:2"}
+    r = put(server, "pool", job_queue_size=77)
+    assert r.status_code == 200, r.text
+    after = server.describe("pool")
+    assert after["knobs"]["job_queue_size"] == {"value": 77, "source": "API", "from": "API", "applies": True}
+    assert after["job_queue_size"] == 77 and after["batcher"]["job_queue_size"] == 77
+    assert after["sources"]["job_queue_size"] == {"source": "API", "from": "API"}
+    assert {k: v for k, v in after["knobs"].items() if k != "job_queue_size"} == \
+        {k: v for k, v in pool["knobs"].items() if k != "job_queue_size"}
+
+
+# --- refused and bad knobs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("query", "named"), [
+    ({"option.dtype": "bf16"}, ("'option.dtype'", "needs a reload")),
+    ({"tensor_parallel_degree": "2", "kv_cache_memory_mb": "64"},
+     ("'tensor_parallel_degree' (option.tensor_parallel_degree)", "'kv_cache_memory_mb'", "they need a reload")),
+    ({"batch_size": "2", "dtype": "fp16"}, ("'dtype' (option.dtype)",)),
+    ({"bogus": "1"}, ("unknown parameter 'bogus'",)),
+    ({"minWorkers": "2"}, ("this API calls it min_worker",)),
+    ({"batch_size": "0"}, ("batch_size must be an integer >= 1",)),
+    ({"max_batch_delay": "-1"}, ("max_batch_delay must be an integer >= 0",)),
+    ({"job_queue_size": "1e3"}, ("job_queue_size must be an integer >= 1",)),
+    ({"max_rolling_batch_size": "4"}, ("max_rolling_batch_size does not apply to model 'dyn'", "dynamic batching")),
+    ({"min_worker": "3", "max_worker": "2"}, ("min_worker (3) must be <= max_worker (2)",)),
+    ({"max_worker": "4"}, ("max_worker must be between 1 and 3 (max_workers_per_model), got 4",)),
+    ({}, ("give at least one knob",)),
+])
+def test_a_bad_knob_is_a_400_naming_it_and_changes_nothing(server: ServerProcess, query: dict[str, str],
+                                                           named: tuple[str, ...]) -> None:
+    before = server.describe("dyn")
+    error(put(server, "dyn", **query), 400, *named)
+    after = server.describe("dyn")
+    assert after["knobs"] == before["knobs"] and after["target_workers"] == before["target_workers"]
+
+
+def test_a_rolling_only_or_dynamic_only_knob_is_refused_on_the_other_kind(server: ServerProcess) -> None:
+    error(put(server, "roll", batch_size=4, max_rolling_batch_size=8), 400,
+          "batch_size does not apply to model 'roll': it uses rolling batching")
+    assert server.describe("roll")["knobs"]["max_rolling_batch_size"]["value"] == 32
+    error(put(server, "nope", batch_size=2), 404, "'nope'")
+
+
+def test_the_management_token_is_required(server: ServerProcess) -> None:
+    before = server.describe("dyn")["knobs"]
+    for headers in ({}, {"Authorization": "Bearer wrong-token"}, server.inference_headers):
+        r = put(server, "dyn", headers=headers, batch_size=2)
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer"), r.text
+    assert server.describe("dyn")["knobs"] == before
+
+
+def test_without_the_model_api_batching_knobs_change_and_worker_counts_are_refused(tmp_path: Path) -> None:
+    s = ServerProcess.start(tmp_path, models={"echo": {"option.entryPoint": "echo", "batch_size": "2"}})
+    try:
+        error(put(s, "echo", batch_size=3, min_worker=2), 403, "enable_model_api", "min_worker")
+        assert s.describe("echo")["knobs"]["batch_size"]["value"] == 2  # the whole request changed nothing
+        r = put(s, "echo", batch_size=3, max_batch_delay=7)
+        assert r.status_code == 200, r.text
+        assert s.describe("echo")["knobs"]["batch_size"] == {"value": 3, "source": "API", "from": "API",
+                                                             "applies": True}
+        r = httpx.post(f"{s.url}/predictions/echo", json={"inputs": "still serving"}, timeout=30)
+        assert r.status_code == 200 and r.json() == {"generated_text": "still serving"}
+    finally:
+        s.stop()
+
+
+# --- workers: both bounds apply, and scaling down retires the idlest after its requests ---------------
+
+def workers(server: ServerProcess) -> list[dict[str, Any]]:
+    return list(server.describe("pool")["workers"])
+
+
+def test_min_and_max_worker_both_apply_and_scaling_down_retires_the_idlest_after_its_requests(
+        server: ServerProcess) -> None:
+    r = put(server, "pool", min_worker=2, max_worker=3)
+    assert r.status_code == 200, r.text
+    assert r.json()["changed"] == {"min_worker": 2, "max_worker": 3} and r.json()["target_workers"] == 2
+    info = server.describe("pool")
+    assert (info["min_workers"], info["max_workers"], info["target_workers"]) == (2, 3, 2)
+    assert [w["status"] for w in info["workers"]] == ["READY", "READY"]
+    assert info["knobs"]["max_worker"] == {"value": 3, "source": "API", "from": "API", "applies": True}
+
+    # one worker busy, one idle: going down to one worker retires the idle one at once
+    busy = Load(f"{server.url}/predictions/pool", [{"inputs": "keep me"}])
+    loads = wait_for(lambda: (lambda ws: ws if sorted(w["in_flight"] for w in ws) == [0, 1] else None)(
+        workers(server)), "one busy worker")
+    busy_id = next(w["id"] for w in loads if w["in_flight"] == 1)
+    idle_id = next(w["id"] for w in loads if w["in_flight"] == 0)
+    r = put(server, "pool", min_worker=1, max_worker=1)
+    assert r.status_code == 200, r.text
+    assert r.json()["retiring_workers"] == [idle_id] and r.json()["target_workers"] == 1
+    (answer,) = busy.wait()
+    assert answer.status_code == 200 and answer.json() == {"generated_text": "keep me"}
+    wait_for(lambda: [w["id"] for w in workers(server)] == [busy_id], "the idle worker to stop")
+
+    # two busy workers: the one retired finishes its request first; nothing is lost or retried
+    assert put(server, "pool", min_worker=2, max_worker=2).status_code == 200
+    wait_for(lambda: len(workers(server)) == 2, "two workers")
+    both = Load(f"{server.url}/predictions/pool", [{"inputs": "first"}, {"inputs": "second"}])
+    wait_for(lambda: [w["in_flight"] for w in workers(server)] == [1, 1], "both workers busy")
+    log_before = len(server.log())
+    r = put(server, "pool", max_worker=1)
+    assert r.status_code == 200, r.text
+    assert r.json()["changed"] == {"min_worker": 1, "max_worker": 1}  # min follows a max below it
+    (retiring,) = r.json()["retiring_workers"]
+    states = {w["id"]: (w["status"], w["in_flight"]) for w in workers(server)}
+    assert states[retiring] == ("RETIRING", 1), states  # still finishing its request
+    third = Load(f"{server.url}/predictions/pool", [{"inputs": "third"}])  # goes to the other worker
+    responses = both.wait() + third.wait()
+    assert [(r.status_code, r.json()) for r in responses] == [
+        (200, {"generated_text": t}) for t in ("first", "second", "third")]
+    wait_for(lambda: len(workers(server)) == 1, "the retired worker to stop")
+    assert retiring not in [w["id"] for w in workers(server)]
+    log = server.log()[log_before:]
+    assert "retrying" not in log.lower() and "exited; restarting" not in log, log
+
+
+# --- gRPC -------------------------------------------------------------------------------------------
+
+def test_grpc_update_model(server: ServerProcess) -> None:
+    md = server.grpc_metadata
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        mgmt = pb_grpc.ManagementStub(channel)
+        answer = mgmt.UpdateModel(pb.UpdateModelRequest(name="pool", job_queue_size=55, batch_size=2),
+                                  timeout=60, metadata=md)
+        assert answer.name == "pool"
+        assert dict(answer.details["changed"]) == {"batch_size": 2, "job_queue_size": 55}
+        assert answer.details["knobs"]["batch_size"]["source"] == "API"
+        described = mgmt.DescribeModel(pb.DescribeModelRequest(name="pool"), timeout=10, metadata=md)
+        assert described.details["knobs"]["job_queue_size"]["value"] == 55
+        for request, code, named in (
+                (pb.UpdateModelRequest(name="pool", batch_size=0), grpc.StatusCode.INVALID_ARGUMENT,
+                 "batch_size must be an integer between 1 and 999999999, got 0"),
+                (pb.UpdateModelRequest(name="pool", max_batch_delay=-5), grpc.StatusCode.INVALID_ARGUMENT,
+                 "max_batch_delay must be an integer between 0"),
+                (pb.UpdateModelRequest(name="pool", max_rolling_batch_size=3), grpc.StatusCode.INVALID_ARGUMENT,
+                 "max_rolling_batch_size does not apply to model 'pool'"),
+                (pb.UpdateModelRequest(name="pool"), grpc.StatusCode.INVALID_ARGUMENT, "give at least one knob"),
+                (pb.UpdateModelRequest(name="nope", batch_size=2), grpc.StatusCode.NOT_FOUND, "'nope'")):
+            with pytest.raises(grpc.RpcError) as info:
+                mgmt.UpdateModel(request, timeout=10, metadata=md)
+            assert info.value.code() == code and named in info.value.details(), info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            mgmt.UpdateModel(pb.UpdateModelRequest(name="pool", batch_size=3), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert server.describe("pool")["knobs"]["batch_size"]["value"] == 2

@@ -57,10 +57,11 @@ def _json_ok(description: str, schema: dict[str, Any], stream: bool = False) -> 
     return {"description": description, "content": content}
 
 
-def _post(summary: str, body: str, ok: dict[str, Any], codes: tuple[str, ...] = _INFERENCE_ERRORS,
+def _post(summary: str, body: str | dict[str, Any], ok: dict[str, Any], codes: tuple[str, ...] = _INFERENCE_ERRORS,
           params: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    schema = _ref(body) if isinstance(body, str) else body
     op: dict[str, Any] = {"summary": summary, "requestBody": {
-        "required": True, "content": {"application/json": {"schema": _ref(body)}}},
+        "required": True, "content": {"application/json": {"schema": schema}}},
         "responses": _responses(ok, codes)}
     if params:
         op["parameters"] = params
@@ -106,19 +107,23 @@ def _model_schema(models: Sequence[str]) -> dict[str, Any]:
 def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, Any]:
     """The inference API: LMI/SageMaker, OpenAI and TGI routes; ``models``: the registered model names."""
     model_q = [_query("model_name", _model_schema(models))]
-    lmi_ok = _json_ok("LMI answer (a list for a list input); a jsonlines or SSE token stream with stream=true",
-                      {"oneOf": [_ref("LmiAnswer"), {"type": "array", "items": _ref("LmiAnswer")}]}, stream=True)
     openai_ok = _json_ok("the whole answer, or SSE chunks ending in `data: [DONE]` with stream=true",
                          _ref("Completion"), stream=True)
+    lmi_body = {"oneOf": [_ref("LmiRequest"), _ref("ChatRequest")]}  # the LMI routes take both (lmi.py)
+    lmi_or_chat_ok = _json_ok("LMI answer (a list for a list input), or an OpenAI chat answer for a body with "
+                              "`messages`; a token stream with stream=true",
+                              {"anyOf": [_ref("LmiAnswer"), {"type": "array", "items": _ref("LmiAnswer")},
+                                         _ref("Completion")]}, stream=True)
     tgi_ok = _json_ok("TGI answer", _ref("TgiAnswer"))
     tgi_stream = _json_ok("TGI token events (SSE)", {"type": "string"}, stream=True)
     paths: dict[str, Any] = {
         **health_paths(),
-        "/predictions/{model_name}": {"post": {**_post("LMI generation on a named model", "LmiRequest", lmi_ok)
+        "/predictions/{model_name}": {"post": {**_post("LMI generation on a named model (a body with `messages` is "
+                                                       "an OpenAI chat request)", lmi_body, lmi_or_chat_ok)
                                                ["post"], "parameters": [
                                                    {**_path_param("model_name"), "schema": _model_schema(models)}]}},
         "/invocations": _post("SageMaker/LMI generation (a body with `messages` is an OpenAI chat request); "
-                              "X-Amzn-SageMaker-Custom-Attributes reaches the handler", "LmiRequest", lmi_ok,
+                              "X-Amzn-SageMaker-Custom-Attributes reaches the handler", lmi_body, lmi_or_chat_ok,
                               params=model_q),
         "/v1/models": {"get": {"summary": "OpenAI model list", "responses": _responses(
             _json_ok("models", _ref("ModelList")), ("500",))}},

@@ -47,7 +47,7 @@ class OpenModel(StrictModel):
 class LmiRequest(StrictModel):
     """``POST /predictions/{model_name}`` and ``POST /invocations`` on a text model (a custom handler gets its
     body as is: only ``parameters`` and ``stream`` are checked, unknown parameters are dropped). A body with
-    ``messages`` on ``/invocations`` is an OpenAI chat request (``ChatRequest``)."""
+    ``messages`` on either route is an OpenAI chat request (``ChatRequest``)."""
 
     inputs: Annotated[Prompt | Annotated[list[Prompt], Field(min_length=1), Cap("max_sequences_per_request")],
                       BY_SHAPE, Field(description="the prompt, or a list of prompts (a list of answers)")]

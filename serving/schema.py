@@ -276,7 +276,7 @@ class RequestSchema(Generic[M]):
                 return self.model.model_validate(_without(value, unknown), context=limits)
             except ValidationError as exc:
                 errors = exc.errors(include_url=False)
-        raise InvalidRequest(self.message(errors, value, limits)) from None
+        raise InvalidRequest(self.message(errors, limits)) from None
 
     def schema(self, limits: Any) -> dict[str, Any]:
         """The model's JSON schema (``$defs`` inline) with the caps of ``limits``."""
@@ -287,7 +287,8 @@ class RequestSchema(Generic[M]):
                 self._schemas[limits] = schema
         return schema
 
-    def message(self, errors: list[Any], value: Any, limits: Any) -> str:
+    def message(self, errors: list[Any], limits: Any) -> str:
+        """The message of a failed validation: unknown fields (all of one object), else the first error."""
         schema = self.schema(limits)
         unknown = [e for e in errors if e["type"] == "extra_forbidden"]
         if unknown:

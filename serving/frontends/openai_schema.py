@@ -12,7 +12,7 @@ message for the same bad value. This module adds what a schema cannot say (see `
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from serving.errors import InvalidRequest
 from serving.frontends.chat import render_chat, template_messages
@@ -70,10 +70,9 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     """``prompt`` (validated: never empty) -> one entry per prompt: a string or a list of token ids."""
     if isinstance(prompt, str):
         return [prompt]
-    first = prompt[0]
-    if isinstance(first, int):
-        return [list(prompt)]  # type: ignore[arg-type]  # a list of token ids
-    return list(prompt)  # type: ignore[arg-type]  # a list of strings or of token-id lists
+    if isinstance(prompt[0], int):
+        return [cast("list[int]", prompt)]  # one prompt of token ids
+    return list(cast("list[str | list[int]]", prompt))  # prompts: strings or lists of token ids
 
 
 def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: Limits, strict: bool

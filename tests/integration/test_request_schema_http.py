@@ -129,28 +129,44 @@ def test_the_served_document_is_the_models_document(api_server: ServerProcess, d
 @pytest.mark.parametrize("route", ROUTES, ids=IDS)
 def test_the_fields_a_route_knows_are_the_documented_ones(api_server: ServerProcess, doc: Document,
                                                           route: Route) -> None:
-    schema = doc.components[route.schema]
     everywhere = set().union(*(fields_of(doc, s) for s in doc.components.values()))
-    levels = [((), fields_of(doc, schema))]
+    # (where the names go, the body they go into, the documented names there)
+    levels = [((), route.base, fields_of(doc, doc.components[route.schema]))]
     if route.params:
-        levels.append((("parameters",), fields_of(doc, doc.components["LmiParameters"])))
-    for where, documented in levels:
+        levels.append((("parameters",), route.base, fields_of(doc, doc.components["LmiParameters"])))
+    if route.schema in ("CompletionRequest", "ChatRequest"):
+        levels.append((("stream_options",), {**route.base, "stream": True, "stream_options": {}},
+                       fields_of(doc, doc.components["StreamOptions"])))
+    for where, base, documented in levels:
         known = set()
         # on an LMI route, "messages" makes the body an OpenAI chat request (the document's oneOf): the LMI
         # variant neither knows nor refuses it as a field; the -chat routes cover that variant
         probes = (everywhere | set(FOREIGN)) - ({"messages"} if route.schema == "LmiRequest" and not where else set())
         for name in sorted(probes):
-            target = route.base
+            target = base
             for step in where:
                 target = target[step]
             if name in target:
                 known.add(name)
                 continue
-            r = post(api_server, route, put(route.base, (*where, name), None))
+            r = post(api_server, route, put(base, (*where, name), None))
             if not refused_as_unknown(r, name):
-                assert r.status_code == 200, (route.name, name, r.text)
+                assert r.status_code == 200, (route.name, where, name, r.text)
                 known.add(name)
         assert known == documented, (route.name, where, sorted(known ^ documented))
+
+
+@pytest.mark.parametrize("route", [r for r in ROUTES if r.schema == "ChatRequest"],
+                         ids=[r.name for r in ROUTES if r.schema == "ChatRequest"])
+def test_messages_take_other_keys_as_documented(api_server: ServerProcess, doc: Document, route: Route) -> None:
+    """OpenAI clients send back what an answer held (``refusal``, ``tool_calls``, ...): a message and a text part
+    take other keys, and the document says so."""
+    assert doc.plain(doc.components["ChatMessage"])["additionalProperties"] is True
+    assert doc.plain(doc.components["TextPart"])["additionalProperties"] is True
+    message = {"role": "assistant", "content": [{"type": "text", "text": "Hi", "cache_control": {}}],
+               "refusal": None, "tool_calls": [], "zzz_other": 1}
+    body = {**route.base, "messages": [*MSG, message]}
+    assert_answered(post(api_server, route, body), body)
 
 
 @pytest.mark.parametrize("route", ROUTES, ids=IDS)

@@ -32,20 +32,17 @@ streamer hook / transformers' own timestamps); E2E is when the caller got the wh
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import json
 import os
 import platform
-import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +53,11 @@ if str(REPO) not in sys.path:
 
 from benchmarks.build_models import model_dir  # noqa: E402
 from benchmarks.workload import BenchRequest, Workload, build_workload  # noqa: E402
+from serving.bench.clients import Target, run_requests  # noqa: E402
+from serving.bench.launch import LocalServer, Subprocess, wait_http  # noqa: E402
+from serving.bench.metrics import Rec, RunResult, metrics  # noqa: E402
+from serving.bench.runner import conditions as machine  # noqa: E402
+from serving.bench.runner import summary_line  # noqa: E402
 
 RESULTS = HERE / "results"
 VLLM_PYTHON = HERE / ".venv-vllm" / "bin" / "python"
@@ -81,71 +83,6 @@ KV_UTIL_DEF = ("KV utilisation = tokens whose KV is stored for live sequences / 
                "KV usage = blocks in use / blocks in the pool (engine.stats()['kv_cache_usage_ratio']): peak "
                "and mean. For dynamic batching the same utilisation is computed from the padded batch shapes: "
                "real tokens / (batch size x padded length), per decode step.")
-
-
-# ------------------------------------------------------------------------------------------------ records
-@dataclass
-class Rec:
-    """What one request saw. Times are perf_counter seconds."""
-
-    send: float
-    token_times: list[float] = field(default_factory=list)
-    end: float | None = None
-    n_out: int | None = None  # output tokens (when chunks may carry more than one token)
-    error: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.n_out if self.n_out is not None else len(self.token_times)
-
-
-@dataclass
-class RunResult:
-    recs: list[Rec]
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def _stats_ms(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
-    return {"mean": 1000 * statistics.fmean(xs), "p50": 1000 * _pct(xs, 50), "p99": 1000 * _pct(xs, 99)}
-
-
-def metrics(result: RunResult, expected: list[int]) -> dict[str, Any]:
-    recs = result.recs
-    ok = [r for r in recs if r.error is None and r.token_times]
-    errors = [r.error for r in recs if r.error is not None]
-    if not ok:
-        return {"completed": 0, "errors": errors[:3], **result.extra}
-    first_send = min(r.send for r in recs)
-    last_done = max((r.end or r.token_times[-1]) for r in ok)
-    wall = last_done - first_send
-    out_tokens = sum(r.num_tokens for r in ok)
-    ttft = [r.token_times[0] - r.send for r in ok]
-    e2e = [(r.end or r.token_times[-1]) - r.send for r in ok]
-    tpot = [((r.end or r.token_times[-1]) - r.token_times[0]) / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
-    itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
-    wrong = sum(1 for r, n in zip(recs, expected, strict=True) if r.error is None and r.num_tokens != n)
-    return {"completed": len(ok), "failed": len(errors), "errors": errors[:3], "wrong_lengths": wrong,
-            "wall_s": wall, "output_tokens": out_tokens, "output_tok_s": out_tokens / wall if wall > 0 else 0.0,
-            "request_s": len(ok) / wall if wall > 0 else 0.0,
-            "ttft_ms": _stats_ms(ttft), "tpot_ms": _stats_ms(tpot), "itl_ms": _stats_ms(itl),
-            "e2e_ms": _stats_ms(e2e), **result.extra}
-
-
-async def _sleep_until(t: float) -> None:
-    d = t - time.perf_counter()
-    if d > 0:
-        await asyncio.sleep(d)
 
 
 def _wait_until(t: float) -> None:
@@ -375,77 +312,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Subprocess:
-    def __init__(self, args: list[str], env: dict[str, str], log: Path, cwd: Path) -> None:
-        self.log = log
-        self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-
-def _wait_http(url: str, proc: Subprocess, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.proc.returncode}):\n{proc.tail()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.25)
-    raise RuntimeError(f"server not ready after {timeout_s:.0f}s:\n{proc.tail()}")
-
-
 def start_rollserve(path: Path, workdir: Path, threads: int, options: dict[str, str]) -> tuple[Subprocess, str]:
-    """``python -m serving`` on 127.0.0.1 ephemeral ports with the model in a rolling-batch folder."""
-    store = workdir / "model_store"
-    mdir = store / "bench"
-    mdir.mkdir(parents=True, exist_ok=True)
-    for f in path.iterdir():
-        if f.is_file() and f.name != "serving.properties" and not (mdir / f.name).exists():
-            os.symlink(f, mdir / f.name)
+    """``python -m serving`` on 127.0.0.1 ephemeral ports with the model in a rolling-batch folder ``bench``."""
     props = {"engine": "Python", "option.entryPoint": "huggingface", "option.rolling_batch": "auto",
              "option.dtype": "fp32", "minWorkers": "1", "maxWorkers": "1",
              **{f"option.{k}": v for k, v in options.items()}}
-    (mdir / "serving.properties").write_text("".join(f"{k}={v}\n" for k, v in props.items()))
-    cfg = {"inference_address": "http://127.0.0.1:0", "management_address": "http://127.0.0.1:0",
-           "grpc_address": "127.0.0.1:0", "model_store": str(store), "drain_timeout": "10"}
-    (workdir / "config.properties").write_text("".join(f"{k}={v}\n" for k, v in cfg.items()))
-    ports_file = workdir / "ports.json"
-    ports_file.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
-    proc = Subprocess([sys.executable, "-m", "serving", "--config", str(workdir / "config.properties"),
-                       "--ports-file", str(ports_file)], env, workdir / "server.log", workdir)
-    deadline = time.monotonic() + 180
-    while not ports_file.exists():
-        if proc.proc.poll() is not None or time.monotonic() > deadline:
-            proc.stop()
-            raise RuntimeError(f"rollserve did not start:\n{proc.tail()}")
-        time.sleep(0.1)
-    url = f"http://127.0.0.1:{json.loads(ports_file.read_text())['inference']}"
-    try:
-        _wait_http(url + "/ping", proc, 180)
-    except Exception:
-        proc.stop()
-        raise
-    return proc, url
+    # the spawner is looked up here at call time: compare.py swaps ``Subprocess`` for a pinned one
+    server = LocalServer.start(path, workdir, name="bench", properties=props, folder_properties=False,
+                               env={"OMP_NUM_THREADS": str(threads)}, timeout_s=180,
+                               spawn=lambda *a: Subprocess(*a))
+    return server.proc, server.url
 
 
 def start_vllm(path: Path, workdir: Path, threads: int) -> tuple[Subprocess, str]:
@@ -463,78 +339,16 @@ def start_vllm(path: Path, workdir: Path, threads: int) -> tuple[Subprocess, str
     proc = Subprocess(args, env, workdir / "vllm.log", workdir)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_http(url + "/health", proc, 600)
+        wait_http(url + "/health", proc, 600)
     except Exception:
         proc.stop()
         raise
     return proc, url
 
 
-async def _stream_lmi(client: Any, url: str, req: BenchRequest, rec: Rec) -> None:
-    body = {"inputs": req.prompt, "stream": True,
-            "parameters": {"max_new_tokens": req.max_new_tokens, "ignore_eos": True}}
-    await _sleep_until(rec.send)
-    try:
-        async with client.stream("POST", f"{url}/predictions/bench", json=body) as resp:
-            if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return
-            async for line in resp.aiter_lines():
-                if not line.strip():
-                    continue
-                t = time.perf_counter()
-                obj = json.loads(line)
-                tok = obj.get("token")
-                if tok is not None and tok.get("id", -1) >= 0:
-                    rec.token_times.append(t)
-                if obj.get("generated_text") is not None:
-                    details = obj.get("details") or {}
-                    if details.get("finish_reason") == "error":
-                        rec.error = "stream ended with error"
-            rec.end = time.perf_counter()
-    except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
-        rec.error = f"{type(exc).__name__}: {exc}"
-
-
-async def _stream_openai(client: Any, url: str, req: BenchRequest, rec: Rec) -> None:
-    body = {"model": "bench", "prompt": list(req.prompt_token_ids), "max_tokens": req.max_new_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    await _sleep_until(rec.send)
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                t = time.perf_counter()
-                obj = json.loads(data)
-                if obj.get("choices"):
-                    rec.token_times.append(t)
-                if obj.get("usage"):
-                    rec.n_out = obj["usage"]["completion_tokens"]
-            rec.end = time.perf_counter()
-    except Exception as exc:  # noqa: BLE001
-        rec.error = f"{type(exc).__name__}: {exc}"
-
-
 def run_http(kind: str, url: str, w: Workload, arrivals: list[float]) -> RunResult:
-    import httpx
-
-    async def main() -> list[Rec]:
-        limits = httpx.Limits(max_connections=len(w.requests) + 4, max_keepalive_connections=len(w.requests) + 4)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
-            t0 = time.perf_counter() + 0.05
-            recs = [Rec(t0 + a) for a in arrivals]
-            fn = _stream_lmi if kind == "lmi" else _stream_openai
-            await asyncio.gather(*(fn(client, url, r, rec) for r, rec in zip(w.requests, recs, strict=True)))
-            return recs
-
-    return RunResult(asyncio.run(main()))
+    """Stream every request of ``w`` over HTTP (``lmi``: rollserve's /predictions/bench, ``openai``: vLLM)."""
+    return RunResult(run_requests(kind, Target(url, "bench"), w.requests, arrivals, stream=True))
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -678,14 +492,8 @@ def code_state() -> str:
 
 
 def _line(m: dict[str, Any]) -> str:
-    if not m.get("completed"):
-        return f"no request completed: {m.get('errors')}"
-    s = (f"{m['output_tok_s']:.1f} tok/s  wall {m['wall_s']:.1f}s  TTFT p50 {m['ttft_ms']['p50']:.0f}ms  "
-         f"TPOT p50 {m['tpot_ms']['p50']:.1f}ms  ITL p50 {m['itl_ms']['p50']:.1f}ms  "
-         f"E2E p50 {m['e2e_ms']['p50']:.0f}ms")
-    if m.get("failed") or m.get("wrong_lengths"):
-        s += f"  failed {m['failed']} wrong-lengths {m['wrong_lengths']} {m.get('errors')}"
-    if "kv_util_mean" in m:
+    s = summary_line(m)
+    if m.get("completed") and "kv_util_mean" in m:
         s += f"  KV util mean {m['kv_util_mean']:.3f}"
     return s
 
@@ -763,12 +571,7 @@ def conditions(args: argparse.Namespace) -> str:
         load = os.getloadavg()
     except OSError:
         load = (float("nan"),) * 3
-    cpu = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu = machine()["cpu"]
     import torch
     import transformers
 

@@ -3,6 +3,12 @@
     serving [start] [--model-store DIR] [--config FILE] [-m NAME=PATH ...] [--log-format text|json]
     serving config MODEL_DIR        print the effective model configuration and where each value came from,
                                     and a rolling-batch model's memory plan (exit 2 when it cannot fit)
+    serving bench [MODEL_DIR] [--url URL] [--scenario PRESET|FILE] [--slo SPEC]
+                                    open-loop load on a model (a folder it starts, or a running server):
+                                    TTFT, TPOT, ITL, E2E, tokens/s, goodput; JSON and PNG figures
+    serving tune MODEL_DIR --slo SPEC [--scenario FILE] [--budget 20m] [--dry-run]
+                                    search the knobs on the live model for the highest goodput meeting the
+                                    SLO; writes an annotated serving.properties and a report
 
 With no arguments it serves every model folder of ./model_store (the default model ships there).
 """
@@ -30,6 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     cfg.add_argument("model_dir", type=Path)
     cfg.add_argument("--config", "-f", type=Path, help="config.properties (server defaults)")
     sub.add_parser("serve", help="SageMaker's entry: same as start")
+    from serving.bench import command, tune
+
+    command.add_arguments(sub.add_parser("bench", help="benchmark a model with a load scenario",
+                                         description=command.__doc__))
+    tune.add_arguments(sub.add_parser("tune", help="find the serving.properties with the best goodput for an SLO",
+                                      description=tune.__doc__,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter))
     return ap
 
 
@@ -110,4 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     elif argv[0] == "serve":
         argv[0] = "start"
     args = _parser().parse_args(argv)
+    if args.command == "bench":
+        from serving.bench.command import cmd_bench
+
+        sys.exit(cmd_bench(args))
+    if args.command == "tune":
+        from serving.bench.tune import cmd_tune
+
+        sys.exit(cmd_tune(args))
     sys.exit(cmd_config(args) if args.command == "config" else cmd_start(args))

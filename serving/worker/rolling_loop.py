@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from serving.errors import ErrorKind, ServingError
-from serving.worker.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
+from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
 
 log = logging.getLogger("serving.worker")
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from serving.bench.launch import ServerAddresses, read_tokens
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "model_store" / "tiny-llama"
 
@@ -44,17 +46,12 @@ def write_model(store: Path, name: str, properties: dict[str, str], source: Path
 
 
 @dataclass
-class ServerProcess:
+class ServerProcess(ServerAddresses):
     proc: subprocess.Popen[bytes]
     workdir: Path
     ports: dict[str, int] = field(default_factory=dict)
     log_path: Path | None = None
     tokens: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def mgmt_headers(self) -> dict[str, str]:
-        """``Authorization`` for the management API (empty when the server wrote no key file)."""
-        return {"Authorization": f"Bearer {self.tokens['management']}"} if "management" in self.tokens else {}
 
     @property
     def inference_headers(self) -> dict[str, str]:
@@ -68,18 +65,6 @@ class ServerProcess:
     @property
     def grpc_inference_metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.tokens['inference']}"),) if "inference" in self.tokens else ()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['inference']}"
-
-    @property
-    def mgmt(self) -> str:
-        return f"http://127.0.0.1:{self.ports['management']}"
-
-    @property
-    def grpc_target(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
 
     @classmethod
     def start(cls, workdir: Path, models: dict[str, dict[str, str]] | None = None,
@@ -180,14 +165,6 @@ class ServerProcess:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
-
-
-def read_tokens(key_file: Path) -> dict[str, str]:
-    """``{"management": ..., "inference": ...}`` from a server's key file ({} when there is none)."""
-    if not key_file.exists():
-        return {}
-    data = json.loads(key_file.read_text())
-    return {scope: data[scope]["key"] for scope in ("management", "inference") if scope in data}
 
 
 def _children(pid: int) -> list[str]:

@@ -1,0 +1,462 @@
+"""``serving tune MODEL_DIR --slo SPEC``: the serving.properties with the highest goodput meeting an SLO.
+
+    serving tune model_store/tiny-llama --slo "ttft_p99=2s,itl_p99=200ms" [--scenario FILE] [--budget 20m]
+    serving tune model_store/tiny-llama --slo "ttft_p99=2s,itl_p99=200ms" --dry-run        # the plan only
+
+It starts the model and searches on the live server (``serving.bench.search``: knobs changed with
+``PUT /models/{name}``, restarts only for another batching mode, worker count or thread count):
+
+1. the folder's own configuration (the baseline) first: a burst pass calibrates the scenario's relative
+   rates, then its goodput is found by bisection on the load ladder;
+2. one seed configuration per other group (mode x workers x threads), raced against the best so far;
+3. successive halving over the groups: each round keeps the better half (by their best goodput) and gives
+   each survivor twice as many trials as the round before, proposed by a TPE sampler (optuna) per group
+   that learns from every measured configuration of its group; the last group goes on until the budget
+   (``--budget``) or ``--max-trials`` is spent, or ``--patience`` trials in a row found nothing better.
+
+A configuration's goodput is that of the highest ladder rung at which it meets the SLO (goodput = requests
+meeting the SLO per second, vLLM's definition). Writes ``OUT/serving.properties`` (the folder's file with the
+chosen values, each with the measurement behind it as a comment), ``OUT/tune-report.yaml`` (every run) and
+``OUT/tune-report.png`` (explored runs, Pareto front, baseline and chosen), and prints the improvement over
+the folder's configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from serving.bench.metrics import Slo, format_duration, parse_slo
+from serving.bench.scenario import Scenario, ScenarioError, load_scenario
+from serving.bench.search import (
+    KNOBS,
+    Config,
+    Evaluator,
+    Group,
+    Outcome,
+    Space,
+    better,
+    build_space,
+    knobs_of,
+    make_config,
+    race,
+)
+
+_BUDGET = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>s|m|min|h)?$")
+
+
+def parse_budget(text: str) -> float:
+    """``'20m'``, ``'90s'``, ``'1.5h'``, ``'600'`` (seconds) -> seconds. Raises ``ValueError``."""
+    m = _BUDGET.match(text.strip().lower())
+    if not m:
+        raise ValueError(f"--budget {text!r}: expected a duration such as 20m, 90s or 1h")
+    n = float(m["n"]) * {"s": 1, None: 1, "m": 60, "min": 60, "h": 3600}[m["unit"]]
+    if n <= 0:
+        raise ValueError("--budget must be > 0")
+    return n
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{what}: expected integers >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("model_dir", type=Path, help="the model folder (its serving.properties is the baseline)")
+    ap.add_argument("--slo", required=True, help='bounds, e.g. "ttft_p99=2s,itl_p99=200ms" (ttft, tpot, itl, '
+                                                 'e2e; pNN or mean; s or ms)')
+    ap.add_argument("--scenario", "-s", default="tune",
+                    help="preset or YAML file; its sweep is the load ladder (default: the tune preset)")
+    ap.add_argument("--budget", default="20m", help="wall-clock budget of the search (default 20m)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    ap.add_argument("--out", "-o", type=Path, help="output folder (default ./tune-MODEL)")
+    ap.add_argument("--modes", help="batching modes to explore: rolling,dynamic (default: every mode the model "
+                                    "can run)")
+    ap.add_argument("--workers", type=lambda s: _ints(s, "--workers"),
+                    help="worker counts to explore (default: each count w with w x threads = the cores)")
+    ap.add_argument("--threads", type=lambda s: _ints(s, "--threads"), help="threads per worker to explore")
+    ap.add_argument("--max-trials", type=int, default=60, help="at most this many configurations (default 60)")
+    ap.add_argument("--patience", type=int, default=8,
+                    help="in the last group, stop after this many trials in a row without a better one (8)")
+    ap.add_argument("--seed", type=int, default=0, help="the sampler's seed")
+    ap.add_argument("--num-requests", "-n", type=int, help="requests per run (default: the scenario's)")
+
+
+# -------------------------------------------------------------------------------------------------- plan
+@dataclass
+class Plan:
+    model_dir: Path
+    slo: Slo
+    scenario: Scenario
+    space: Space
+    budget_s: float
+    max_trials: int
+    patience: int
+    seed: int
+
+    def ladder_spec(self) -> list[str]:
+        return [str(p.rate) for p in self.scenario.passes if p.sweep_index is not None]
+
+    def text(self) -> str:
+        b = self.space.baseline
+        lines = [f"serving tune {self.model_dir}: SLO {self.slo}, budget {self.budget_s / 60:.1f} min, at most "
+                 f"{self.max_trials} configurations",
+                 f"scenario {self.scenario.name} ({self.scenario.source}): {self.scenario.num_requests} requests a "
+                 f"run, api {self.scenario.api}; load ladder (Poisson rates): {', '.join(self.ladder_spec())}"
+                 + ("  (x = times the baseline's burst throughput, measured first)"
+                    if any(s.endswith("x") for s in self.ladder_spec()) else ""),
+                 "",
+                 f"1. baseline (the folder's configuration): {b.id}",
+                 "   calibrate (a burst pass) where rates are relative; its goodput by bisection on the ladder",
+                 f"2. one seed configuration for each of the {len(self.space.groups) - 1} other group(s), raced "
+                 f"against the best so far (its first run one rung above the best's; a restart per group):"]
+        for g in self.space.groups[1:]:
+            lines.append(f"     {self.space.seeds[g].id}")
+        lines += ["3. successive halving over the groups: keep the better half, double the trials per group each "
+                  "round;",
+                  "   TPE (optuna) proposes each group's live knobs, changed with PUT /models/{name} (no restart):"]
+        for mode in sorted({g.mode for g in self.space.groups}):
+            for k in knobs_of(mode):
+                lines.append(f"     {mode:8s} {k.name} in [{k.lo}, {k.hi}]{' (log scale)' if k.log else ''}")
+        lines += [f"   the last group continues until the budget, {self.max_trials} configurations, or "
+                  f"{self.patience} trials in a row without a better one",
+                  "4. write serving.properties (annotated), tune-report.yaml, tune-report.png; print the improvement "
+                  "over the baseline"]
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ search
+@dataclass
+class Tuner:
+    plan: Plan
+    ev: Evaluator
+    log: Any
+    deadline: float
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    incumbent: Outcome | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    stop_reason: str = ""
+
+    @property
+    def slo(self) -> Slo:
+        return self.plan.slo
+
+    def out_of_time(self, rung: int) -> bool:
+        return time.monotonic() + self.ev.estimated_seconds(rung) > self.deadline
+
+    def evaluate(self, config: Config, phase: str, first: int | None = None, allow_below: bool = False) -> Outcome:
+        if config.id in self.outcomes:
+            return self.outcomes[config.id]
+        inc = self.incumbent.rung if self.incumbent is not None else -1
+        o = race(self.ev, config, self.slo, inc, first=first, allow_below=allow_below, out_of_time=self.out_of_time)
+        self.outcomes[config.id] = o
+        improved = o.best is not None and better(o, self.incumbent, self.slo)
+        if improved:
+            self.incumbent = o
+        rate = f"{self.ev.ladder[o.rung]:.3g}/s" if o.best is not None else "-"
+        self.log(f"  [{phase}] {config.id}: {len(o.runs)} run(s), best rung {o.rung} ({rate}), score "
+                 f"{o.score:.3f}{'  <- best so far' if improved else ''}")
+        self.history.append({"phase": phase, "config_id": config.id, "runs": len(o.runs), "rung": o.rung,
+                             "score": round(o.score, 4), "improved": improved})
+        return o
+
+    def trials(self) -> int:
+        return len(self.outcomes)
+
+    def budget_left(self) -> bool:
+        if self.trials() >= self.plan.max_trials:
+            self.stop_reason = f"{self.plan.max_trials} configurations tried (--max-trials)"
+            return False
+        top = len(self.ev.ladder) - 1
+        inc = self.incumbent.rung if self.incumbent is not None else -1
+        if self.out_of_time(min(inc + 1, top)):
+            self.stop_reason = "budget spent"
+            return False
+        return True
+
+    def run(self) -> None:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        space = self.plan.space
+        # 1. baseline: bisection from a middle rung
+        self.evaluate(space.baseline, "baseline", first=len(self.ev.ladder) // 3, allow_below=True)
+        studies = {g: optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(
+            seed=self.plan.seed + i, n_startup_trials=3, multivariate=True)) for i, g in enumerate(space.groups)}
+        dists: dict[Group, dict[str, optuna.distributions.BaseDistribution]] = {
+            g: {k.name: optuna.distributions.IntDistribution(k.lo, k.hi, log=k.log) for k in knobs_of(g.mode)}
+            for g in space.groups}
+
+        def tell(g: Group, o: Outcome) -> None:
+            params = dict(o.config.knobs)
+            if all(k.lo <= params[k.name] <= k.hi for k in knobs_of(g.mode)):  # a folder value outside: not told
+                studies[g].add_trial(optuna.trial.create_trial(params=params, distributions=dists[g], value=o.score))
+
+        tell(space.baseline.group, self.outcomes[space.baseline.id])
+        # 2. one seed per other group
+        for g in space.groups[1:]:
+            if not self.budget_left():
+                return
+            tell(g, self.evaluate(space.seeds[g], f"seed {g.label}"))
+        # 3. successive halving
+        alive = list(space.groups)
+        per_group, rnd = 2, 1
+        while alive:
+            ranked = sorted(alive, key=lambda g: self.group_best(g), reverse=True)
+            alive = ranked[:max(1, math.ceil(len(ranked) / 2))] if len(ranked) > 1 else ranked
+            # the group whose server runs now goes first (one restart fewer)
+            current = self.ev.current.group if self.ev.current is not None else None
+            alive.sort(key=lambda g: g != current)
+            last = len(alive) == 1
+            self.log(f"  round {rnd}: {', '.join(g.label for g in alive)}"
+                     + (" (last group: until budget/patience)" if last else f", {per_group} trial(s) each"))
+            for g in alive:
+                stale = n = repeats = 0
+                while last or n < per_group:
+                    if not self.budget_left():
+                        return
+                    trial = studies[g].ask(dists[g])
+                    config = make_config(g, dict(trial.params))
+                    seen = config.id in self.outcomes
+                    before = self.incumbent
+                    o = self.evaluate(config, f"round {rnd} {g.label}")
+                    studies[g].tell(trial, o.score)
+                    n += not seen
+                    repeats = repeats + 1 if seen else 0
+                    if not seen:  # patience counts measured configurations
+                        stale = stale + 1 if self.incumbent is before else 0
+                    if last and stale >= self.plan.patience:
+                        self.stop_reason = f"{self.plan.patience} trials in a row without a better configuration"
+                        return
+                    if repeats >= 20:  # the sampler keeps proposing measured configurations: the group is done
+                        if last:
+                            self.stop_reason = f"the sampler found nothing new in {g.label}"
+                            return
+                        break
+            if last:
+                return
+            per_group *= 2
+            rnd += 1
+
+    def group_best(self, g: Group) -> tuple[int, float]:
+        os_ = [o for o in self.outcomes.values() if o.config.group == g]
+        return max(((o.rung, o.score) for o in os_), default=(-2, 0.0))
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _fmt_ms(v: float) -> str:
+    return "n/a" if v != v else f"{v:.0f} ms" if v >= 10 else f"{v:.1f} ms"
+
+
+def describe_outcome(o: Outcome, slo: Slo, ladder: list[float]) -> str:
+    if o.best is not None:
+        shown = ", ".join(f"{k} {_fmt_ms(v)}" for k, v in o.best.values_ms(slo).items())
+        return (f"goodput {o.best.goodput(slo):.2f} req/s meeting the SLO at {o.best.rate:.3g} req/s offered "
+                f"({shown})")
+    if not o.runs:
+        return "not measured (budget)"
+    r = min(o.runs, key=lambda x: x.rung)
+    vals = slo.run_values(r.recs)
+    missed = [f"{b.key} {_fmt_ms(1000 * vals[b.key])} > {format_duration(b.limit_s)}" for b in slo.bounds
+              if vals[b.key] == vals[b.key] and vals[b.key] > b.limit_s]
+    failed = sum(1 for x in r.recs if x.error and not x.error.startswith("aborted"))
+    why = ", ".join(missed) or (f"{failed} request(s) failed" if failed else "the SLO")
+    return f"misses the SLO at {r.rate:.3g} req/s ({why}{'; run stopped early' if r.aborted else ''})"
+
+
+def knob_reasons(chosen: Outcome, outcomes: list[Outcome], slo: Slo, ladder: list[float]) -> dict[str, str]:
+    """For each setting of the chosen configuration, the measurement behind it: the best measured configuration
+    that differs in that setting, and what it got."""
+    reasons = {}
+    c = chosen.config
+    settings: dict[str, Any] = {"mode": c.group.mode, "workers": c.group.workers, "threads": c.group.threads,
+                                **dict(c.knobs)}
+
+    def value(o: Outcome, key: str) -> Any:
+        g = o.config.group
+        return {"mode": g.mode, "workers": g.workers, "threads": g.threads}.get(key, dict(o.config.knobs).get(key))
+
+    ranked = sorted(outcomes, key=lambda o: (o.rung, o.score), reverse=True)
+    for key, v in settings.items():
+        others = [o for o in ranked if value(o, key) != v and o.runs]
+        if not others:
+            reasons[key] = "no other value measured"
+            continue
+        o = others[0]
+        other = value(o, key)
+        reasons[key] = (f"best with {key}={other if other is not None else '(' + o.config.group.mode + ')'}: "
+                        f"{describe_outcome(o, slo, ladder)}")
+    return reasons
+
+
+def annotated_properties(model_dir: Path, chosen: Outcome, reasons: dict[str, str], header: list[str]) -> str:
+    from serving.bench.launch import read_properties
+
+    props = read_properties(model_dir)
+    new = chosen.config.properties()
+    tuned_keys = {"option.rolling_batch": "mode", "minWorkers": "workers", "maxWorkers": "workers",
+                  "option.num_threads": "threads", **{k.prop: k.name for k in KNOBS}}
+    # the other mode's knobs do nothing in the chosen mode: drop them
+    other = {k.prop for m in ("rolling", "dynamic") if m != chosen.config.group.mode for k in knobs_of(m)}
+    lines = [f"# {h}" for h in header]
+    written = set()
+    for key, value in props.items():
+        if key in other:
+            lines.append(f"# {key}={value}  (removed by serving tune: not used with "
+                         f"{chosen.config.group.mode} batching)")
+            continue
+        if key in new:
+            lines.append(f"# {tuned_keys[key]}: {reasons.get(tuned_keys[key], '')}")
+            lines.append(f"{key}={new[key]}")
+            written.add(key)
+        else:
+            lines.append(f"{key}={value}")
+    for key, v in new.items():
+        if key not in written and v is not None:
+            lines.append(f"# {tuned_keys[key]}: {reasons.get(tuned_keys[key], '')}")
+            lines.append(f"{key}={v}")
+    return "\n".join(lines) + "\n"
+
+
+def report_doc(plan: Plan, tuner: Tuner, ladder: list[float], calibration: dict[str, Any] | None,
+               wall_s: float) -> dict[str, Any]:
+    slo = plan.slo
+    ev = tuner.ev
+    base = tuner.outcomes[plan.space.baseline.id]
+    chosen = tuner.incumbent or base
+    runs = [r.row(slo) for r in ev.order]
+
+    def summary(o: Outcome) -> dict[str, Any]:
+        return {"config_id": o.config.id, "label": o.config.id, "properties": o.config.properties(),
+                "meets_slo": o.best is not None, "goodput_req_s": round(o.best.goodput(slo), 4) if o.best else 0.0,
+                "rate_req_s": round(o.best.rate, 4) if o.best else None,
+                "slo_values_ms": {k: round(v, 2) for k, v in o.best.values_ms(slo).items()} if o.best else None,
+                "result": describe_outcome(o, slo, ladder)}
+
+    configs = sorted(tuner.outcomes.values(), key=lambda o: (o.rung, o.score), reverse=True)
+    b, c = summary(base), summary(chosen)
+    improvement = (c["goodput_req_s"] / b["goodput_req_s"]) if b["goodput_req_s"] > 0 else None
+    return {"model": plan.model_dir.resolve().name, "model_dir": str(plan.model_dir.resolve()),
+            "slo": {"spec": str(slo), "bounds": [{"key": x.key, "limit_ms": x.limit_s * 1000} for x in slo.bounds]},
+            "scenario": plan.scenario.describe(), "ladder_req_s": [round(x, 4) for x in ladder],
+            "calibration": calibration, "budget_s": plan.budget_s, "wall_s": round(wall_s, 1),
+            "stopped": tuner.stop_reason or "search complete",
+            "server_starts": [{"group": g, "seconds": round(s, 1)} for g, s in ev.restarts],
+            "live_knob_changes": ev.knob_changes,
+            "baseline": b, "chosen": c, "improvement": None if improvement is None else round(improvement, 3),
+            "configurations": [summary(o) | {"runs": len(o.runs)} for o in configs],
+            "history": tuner.history, "runs": runs}
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    try:
+        plan = _plan(args)
+    except (ScenarioError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(plan.text())
+        return 0
+    return tune(plan, args.out or Path(f"tune-{plan.model_dir.resolve().name}"))
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    from serving.errors import ConfigError
+
+    if not args.model_dir.is_dir():
+        raise ValueError(f"{args.model_dir}: model folder not found")
+    slo = parse_slo(args.slo)
+    scenario = load_scenario(args.scenario)
+    if args.num_requests is not None:
+        if args.num_requests < 1:
+            raise ValueError("--num-requests must be >= 1")
+        scenario = replace(scenario, num_requests=args.num_requests)
+    if not any(p.sweep_index is not None for p in scenario.passes):
+        raise ScenarioError(f"{scenario.source}: serving tune needs a load ladder: an arrival pass "
+                            f"{{process: sweep, rates: ...}}")
+    if args.max_trials < 1 or args.patience < 1:
+        raise ValueError("--max-trials and --patience must be >= 1")
+    modes = tuple(m.strip() for m in args.modes.split(",")) if args.modes else None
+    try:
+        space = build_space(args.model_dir, modes, args.workers, args.threads)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return Plan(args.model_dir, slo, scenario, space, parse_budget(args.budget), args.max_trials, args.patience,
+                args.seed)
+
+
+def tune(plan: Plan, out: Path) -> int:
+    import yaml
+
+    from serving.bench.plots import tune_figure
+    from serving.bench.runner import workload_of
+    from serving.bench.workload import load_tokenizer
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    print(plan.text(), file=sys.stderr, flush=True)
+    w = workload_of(plan.scenario, load_tokenizer(plan.model_dir))
+    sweep = [p for p in plan.scenario.passes if p.sweep_index is not None]
+    ev = Evaluator(plan.model_dir, out / "servers", w, [], plan.scenario.api, [plan.slo], log)
+    ev.baseline = plan.space.baseline
+    calibration = None
+    try:
+        if any(p.rate is not None and p.rate.relative for p in sweep):
+            m = ev.burst(plan.space.baseline)
+            if not m.get("request_s"):
+                raise RuntimeError(f"the calibration burst pass failed: {m.get('errors')}")
+            calibration = {"burst_req_s": round(m["request_s"], 4), "burst_output_tok_s": round(m["output_tok_s"], 2)}
+            log(f"  calibration: the baseline's burst pass served {m['request_s']:.3f} req/s "
+                f"({m['output_tok_s']:.1f} tok/s)")
+        burst_req_s = calibration["burst_req_s"] if calibration else None
+        ladder = [p.rate.resolve(burst_req_s, plan.scenario.source) for p in sweep if p.rate is not None]
+        ev.ladder = ladder
+        log("  ladder (req/s): " + ", ".join(f"{x:.3g}" for x in ladder))
+        tuner = Tuner(plan, ev, log, t0 + plan.budget_s)
+        tuner.run()
+    except (RuntimeError, ScenarioError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        ev.close()
+    wall = time.monotonic() - t0
+    doc = report_doc(plan, tuner, ladder, calibration, wall)
+    base = tuner.outcomes[plan.space.baseline.id]
+    chosen = tuner.incumbent or base
+    header = [f"serving tune {time.strftime('%Y-%m-%d %H:%M')}: SLO {plan.slo}; scenario {plan.scenario.name} "
+              f"({plan.scenario.num_requests} requests a run, Poisson ladder {ladder[0]:.3g}-{ladder[-1]:.3g} req/s)",
+              f"{len(ev.order)} runs of {len(tuner.outcomes)} configurations in {wall / 60:.1f} min "
+              f"({doc['stopped']})",
+              f"chosen: {describe_outcome(chosen, plan.slo, ladder)}",
+              f"the folder's configuration: {describe_outcome(base, plan.slo, ladder)}"]
+    reasons = knob_reasons(chosen, list(tuner.outcomes.values()), plan.slo, ladder)
+    (out / "serving.properties").write_text(annotated_properties(plan.model_dir, chosen, reasons, header))
+    (out / "tune-report.yaml").write_text(yaml.safe_dump(doc, sort_keys=False, width=120))
+    tune_figure(doc, out / "tune-report.png")
+    print(f"baseline (the folder's configuration): {base.config.id}\n  {describe_outcome(base, plan.slo, ladder)}")
+    print(f"chosen: {chosen.config.id}\n  {describe_outcome(chosen, plan.slo, ladder)}")
+    if doc["improvement"] is not None:
+        print(f"improvement: {doc['improvement']:.2f}x the baseline's goodput "
+              f"({doc['chosen']['goodput_req_s']:.2f} vs {doc['baseline']['goodput_req_s']:.2f} req/s)")
+    elif chosen.best is not None:
+        print("improvement: the baseline meets the SLO at no rung of the ladder; the chosen configuration does")
+    else:
+        print("no configuration met the SLO at any rung of the ladder: loosen the SLO or lower the scenario's rates")
+    print(f"{len(ev.order)} runs of {len(tuner.outcomes)} configurations, {len(ev.restarts)} server start(s), "
+          f"{ev.knob_changes} live knob change(s), {wall / 60:.1f} min ({doc['stopped']})")
+    print(f"wrote {out / 'serving.properties'}, {out / 'tune-report.yaml'}, {out / 'tune-report.png'}")
+    return 0 if chosen.best is not None else 1

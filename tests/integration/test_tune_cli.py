@@ -1,0 +1,126 @@
+"""``serving tune``: the ``--dry-run`` plan, and a short real tune of the default model (its knobs changed on
+the live server) that writes an annotated serving.properties and the report."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from serving.config import load_model_config
+from tests.integration.harness import DEFAULT_MODEL
+
+SLO = "ttft_p99=30s,itl_p99=10s"  # bounds the default model meets at every rung here: the search climbs
+SCENARIO = """
+api: lmi
+num_requests: 6
+seed: 1
+warmup: 1
+prompt_len: {dist: uniform, min: 8, max: 40}
+output_len: {dist: uniform, min: 4, max: 12}
+arrival:
+  - {process: burst}
+  - {process: sweep, rates: {start: 0.5x, factor: 2, count: 3}}
+"""
+
+
+def tune(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "serving", "tune", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_dry_run_prints_the_plan(tmp_path: Path) -> None:
+    cores = len(os.sched_getaffinity(0))
+    proc = tune([str(DEFAULT_MODEL), "--slo", "ttft_p99=2s,itl_p99=200ms", "--budget", "5m", "--workers", "1",
+                 "--threads", "1", "--dry-run"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (f"serving tune {DEFAULT_MODEL}: SLO ttft_p99=2s,itl_p99=200ms, budget 5.0 min, at most 60 "
+                        f"configurations")
+    assert lines[1] == ("scenario tune (preset tune): 24 requests a run, api lmi; load ladder (Poisson rates): "
+                        "0.3x, 0.375x, 0.46875x, 0.585938x, 0.732422x, 0.915527x, 1.14441x, 1.43051x, 1.78814x, "
+                        "2.23517x, 2.79397x, 3.49246x  (x = times the baseline's burst throughput, measured first)")
+    baseline = ("1. baseline (the folder's configuration): rolling 1w x {}t: max_rolling_batch_size=32, "
+                "max_rolling_batch_prefill_tokens=2048").format(cores)
+    assert baseline in lines
+    seeds = ["     dynamic 1w x 1t: batch_size=8, max_batch_delay=50"]
+    if cores > 1:  # the baseline's group is rolling 1w x CORESt: 1 thread is another group
+        seeds.insert(0, "     rolling 1w x 1t: max_rolling_batch_size=32, max_rolling_batch_prefill_tokens=2048")
+    i = lines.index(baseline) + 2
+    assert lines[i].startswith(f"2. one seed configuration for each of the {len(seeds)} other group(s)")
+    assert lines[i + 1:i + 1 + len(seeds)] == seeds
+    assert "     rolling  max_rolling_batch_size in [1, 64] (log scale)" in lines
+    assert "     dynamic  max_batch_delay in [0, 200]" in lines
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_dry_run_refuses_bad_input(tmp_path: Path) -> None:
+    proc = tune([str(DEFAULT_MODEL), "--slo", "ttft_p99=2s", "--scenario", "sweep", "--budget", "soon",
+                 "--dry-run"], tmp_path)
+    assert (proc.returncode, proc.stderr) == (2, "error: --budget 'soon': expected a duration such as 20m, 90s "
+                                                 "or 1h\n")
+    (tmp_path / "s.yaml").write_text("arrival: {process: burst}\n")
+    proc = tune([str(DEFAULT_MODEL), "--slo", "ttft_p99=2s", "--scenario", str(tmp_path / "s.yaml"), "--dry-run"],
+                tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr == (f"error: {tmp_path / 's.yaml'}: serving tune needs a load ladder: an arrival pass "
+                           "{process: sweep, rates: ...}\n")
+    proc = tune([str(DEFAULT_MODEL), "--slo", "ttft_p99=2s", "--modes", "speculative", "--dry-run"], tmp_path)
+    assert proc.stderr.startswith("error: mode 'speculative' is not available for this model (available: "
+                                  "rolling, dynamic)")
+
+
+def test_short_tune_writes_properties_and_report(tmp_path: Path) -> None:
+    (tmp_path / "s.yaml").write_text(SCENARIO)
+    out = tmp_path / "out"
+    cores = len(os.sched_getaffinity(0))
+    # one group (the folder's: rolling, 1 worker, every core): one server start, the trials change knobs live
+    proc = tune([str(DEFAULT_MODEL), "--slo", SLO, "--scenario", str(tmp_path / "s.yaml"), "--budget", "4m",
+                 "--modes", "rolling", "--workers", "1", "--threads", str(cores), "--max-trials", "3", "--out",
+                 str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = yaml.safe_load((out / "tune-report.yaml").read_text())
+    assert report["baseline"]["config_id"] == (f"rolling 1w x {cores}t: max_rolling_batch_size=32, "
+                                               f"max_rolling_batch_prefill_tokens=2048")
+    assert report["stopped"] == "3 configurations tried (--max-trials)"
+    assert len(report["configurations"]) == 3
+    burst = report["calibration"]["burst_req_s"]
+    assert report["ladder_req_s"] == [round(burst * f, 4) for f in (0.5, 1.0, 2.0)]
+    runs = report["runs"]
+    assert runs[0]["config_id"] == report["baseline"]["config_id"]  # the baseline is measured first
+    assert all(r["completed"] == 6 and r["failed"] == 0 and r["slo_met"] for r in runs)
+    # the loose SLO holds at every rung: every configuration climbs to the top rung, and the chosen one is there
+    assert report["chosen"]["meets_slo"] is True
+    assert report["chosen"]["rate_req_s"] == runs[-1]["rate_req_s"] == report["ladder_req_s"][-1]
+    # a restart only for another group; otherwise the knobs changed live (PUT /models/{name})
+    starts = 1 + sum(1 for a, b in zip(runs, runs[1:], strict=False) if a["group"] != b["group"])
+    puts = sum(1 for a, b in zip(runs, runs[1:], strict=False) if a["group"] == b["group"] and a["knobs"] != b["knobs"])
+    assert len(report["server_starts"]) == starts == 1
+    assert report["live_knob_changes"] == puts == 2, runs  # two trials after the baseline, each a PUT
+    # the written file: the folder's keys, the chosen values, each with its measured reason above it
+    text = (out / "serving.properties").read_text()
+    lines = text.splitlines()
+    chosen = report["chosen"]["properties"]
+    for key, value in chosen.items():
+        i = lines.index(f"{key}={value}")
+        assert lines[i - 1].startswith("# "), lines[i - 1]
+    assert "option.dtype=fp32" in lines and "option.enable_prefix_caching=true" in lines
+    assert lines[0].startswith("# serving tune ") and f"SLO {SLO}" in lines[0]
+    cfg = load_model_config(_folder_with(tmp_path, text))  # the file is valid serving.properties
+    assert cfg.batching.max_rolling_batch_size == int(chosen["option.max_rolling_batch_size"])
+    assert (out / "tune-report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"improvement: {report['improvement']:.2f}x the baseline's goodput" in proc.stdout
+    assert report["model"] == "tiny-llama"
+
+
+def _folder_with(tmp_path: Path, properties: str) -> Path:
+    d = tmp_path / "check" / "tiny-llama"
+    d.mkdir(parents=True)
+    for f in DEFAULT_MODEL.iterdir():
+        if f.name != "serving.properties":
+            os.symlink(f, d / f.name)
+    (d / "serving.properties").write_text(properties)
+    return d

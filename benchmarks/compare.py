@@ -45,6 +45,7 @@ from benchmarks.workload import Workload, build_workload  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
 SERVERS = ("rollserve", "vllm")
+ROLLSERVE_ENV: dict[str, str] = {}  # --rollserve-env K=V (an experiment's knob, recorded with every run)
 VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 KEYS = ("output_tok_s", "cpu_s", "tok_per_cpu_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
@@ -179,7 +180,8 @@ def pinned_launch(cores: list[int], env_over: dict[str, str], dtype_arg: str | N
             args[args.index("--dtype") + 1] = dtype_arg
         args, env = ["taskset", "-c", cpulist(cores), *args], {**env, **env_over}
         rec["command"] = shlex.join(args)
-        rec["env"] = {k: env[k] for k in sorted(env) if k.startswith(("OMP_", "VLLM_", "KMP_", "MKL_"))}
+        rec["env"] = {k: env[k] for k in sorted(env) if k.startswith(("OMP_", "VLLM_", "KMP_", "MKL_", "GOMP_"))
+                      or k in env_over}
         proc = orig(args, env, log, cwd)
         own.roots.append(rec.setdefault("pid", proc.proc.pid))  # our load from the start on
         return proc
@@ -196,7 +198,7 @@ def start(server: str, path: Path, workdir: Path, cores: list[int], dtype: str, 
     n = len(cores)
     workdir.mkdir(parents=True, exist_ok=True)
     if server == "rollserve":
-        with pinned_launch(cores, {"OMP_NUM_THREADS": str(n)}, None, rec, own):
+        with pinned_launch(cores, {"OMP_NUM_THREADS": str(n), **ROLLSERVE_ENV}, None, rec, own):
             proc, url = bench.start_rollserve(path, workdir, n, engine_options(n) | {"dtype": dtype})
         rec["serving_properties"] = (workdir / "model_store" / "bench" / "serving.properties").read_text()
         return proc, url, "lmi"
@@ -240,7 +242,9 @@ def run_one(server: str, cores: list[int], w: Workload, rate: float | None, args
         rec["busy"].append(f"during: others {others:.2f} cores")
     rec.update({"metrics": m, "cpu_s": tree_s, "tree_cores": tree_s / (b[4] - a[4]), "loadgen_cpu_s": b[3] - a[3],
                 "others_cores_during": others, "steal_s_during": b[2] - a[2],
-                "vanished_pids": [p for p in a[0] if p not in b[0]]})
+                "vanished_pids": [p for p in a[0] if p not in b[0]],
+                "cpu_s_by_process": {f"{p} {_read(f'/proc/{p}/cmdline').replace(chr(0), ' ')[:100]}":
+                                     round(b[0][p] - a[0].get(p, 0.0), 2) for p in b[0]}})
     if m.get("completed"):
         rec.update({"output_tok_s": m["output_tok_s"], "tok_per_cpu_s": m["output_tokens"] / max(tree_s, 1e-9),
                     "ttft_p50": m["ttft_ms"]["p50"], "ttft_p99": m["ttft_ms"]["p99"],
@@ -266,13 +270,17 @@ def summarize(runs: list[dict[str, Any]], extra: list[dict[str, Any]], allow_bus
     out: dict[str, Any] = {}
     for s in SERVERS:
         rs = [r for r in runs if r["server"] == s and "output_tok_s" in r]
+        if not any(r["server"] == s for r in runs):
+            continue
         out[s] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} if (
             v := [r[k] for r in rs]) else None for k in KEYS} | {"runs": len(rs)}
     bad = [r for r in runs if "output_tok_s" not in r or r["metrics"]["failed"] or r["metrics"]["wrong_lengths"]]
     escaped = [r for r in runs if not all(r.get(k, {"ok": 1})["ok"] for k in ("pins_after_start", "pins_after_pass"))]
     busy = [r for r in runs + extra if r["busy"]]
     loads = ", ".join(f"{r['load_check']['load1']:.1f}" for r in runs + extra if "load_check" in r)
-    if bad or escaped:
+    if len(out) < len(SERVERS):
+        out["withheld"] = "one server only (--servers): no ratio"
+    elif bad or escaped:
         out["withheld"] = f"ratio withheld: {len(bad)} run(s) failed or wrong lengths, {len(escaped)} escaped pinning"
     elif busy and not allow_busy:
         out["withheld"] = f"ratio withheld: machine busy (load {loads})"
@@ -303,6 +311,8 @@ def markdown(res: dict[str, Any]) -> str:
         if c.get("capacity_run"):
             rate += f" ({res['rate_from_vllm']} x vLLM's {c['capacity_run']['metrics']['request_s']:.2f})"
         for s in SERVERS:
+            if s not in sm:
+                continue
             rs = [r for r in c["runs"] if r["server"] == s and "load_check" in r]
             cells = [_cell(sm[s][k]) for k in KEYS]
             load = ", ".join(f"{r['load_check']['load1']:.2f} ({r['load_check']['own_load']:.2f})" for r in rs)
@@ -343,9 +353,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--busy-threshold", type=float, default=0.5, help="cores of other jobs that make a run busy")
     ap.add_argument("--settle-s", type=float, default=60.0, help="how long to wait for a quiet machine per run")
     ap.add_argument("--allow-busy", action="store_true", help="print ratios of busy runs, flagged")
+    ap.add_argument("--servers", type=lambda v: [x for x in v.split(",") if x], default=list(SERVERS),
+                    help="comma list (default rollserve,vllm); one server gives figures without a ratio")
+    ap.add_argument("--rollserve-env", action="append", default=[], metavar="K=V",
+                    help="environment variable for rollserve's server (an experiment; recorded)")
     ap.add_argument("--out", type=Path, default=None, help="results stem (default benchmarks/results/compare-STAMP)")
     args = ap.parse_args(argv)
     args.pass_ = "poisson" if args.rate_from_vllm else args.pass_
+    if not args.servers or set(args.servers) - set(SERVERS):
+        ap.error(f"--servers takes a comma list of {', '.join(SERVERS)}")
+    ROLLSERVE_ENV.update(kv.split("=", 1) for kv in args.rollserve_env if "=" in kv)
     if args.pass_ == "poisson" and not (args.rate or args.rate_from_vllm):
         ap.error("--pass poisson needs --rate R or --rate-from-vllm F")
     allowed = sorted(os.sched_getaffinity(0))
@@ -385,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"   vLLM burst capacity {cap['metrics']['request_s']:.3f} req/s -> Poisson {comp['rate']:.3f} "
                   f"req/s{' (capacity run BUSY)' if cap['busy'] else ''}", flush=True)
         for i in range(args.repeats):
-            for s in SERVERS:
+            for s in args.servers:
                 comp["runs"].append(run_one(s, cores, w, comp["rate"], args, own, work / comp["cores"] / f"{s}-{i}"))
                 print(run_line(comp["runs"][-1]), flush=True)
                 Path(f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))

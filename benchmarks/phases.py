@@ -1,7 +1,9 @@
-"""Phase timings of the rolling engine in-process: [wall ms, thread-CPU ms] medians of a decode step (B
-sequences x context) and of one prefill step (1 x 256 and 16 x 128 tokens), one torch thread.
+"""Phase timings of the rolling engine in-process: [wall ms, CPU ms] medians of a decode step (B
+sequences x context) and of one prefill step (1 x 256 and 16 x 128 tokens); CPU is the whole process's
+(every torch thread), so with ``--threads 2`` it shows what the second thread costs.
 
     python benchmarks/phases.py benchmarks/models/llama-110m
+    python benchmarks/phases.py benchmarks/models/llama-110m --threads 2 --option prepack_weights=true
     PYTHONPATH=/path/to/an/older/checkout python benchmarks/phases.py MODEL_DIR   # the same on other code
 
 CPU time is what to compare on a shared machine: other jobs stretch wall time far more than CPU time.
@@ -9,9 +11,9 @@ CPU time is what to compare on a shared machine: other jobs stretch wall time fa
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -24,9 +26,9 @@ OPTIONS = {"kv_cache_memory_mb": "1500", "num_threads": "1"}
 
 
 def _timed(step: Callable[[], object]) -> tuple[float, float]:
-    t0, c0 = time.perf_counter(), time.thread_time()
+    t0, c0 = time.perf_counter(), time.process_time()
     step()
-    return time.perf_counter() - t0, time.thread_time() - c0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _medians(samples: list[tuple[float, float]]) -> list[float]:
@@ -60,8 +62,15 @@ def prefill(model: str, num_prompts: int, length: int, repeats: int = 3) -> list
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    model = sys.argv[1]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--option", action="append", default=[], metavar="K=V", help="engine option (repeatable)")
+    args = ap.parse_args()
+    OPTIONS.update(kv.split("=", 1) for kv in args.option)
+    OPTIONS["num_threads"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+    model = args.model
     out: dict[str, list[float]] = {}
     for batch in (1, 8, 32):
         for context in (128, 1024):

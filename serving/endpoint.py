@@ -29,10 +29,10 @@ from serving.batching.rolling import RollingBatcher
 from serving.batching.streams import ResultStream
 from serving.config import ModelConfig
 from serving.errors import HandlerError, InvalidRequest, Unavailable
+from serving.ipc.messages import Init
 from serving.live_requests import LiveRequests
 from serving.redact import scrub_paths
 from serving.types import GenerationRequest, ModelState
-from serving.worker.messages import Init
 from serving.worker.pool import WorkerPool
 
 log = logging.getLogger(__name__)

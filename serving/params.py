@@ -1,25 +1,36 @@
-"""Strict validation of generation parameters, shared by every frontend.
+"""Generation parameters shared by every protocol: their model (validation and document) and SamplingParams.
 
 Design note: HTTP (LMI, TGI, OpenAI) and gRPC (OIP ``sampling_parameters``, typed service) all end up
-here, so a bad value gets the same message whatever the protocol. Every check names the field; JSON's
-``true`` is never accepted where a number is expected; NaN and infinities are refused; unknown fields are
-listed (unless the model relaxes it). Limits are passed in, never read from globals.
+here, so a bad value gets the same message whatever the protocol. ``LmiParameters`` is the one definition
+of LMI's ``parameters`` object (also TGI's, OIP's and the typed gRPC message's); the OpenAI models reuse its
+field types (``Temperature``, ``TopP``, ...), so a range is written once. Messages come from
+``serving.schema``: every check names the field, JSON's ``true`` is never accepted where a number is
+expected, NaN and infinities are refused, unknown fields are listed (unless the model relaxes it). Limits
+are passed in, never read from globals.
+
+Ranges, decided once for every route: ``temperature`` 0..2 (OpenAI's range, what clients expect; 0 means
+greedy, and a positive value below 0.01 counts as 0.01 so that the logits never overflow); ``top_p`` in
+(0, 1]; ``top_k`` -1 or 0 (off) .. 2^31-1; ``repetition_penalty`` 0.01..100; ``seed`` 0..2^63-1.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from serving.errors import InvalidRequest
+from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, Only, RequestSchema, StrictModel, kind_of, type_error
 from serving.types import SamplingParams
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k: what every tokenizer and the wire can carry
+MAX_SEED = 2**63 - 1
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1  # what msgpack (the worker channel) can carry
 MAX_PAYLOAD_DEPTH = 64
 MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,62 +47,120 @@ class Limits:
     max_prompt_chars: int = 1_000_000
 
 
-# LMI/TGI parameter name -> SamplingParams field (aliases of the same meaning map to one field).
-LMI_FIELDS: dict[str, str] = {
-    "max_new_tokens": "max_new_tokens", "do_sample": "do_sample", "temperature": "temperature",
-    "top_k": "top_k", "top_p": "top_p", "repetition_penalty": "repetition_penalty", "seed": "seed",
-    "stop": "stop", "stop_sequences": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-    "ignore_eos_token": "ignore_eos", "details": "details", "return_full_text": "return_full_text",
-    "logprobs": "logprobs", "top_n_tokens": "logprobs", "decoder_input_details": "_ignored",
-    "truncate": "_ignored", "watermark": "_ignored", "typical_p": "_ignored", "best_of": "_ignored",
-}
+# --- field types, shared by the LMI/TGI parameters and the OpenAI bodies ---------------------------------
+MaxNewTokens = Annotated[int, Field(ge=1), Cap("max_new_tokens"), INTEGER]
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, description=(
+    "0 = greedy; higher = more random (default 1.0); a positive value below 0.01 counts as 0.01"))]
+TopK = Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID, description="sample among the k most likely tokens; "
+                            "0 or -1 = off"), INTEGER]
+TopP = Annotated[float, Field(gt=0, le=1, description="nucleus sampling: the smallest set of tokens whose "
+                              "probabilities add up to top_p (1 = off)")]
+RepetitionPenalty = Annotated[float, Field(ge=0.01, le=100, description="> 1 discourages repeating tokens "
+                                           "(1 = off)")]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description="makes sampling reproducible"), INTEGER]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID), INTEGER]
+StopText = Annotated[str, Field(min_length=1), Cap("max_stop_length"), TEXT]
+Stop = Annotated[StopText | Annotated[list[StopText], Cap("max_stop_sequences")], BY_SHAPE, Field(
+    description="stop sequences: generation ends before the first one (a string or a list)")]
+StopTokenIds = Annotated[list[TokenId], Cap("max_stop_token_ids"), Field(
+    description="token ids that end generation (ids of the model's vocabulary)")]
+Logprobs = Annotated[int, Field(ge=0), Cap("max_logprobs"), INTEGER]
 
 
-def _bool(name: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise InvalidRequest(f"parameter {name!r} must be a boolean, got {_kind(v)}")
-    return v
+class LmiParameters(StrictModel):
+    """Generation parameters: LMI's and TGI's ``parameters``, the Open Inference Protocol's
+    ``sampling_parameters`` and the typed gRPC ``SamplingParameters``. Every field may be null (its default)."""
+
+    max_new_tokens: MaxNewTokens | None = Field(None, description="the most tokens to generate (default 30)")
+    do_sample: bool | None = Field(None, description="sample instead of greedy decoding (default false; the TGI "
+                                   "routes sample whenever a sampling parameter is set, as TGI does)")
+    temperature: Temperature | None = None
+    top_k: TopK | None = None
+    top_p: TopP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    stop_sequences: Stop | None = Field(None, description="TGI's name for stop (both may be given: together at "
+                                        "most max_stop_sequences)")
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool | None = Field(None, description="keep generating after the end-of-sequence token")
+    ignore_eos_token: bool | None = Field(None, description="another name of ignore_eos")
+    details: bool | None = Field(None, description="answer with details: finish reason, tokens, log-probabilities")
+    return_full_text: bool | None = Field(None, description="prepend the prompt to the generated text")
+    logprobs: Logprobs | None = Field(None, description="with details: the k most likely alternatives of each "
+                                      "token")
+    top_n_tokens: Logprobs | None = Field(None, description="TGI's name for logprobs")
+    decoder_input_details: bool | None = Field(None, description="TGI routes: details list the prompt's tokens "
+                                               "(prefill); accepted and ignored by the LMI routes")
+    truncate: Annotated[int, Field(ge=1, le=MAX_TOKEN_ID), INTEGER] | None = Field(
+        None, description="TGI routes: keep only the last N prompt tokens; accepted and ignored by the LMI routes")
+    watermark: Annotated[bool, Only((False,), "is not supported: only false or null is accepted")] | None = None
+    typical_p: Annotated[float, Only((1.0,), "is not supported: only 1.0 or null is accepted")] | None = None
+    best_of: Annotated[int, Only((1,), "is not supported: only 1 or null is accepted"), INTEGER] | None = None
+    frequency_penalty: Annotated[float, Only((0.0,), "is not supported (use repetition_penalty): only 0 or null "
+                                             "is accepted")] | None = None
+    grammar: None = Field(None, description="not supported: only null is accepted")
+    adapter_id: None = Field(None, description="not supported: only null is accepted")
 
 
-def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, float) and v.is_integer() and math.isfinite(v):
-            v = int(v)
-        else:
-            raise InvalidRequest(f"parameter {name!r} must be an integer, got {_kind(v)}")
-    if lo is not None and v < lo:
-        raise InvalidRequest(f"parameter {name!r} must be >= {lo}, got {_show(v)}")
-    if hi is not None and v > hi:
-        raise InvalidRequest(f"parameter {name!r} must be <= {hi}, got {_show(v)}")
-    return v
+PARAMETERS = RequestSchema(LmiParameters, params_at=())
 
 
-def _show(v: int) -> str:
-    """An integer for a message: its digits, or its size when it is huge (never a 4300-digit string)."""
-    return str(v) if v.bit_length() <= 64 else f"an integer of {v.bit_length()} bits"
+def sampling_params(values: Mapping[str, Any], limits: Limits) -> SamplingParams:
+    """Validated values keyed by ``SamplingParams`` field names (None = default) -> ``SamplingParams``:
+    ``stop`` is a tuple of stop fields (each null, a string or a list; they add up); a positive temperature
+    below ``MIN_TEMPERATURE`` is raised to it (as vLLM: smaller ones overflow the logits), ``top_k`` -1 (vLLM's
+    "off") is 0 (LMI's)."""
+    kw: dict[str, Any] = {k: v for k, v in values.items() if v is not None}
+    stops: list[str] = []
+    for item in kw.pop("stop", ()):
+        if item is not None:
+            stops.extend([item] if isinstance(item, str) else item)
+    if len(stops) > limits.max_stop_sequences:
+        raise InvalidRequest(f"parameters 'stop' and 'stop_sequences' have {len(stops)} entries together; at most "
+                             f"{limits.max_stop_sequences} (max_stop_sequences)")
+    kw["stop"] = tuple(stops)
+    if "stop_token_ids" in kw:
+        kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
+    t = kw.get("temperature")
+    if t is not None and 0.0 < t < MIN_TEMPERATURE:
+        kw["temperature"] = MIN_TEMPERATURE
+    if kw.get("top_k") == -1:
+        kw["top_k"] = 0
+    return SamplingParams(**kw)
 
 
-def _float(name: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise InvalidRequest(f"parameter {name!r} must be a number, got {_kind(v)}")
-    f = float(v)
-    if not math.isfinite(f):
-        raise InvalidRequest(f"parameter {name!r} must be finite, got {v!r}")
-    if f < lo or (lo_open and f == lo) or f > hi:
-        bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
-        raise InvalidRequest(f"parameter {name!r} must be {bound} and <= {hi:g}, got {v!r}")
-    return f
+def lmi_sampling_params(p: LmiParameters, limits: Limits) -> SamplingParams:
+    """A validated ``LmiParameters`` -> ``SamplingParams`` (TGI's names count as their LMI twins)."""
+    return sampling_params({
+        "max_new_tokens": p.max_new_tokens, "do_sample": p.do_sample, "temperature": p.temperature,
+        "top_k": p.top_k, "top_p": p.top_p, "repetition_penalty": p.repetition_penalty, "seed": p.seed,
+        "stop": (p.stop, p.stop_sequences), "stop_token_ids": p.stop_token_ids,
+        "ignore_eos": p.ignore_eos if p.ignore_eos is not None else p.ignore_eos_token, "details": p.details,
+        "return_full_text": p.return_full_text, "logprobs": p.logprobs if p.logprobs is not None else p.top_n_tokens,
+    }, limits)
 
 
-def _kind(v: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+def build_sampling_params(values: Mapping[str, Any], limits: Limits) -> SamplingParams:
+    """Parameters keyed by their LMI names (the typed gRPC message's fields) -> validated SamplingParams."""
+    return lmi_sampling_params(PARAMETERS.validate(dict(values), limits), limits)
+
+
+def parse_lmi_parameters(params: Any, limits: Limits, *, strict: bool = True) -> SamplingParams:
+    """The LMI/TGI ``parameters`` object -> SamplingParams. Unknown names -> 400 listing them (dropped when
+    not ``strict``)."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, dict):
+        raise type_error("parameters", "an object", params)
+    return lmi_sampling_params(PARAMETERS.validate(params, limits, strict=strict), limits)
 
 
 def check_text(name: str, v: Any, *, allow_empty: bool = False, max_chars: int = 1_000_000) -> str:
-    """A client string: must be a str, valid Unicode (no lone surrogates), non-empty unless allowed."""
+    """A client string outside a model (gRPC prompts): a str, valid Unicode (no lone surrogates), non-empty
+    unless allowed, at most ``max_chars`` characters. Same messages as the models'."""
     if not isinstance(v, str):
-        raise InvalidRequest(f"{name!r} must be a string, got {_kind(v)}")
+        raise type_error(name, "a string", v)
     try:
         v.encode("utf-8")
     except UnicodeEncodeError:
@@ -99,88 +168,8 @@ def check_text(name: str, v: Any, *, allow_empty: bool = False, max_chars: int =
     if not allow_empty and not v:
         raise InvalidRequest(f"{name!r} must not be empty")
     if len(v) > max_chars:
-        raise InvalidRequest(f"{name!r} is longer than {max_chars} characters")
+        raise InvalidRequest(f"{name!r} has {len(v)} characters; at most {max_chars}")
     return v
-
-
-def _stops(name: str, v: Any, limits: Limits) -> tuple[str, ...]:
-    if v is None:
-        return ()
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list):
-        raise InvalidRequest(f"parameter {name!r} must be a string or a list of strings, got {_kind(v)}")
-    if len(items) > limits.max_stop_sequences:
-        raise InvalidRequest(f"parameter {name!r} has {len(items)} entries; at most {limits.max_stop_sequences}")
-    out = []
-    for s in items:
-        check_text(name, s)
-        if len(s) > limits.max_stop_length:
-            raise InvalidRequest(f"parameter {name!r} entry is {len(s)} characters; at most {limits.max_stop_length}")
-        out.append(s)
-    return tuple(out)
-
-
-def build_sampling_params(values: Mapping[str, Any], limits: Limits) -> SamplingParams:
-    """``values`` keyed by SamplingParams field names (already de-aliased) -> validated SamplingParams."""
-    kw: dict[str, Any] = {}
-    for key, v in values.items():
-        if v is None and key not in ("seed",):
-            continue
-        if key == "max_new_tokens":
-            kw[key] = _int(key, v, 1, limits.max_new_tokens)
-        elif key in ("do_sample", "ignore_eos", "details", "return_full_text"):
-            kw[key] = _bool(key, v)
-        elif key == "temperature":
-            # As vLLM: a positive temperature below MIN_TEMPERATURE is raised to it (smaller ones overflow
-            # the logits; 0 means greedy).
-            t = _float(key, v, 0.0, 100.0)
-            kw[key] = MIN_TEMPERATURE if 0.0 < t < MIN_TEMPERATURE else t
-        elif key == "top_k":
-            kw[key] = 0 if v == -1 and isinstance(v, int) and not isinstance(v, bool) else _int(key, v, 0,
-                                                                                                 MAX_TOKEN_ID)
-            # -1 (vLLM) and 0 (LMI) both mean "off"
-        elif key == "top_p":
-            kw[key] = _float(key, v, 0.0, 1.0, lo_open=True)
-        elif key == "repetition_penalty":
-            kw[key] = _float(key, v, 0.01, 100.0)
-        elif key == "seed":
-            kw[key] = None if v is None else _int(key, v, 0, 2**63 - 1)
-        elif key == "stop":
-            kw[key] = _stops(key, v, limits)
-        elif key == "stop_token_ids":
-            if not isinstance(v, list):
-                raise InvalidRequest(f"parameter {key!r} must be a list of integers, got {_kind(v)}")
-            if len(v) > limits.max_stop_token_ids:
-                raise InvalidRequest(f"parameter {key!r} has {len(v)} entries; at most {limits.max_stop_token_ids}")
-            kw[key] = tuple(_int(key, i, 0, MAX_TOKEN_ID) for i in v)
-        elif key == "logprobs":
-            kw[key] = _int(key, v, 0, limits.max_logprobs)
-        else:
-            raise InvalidRequest(f"unknown parameter {key!r}")
-    return SamplingParams(**kw)
-
-
-def parse_lmi_parameters(params: Any, limits: Limits, *, strict: bool = True) -> SamplingParams:
-    """The LMI/TGI ``parameters`` object -> SamplingParams. Unknown names -> 400 listing them."""
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, dict):
-        raise InvalidRequest(f"'parameters' must be an object, got {_kind(params)}")
-    unknown = sorted(k for k in params if k not in LMI_FIELDS)
-    if unknown and strict:
-        raise InvalidRequest(f"unknown parameters: {', '.join(unknown)}")
-    values: dict[str, Any] = {}
-    for k, v in params.items():
-        f = LMI_FIELDS.get(k)
-        if f is None or f == "_ignored":
-            continue
-        values[f] = v
-    if "stop_sequences" in params and "stop" in params:
-        values["stop"] = list(_stops("stop", params["stop"], limits)) + list(
-            _stops("stop_sequences", params["stop_sequences"], limits))
-    if "truncate" in params and params["truncate"] is not None:
-        _int("truncate", params["truncate"], 1, MAX_TOKEN_ID)
-    return build_sampling_params(values, limits)
 
 
 def check_sequences(num: int, limits: Limits, what: str = "'inputs'") -> None:
@@ -217,4 +206,4 @@ def check_wire_value(name: str, value: Any) -> None:
                 check_text(f"{path} key", k, allow_empty=True, max_chars=1 << 20)
                 stack.append((f"{path}.{k}", item, depth + 1))
         else:
-            raise InvalidRequest(f"{path!r} has an unsupported type {_kind(v)}")
+            raise InvalidRequest(f"{path!r} has an unsupported type {kind_of(v)}")

@@ -10,25 +10,22 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from handlers.engine.adapters import adapt_model
 from handlers.engine.config import EngineConfig
-from handlers.engine.cpu import auto_threads, keep_freed_memory
 from handlers.engine.detokenizer import IncrementalDetokenizer
 from handlers.engine.families import check_config, load_config_dict
+from handlers.engine.loading import load_model_and_tokenizer
 from handlers.engine.memory import (
     MemoryBudget,
     MemoryPlan,
     memory_budget,
     plan_loaded_model,
     preflight,
-    read_model_config,
-    resolve_dtype,
     weights_dir,
 )
 from handlers.engine.paged_attention import KVPool
@@ -40,9 +37,6 @@ from handlers.engine.sequence import Sequence
 from serving.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
 
 logger = logging.getLogger(__name__)
-
-_TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -229,32 +223,6 @@ class LLMEngine:
             "limits": self.scheduler.limits.as_dict(),
             "blocks_held": {s.request_id: s.num_live_blocks for s in self.scheduler.live_sequences()},
         }
-
-
-def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str]) -> tuple[torch.nn.Module, Any, EngineConfig]:
-    """Parse the options, set torch threads, and load model (safetensors unless allowed) and tokenizer.
-    ``option.model_id`` may name another local folder (relative to ``model_dir`` or absolute)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    config = EngineConfig.from_options(options)
-    torch.set_num_threads(config.num_threads or auto_threads(_int_option(options, "maxWorkers", 1),
-                                                              config.tensor_parallel_degree))
-    keep_freed_memory()
-    source = weights_dir(model_dir, options.get("model_id"))
-    config = replace(config, dtype=resolve_dtype(config.dtype, read_model_config(source)))  # auto -> fp32, ...
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=_TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
-        trust_remote_code=config.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
-    adapt_model(model)  # before tensor-parallel sharding, which sees the adapted layout
-    return model, tokenizer, config
-
-
-def _int_option(options: Mapping[str, str], key: str, default: int) -> int:
-    try:
-        return int(options.get(key, default))
-    except ValueError:
-        return default
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:

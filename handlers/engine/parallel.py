@@ -266,7 +266,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{args.rank}[%(process)d] %(levelname)s "
                                                    "%(name)s: %(message)s")
-    from handlers.engine.engine import load_model_and_tokenizer
+    from handlers.engine.loading import load_model_and_tokenizer
     from handlers.engine.runner import ModelRunner
 
     options = json.loads(args.options)

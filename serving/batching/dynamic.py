@@ -33,8 +33,8 @@ from serving.errors import (
     WorkerFailed,
     error_from_kind,
 )
+from serving.ipc.messages import Batch, BatchResult
 from serving.types import FinishReason, GenerationRequest, TokenDelta, TokenInfo
-from serving.worker.messages import Batch, BatchResult
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 from serving.batching.ports import Clock
 from serving.errors import InvalidRequest, ServingError
-from serving.worker import codec
-from serving.worker.messages import Message
+from serving.ipc import codec
+from serving.ipc.messages import Message
 
 log = logging.getLogger(__name__)
 

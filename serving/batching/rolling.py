@@ -42,8 +42,8 @@ from serving.errors import (
     WorkerFailed,
     error_from_kind,
 )
+from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Reject
 from serving.types import GenerationRequest, TokenDelta
-from serving.worker.messages import Abort, Add, Configure, Configured, Deltas, Reject
 
 log = logging.getLogger(__name__)
 

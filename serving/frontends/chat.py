@@ -1,9 +1,9 @@
-"""Chat prompts: validate OpenAI ``messages`` and render them with the model's chat template.
+"""Chat prompts: render OpenAI ``messages`` (validated by ``schemas.ChatMessage``) with the model's chat template.
 
 Design note: the frontend process never imports transformers, so the template (a Jinja string the
 handler reports in ``describe()["chat_template"]``) is rendered here with jinja2's immutable sandbox, with
 the same globals transformers gives it (``raise_exception``, ``strftime_now``, ``bos_token``, ...). A
-model without a template, a template that raises, or malformed messages all become ``InvalidRequest``
+model without a template or a template that raises becomes ``InvalidRequest``
 (400). Compiled templates are cached per template string. Runs on the event loop.
 """
 
@@ -18,10 +18,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from serving.errors import InvalidRequest
-from serving.params import check_text
-
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-MAX_MESSAGES = 4096
+from serving.frontends.schemas import ChatMessage
 
 
 class _TemplateError(Exception):
@@ -50,39 +47,16 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def _content(index: int, content: Any) -> str:
-    """A message's content: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined)."""
-    where = f"messages[{index}].content"
-    if isinstance(content, str):
-        return check_text(where, content, allow_empty=True)
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise InvalidRequest(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported")
-            texts.append(check_text(f"{where}[].text", part.get("text"), allow_empty=True))
-        return "".join(texts)
-    if content is None:
-        return ""
-    raise InvalidRequest(f"{where} must be a string or a list of text parts")
-
-
-def check_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI ``messages`` -> ``[{"role", "content"}]`` with text content. Raises ``InvalidRequest``."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty list of {role, content} objects")
-    if len(messages) > MAX_MESSAGES:
-        raise InvalidRequest(f"'messages' has {len(messages)} entries; at most {MAX_MESSAGES}")
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Validated messages (``schemas.ChatMessage``) -> ``[{"role", "content"[, "name"]}]`` with text content
+    (text parts joined; null content is empty), what chat templates read."""
     out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content'")
-        role = m.get("role")
-        if role not in ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        item: dict[str, str] = {"role": role, "content": _content(i, m.get("content"))}
-        if isinstance(m.get("name"), str):
-            item["name"] = m["name"]
+    for m in messages:
+        content = m.content
+        text = "" if content is None else content if isinstance(content, str) else "".join(p.text for p in content)
+        item = {"role": m.role, "content": text}
+        if m.name is not None:
+            item["name"] = m.name
         out.append(item)
     return out
 

@@ -31,8 +31,10 @@ from serving.frontends.httpio import (
     timings_json,
 )
 from serving.frontends.prompts import ModelTexts, off_loop
-from serving.params import check_sequences, check_text, check_wire_value, parse_lmi_parameters
-from serving.types import GenerationRequest, GenerationResult, TokenInfo
+from serving.frontends.schemas import LMI
+from serving.params import check_wire_value, lmi_sampling_params, parse_lmi_parameters
+from serving.schema import kind_of, type_error
+from serving.types import GenerationRequest, GenerationResult, SamplingParams, TokenInfo
 
 TEXT_ENTRY_POINTS = ("huggingface", "rolling")
 SAGEMAKER_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
@@ -58,37 +60,37 @@ def attributes_of(request: Request) -> dict[str, str]:
 
 def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx: HttpContext
                    ) -> tuple[list[GenerationRequest], bool, bool]:
-    """LMI body -> (requests, was_list, stream)."""
+    """LMI body -> (requests, was_list, stream). A text model's body is a ``schemas.LmiRequest``; a custom
+    handler's is its own (only ``parameters`` and ``stream`` are checked, and that it can cross to a worker)."""
     if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object with 'inputs'")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean")
-    text_model = is_text_model(ep)
-    strict = text_model and model_option(ep, "strict_parameters", "true").lower() != "false"
-    if text_model:
-        unknown = sorted(set(body) - {"inputs", "parameters", "stream", "model"})
-        if unknown and strict:
-            raise InvalidRequest(f"unknown fields: {', '.join(unknown)}")
-        if "inputs" not in body:
-            raise InvalidRequest("missing field 'inputs'")
-    params = parse_lmi_parameters(body.get("parameters"), ctx.limits, strict=strict)
-    inputs = body.get("inputs")
-    was_list = isinstance(inputs, list)
-    if text_model:
-        items = inputs if was_list else [inputs]
-        if not items:
-            raise InvalidRequest("'inputs' must not be an empty list")
-        check_sequences(len(items), ctx.limits)
-        prompts = [check_text("inputs", p, max_chars=ctx.limits.max_prompt_chars) for p in items]
+        raise _not_an_object(body)
+    if is_text_model(ep):
+        strict = model_option(ep, "strict_parameters", "true").lower() != "false"
+        req = LMI.validate(body, ctx.limits, strict=strict)
+        params = lmi_sampling_params(req.parameters, ctx.limits) if req.parameters else SamplingParams()
+        was_list = isinstance(req.inputs, list)
+        prompts = list(req.inputs) if isinstance(req.inputs, list) else [req.inputs]
+        stream = bool(req.stream)
+        payload = None
     else:
+        stream_value = body.get("stream")
+        if stream_value is not None and not isinstance(stream_value, bool):
+            raise type_error("stream", "a boolean", stream_value)
+        stream = bool(stream_value)
+        params = parse_lmi_parameters(body.get("parameters"), ctx.limits, strict=False)
         check_wire_value("body", body)  # a custom handler's raw payload crosses to the worker as is
+        inputs = body.get("inputs")
         prompts = [inputs if isinstance(inputs, str) else ""]
         was_list = False
+        payload = body
     reqs = [GenerationRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", model=ep.name, prompt=p,
-                              params=params, stream=stream, payload=None if text_model else body,
-                              attributes=attributes) for i, p in enumerate(prompts)]
+                              params=params, stream=stream, payload=payload, attributes=attributes)
+            for i, p in enumerate(prompts)]
     return reqs, was_list, stream
+
+
+def _not_an_object(body: Any) -> InvalidRequest:
+    return InvalidRequest(f"request body must be a JSON object, got {kind_of(body)}")
 
 
 def submit_all(ep: Any, reqs: list[GenerationRequest]) -> list[ResultStream]:

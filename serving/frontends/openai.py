@@ -37,6 +37,7 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.openai_schema import ParsedRequest, parse_chat, parse_completion
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
+from serving.schema import type_error
 from serving.types import GenerationResult, TokenDelta, TokenInfo
 
 
@@ -104,7 +105,7 @@ class OpenAIRoutes:
             body = await read_json(request, self.ctx.max_request_size)
             model = body.get("model") if isinstance(body, dict) else None
             if model is not None and not isinstance(model, str):
-                raise InvalidRequest(f"'model' must be a string, got {type(model).__name__}")
+                raise type_error("model", "a string", model)  # before the body: it picks the model
             ep = self.ctx.registry.get(model) if model else self.ctx.registry.only()
             request.state.model = ep.name  # the metrics label
             return await self._run(request, body, ep, rid, chat)

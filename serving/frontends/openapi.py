@@ -1,9 +1,12 @@
 """``GET /openapi.json``: an OpenAPI 3.1 description of every inference and management route.
 
-Design note: written by hand from the route modules' contracts (the routes are plain Starlette handlers
-with no schema of their own); a test checks that every mounted route appears here and a bounded
-schemathesis run fuzzes it. Every operation lists its error responses, all with the server-wide error
-body ``{"error", "error_type", "request_id"}``. Limits in the schemas come from the ``Limits`` in use.
+Design note: the request bodies' schemas are generated from the models the routes validate with
+(``schemas.ROUTE_MODELS``, their parameters from ``params.LmiParameters``), so the document and the
+validation cannot drift; the paths, answers and error responses are written here. Tests check that every
+mounted route appears, that every field a route accepts is documented and vice versa, that documents valid
+per the schema are accepted, and a bounded schemathesis run fuzzes it. Every operation lists its error
+responses, all with the server-wide error body ``{"error", "error_type", "request_id"}``. Caps in the schemas
+come from the ``Limits`` in use.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serving import knobs
+from serving.frontends.schemas import ROUTE_MODELS
 from serving.params import Limits
+from serving.schema import json_schemas
 
 ERRORS = {
     "400": "invalid request (bad JSON, wrong types, unknown fields, prompt too long, streaming on a "
@@ -53,10 +58,11 @@ def _json_ok(description: str, schema: dict[str, Any], stream: bool = False) -> 
     return {"description": description, "content": content}
 
 
-def _post(summary: str, body: str, ok: dict[str, Any], codes: tuple[str, ...] = _INFERENCE_ERRORS,
+def _post(summary: str, body: str | dict[str, Any], ok: dict[str, Any], codes: tuple[str, ...] = _INFERENCE_ERRORS,
           params: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    schema = _ref(body) if isinstance(body, str) else body
     op: dict[str, Any] = {"summary": summary, "requestBody": {
-        "required": True, "content": {"application/json": {"schema": _ref(body)}}},
+        "required": True, "content": {"application/json": {"schema": schema}}},
         "responses": _responses(ok, codes)}
     if params:
         op["parameters"] = params
@@ -72,57 +78,24 @@ def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
-    num = {"type": "number"}
-    model = {"type": "string", "enum": list(models)} if models else {"type": "string"}
-    max_tokens = {"type": "integer", "minimum": 1, "maximum": limits.max_new_tokens}
-    stop = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
-                                            "maxItems": limits.max_stop_sequences}]}
-    sampling = {"temperature": {**num, "minimum": 0, "maximum": 2}, "top_p": {**num, "exclusiveMinimum": 0,
-                "maximum": 1}, "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n},
-                "stop": stop, "seed": {"type": "integer", "minimum": 0}, "stream": {"type": "boolean"},
-                "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-                "max_tokens": max_tokens, "user": {"type": "string"},
-                "ignore_eos": {"type": "boolean"}, "top_k": {"type": "integer", "minimum": -1},
-                "repetition_penalty": {**num, "minimum": 0.01, "maximum": 100},
-                "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                "model": model}
-    lmi_params = {"type": "object", "properties": {
-        "max_new_tokens": max_tokens, "do_sample": {"type": "boolean"}, "temperature": {**num, "minimum": 0},
-        "top_k": {"type": "integer", "minimum": 0}, "top_p": {**num, "exclusiveMinimum": 0, "maximum": 1},
-        "repetition_penalty": {**num, "minimum": 0.01, "maximum": 100}, "seed": {"type": "integer", "minimum": 0},
-        "stop": {"type": "array", "items": {"type": "string"}}, "stop_sequences": {"type": "array", "items":
-        {"type": "string"}}, "ignore_eos": {"type": "boolean"}, "details": {"type": "boolean"},
-        "return_full_text": {"type": "boolean"}, "decoder_input_details": {"type": "boolean"},
-        "top_n_tokens": {"type": "integer", "minimum": 0, "maximum": limits.max_logprobs},
-        "truncate": {"type": "integer", "minimum": 1}}, "additionalProperties": False}
-    message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]}, "content": {"type": "string"}}}
+    """Request schemas from the request models (``schemas.ROUTE_MODELS``: what the routes validate with),
+    answers and errors by hand (the server writes those, it does not validate them)."""
+    requests = json_schemas(ROUTE_MODELS, limits)
+    if models:  # the registered names, for clients and fuzzers (an unknown name is a 404, not a 400)
+        for name in ("CompletionRequest", "ChatRequest"):
+            model = requests[name]["properties"]["model"]
+            model["anyOf"] = [{**b, "enum": list(models)} if b.get("type") == "string" else b for b in model["anyOf"]]
     usage = {"type": "object", "properties": {k: {"type": "integer"} for k in
                                               ("prompt_tokens", "completion_tokens", "total_tokens")}}
     return {
+        **requests,
         "Error": {"type": "object", "required": ["error", "error_type", "request_id"], "properties": {
             "error": {"type": "string"}, "error_type": {"type": "string"}, "request_id": {"type": "string"}}},
-        "LmiRequest": {"type": "object", "required": ["inputs"], "properties": {
-            "inputs": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string"}}]},
-            "parameters": lmi_params, "stream": {"type": "boolean"}}},
         "LmiAnswer": {"type": "object", "properties": {"generated_text": {"type": "string"},
                                                        "details": {"type": "object"}}},
-        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
-            **sampling, "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                                             {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                                             {"type": "array", "items": {"type": "integer", "minimum": 0},
-                                              "minItems": 1}]},
-            "logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_logprobs},
-            "echo": {"type": "boolean"}}},
-        "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
-            **sampling, "messages": {"type": "array", "items": message, "minItems": 1},
-            "max_completion_tokens": max_tokens, "logprobs": {"type": "boolean"},
-            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_logprobs}}},
         "Completion": {"type": "object", "properties": {"id": {"type": "string"}, "object": {"type": "string"},
                                                         "choices": {"type": "array"}, "usage": usage}},
         "ModelList": {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array"}}},
-        "TgiRequest": {"type": "object", "required": ["inputs"], "properties": {
-            "inputs": {"type": "string", "minLength": 1}, "parameters": lmi_params, "stream": {"type": "boolean"}}},
         "TgiAnswer": {"type": "object", "properties": {"generated_text": {"type": "string"},
                                                        "details": {"type": "object"}}},
     }
@@ -135,19 +108,23 @@ def _model_schema(models: Sequence[str]) -> dict[str, Any]:
 def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, Any]:
     """The inference API: LMI/SageMaker, OpenAI and TGI routes; ``models``: the registered model names."""
     model_q = [_query("model_name", _model_schema(models))]
-    lmi_ok = _json_ok("LMI answer (a list for a list input); a jsonlines or SSE token stream with stream=true",
-                      {"oneOf": [_ref("LmiAnswer"), {"type": "array", "items": _ref("LmiAnswer")}]}, stream=True)
     openai_ok = _json_ok("the whole answer, or SSE chunks ending in `data: [DONE]` with stream=true",
                          _ref("Completion"), stream=True)
+    lmi_body = {"oneOf": [_ref("LmiRequest"), _ref("ChatRequest")]}  # the LMI routes take both (lmi.py)
+    lmi_or_chat_ok = _json_ok("LMI answer (a list for a list input), or an OpenAI chat answer for a body with "
+                              "`messages`; a token stream with stream=true",
+                              {"anyOf": [_ref("LmiAnswer"), {"type": "array", "items": _ref("LmiAnswer")},
+                                         _ref("Completion")]}, stream=True)
     tgi_ok = _json_ok("TGI answer", _ref("TgiAnswer"))
     tgi_stream = _json_ok("TGI token events (SSE)", {"type": "string"}, stream=True)
     paths: dict[str, Any] = {
         **health_paths(),
-        "/predictions/{model_name}": {"post": {**_post("LMI generation on a named model", "LmiRequest", lmi_ok)
+        "/predictions/{model_name}": {"post": {**_post("LMI generation on a named model (a body with `messages` is "
+                                                       "an OpenAI chat request)", lmi_body, lmi_or_chat_ok)
                                                ["post"], "parameters": [
                                                    {**_path_param("model_name"), "schema": _model_schema(models)}]}},
         "/invocations": _post("SageMaker/LMI generation (a body with `messages` is an OpenAI chat request); "
-                              "X-Amzn-SageMaker-Custom-Attributes reaches the handler", "LmiRequest", lmi_ok,
+                              "X-Amzn-SageMaker-Custom-Attributes reaches the handler", lmi_body, lmi_or_chat_ok,
                               params=model_q),
         "/v1/models": {"get": {"summary": "OpenAI model list", "responses": _responses(
             _json_ok("models", _ref("ModelList")), ("500",))}},

@@ -1,13 +1,14 @@
 """TGI routes: ``POST /generate``, ``POST /generate_stream``, ``POST /`` (TGI's compat route that the
 ``text-generation`` client calls), ``GET /info``.
 
-Design note: a thin translation onto ``GenerationRequest``, sharing LMI's parameter checks. TGI clients
+Design note: a thin translation onto ``GenerationRequest``; the body is a ``schemas.TgiRequest``, whose
+``parameters`` are LMI's (``params.LmiParameters``, TGI's names included). TGI clients
 expect TGI's status codes and error types, so this module has its own mapping table: validation errors
 are 422 ``"validation"``, a full queue is 429 ``"overloaded"``, model failures are ``"generation"``; the
 body keeps the server-wide ``{"error", "error_type", "request_id"}`` shape (which is TGI's own shape plus
 the request id). ``null`` parameters mean "default", as in TGI. Parameters TGI has but rollserve cannot
-honour (``grammar``, ``watermark``, ``typical_p``, ``best_of`` > 1, ``frequency_penalty``) are refused at
-any non-neutral value. Streaming needs a rolling-batch model (422 naming ``option.rolling_batch``).
+honour (``grammar``, ``adapter_id``, ``watermark``, ``typical_p``, ``best_of`` > 1, ``frequency_penalty``) are
+refused at any non-neutral value. Streaming needs a rolling-batch model (422 naming ``option.rolling_batch``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from serving.frontends.httpio import (
     timings_json,
 )
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
-from serving.params import check_text, parse_lmi_parameters
-from serving.types import GenerationRequest, GenerationResult, TokenInfo
+from serving.frontends.schemas import TGI
+from serving.params import lmi_sampling_params
+from serving.types import GenerationRequest, GenerationResult, SamplingParams, TokenInfo
 
 VERSION = "rollserve-0.1.0"
 # core error kind -> (TGI status, TGI error_type); kinds not listed keep the server-wide status.
@@ -47,9 +49,6 @@ TGI_ERRORS: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.WORKER_FAILED: (502, "generation"),
     ErrorKind.INTERNAL: (500, "generation"),
 }
-# TGI parameters rollserve cannot honour: their neutral values (besides null)
-_NEUTRAL: dict[str, tuple[Any, ...]] = {"frequency_penalty": (0, 0.0), "watermark": (False,), "best_of": (1,),
-                                        "typical_p": (1, 1.0), "grammar": (), "adapter_id": ()}
 
 
 def routes(ctx: HttpContext) -> list[Route]:
@@ -64,27 +63,6 @@ def tgi_error(exc: ServingError, rid: str) -> JSONResponse:
         headers["Retry-After"] = str(exc.retry_after_s)
     return JSONResponse({"error": exc.message, "error_type": error_type, "request_id": rid}, status_code=status,
                         headers=headers)
-
-
-def _tgi_parameters(params: Any) -> tuple[dict[str, Any] | None, int | None]:
-    """Drop nulls, refuse unsupported non-neutral values; returns (LMI parameters, truncate)."""
-    if params is None:
-        return None, None
-    if not isinstance(params, dict):
-        raise InvalidRequest(f"'parameters' must be an object, got {type(params).__name__}")
-    out = {}
-    for k, v in params.items():
-        if v is None:
-            continue
-        if k in _NEUTRAL:
-            if isinstance(v, bool) != (k == "watermark") or v not in _NEUTRAL[k]:
-                raise InvalidRequest(f"parameter {k!r} is not supported by rollserve; got {v!r}")
-            continue
-        out[k] = v
-    truncate = out.pop("truncate", None)
-    if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1):
-        raise InvalidRequest(f"parameter 'truncate' must be a positive integer, got {truncate!r}")
-    return out, truncate
 
 
 class TgiRoutes:
@@ -166,31 +144,23 @@ class TgiRoutes:
 
     def _build(self, body: Any, ep: Any, rid: str, text: ModelText, stream: bool | None
                ) -> tuple[GenerationRequest, bool]:
-        if not isinstance(body, dict):
-            raise InvalidRequest("request body must be a JSON object with 'inputs'")
-        unknown = sorted(set(body) - {"inputs", "parameters", "stream"})
-        if unknown:
-            raise InvalidRequest(f"unknown fields: {', '.join(unknown)}")
-        if "inputs" not in body:
-            raise InvalidRequest("missing field 'inputs'")
-        prompt = check_text("inputs", body["inputs"], max_chars=self.ctx.limits.max_prompt_chars)
-        want = body.get("stream", False)
-        if not isinstance(want, bool):
-            raise InvalidRequest("'stream' must be a boolean")
-        lmi_params, truncate = _tgi_parameters(body.get("parameters"))
-        params = parse_lmi_parameters(lmi_params, self.ctx.limits)
+        req = TGI.validate(body, self.ctx.limits)
+        p = req.parameters
+        params = lmi_sampling_params(p, self.ctx.limits) if p is not None else SamplingParams()
         # TGI samples whenever a sampling warper is set, even without do_sample
         sampling = params.do_sample or params.temperature != 1.0 or params.top_k > 0 or params.top_p < 1.0
         params = replace(params, do_sample=sampling and params.temperature != 0.0)
-        ids = text.encode(prompt)
+        ids = text.encode(req.inputs)
         token_ids: tuple[int, ...] | None = None
+        truncate = p.truncate if p is not None else None
         if truncate is not None and ids is not None and len(ids) > truncate:
             token_ids = tuple(ids[-truncate:])
             ids = list(token_ids)
         text.check_length(len(ids) if ids is not None else None, params.max_new_tokens, "max_new_tokens")
-        req = GenerationRequest(request_id=rid, model=ep.name, prompt=prompt, params=params,
-                                prompt_token_ids=token_ids, stream=want if stream is None else stream)
-        return req, req.stream
+        want = bool(req.stream) if stream is None else stream
+        request = GenerationRequest(request_id=rid, model=ep.name, prompt=req.inputs, params=params,
+                                    prompt_token_ids=token_ids, stream=want)
+        return request, want
 
 
 def _token(t: TokenInfo, text: ModelText, piece: str | None = None) -> dict[str, Any]:

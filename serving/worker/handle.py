@@ -19,8 +19,8 @@ import tempfile
 import time
 from typing import Any, Protocol
 
-from serving.worker import codec
-from serving.worker.messages import Init, LoadFailed, Message, ProtocolError, Ready, Shutdown
+from serving.ipc import codec
+from serving.ipc.messages import Init, LoadFailed, Message, ProtocolError, Ready, Shutdown
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from serving.errors import ErrorKind, ServingError
-from serving.logs import setup_logging
-from serving.redact import scrub_paths
-from serving.types import GenerationRequest
-from serving.worker import codec
-from serving.worker.messages import (
+from serving.ipc import codec
+from serving.ipc.messages import (
     Batch,
     BatchResult,
     Init,
@@ -39,6 +36,9 @@ from serving.worker.messages import (
     Ready,
     Shutdown,
 )
+from serving.logs import setup_logging
+from serving.redact import scrub_paths
+from serving.types import GenerationRequest
 from serving.worker.rolling_loop import RollingLoop, WorkerUnhealthy
 
 log = logging.getLogger("serving.worker")

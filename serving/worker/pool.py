@@ -21,13 +21,23 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
-from serving.batching.ports import Batcher
+from serving.ipc.messages import Init, Message
 from serving.worker.handle import WorkerHandle, WorkerLoadError
-from serving.worker.messages import Init, Message
 
 log = logging.getLogger(__name__)
+
+
+class WorkerEvents(Protocol):
+    """What the pool tells the model's batcher (a batcher of ``serving.batching`` satisfies it structurally;
+    the worker package never imports the batchers)."""
+
+    def worker_ready(self, worker: WorkerHandle) -> None: ...
+    def worker_lost(self, worker: WorkerHandle) -> None: ...
+    def on_message(self, worker: WorkerHandle, msg: Message) -> None: ...
+    def worker_load(self, worker: WorkerHandle) -> int: ...
+    def retire(self, worker: WorkerHandle) -> None: ...
 
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 
@@ -35,7 +45,7 @@ BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 class WorkerPool:
     """Owns the worker processes of one model. Event-loop only."""
 
-    def __init__(self, model: str, init: Init, batcher: Batcher, num_workers: int, loading_timeout_s: float,
+    def __init__(self, model: str, init: Init, batcher: WorkerEvents, num_workers: int, loading_timeout_s: float,
                  on_failed: Callable[[str], None], max_load_attempts: int = 3,
                  env: Mapping[str, str] | None = None, stable_after_s: float = 60.0) -> None:
         self.model = model

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from serving.errors import ErrorKind, ServingError
-from serving.worker.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
+from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
 
 log = logging.getLogger("serving.worker")
 
@@ -126,7 +126,7 @@ class RollingLoop:
 
     def _configure(self, msg: Configure) -> None:
         """Apply the options the handler can change live (the frontend enforces the others itself)."""
-        live = getattr(self.handler, "live_options", frozenset())
+        live: frozenset[str] = getattr(self.handler, "live_options", frozenset())
         options = {key: value for key, value in msg.options.items() if key in live}
         try:
             if options:

@@ -128,7 +128,9 @@ CAPS: list[tuple[str, Any, tuple[str, ...]]] = [
     ("/predictions/roll", lmi_body(stop=["x" * 257]), ("stop", "at most 256")),
     ("/v1/completions", {"model": "roll", "prompt": [PROMPT] * 9, "n": 8, "max_tokens": 2},
      ("72 sequences", "max_sequences_per_request")),
-    ("/predictions/roll", {"inputs": [PROMPT] * 65}, ("65 sequences", "max_sequences_per_request")),
+    # the schema's cap on the list (maxItems in /openapi.json), hence the schema's words
+    ("/predictions/roll", {"inputs": [PROMPT] * 65},
+     ("'inputs' has 65 entries; at most 64", "max_sequences_per_request")),
 ]
 
 

@@ -38,11 +38,53 @@ DYN = {"option.entryPoint": "echo", "option.echo_delay_ms": "300", "batch_size":
        "max_batch_delay": "600000",  # ten minutes: a batch goes out when full, never because of the delay
        "max_queue_time": "900"}
 POOL = {"option.entryPoint": "echo", "option.echo_delay_ms": "1500", "batch_size": "1", "max_batch_delay": "1"}
+STEPS_HANDLER = '''
+import time
+
+from handlers.base import RollingHandler
+from serving.types import FinishReason, TokenDelta, TokenInfo
+
+
+class Handler(RollingHandler):
+    """A torch-free rolling handler: one word per step, a step takes 20 ms."""
+
+    def initialize(self, ctx):
+        self.requests = {}
+
+    def add(self, request):
+        self.requests[request.request_id] = [request, 0]
+
+    def abort(self, request_id):
+        self.requests.pop(request_id, None)
+
+    def has_work(self):
+        return bool(self.requests)
+
+    def stats(self):
+        return {"num_running": len(self.requests)}
+
+    def step(self):
+        time.sleep(0.02)
+        out = []
+        for rid, entry in list(self.requests.items()):
+            request, n = entry
+            entry[1] = n + 1
+            done = entry[1] >= request.params.max_new_tokens
+            word = f"{request.prompt}{n} "
+            out.append(TokenDelta(rid, (TokenInfo(n, word),), word, FinishReason.LENGTH if done else None,
+                                  1 if n == 0 else None))
+            if done:
+                del self.requests[rid]
+        return out
+'''
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    s = ServerProcess.start(tmp_path_factory.mktemp("knobs"), models={"roll": ROLL, "dyn": DYN, "pool": POOL},
+    s = ServerProcess.start(tmp_path_factory.mktemp("knobs"),
+                            models={"roll": ROLL, "dyn": DYN, "pool": POOL,
+                                    "steps": {"option.entryPoint": "model.py", "option.rolling_batch": "auto"}},
+                            files={"steps": {"model.py": STEPS_HANDLER}},
                             config={"enable_model_api": "true", "max_workers_per_model": "3",
                                     "job_queue_size": "500"},
                             env={"OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS": "2048"}, timeout_s=240)
@@ -136,6 +178,12 @@ def batch_buckets(server: ServerProcess, model: str) -> dict[str, float]:
     return out
 
 
+def running(server: ServerProcess) -> tuple[int, int]:
+    """Requests running on the rolling model: (the frontend's count, the engine's)."""
+    batcher, engine = roll_state(server)
+    return int(batcher["running"]), int(engine.get("num_running", 0))
+
+
 def roll_state(server: ServerProcess) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the frontend's rolling batcher, the engine's stats of its one worker)."""
     batcher = server.describe("roll")["batcher"]
@@ -165,8 +213,7 @@ def test_rolling_batch_size_32_to_4_to_32_under_64_requests(server: ServerProces
     # 32 long requests fill the batch; their lengths differ, so they finish one by one
     first = [greedy(PROMPTS[i % 8], 40 + 2 * i) for i in range(32)]
     load1 = Load(url, first)
-    wait_for(lambda: (lambda b, e: b["running"] == 32 and e.get("num_running") == 32)(*roll_state(server)),
-             "32 requests running")
+    wait_for(lambda: running(server) == (32, 32), "32 requests running")
     second = [greedy(PROMPTS[i % 8], 40 + 2 * (i % 8)) for i in range(32)]
     load2 = Load(url, second)
     wait_for(lambda: roll_state(server)[0]["waiting"] == 32, "32 more requests waiting")
@@ -205,9 +252,13 @@ def test_rolling_batch_size_32_to_4_to_32_under_64_requests(server: ServerProces
     assert engine["max_num_seqs"] == 32
     raised = engine["limits"]
     assert raised["waiting_at_change"] > 0 and raised["running_at_change"] <= 4, raised
-    stats = wait_for(lambda: (lambda e: e if e["limits"]["first_step_admitted"] is not None and
-                              e["limits"]["changes"] == raised["changes"] else None)(roll_state(server)[1]),
-                     "a step after the raise")
+    def stepped_since_raise() -> dict[str, Any] | None:
+        stats = roll_state(server)[1]
+        limits = stats["limits"]
+        return stats if limits["changes"] == raised["changes"] and limits["first_step_admitted"] is not None \
+            else None
+
+    stats = wait_for(stepped_since_raise, "a step after the raise")
     assert stats["limits"]["first_step_admitted"] == raised["waiting_at_change"]  # all of them, at once
     assert stats["limits"]["peak_running_admitting"] == raised["running_at_change"] + raised["waiting_at_change"]
     wait_for(lambda: gauge(server, "rollserve_num_requests_running", "roll") > 4, "the gauge above the old limit")
@@ -303,7 +354,7 @@ def test_get_shows_every_knob_with_its_source(server: ServerProcess) -> None:
 def test_a_bad_knob_is_a_400_naming_it_and_changes_nothing(server: ServerProcess, query: dict[str, str],
                                                            named: tuple[str, ...]) -> None:
     before = server.describe("dyn")
-    error(put(server, "dyn", **query), 400, *named)
+    error(httpx.put(f"{server.mgmt}/models/dyn", params=query, headers=server.mgmt_headers, timeout=30), 400, *named)
     after = server.describe("dyn")
     assert after["knobs"] == before["knobs"] and after["target_workers"] == before["target_workers"]
 
@@ -340,53 +391,64 @@ def test_without_the_model_api_batching_knobs_change_and_worker_counts_are_refus
 
 # --- workers: both bounds apply, and scaling down retires the idlest after its requests ---------------
 
-def workers(server: ServerProcess) -> list[dict[str, Any]]:
-    return list(server.describe("pool")["workers"])
+def workers(server: ServerProcess, model: str) -> list[dict[str, Any]]:
+    return list(server.describe(model)["workers"])
 
 
+def job(model: str, name: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """A request that keeps a worker busy for a while (1.5 s of echo; 100 steps of 20 ms) and its answer."""
+    if model == "pool":
+        return {"inputs": name}, {"generated_text": name}
+    return {"inputs": name, "parameters": {"max_new_tokens": 100}}, \
+        {"generated_text": "".join(f"{name}{i} " for i in range(100))}
+
+
+@pytest.mark.parametrize("model", ["pool", "steps"])
 def test_min_and_max_worker_both_apply_and_scaling_down_retires_the_idlest_after_its_requests(
-        server: ServerProcess) -> None:
-    r = put(server, "pool", min_worker=2, max_worker=3)
+        server: ServerProcess, model: str) -> None:
+    url = f"{server.url}/predictions/{model}"
+    r = put(server, model, min_worker=2, max_worker=3)
     assert r.status_code == 200, r.text
     assert r.json()["changed"] == {"min_worker": 2, "max_worker": 3} and r.json()["target_workers"] == 2
-    info = server.describe("pool")
+    info = server.describe(model)
     assert (info["min_workers"], info["max_workers"], info["target_workers"]) == (2, 3, 2)
     assert [w["status"] for w in info["workers"]] == ["READY", "READY"]
     assert info["knobs"]["max_worker"] == {"value": 3, "source": "API", "from": "API", "applies": True}
 
     # one worker busy, one idle: going down to one worker retires the idle one at once
-    busy = Load(f"{server.url}/predictions/pool", [{"inputs": "keep me"}])
-    loads = wait_for(lambda: (lambda ws: ws if sorted(w["in_flight"] for w in ws) == [0, 1] else None)(
-        workers(server)), "one busy worker")
-    busy_id = next(w["id"] for w in loads if w["in_flight"] == 1)
-    idle_id = next(w["id"] for w in loads if w["in_flight"] == 0)
-    r = put(server, "pool", min_worker=1, max_worker=1)
+    body, expected = job(model, "keep")
+    busy = Load(url, [body])
+    def one_busy() -> dict[int, int] | None:
+        loads = {w["in_flight"]: w["id"] for w in workers(server, model)}
+        return loads if sorted(loads) == [0, 1] else None
+
+    loads = wait_for(one_busy, "one busy worker")  # in flight -> worker id
+    busy_id, idle_id = loads[1], loads[0]
+    r = put(server, model, min_worker=1, max_worker=1)
     assert r.status_code == 200, r.text
     assert r.json()["retiring_workers"] == [idle_id] and r.json()["target_workers"] == 1
     (answer,) = busy.wait()
-    assert answer.status_code == 200 and answer.json() == {"generated_text": "keep me"}
-    wait_for(lambda: [w["id"] for w in workers(server)] == [busy_id], "the idle worker to stop")
+    assert (answer.status_code, answer.json()) == (200, expected)
+    wait_for(lambda: [w["id"] for w in workers(server, model)] == [busy_id], "the idle worker to stop")
 
-    # two busy workers: the one retired finishes its request first; nothing is lost or retried
-    assert put(server, "pool", min_worker=2, max_worker=2).status_code == 200
-    wait_for(lambda: len(workers(server)) == 2, "two workers")
-    both = Load(f"{server.url}/predictions/pool", [{"inputs": "first"}, {"inputs": "second"}])
-    wait_for(lambda: [w["in_flight"] for w in workers(server)] == [1, 1], "both workers busy")
-    log_before = len(server.log())
-    r = put(server, "pool", max_worker=1)
+    # two busy workers: the one retired gets no new request and stops only once its own finished
+    assert put(server, model, min_worker=2, max_worker=2).status_code == 200
+    wait_for(lambda: len(workers(server, model)) == 2, "two workers")
+    jobs = [job(model, name) for name in ("first", "second", "third")]
+    both = Load(url, [body for body, _ in jobs[:2]])
+    wait_for(lambda: [w["in_flight"] for w in workers(server, model)] == [1, 1], "both workers busy")
+    r = put(server, model, max_worker=1)
     assert r.status_code == 200, r.text
     assert r.json()["changed"] == {"min_worker": 1, "max_worker": 1}  # min follows a max below it
     (retiring,) = r.json()["retiring_workers"]
-    states = {w["id"]: (w["status"], w["in_flight"]) for w in workers(server)}
+    states = {w["id"]: (w["status"], w["in_flight"]) for w in workers(server, model)}
     assert states[retiring] == ("RETIRING", 1), states  # still finishing its request
-    third = Load(f"{server.url}/predictions/pool", [{"inputs": "third"}])  # goes to the other worker
+    third = Load(url, [jobs[2][0]])  # goes to the other worker
     responses = both.wait() + third.wait()
-    assert [(r.status_code, r.json()) for r in responses] == [
-        (200, {"generated_text": t}) for t in ("first", "second", "third")]
-    wait_for(lambda: len(workers(server)) == 1, "the retired worker to stop")
-    assert retiring not in [w["id"] for w in workers(server)]
-    log = server.log()[log_before:]
-    assert "retrying" not in log.lower() and "exited; restarting" not in log, log
+    assert [(r.status_code, r.json()) for r in responses] == [(200, expected) for _, expected in jobs]
+    wait_for(lambda: len(workers(server, model)) == 1, "the retired worker to stop")
+    assert retiring not in [w["id"] for w in workers(server, model)]
+    assert server.describe(model)["worker_restarts"] == 0
 
 
 # --- gRPC -------------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ import pytest
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.rolling import RollingBatcher
 from serving.errors import Cancelled, HandlerError, Overloaded, RequestTimeout, ServingError, WorkerFailed
+from serving.ipc.messages import Abort, Add, Batch, BatchResult, Configure, Configured, Deltas, Reject
 from serving.types import FinishReason, GenerationRequest, TokenDelta, TokenInfo
-from serving.worker.messages import Abort, Add, Batch, BatchResult, Configure, Configured, Deltas, Reject
 
 
 class FakeWorker:

@@ -1,4 +1,4 @@
-"""Golden-byte tests of the worker channel codec (``serving.worker.codec``): exact frames, incremental
+"""Golden-byte tests of the worker channel codec (``serving.ipc.codec``): exact frames, incremental
 decoding of partial frames, and rejection of anything that is not a message of the protocol."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import struct
 import msgpack
 import pytest
 
-from serving.worker import codec
-from serving.worker.messages import (
+from serving.ipc import codec
+from serving.ipc.messages import (
     Abort,
     Add,
     Batch,

@@ -18,9 +18,9 @@ from starlette.testclient import TestClient
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.rolling import RollingBatcher
 from serving.errors import InvalidRequest, Overloaded
+from serving.ipc.messages import Batch, BatchResult, Deltas, Reject
 from serving.metrics import UNKNOWN_MODEL, ServingMetrics
 from serving.types import GenerationRequest, ModelState
-from serving.worker.messages import Batch, BatchResult, Deltas, Reject
 
 
 class FakeWorker:

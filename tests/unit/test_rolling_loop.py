@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from serving.errors import InvalidRequest
+from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
 from serving.types import FinishReason, TokenDelta, TokenInfo
-from serving.worker.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
 from serving.worker.rolling_loop import RollingLoop, WorkerUnhealthy
 
 
@@ -197,10 +197,10 @@ class ConfigurableEngine(FakeEngine):
 
 
 def test_configure_applies_between_steps_after_the_requests_sent_before_it() -> None:
-    ch, engine = run_loop([Add(requests=[wire("a")]), Add(requests=[wire("b")]),
-                           Configure(seq=1, options={"max_rolling_batch_size": 4,
-                                                     "max_rolling_batch_prefill_tokens": 99}),
-                           Add(requests=[wire("c")])], ConfigurableEngine())
+    engine = ConfigurableEngine()
+    ch, _ = run_loop([Add(requests=[wire("a")]), Add(requests=[wire("b")]),
+                      Configure(seq=1, options={"max_rolling_batch_size": 4, "max_rolling_batch_prefill_tokens": 99}),
+                      Add(requests=[wire("c")])], engine)
     # only the options the handler changes live reach it; a and b were in the engine, c not yet
     assert engine.changes == [({"max_rolling_batch_size": 4}, ["a", "b"])]
     answers = [m for m in ch.sent if isinstance(m, Configured)]
@@ -210,8 +210,8 @@ def test_configure_applies_between_steps_after_the_requests_sent_before_it() -> 
 
 
 def test_a_refused_configure_is_answered_with_the_reason_and_the_loop_goes_on() -> None:
-    ch, engine = run_loop([Add(requests=[wire("a")]), Configure(seq=7, options={"max_rolling_batch_size": 13})],
-                          ConfigurableEngine())
+    engine = ConfigurableEngine()
+    ch, _ = run_loop([Add(requests=[wire("a")]), Configure(seq=7, options={"max_rolling_batch_size": 13})], engine)
     (answer,) = [m for m in ch.sent if isinstance(m, Configured)]
     assert answer == Configured(seq=7, error="ValueError: 13 refused in <path>/limits.py")
     assert engine.changes == [] and ch.finished() == ["a"]

@@ -183,9 +183,9 @@ def test_wire_values_that_msgpack_cannot_carry_are_refused(value: Any, match: st
 
 def test_int_parameters_are_bounded() -> None:
     limits = Limits()
-    with pytest.raises(InvalidRequest, match=r"'top_k' must be <= 2147483647, got an integer of 80 bits"):
+    with pytest.raises(InvalidRequest, match=r"'top_k' must be >= -1 and <= 2147483647, got an integer of 80 bits"):
         build_sampling_params({"top_k": 2**79}, limits)
-    with pytest.raises(InvalidRequest, match="'stop_token_ids' must be <= 2147483647"):
+    with pytest.raises(InvalidRequest, match=r"'stop_token_ids\[1\]' must be >= 0 and <= 2147483647"):
         build_sampling_params({"stop_token_ids": [1, 2**31]}, limits)
     with pytest.raises(InvalidRequest, match="'stop_token_ids' has 65 entries; at most 64"):
         build_sampling_params({"stop_token_ids": list(range(65))}, limits)

@@ -375,7 +375,8 @@ def test_engine_refuses_before_loading(llama: Path, tmp_path: Path, monkeypatch:
 def test_engine_sizes_its_pool_from_the_plan(llama: Path, gpt2: Path) -> None:
     import torch
 
-    from handlers.engine.engine import LLMEngine, load_model_and_tokenizer
+    from handlers.engine.engine import LLMEngine
+    from handlers.engine.loading import load_model_and_tokenizer
 
     e = LLMEngine.from_options(llama, {"max_rolling_batch_size": "4", "dtype": "auto"})
     try:

@@ -10,7 +10,7 @@ import struct
 
 import msgpack
 
-from serving.worker.messages import Message, ProtocolError, message_from_dict, message_to_dict
+from serving.ipc.messages import Message, ProtocolError, message_from_dict, message_to_dict
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 1 << 30

@@ -1,0 +1,48 @@
+"""Loading a model and its tokenizer for the engine, in rank 0 and in every other tensor-parallel rank.
+
+Design note: its own module so that ``engine`` (rank 0) and ``parallel`` (the other ranks) both import it
+and not each other: ``engine`` imports ``parallel`` to start the ranks, ``parallel`` imports only this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from handlers.engine.adapters import adapt_model
+from handlers.engine.config import EngineConfig
+from handlers.engine.cpu import auto_threads, keep_freed_memory
+from handlers.engine.memory import read_model_config, resolve_dtype, weights_dir
+
+TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str]) -> tuple[torch.nn.Module, Any, EngineConfig]:
+    """Parse the options, set torch threads, and load model (safetensors unless allowed) and tokenizer.
+    ``option.model_id`` may name another local folder (relative to ``model_dir`` or absolute)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = EngineConfig.from_options(options)
+    torch.set_num_threads(config.num_threads or auto_threads(_int_option(options, "maxWorkers", 1),
+                                                              config.tensor_parallel_degree))
+    keep_freed_memory()
+    source = weights_dir(model_dir, options.get("model_id"))
+    config = replace(config, dtype=resolve_dtype(config.dtype, read_model_config(source)))  # auto -> fp32, ...
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
+        trust_remote_code=config.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
+    adapt_model(model)  # before tensor-parallel sharding, which sees the adapted layout
+    return model, tokenizer, config
+
+
+def _int_option(options: Mapping[str, str], key: str, default: int) -> int:
+    try:
+        return int(options.get(key, default))
+    except ValueError:
+        return default

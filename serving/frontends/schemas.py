@@ -1,0 +1,172 @@
+"""Request bodies of the HTTP routes: one model per route, which validates the body and is the route's
+schema in ``/openapi.json`` (see ``serving.schema`` for the rules and the messages).
+
+Design note: the routes' modules (``lmi``, ``tgi``, ``openai_schema``) validate with the ``RequestSchema``s at
+the bottom and then apply the rules a JSON schema cannot say, each named in a field's description:
+``stream_options`` only with ``stream: true``, ``best_of`` equal to ``n``, ``top_logprobs`` only with
+``logprobs: true``, prompts x ``n`` at most ``max_sequences_per_request``, the prompt plus the new tokens
+within the model's context, token ids within its vocabulary, and a chat template that accepts the messages.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from serving.params import (
+    LmiParameters,
+    Logprobs,
+    MaxNewTokens,
+    RepetitionPenalty,
+    Seed,
+    Stop,
+    StopTokenIds,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+)
+from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, Empty, Only, RequestSchema, StrictModel
+
+MAX_PROMPTS = 256  # entries of a list of prompts (/v1/completions)
+MAX_MESSAGES = 4096
+
+Prompt = Annotated[str, Field(min_length=1), Cap("max_prompt_chars"), TEXT]
+Text = Annotated[str, TEXT]
+
+
+class OpenModel(StrictModel):
+    """A part of a request that may carry other keys, accepted and ignored (OpenAI clients send them)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# --- LMI / SageMaker and TGI -------------------------------------------------------------------------
+class LmiRequest(StrictModel):
+    """``POST /predictions/{model_name}`` and ``POST /invocations`` on a text model (a custom handler gets its
+    body as is: only ``parameters`` and ``stream`` are checked, unknown parameters are dropped). A body with
+    ``messages`` on either route is an OpenAI chat request (``ChatRequest``)."""
+
+    inputs: Annotated[Prompt | Annotated[list[Prompt], Field(min_length=1), Cap("max_sequences_per_request")],
+                      BY_SHAPE, Field(description="the prompt, or a list of prompts (a list of answers)")]
+    parameters: LmiParameters | None = None
+    stream: bool | None = Field(None, description="a token stream (jsonlines; SSE with option.output_formatter=sse)"
+                                " of a single prompt; needs a rolling-batch model")
+    model: Text | None = Field(None, description="ignored: the route decides the model")
+
+
+class TgiRequest(StrictModel):
+    """``POST /generate``, ``POST /generate_stream`` and ``POST /`` (TGI)."""
+
+    inputs: Annotated[Prompt, Field(description="the prompt")]
+    parameters: LmiParameters | None = None
+    stream: bool | None = Field(None, description="POST / only: an SSE stream instead of a one-element list "
+                                "(needs a rolling-batch model)")
+
+
+# --- OpenAI ------------------------------------------------------------------------------------------
+class StreamOptions(StrictModel):
+    include_usage: bool | None = Field(None, description="a last chunk with the token usage")
+    continuous_usage_stats: bool | None = Field(None, description="vLLM's; accepted (usage comes in the last "
+                                                "chunk only)")
+
+
+NOT_SUPPORTED_PENALTY = "is not supported (use repetition_penalty): only 0 or null is accepted"
+
+
+class OpenAIRequest(StrictModel):
+    """Fields both OpenAI routes take (OpenAI's and vLLM's names)."""
+
+    model: Text | None = Field(None, description="the model; may be left out when the server has one model")
+    stream: bool | None = Field(None, description="SSE chunks ending in `data: [DONE]`; needs a rolling-batch "
+                                "model")
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    max_tokens: MaxNewTokens | None = Field(None, description="the most tokens to generate per choice")
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Annotated[int, Field(ge=1), Cap("max_n"), INTEGER] | None = Field(
+        None, description="choices per prompt (default 1); prompts x n at most max_sequences_per_request")
+    stop: Stop | None = None
+    seed: Seed | None = Field(None, description="reproducible sampling; choice j of n uses seed + j")
+    user: Annotated[str, Field(max_length=256), TEXT] | None = Field(None, description="an end-user id (ignored)")
+    presence_penalty: Annotated[float, Only((0.0,), NOT_SUPPORTED_PENALTY)] | None = Field(
+        None, description="not supported: only 0 or null")
+    frequency_penalty: Annotated[float, Only((0.0,), NOT_SUPPORTED_PENALTY)] | None = Field(
+        None, description="not supported: only 0 or null")
+    logit_bias: Annotated[dict[str, Any], Empty("is not supported: only {} or null is accepted")] | None = Field(
+        None, description="not supported: only {} or null")
+    ignore_eos: bool | None = Field(None, description="vLLM's: keep generating after the end-of-sequence token")
+    top_k: TopK | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_p: Annotated[float, Only((0.0,), "is not supported by this server's samplers: only 0 or null is "
+                                 "accepted")] | None = Field(None, description="vLLM's; not supported: only 0 or null")
+    stop_token_ids: StopTokenIds | None = None
+
+
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+class CompletionRequest(OpenAIRequest):
+    """``POST /v1/completions``."""
+
+    prompt: Annotated[Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+                      | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)], BY_SHAPE, Field(
+                          description="a prompt, a list of prompts, a prompt of token ids (of the model's "
+                          "vocabulary) or a list of those; n choices each")]
+    logprobs: Logprobs | None = Field(None, description="the log-probability of each token and of its k most "
+                                      "likely alternatives")
+    echo: bool | None = Field(None, description="prepend the prompt to each choice's text")
+    suffix: Annotated[str, Only(("",), "(insertion) is not supported: only \"\" or null is accepted")] | None = (
+        Field(None, description="not supported: only \"\" or null"))
+    best_of: Annotated[int, Field(ge=1), Cap("max_n"), INTEGER] | None = Field(
+        None, description="only equal to n (best-of sampling is not supported)")
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+ROLES: tuple[str, ...] = typing.get_args(Role)
+
+
+class TextPart(OpenModel):
+    type: Annotated[str, Only(("text",), "must be 'text' (only text parts are supported)")]
+    text: Text
+
+
+class ChatMessage(OpenModel):
+    """One message; other keys (``tool_calls``, ``tool_call_id``, ``refusal``, ...) are accepted and ignored."""
+
+    role: Role
+    content: Annotated[Text | list[TextPart], BY_SHAPE] | None = Field(
+        None, description="text, or a list of text parts (joined); null or absent: empty")
+    name: Text | None = Field(None, description="passed to the chat template")
+
+
+class ResponseFormat(OpenModel):
+    type: Annotated[str, Only(("text",), "must be 'text' (structured output is not supported)")]
+
+
+class ChatRequest(OpenAIRequest):
+    """``POST /v1/chat/completions`` (and ``/invocations`` with ``messages``): rendered with the model's chat
+    template, which may refuse a conversation (400)."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: MaxNewTokens | None = Field(
+        None, description="OpenAI's newer name of max_tokens (wins over it); default: the rest of the context")
+    logprobs: bool | None = Field(None, description="the log-probability of each token")
+    top_logprobs: Logprobs | None = Field(None, description="with logprobs: true, the k most likely alternatives "
+                                          "of each token")
+    response_format: ResponseFormat | None = Field(None, description="only {\"type\": \"text\"}")
+    tools: Annotated[list[Any], Empty("(function calling) are not supported: only [] or null is accepted")
+                     ] | None = Field(None, description="not supported: only [] or null")
+    tool_choice: Annotated[str, Only(("none", "auto"), "must be 'none' or 'auto' (tools are not supported)")
+                           ] | None = None
+    parallel_tool_calls: bool | None = Field(None, description="accepted (tools are not supported)")
+
+
+LMI = RequestSchema(LmiRequest, params_at=("parameters",))
+TGI = RequestSchema(TgiRequest, params_at=("parameters",))
+COMPLETION = RequestSchema(CompletionRequest)
+CHAT = RequestSchema(ChatRequest)
+ROUTE_MODELS = (LmiRequest, TgiRequest, CompletionRequest, ChatRequest)
+"""The request models of the OpenAPI document (their parts come with them)."""

@@ -152,14 +152,21 @@ class Tuner:
     def slo(self) -> Slo:
         return self.plan.slo
 
-    def out_of_time(self, rung: int) -> bool:
-        return time.monotonic() + self.ev.estimated_seconds(rung) > self.deadline
+    def out_of_time(self, rung: int, config: Config | None = None) -> bool:
+        """Would a run at ``rung`` (of ``config``: with a server start when its group is not the running one)
+        end after the deadline?"""
+        need = self.ev.estimated_seconds(rung)
+        if config is not None and (self.ev.current is None or self.ev.current.group != config.group):
+            starts = [s for _, s in self.ev.restarts]
+            need += sum(starts) / len(starts) if starts else 0.0
+        return time.monotonic() + need > self.deadline
 
     def evaluate(self, config: Config, phase: str, first: int | None = None, allow_below: bool = False) -> Outcome:
         if config.id in self.outcomes:
             return self.outcomes[config.id]
         inc = self.incumbent.rung if self.incumbent is not None else -1
-        o = race(self.ev, config, self.slo, inc, first=first, allow_below=allow_below, out_of_time=self.out_of_time)
+        o = race(self.ev, config, self.slo, inc, first=first, allow_below=allow_below,
+                 out_of_time=lambda k: self.out_of_time(k, config))
         self.outcomes[config.id] = o
         improved = o.best is not None and better(o, self.incumbent, self.slo)
         if improved:

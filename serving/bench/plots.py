@@ -110,9 +110,10 @@ def tune_figure(report: dict[str, Any], path: Path) -> Path:
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="best")
+    base_note = "" if report["baseline"]["meets_slo"] else " (the baseline met the SLO at no rung: not marked)"
     fig.suptitle(f"serving tune {report['model']} - SLO {report['slo']['spec']}: {len(runs)} runs of "
-                 f"{len({r['config_id'] for r in runs})} configurations; chosen {report['chosen']['label']}",
-                 fontsize=10)
+                 f"{len({r['config_id'] for r in runs})} configurations{base_note}\nchosen: "
+                 f"{report['chosen']['label']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -271,8 +271,10 @@ def describe_outcome(o: Outcome, slo: Slo, ladder: list[float]) -> str:
     missed = [f"{b.key} {_fmt_ms(1000 * vals[b.key])} > {format_duration(b.limit_s)}" for b in slo.bounds
               if vals[b.key] == vals[b.key] and vals[b.key] > b.limit_s]
     failed = sum(1 for x in r.recs if x.error and not x.error.startswith("aborted"))
-    why = ", ".join(missed) or (f"{failed} request(s) failed" if failed else "the SLO")
-    return f"misses the SLO at {r.rate:.3g} req/s ({why}{'; run stopped early' if r.aborted else ''})"
+    if missed or failed:
+        why = ", ".join(missed) or f"{failed} request(s) failed"
+        return f"misses the SLO at {r.rate:.3g} req/s ({why}{'; run stopped early' if r.aborted else ''})"
+    return f"misses the SLO at {r.rate:.3g} req/s (run stopped once too many requests were certainly over a bound)"
 
 
 def knob_reasons(chosen: Outcome, outcomes: list[Outcome], slo: Slo, ladder: list[float]) -> dict[str, str]:

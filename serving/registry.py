@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from handlers.engine.cpu import CORE_SHARERS_ENV  # torch-free
 from serving import knobs
 from serving.batching.ports import BatchObserver
 from serving.config import ModelConfig, ServerConfig, load_model_config, validate_model_name
@@ -108,7 +109,11 @@ class ModelRegistry:
         except ConfigError as exc:
             log.error("model %s: invalid configuration: %s", name, exc)
             return FailedEndpoint(name, self._without_paths(str(exc), name, model_dir))
-        return ModelEndpoint(cfg, self._observer, env=self._env, log_format=self._server.log_format, live=self.live)
+        # Workers of different models share the machine's cores: option.num_threads=auto divides the cores by
+        # the models loaded at start too (two models with 2 threads each on 2 cores spin against each other:
+        # measured, a soak then failed most requests on max_queue_time; benchmarks/README.md, Soak).
+        env = {**self._env, CORE_SHARERS_ENV: str(max(1, len(self.startup_models or ())))}
+        return ModelEndpoint(cfg, self._observer, env=env, log_format=self._server.log_format, live=self.live)
 
     def _without_paths(self, message: str, name: str, model_dir: Path) -> str:
         """Clients see a model's files by model name, never by where they live on the server."""

@@ -10,10 +10,12 @@ weight is 10-30% slower for prefill-sized inputs, so hybrid keeps both.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
+CORE_SHARERS_ENV = "ROLLSERVE_MODELS_SHARING_CORES"  # models started together, set by serving.registry
 
 
 @lru_cache(maxsize=4)
@@ -72,11 +74,18 @@ def keep_freed_memory(max_block_bytes: int = _MMAP_THRESHOLD_MAX) -> bool:
         bool(mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))
 
 
-def auto_threads(num_workers: int = 1, ranks_per_worker: int = 1) -> int:
+def auto_threads(num_workers: int = 1, ranks_per_worker: int = 1, environ: Mapping[str, str] | None = None) -> int:
     """``option.num_threads=auto``: the cores this process may run on (its affinity mask, which taskset and
-    container CPU sets narrow), shared evenly by the model's workers and their tensor-parallel ranks."""
+    container CPU sets narrow), shared evenly by the model's workers and their tensor-parallel ranks, and by the
+    models the server loaded at start (``ROLLSERVE_MODELS_SHARING_CORES``, set by the frontend for its workers):
+    OpenMP threads that outnumber the cores spin against each other."""
+    env = os.environ if environ is None else environ
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, cores // max(1, num_workers * ranks_per_worker))
+    try:
+        models = max(1, int(env.get(CORE_SHARERS_ENV, "1")))
+    except ValueError:
+        models = 1
+    return max(1, cores // max(1, num_workers * ranks_per_worker * models))

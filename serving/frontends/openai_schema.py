@@ -121,11 +121,10 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens: int | None
-    if req.max_completion_tokens is not None:
+    max_tokens: int | None = req.max_tokens
+    field = "max_tokens"
+    if req.max_completion_tokens is not None:  # OpenAI's newer name wins
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
-    else:
-        max_tokens, field = req.max_tokens, "max_tokens"
     include_usage = _include_usage(req, stream)
     prompt = render_chat(text.chat_template, template_messages(req.messages), model=model,
                          special_tokens=text.special_tokens)

@@ -81,8 +81,9 @@ def post(server: ServerProcess, route: Route, body: Any) -> httpx.Response:
 
 
 def refused_as_unknown(r: httpx.Response, name: str) -> bool:
-    error = r.json().get("error", "") if r.headers.get("content-type", "").startswith("application/json") else ""
-    head, _, names = error.partition(": ")
+    if r.status_code < 400:
+        return False
+    head, _, names = str(r.json().get("error", "")).partition(": ")
     return head.startswith("unknown ") and name in names.split(", ")
 
 
@@ -102,11 +103,20 @@ def cross_field_rules(route: Route, body: dict[str, Any]) -> dict[str, Any]:
             body["best_of"] = body.get("n") or 1  # "best_of: only equal to n"
         if body.get("top_logprobs") is not None:
             body["logprobs"] = True  # "top_logprobs: with logprobs: true"
-        if route.schema == "ChatRequest" and body.get("max_tokens") is None \
-                and body.get("max_completion_tokens") is None:
-            body["max_tokens"] = 4  # the default is the rest of the context: valid, but 2000 tokens of work
     if route.schema == "LmiRequest" and body.get("stream") and isinstance(body.get("inputs"), list):
         body["inputs"] = body["inputs"][0]  # "stream: a token stream ... of a single prompt"
+    return body
+
+
+def cheap(route: Route, body: dict[str, Any]) -> dict[str, Any]:
+    """At most 4 new tokens when the body leaves the count to its default (30 for LMI and TGI, 16 for
+    completions, the rest of the context for chat): valid either way, but a test's worth of work."""
+    body = dict(body)
+    if route.params:
+        params = body.get("parameters") if isinstance(body.get("parameters"), dict) else {}
+        body["parameters"] = {**params, "max_new_tokens": params.get("max_new_tokens") or 4}
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = 4
     return body
 
 
@@ -177,7 +187,7 @@ def test_every_documented_field_alone_is_accepted(api_server: ServerProcess, doc
         levels.append((("parameters",), doc.properties(doc.components["LmiParameters"])))
     for where, props in levels:
         for name, prop in props.items():
-            body = cross_field_rules(route, put(route.base, (*where, name), doc.example(prop)))
+            body = cheap(route, cross_field_rules(route, put(route.base, (*where, name), doc.example(prop))))
             assert_answered(post(api_server, route, body), body)
 
 
@@ -187,7 +197,8 @@ def test_every_documented_field_alone_is_accepted(api_server: ServerProcess, doc
 @given(data=st.data())
 def test_documents_valid_per_the_schema_are_answered(api_server: ServerProcess, doc: Document, route: Route,
                                                       data: st.DataObject) -> None:
-    body = cross_field_rules(route, data.draw(doc.valid(doc.components[route.schema], CAPS), label="body"))
+    body = cheap(route, cross_field_rules(route, data.draw(doc.valid(doc.components[route.schema], CAPS),
+                                                           label="body")))
     assert_answered(post(api_server, route, body), body)
 
 

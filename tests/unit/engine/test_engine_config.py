@@ -86,3 +86,7 @@ def test_auto_threads_share_the_affinity_mask() -> None:
     assert auto_threads() == cores
     assert auto_threads(num_workers=2) == max(1, cores // 2)
     assert auto_threads(num_workers=1, ranks_per_worker=cores * 4) == 1
+    # models loaded together share the cores too (the frontend sets the variable for its workers)
+    assert auto_threads(environ={"ROLLSERVE_MODELS_SHARING_CORES": "2"}) == max(1, cores // 2)
+    assert auto_threads(num_workers=2, environ={"ROLLSERVE_MODELS_SHARING_CORES": "2"}) == max(1, cores // 4)
+    assert auto_threads(environ={"ROLLSERVE_MODELS_SHARING_CORES": "x"}) == cores

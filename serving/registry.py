@@ -20,13 +20,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from handlers.engine.cpu import CORE_SHARERS_ENV  # torch-free
 from serving import knobs
 from serving.batching.ports import BatchObserver
 from serving.config import ModelConfig, ServerConfig, load_model_config, validate_model_name
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
 from serving.errors import ConfigError, Forbidden, InvalidRequest, ModelNotFound, Overloaded
 from serving.live_requests import LiveRequests
+from serving.types import CORE_SHARERS_ENV
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,10 @@ import enum
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+# How many models loaded at start share this machine's cores: set by the frontend (serving.registry) in its
+# workers' environment, read by option.num_threads=auto (handlers.engine.cpu.auto_threads).
+CORE_SHARERS_ENV = "ROLLSERVE_MODELS_SHARING_CORES"
+
 
 class FinishReason(str, enum.Enum):
     """Why a sequence stopped. Values are LMI's ``details.finish_reason`` spellings."""

@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
+from serving.types import CORE_SHARERS_ENV
+
 CPUINFO = Path("/proc/cpuinfo")
-CORE_SHARERS_ENV = "ROLLSERVE_MODELS_SHARING_CORES"  # models started together, set by serving.registry
 
 
 @lru_cache(maxsize=4)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from serving.errors import ErrorKind
 from serving.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
+from serving.values import BOOL_WORDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +139,8 @@ class RollingHandler(abc.ABC):
 
 
 def option_bool(value: str | None, default: bool = False) -> bool:
-    """Parse a DJL-style boolean option value ("true"/"false", case-insensitive)."""
+    """A boolean option of a custom handler, leniently: the schema's boolean words (``serving.values``:
+    true/1/yes/on, false/0/no/off, any case); None (absent) or another word gives ``default``."""
     if value is None:
         return default
-    return value.strip().lower() in ("true", "1", "yes", "on")
+    return BOOL_WORDS.get(value.strip().lower(), default)

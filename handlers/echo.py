@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from handlers.base import Context, Handler, Input, Output
+from serving.options import option_value
 from serving.types import FinishReason, TokenInfo
 
 log = logging.getLogger(__name__)
@@ -30,10 +31,8 @@ class EchoHandler(Handler):
         self.fail_on: str | None = None
 
     def initialize(self, ctx: Context) -> None:
-        self.delay_ms = float(ctx.option("echo_delay_ms", "0") or 0)
-        if self.delay_ms < 0:
-            raise ValueError(f"echo_delay_ms must be >= 0, got {self.delay_ms}")
-        self.fail_on = ctx.option("echo_fail_on") or None
+        self.delay_ms = option_value(ctx.properties, "echo_delay_ms")  # a number >= 0 (serving.options)
+        self.fail_on = option_value(ctx.properties, "echo_fail_on") or None
 
     def handle(self, inputs: Sequence[Input]) -> list[Output]:
         if self.delay_ms > 0:

@@ -22,17 +22,18 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from handlers.base import Context, Handler, Input, Output, option_bool
+from handlers.base import Context, Handler, Input, Output
 from handlers.engine.cpu import auto_threads, keep_freed_memory
 from handlers.validation import check_length, check_prompt_ids, check_sampling
 from serving.errors import InvalidRequest, ServingError
+from serving.options import option_value
 from serving.types import FinishReason, SamplingParams, TokenInfo
+from serving.values import AUTO
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype | str] = {
-    "fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "auto": "auto",
+DTYPES: dict[str, torch.dtype | str] = {  # option.dtype's values (serving.options.DTYPES)
+    "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "auto": "auto",
 }
 
 
@@ -72,19 +73,17 @@ class HuggingFaceHandler(Handler):
 
     def initialize(self, ctx: Context) -> None:
         self.model_name = ctx.model_name
-        threads = (ctx.option("num_threads") or "auto").strip().lower()
-        torch.set_num_threads(auto_threads(int(ctx.option("maxWorkers") or 1)) if threads == "auto" else int(threads))
+        threads = option_value(ctx.properties, "num_threads")  # options parse as the schema says
+        torch.set_num_threads(auto_threads(int(ctx.option("maxWorkers") or 1)) if threads == AUTO else threads)
         keep_freed_memory()  # large generate() temporaries reused instead of faulted in again every call
-        dtype_name = (ctx.option("dtype", "fp32") or "fp32").lower()
-        if dtype_name not in DTYPES:
-            raise ValueError(f"option.dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
+        dtype_name = option_value(ctx.properties, "dtype")
         path = _model_path(ctx)
-        trust = option_bool(ctx.option("trust_remote_code"), False)
+        trust = option_value(ctx.properties, "trust_remote_code")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
         self.tokenizer.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype_name], trust_remote_code=trust,
-            use_safetensors=not option_bool(ctx.option("allow_unsafe_weights"), False),
+            use_safetensors=not option_value(ctx.properties, "allow_unsafe_weights"),
         )
         if ctx.device_id >= 0 and torch.cuda.is_available():
             self.model.to(f"cuda:{ctx.device_id}")
@@ -107,9 +106,9 @@ class HuggingFaceHandler(Handler):
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else min(self.eos_token_ids, default=0)
         self.vocab_size = int(getattr(config, "vocab_size", None) or len(self.tokenizer))
-        configured = ctx.option("max_model_len")
+        configured = option_value(ctx.properties, "max_model_len")
         if configured:
-            self.max_model_len = int(configured)
+            self.max_model_len = configured
         else:
             limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
             self.max_model_len = int(limit or min(self.tokenizer.model_max_length, 1 << 20))

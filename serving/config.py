@@ -22,8 +22,11 @@ Environment mapping (DJL Serving conventions):
   ``max_request_size``. ``SERVING_*``/``OPTION_*`` win over these.
 
 Keys in files and overrides match known keys case-insensitively, ignoring ``_`` and ``.``; an unknown
-key without the ``option.`` prefix is an error; unknown ``option.*`` keys pass through to the handler.
-Values are stripped of surrounding whitespace.
+key without the ``option.`` prefix is an error; unknown ``option.*`` keys pass through to the handler,
+with a warning (``ModelConfig.warnings``) when one looks like a typo of a known option
+(``unknown option.max_rolling_bach_size: did you mean option.max_rolling_batch_size?``). Values are
+stripped of surrounding whitespace and parsed by ``serving.values``; the ``option.*`` keys rollserve reads
+are defined once, in the option schema ``serving.options``, which the handlers parse with too.
 
 ``option.rolling_batch`` is resolved here, once, to the batching the model gets (``BatchingConfig``:
 ``rolling_batch`` is the effective ``scheduler`` or ``disable``, with the requested value and the reason),
@@ -39,182 +42,60 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import urlsplit
 
 from serving.errors import ConfigError
+from serving.options import (
+    LOADER,
+    OPTIONS,
+    ROLLING_ENGINE_ALIASES,
+    SERVING,
+    OptionSpec,
+    handlers_of,
+    reads,
+    suggest,
+)
 from serving.properties import parse_properties
+from serving.values import (
+    Parser,
+    alternative,
+    boolean,
+    choice,
+    devices,
+    grpc_address,
+    http_address,
+    integer,
+    load_models,
+    model_name,
+    names,
+    number,
+    render,
+    split_host_port,
+    text,
+)
 
 MODEL_PROPERTIES = "serving.properties"
 _EMPTY: Mapping[str, str] = MappingProxyType({})
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-ROLLING_BATCH_MODES = ("disable", "auto", "scheduler", "lmi-dist", "vllm")
-# DJL's names for rolling-batch engines: rollserve's engine (scheduler) serves these...
-ROLLING_ENGINE_ALIASES = frozenset({"lmi-dist", "vllm"})
-# ...and refuses these, which name engines rollserve does not have.
-_FOREIGN_ROLLING_ENGINES = {"trtllm": "TensorRT-LLM", "tensorrt": "TensorRT-LLM", "tensorrt-llm": "TensorRT-LLM",
-                            "tnx": "transformers-neuronx", "neuronx": "transformers-neuronx",
-                            "deepspeed": "DeepSpeed"}
 # Entry points that run the built-in engine when rolling (the endpoint maps them to ``rolling``).
 ENGINE_ENTRY_POINTS = frozenset({"huggingface", "djl_python.huggingface", "rolling"})
-DTYPES = ("fp32", "fp16", "bf16", "auto")
-_DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Value parsers: str -> typed value, raising ValueError(reason) on a bad value.
-
-Parser = Callable[[str], Any]
+_HANDLER_TITLES = {"engine": "the rolling engine (handlers/engine)", "huggingface": "the huggingface handler "
+                   "(dynamic batching, HF generate)", "echo": "the echo handler"}
 
 
 def _empty_mapping() -> Mapping[str, str]:
     return _EMPTY
 
 
-def _int(minimum: int, maximum: int | None = None) -> Parser:
-    reason = f"expected an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text, 10)
-        except ValueError:
-            raise ValueError(reason) from None
-        if value < minimum or (maximum is not None and value > maximum):
-            raise ValueError(reason)
-        return value
-
-    return parse
-
-
-def _float(minimum: float, *, exclusive: bool) -> Parser:
-    reason = f"expected a number {'>' if exclusive else '>='} {minimum:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(reason) from None
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(reason)
-        if value < minimum or (exclusive and value == minimum):
-            raise ValueError(reason)
-        return value
-
-    return parse
-
-
-def _bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered not in ("true", "false"):
-        raise ValueError("expected true or false")
-    return lowered == "true"
-
-
-def _choice(choices: tuple[str, ...], aliases: Mapping[str, str] = _EMPTY) -> Parser:
-    def parse(text: str) -> str:
-        value = aliases.get(text.lower(), text)
-        if value not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}")
-        return value
-
-    return parse
-
-
-def _rolling_batch(text: str) -> str:
-    value = text.lower()
-    if value in _FOREIGN_ROLLING_ENGINES:
-        raise ValueError(f"{_FOREIGN_ROLLING_ENGINES[value]} is not part of rollserve; use auto or scheduler "
-                         "(rollserve's rolling engine; DJL's lmi-dist and vllm name it too) or disable")
-    if value not in ROLLING_BATCH_MODES:
-        raise ValueError(f"expected one of {', '.join(ROLLING_BATCH_MODES)}")
-    return value
-
-
-def _text(text: str) -> str:
-    if not text:
-        raise ValueError("expected a non-empty value")
-    return text
-
-
-def _devices(text: str) -> str:
-    if text != "*" and not re.fullmatch(r"\d+(;\d+)*", text):
-        raise ValueError("expected '*' or device ids separated by ';' (e.g. 0;1)")
-    return text
-
-
-def _tensor_parallel(num_devices: int) -> Parser:
-    ints = _int(1)
-
-    def parse(text: str) -> int:
-        if text.lower() == "max":
-            return num_devices
-        try:
-            return ints(text)
-        except ValueError:
-            raise ValueError("expected an integer >= 1 or 'max'") from None
-
-    return parse
-
-
-def _split_host_port(text: str) -> tuple[str, int]:
-    parts = urlsplit("//" + text)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if not parts.hostname or port is None or parts.path or parts.query or parts.username:
-        raise ValueError("expected host:port")
-    return parts.hostname, port
-
-
-def _http_address(text: str) -> str:
-    scheme, sep, rest = text.partition("://")
-    if not sep or scheme.lower() != "http":
-        raise ValueError("expected http://host:port")
-    try:
-        _split_host_port(rest.rstrip("/"))
-    except ValueError:
-        raise ValueError("expected http://host:port") from None
-    return text
-
-
-def _grpc_address(text: str) -> str:
-    if text.lower() in ("", "off"):
-        return ""
-    _split_host_port(text)
-    return text
-
-
-def _load_models(text: str) -> tuple[str, ...]:
-    entries = tuple(entry.strip() for entry in text.split(",") if entry.strip())
-    for entry in entries:
-        name, sep, path = entry.partition("=")
-        if sep and not path.strip():
-            raise ValueError(f"entry {entry!r} has no path")
-        if entry != "ALL" and not _MODEL_NAME.match(name.strip()):
-            raise ValueError(f"invalid model name {name.strip()!r}")
-    return entries
-
-
-def _render(value: Any) -> str:
-    """The effective value as a properties string (what handlers and ``describe`` see)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() else repr(value)
-    return str(value)
-
-
 def validate_model_name(name: str) -> str:
     """Return ``name`` if it matches ``^[A-Za-z0-9][A-Za-z0-9._-]*$``; else raise ConfigError."""
-    if not _MODEL_NAME.match(name):
-        raise ConfigError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-', "
-                          "starting with a letter or digit")
-    return name
+    try:
+        return model_name(name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -237,11 +118,11 @@ def _fail(key: str, setting: _Setting, reason: str) -> ConfigError:
 
 def _read_file(path: Path) -> list[tuple[str, _Setting]]:
     try:
-        text = path.read_text(encoding="utf-8")
+        content = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     return [(p.key, _Setting(p.value.strip(), f"{path.name}:{p.line}", f"{path}:{p.line}"))
-            for p in parse_properties(text, str(path))]
+            for p in parse_properties(content, str(path))]
 
 
 def _canonical_keys(raw: list[tuple[str, _Setting]], known: Mapping[str, str], *,
@@ -314,10 +195,13 @@ class ParallelConfig:
 class ModelConfig:
     """One model's effective configuration.
 
-    ``options`` holds every ``option.*`` key (known ones with their effective value, defaults included),
-    prefix stripped. ``sources`` maps each full key to ``serving.properties:LINE``, ``env VAR``,
+    ``options`` holds every ``option.*`` key, prefix stripped: the keys of the schema (``serving.options``)
+    that the frontend or the model's handler reads with their effective value, defaults included, and any
+    other key as set. ``sources`` maps each full key to ``serving.properties:LINE``, ``env VAR``,
     ``default``, ``server config (<where the server's value came from>)``, ``override`` (registration
-    parameters) or ``API`` (changed on the live model, ``serving.knobs``).
+    parameters) or ``API`` (changed on the live model, ``serving.knobs``). ``warnings``: an unknown
+    ``option.*`` key close to a known one (``unknown option.x: did you mean option.y? (source)``), for
+    ``serving config`` to print and the registry to log.
     """
 
     name: str
@@ -339,6 +223,7 @@ class ModelConfig:
     # accepted model keys without a typed field (required_memory_mb, gpu.maxWorkers, ...), as set
     extra: Mapping[str, str] = field(default_factory=_empty_mapping)
     sources: Mapping[str, str] = field(default_factory=_empty_mapping)
+    warnings: tuple[str, ...] = ()
 
     def handler_properties(self) -> dict[str, str]:
         """What the handler's ``Context.properties`` receives: options (prefix stripped) + model keys."""
@@ -349,7 +234,7 @@ class ModelConfig:
             "batch_size": str(self.batching.batch_size),
             "max_batch_delay": str(self.batching.max_batch_delay_ms),
             "job_queue_size": str(self.batching.job_queue_size),
-            "max_queue_time": _render(self.batching.max_queue_time_s),
+            "max_queue_time": render(self.batching.max_queue_time_s),
             "minWorkers": str(self.min_workers),
             "maxWorkers": str(self.max_workers),
             "max_idle_time": str(self.max_idle_time_s),
@@ -360,45 +245,35 @@ class ModelConfig:
 
 # Typed model keys: key -> (parser, default). A default of None means "absent unless set".
 _MODEL_KEYS: dict[str, tuple[Parser, str | None]] = {
-    "engine": (_choice(("Python", "MPI")), "Python"),
-    "batch_size": (_int(1), "1"),
-    "max_batch_delay": (_int(0), "100"),
-    "job_queue_size": (_int(1), "1000"),
-    "max_queue_time": (_float(0, exclusive=True), "60"),
-    "minWorkers": (_int(0), "1"),
-    "maxWorkers": (_int(1), "1"),
-    "max_idle_time": (_int(0), "60"),
-    "load_on_devices": (_devices, "*"),
-    "required_memory_mb": (_int(0), None),
-    "reserved_memory_mb": (_int(0), None),
-    "log_request_metric": (_bool, None),
-    "retry_threshold": (_int(0), None),
-    "gpu.minWorkers": (_int(0), None),
-    "gpu.maxWorkers": (_int(0), None),
-    "cpu.minWorkers": (_int(0), None),
-    "cpu.maxWorkers": (_int(0), None),
+    "engine": (choice(("Python", "MPI")), "Python"),
+    "batch_size": (integer(1), "1"),
+    "max_batch_delay": (integer(0), "100"),
+    "job_queue_size": (integer(1), "1000"),
+    "max_queue_time": (number(0, exclusive=True), "60"),
+    "minWorkers": (integer(0), "1"),
+    "maxWorkers": (integer(1), "1"),
+    "max_idle_time": (integer(0), "60"),
+    "load_on_devices": (devices, "*"),
+    "required_memory_mb": (integer(0), None),
+    "reserved_memory_mb": (integer(0), None),
+    "log_request_metric": (boolean, None),
+    "retry_threshold": (integer(0), None),
+    "gpu.minWorkers": (integer(0), None),
+    "gpu.maxWorkers": (integer(0), None),
+    "cpu.minWorkers": (integer(0), None),
+    "cpu.maxWorkers": (integer(0), None),
 }
 _TYPED_MODEL_KEYS = ("engine", "batch_size", "max_batch_delay", "job_queue_size", "max_queue_time", "minWorkers",
                      "maxWorkers", "max_idle_time", "load_on_devices")
-_OPTION_KEYS: dict[str, tuple[Parser, str | None]] = {
-    "option.entryPoint": (_text, None),  # default depends on the model folder
-    "option.model_id": (_text, None),
-    "option.dtype": (_choice(DTYPES, _DTYPE_ALIASES), "fp32"),
-    "option.trust_remote_code": (_bool, "false"),
-    "option.predict_timeout": (_float(0, exclusive=True), "120"),
-    "option.model_loading_timeout": (_float(0, exclusive=True), "600"),
-    "option.liveness_timeout": (_float(0, exclusive=True), "60"),
-    "option.rolling_batch": (_rolling_batch, "disable"),
-    "option.max_rolling_batch_size": (_int(1), "32"),
-    "option.max_rolling_batch_prefill_tokens": (_int(1), "2048"),
-    "option.tensor_parallel_degree": (_int(1), "1"),  # parser replaced per load: 'max' needs a count
-}
-_KNOWN_MODEL_KEYS = {_norm(key): key for key in (*_MODEL_KEYS, *_OPTION_KEYS)}
+# Every option of the schema, by its full key (``option.dtype``).
+_OPTION_SPECS: dict[str, OptionSpec] = {f"option.{key}": spec for key, spec in OPTIONS.items()}
+_KNOWN_MODEL_KEYS = {_norm(key): key for key in (*_MODEL_KEYS, *_OPTION_SPECS)}
 
 
 def model_config_keys() -> tuple[str, ...]:
-    """Every typed model key (``batch_size``, ``minWorkers``, ``option.dtype``, ...) as spelled in files."""
-    return (*_MODEL_KEYS, *_OPTION_KEYS)
+    """Every known model key (``batch_size``, ``minWorkers``, ``option.dtype``, ``option.block_size``, ...) as
+    spelled in files: the model keys and the option schema."""
+    return (*_MODEL_KEYS, *_OPTION_SPECS)
 
 # Server-level keys that SERVING_* sets on the server, not on each model.
 _SERVER_LEVEL_MODEL_KEYS = frozenset({"job_queue_size", "max_queue_time"})
@@ -423,6 +298,24 @@ def _model_env(env: Mapping[str, str]) -> dict[str, _Setting]:
     return settings
 
 
+def _option_parser(key: str, spec: OptionSpec, num_devices: int) -> Parser:
+    if key == "option.tensor_parallel_degree":  # 'max': every device (the handler gets the count)
+        return alternative("max", lambda: num_devices, spec.parser)
+    return spec.parser
+
+
+def _unknown_option_warnings(settings: Mapping[str, _Setting]) -> tuple[str, ...]:
+    """``unknown option.x: did you mean option.y? (source)`` for each unknown ``option.*`` key close to a known
+    one; other unknown keys are a custom handler's own and pass silently."""
+    found = []
+    for key, setting in settings.items():
+        if key.startswith("option.") and key not in _OPTION_SPECS:
+            known = suggest(key[len("option."):])
+            if known is not None:
+                found.append(f"unknown {key}: did you mean option.{known}? ({setting.source})")
+    return tuple(found)
+
+
 def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[str, str] = _EMPTY,
                       overrides: Mapping[str, str] = _EMPTY, server: ServerConfig | None = None,
                       num_devices: int | None = None) -> ModelConfig:
@@ -430,7 +323,9 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
 
     ``name`` defaults to the folder name. ``server`` supplies defaults that models inherit
     (``job_queue_size``). ``num_devices`` resolves ``option.tensor_parallel_degree=max`` (default: the
-    CPU count; the composition root passes the accelerator count). Raises ``ConfigError``.
+    CPU count; the composition root passes the accelerator count). The options of the schema that the
+    frontend or a built-in handler of the entry point reads are validated here; the defaults of those the
+    model's handler reads are added (``serving config`` shows them). Raises ``ConfigError``.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -441,12 +336,14 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
     override_raw = _override_settings(overrides)
 
     defaults = {key: _Setting(default, "default", "default")
-                for key, (_, default) in (*_MODEL_KEYS.items(), *_OPTION_KEYS.items()) if default is not None}
+                for key, (_, default) in _MODEL_KEYS.items() if default is not None}
+    defaults.update({key: _Setting(spec.default, "default", "default") for key, spec in _OPTION_SPECS.items()
+                     if spec.default is not None and spec.readers & {SERVING, LOADER}})
     defaults["option.entryPoint"] = _Setting(
         "model.py" if (model_dir / "model.py").is_file() else "huggingface", "default", "default")
     if server is not None:
         for key, value in (("job_queue_size", str(server.job_queue_size)),
-                           ("max_queue_time", _render(server.max_queue_time_s))):
+                           ("max_queue_time", render(server.max_queue_time_s))):
             inherited = f"server config ({server.sources.get(key, 'default')})"
             defaults[key] = _Setting(value, inherited, inherited)
     settings = {**defaults,
@@ -454,22 +351,34 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
                 **_model_env(env),
                 **_canonical_keys(override_raw, _KNOWN_MODEL_KEYS, allow_options=True)}
 
-    parsers = {key: parser for key, (parser, _) in (*_MODEL_KEYS.items(), *_OPTION_KEYS.items())}
-    parsers["option.tensor_parallel_degree"] = _tensor_parallel(num_devices or os.cpu_count() or 1)
+    entry_point = _resolve("option.entryPoint", settings["option.entryPoint"], text)
+    # Validated: the model keys, and the options that the frontend or a handler of this entry point reads
+    # (a custom handler's keys are its own business, even when the schema knows the name).
+    parsers = {key: parser for key, (parser, _) in _MODEL_KEYS.items()}
+    num_devices = num_devices or os.cpu_count() or 1
+    parsers.update({key: _option_parser(key, spec, num_devices) for key, spec in _OPTION_SPECS.items()
+                    if reads(spec, handlers_of(entry_point))})
     values: dict[str, Any] = {key: _resolve(key, setting, parsers[key]) if key in parsers else setting.value
                               for key, setting in settings.items()}
     if values["minWorkers"] > values["maxWorkers"]:
         max_setting = settings["maxWorkers"]
         raise _fail("minWorkers", settings["minWorkers"],
                     f"must be <= maxWorkers ({max_setting.value}, from {max_setting.source})")
+    max_model_len = values.get("option.max_model_len")
     rolling_batch, rolling_reason = _choose_rolling_batch(
-        values["option.rolling_batch"], settings["option.rolling_batch"], values["option.entryPoint"],
-        model_dir, values.get("option.model_id"), values.get("option.max_model_len"))
+        values["option.rolling_batch"], settings["option.rolling_batch"], entry_point,
+        model_dir, values.get("option.model_id"), max_model_len if isinstance(max_model_len, int) else None)
+    # The defaults of the options that the handler the model runs reads.
+    runs = handlers_of(entry_point, rolling_batch != "disable")
+    for key, spec in _OPTION_SPECS.items():
+        if key not in settings and spec.default is not None and reads(spec, runs):
+            settings[key] = _Setting(spec.default, "default", "default")
+            values[key] = _resolve(key, settings[key], spec.parser)
 
     return ModelConfig(
         name=name,
         model_dir=model_dir.resolve(),
-        entry_point=values["option.entryPoint"],
+        entry_point=entry_point,
         engine=values["engine"],
         min_workers=values["minWorkers"],
         max_workers=values["maxWorkers"],
@@ -493,11 +402,12 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
         ),
         parallel=ParallelConfig(tensor_parallel_degree=values["option.tensor_parallel_degree"],
                                 load_on_devices=values["load_on_devices"]),
-        options=MappingProxyType({key[len("option."):]: _render(value)
+        options=MappingProxyType({key[len("option."):]: render(value)
                                   for key, value in sorted(values.items()) if key.startswith("option.")}),
-        extra=MappingProxyType({key: _render(value) for key, value in values.items()
+        extra=MappingProxyType({key: render(value) for key, value in values.items()
                                 if key in _MODEL_KEYS and key not in _TYPED_MODEL_KEYS}),
         sources=MappingProxyType({key: setting.source for key, setting in settings.items()}),
+        warnings=_unknown_option_warnings(settings),
     )
 
 
@@ -511,7 +421,7 @@ def weights_folder(model_dir: Path, model_id: str | None) -> Path:
 
 
 def _choose_rolling_batch(requested: str, setting: _Setting, entry_point: str, model_dir: Path,
-                          model_id: str | None, max_model_len: str | None) -> tuple[str, str]:
+                          model_id: str | None, max_model_len: int | None) -> tuple[str, str]:
     """``(effective, reason)`` for ``option.rolling_batch``: ``scheduler`` or ``disable``.
 
     Only the built-in engine's entry points are checked against the architecture; a custom entry point
@@ -531,8 +441,7 @@ def _choose_rolling_batch(requested: str, setting: _Setting, entry_point: str, m
     from handlers.engine.families import load_config_dict, unsupported_reason  # torch-free
 
     config = load_config_dict(folder)
-    limit = int(max_model_len) if max_model_len and max_model_len.isascii() and max_model_len.isdigit() else None
-    reason = unsupported_reason(config, limit)
+    reason = unsupported_reason(config, max_model_len)
     if reason is None:
         archs = config.get("architectures")
         arch = str(archs[0]) if isinstance(archs, list) and archs else str(config.get("model_type"))
@@ -546,18 +455,35 @@ def _choose_rolling_batch(requested: str, setting: _Setting, entry_point: str, m
 
 
 def describe_model_config(cfg: ModelConfig) -> str:
-    """A human-readable table, one ``key = value  (source)`` line per setting, for ``serving config``."""
+    """A human-readable table, one ``key = value  (source)`` line per setting, for ``serving config``: the
+    model keys and the options the frontend reads, the options of the handler the model runs (from the
+    schema, ``serving.options``, defaults included), the other options (the handler's own, as set), the
+    batching decision, and a ``warning:`` line per unknown option that looks like a typo of a known one."""
     props = cfg.handler_properties()
-    rows = [(key, props[key], cfg.sources[key]) for key in _MODEL_KEYS if key in cfg.sources]
-    rows += [(key, cfg.options[key[len("option."):]], cfg.sources[key])
-             for key in sorted(cfg.sources) if key.startswith("option.")]
-    width = max(len(f"{key} = {value}") for key, value, _ in rows)
-    lines = [f"model {cfg.name}  ({cfg.model_dir})"]
-    lines += [f"  {f'{key} = {value}':<{width}}  ({source})" for key, value, source in rows]
+    runs = handlers_of(cfg.entry_point, cfg.batching.rolling)
+    options = sorted(key for key in cfg.sources if key.startswith("option."))
+    mine = [key for key in options if key in _OPTION_SPECS and _OPTION_SPECS[key].readers & runs]
+    theirs = [key for key in options if key not in _OPTION_SPECS]
+    general = [key for key in options if key not in mine and key not in theirs]
+    sections = [(f"model {cfg.name}  ({cfg.model_dir})", [key for key in _MODEL_KEYS if key in cfg.sources] + general)]
+    sections.append((f"options of {' and '.join(_HANDLER_TITLES[reader] for reader in sorted(runs))}", mine))
+    sections.append(("other options (not read by rollserve: passed to the handler as set)", theirs))
+
+    def value(key: str) -> str:
+        return cfg.options[key[len("option."):]] if key.startswith("option.") else props[key]
+
+    rows = [(key, value(key), cfg.sources[key]) for _, keys in sections for key in keys]
+    width = max(len(f"{key} = {text}") for key, text, _ in rows)
+    lines: list[str] = []
+    for title, keys in sections:
+        if keys:
+            lines.append(title)
+            lines += [f"  {f'{key} = {value(key)}':<{width}}  ({cfg.sources[key]})" for key in keys]
     b = cfg.batching
     lines.append(f"effective rolling_batch = {b.rolling_batch}  "
                  f"({'rolling' if b.rolling else 'dynamic'} batching; requested {b.rolling_batch_requested})")
     lines.append(f"  reason: {b.rolling_batch_reason}")
+    lines += [f"warning: {warning}" for warning in cfg.warnings]
     return "\n".join(lines) + "\n"
 
 
@@ -629,11 +555,11 @@ class ServerConfig:
 
     def grpc_host_port(self) -> tuple[str, int] | None:
         """``(host, port)`` of the gRPC listener, or None when gRPC is disabled."""
-        return _split_host_port(self.grpc_address) if self.grpc_address else None
+        return split_host_port(self.grpc_address) if self.grpc_address else None
 
 
 def _http_host_port(address: str) -> tuple[str, int]:
-    return _split_host_port(address.partition("://")[2].rstrip("/"))
+    return split_host_port(address.partition("://")[2].rstrip("/"))
 
 
 def is_loopback(host: str) -> bool:
@@ -646,12 +572,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _management_address(text: str) -> str:
-    return "" if text.lower() == "off" else _http_address(text)
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(entry.strip() for entry in text.split(",") if entry.strip())
+def _management_address(value: str) -> str:
+    return "" if value.lower() == "off" else http_address(value)
 
 
 def _token(var: str, value: str) -> str:
@@ -663,32 +585,32 @@ def _token(var: str, value: str) -> str:
 
 
 _SERVER_KEYS: dict[str, tuple[Parser, str | None]] = {
-    "inference_address": (_http_address, "http://127.0.0.1:8080"),
+    "inference_address": (http_address, "http://127.0.0.1:8080"),
     "management_address": (_management_address, "http://127.0.0.1:8081"),
-    "grpc_address": (_grpc_address, "127.0.0.1:8001"),
-    "metrics_address": (lambda text: _http_address(text) if text else "", None),
-    "model_store": (_text, "model_store"),
-    "load_models": (_load_models, "ALL"),
-    "job_queue_size": (_int(1), "1000"),
-    "max_request_size": (_int(1), str(64 * 1024 * 1024)),
-    "drain_timeout": (_float(0, exclusive=False), "30"),
-    "log_format": (_choice(("text", "json")), "text"),
-    "max_queue_time": (_float(0, exclusive=True), "60"),
-    "ping_requires": (_choice(("all", "any", "none")), "all"),
-    "disable_token_authorization": (_bool, "false"),
-    "inference_auth": (_choice(("auto", "true", "false")), "auto"),
-    "key_file": (_text, None),
-    "enable_model_api": (_bool, "false"),
-    "management_allowed_hosts": (_names, ""),
-    "management_allowed_origins": (_names, ""),
-    "max_stop_sequences": (_int(0, 1024), "16"),
-    "max_stop_length": (_int(1, 65536), "256"),
-    "max_stop_token_ids": (_int(0, 4096), "64"),
-    "max_sequences_per_request": (_int(1, 4096), "64"),
-    "max_models": (_int(1), "32"),
-    "max_workers_per_model": (_int(1, 1024), "16"),
-    "grpc_max_concurrent_rpcs": (_int(1), "1000"),
-    "grpc_max_stream_requests": (_int(1), "64"),
+    "grpc_address": (grpc_address, "127.0.0.1:8001"),
+    "metrics_address": (lambda value: http_address(value) if value else "", None),
+    "model_store": (text, "model_store"),
+    "load_models": (load_models, "ALL"),
+    "job_queue_size": (integer(1), "1000"),
+    "max_request_size": (integer(1), str(64 * 1024 * 1024)),
+    "drain_timeout": (number(0), "30"),
+    "log_format": (choice(("text", "json")), "text"),
+    "max_queue_time": (number(0, exclusive=True), "60"),
+    "ping_requires": (choice(("all", "any", "none")), "all"),
+    "disable_token_authorization": (boolean, "false"),
+    "inference_auth": (choice(("auto", "true", "false")), "auto"),
+    "key_file": (text, None),
+    "enable_model_api": (boolean, "false"),
+    "management_allowed_hosts": (names, ""),
+    "management_allowed_origins": (names, ""),
+    "max_stop_sequences": (integer(0, 1024), "16"),
+    "max_stop_length": (integer(1, 65536), "256"),
+    "max_stop_token_ids": (integer(0, 4096), "64"),
+    "max_sequences_per_request": (integer(1, 4096), "64"),
+    "max_models": (integer(1), "32"),
+    "max_workers_per_model": (integer(1, 1024), "16"),
+    "grpc_max_concurrent_rpcs": (integer(1), "1000"),
+    "grpc_max_stream_requests": (integer(1), "64"),
 }
 _KNOWN_SERVER_KEYS = {_norm(key): key for key in _SERVER_KEYS}
 
@@ -697,7 +619,7 @@ def _server_env(env: Mapping[str, str]) -> dict[str, _Setting]:
     settings: dict[str, _Setting] = {}
     if "SAGEMAKER_MAX_PAYLOAD_IN_MB" in env:
         setting = _env_setting("SAGEMAKER_MAX_PAYLOAD_IN_MB", env["SAGEMAKER_MAX_PAYLOAD_IN_MB"])
-        megabytes = _resolve("max_request_size", setting, _int(1))
+        megabytes = _resolve("max_request_size", setting, integer(1))
         settings["max_request_size"] = _Setting(str(megabytes * 1024 * 1024), setting.source, setting.where)
     if "SAGEMAKER_MAX_REQUEST_SIZE" in env:
         var = "SAGEMAKER_MAX_REQUEST_SIZE"
@@ -731,7 +653,7 @@ def load_server_config(path: Path | None, *, env: Mapping[str, str] = _EMPTY,
     sagemaker_port = None
     if "SAGEMAKER_BIND_TO_PORT" in env:
         setting = _env_setting("SAGEMAKER_BIND_TO_PORT", env["SAGEMAKER_BIND_TO_PORT"])
-        sagemaker_port = _resolve("sagemaker_port", setting, _int(1, 65535))
+        sagemaker_port = _resolve("sagemaker_port", setting, integer(1, 65535))
         sources["sagemaker_port"] = setting.source
 
     management_token = _token("SERVING_MANAGEMENT_TOKEN", env["SERVING_MANAGEMENT_TOKEN"]) \

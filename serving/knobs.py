@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from serving.config import model_config_keys
 from serving.errors import InvalidRequest
+from serving.options import OPTIONS
 
 MAX_VALUE = 999_999_999  # 9 ASCII digits, as every integer of the management API
 API_SOURCE = "API"  # ModelConfig.sources value of a knob set by PUT /models/{name}
@@ -49,14 +50,8 @@ KNOBS: tuple[Knob, ...] = (
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 WORKER_KNOBS = ("min_worker", "max_worker")
-# Handler and engine options that are read once, at load (handlers.engine.config and the built-in handlers).
-RELOAD_OPTIONS = frozenset({
-    "dtype", "tensor_parallel_degree", "kv_cache_memory_mb", "kv_cache_memory_fraction", "num_kv_blocks",
-    "block_size", "max_model_len", "max_prefill_tokens_while_decoding", "enable_prefix_caching", "num_threads",
-    "prepack_weights", "fuse_projections", "attention_kernel", "trust_remote_code", "allow_unsafe_weights", "seed",
-    "model_id", "entryPoint", "rolling_batch", "handler", "predict_timeout", "model_loading_timeout",
-    "liveness_timeout", "strict_parameters", "output_formatter", "tgi_compat", "chat_template",
-})
+# Every other option the built-in handlers and the frontend read is read once, at load: the option schema.
+RELOAD_OPTIONS = frozenset(OPTIONS)
 
 
 def _norm(key: str) -> str:

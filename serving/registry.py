@@ -109,6 +109,8 @@ class ModelRegistry:
         except ConfigError as exc:
             log.error("model %s: invalid configuration: %s", name, exc)
             return FailedEndpoint(name, self._without_paths(str(exc), name, model_dir))
+        for warning in cfg.warnings:  # an unknown option.* key that looks like a typo of a known one
+            log.warning("model %s: %s", name, warning)
         # Workers of different models share the machine's cores: option.num_threads=auto divides the cores by
         # the models loaded at start too (two models with 2 threads each on 2 cores spin against each other:
         # measured, a soak then failed most requests on max_queue_time; benchmarks/README.md, Soak).

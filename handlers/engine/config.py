@@ -1,19 +1,20 @@
 """Engine configuration: parsed once from the model's options (``option.`` prefix already stripped).
 
-Design note: ``EngineConfig`` is a frozen value; ``EngineConfig.from_options`` is the only place that
-reads option strings. KV-cache sizing (the memory preflight) lives in ``handlers.engine.memory``.
+Design note: ``EngineConfig`` is a frozen value; ``EngineConfig.from_options`` is the only place the engine
+reads option strings, and it parses each through the option schema (``serving.options``: parser, default
+and error wording shared with ``serving.config``, which validates the same keys when the model loads and
+shows them in ``serving config``). KV-cache sizing (the memory preflight) lives in ``handlers.engine.memory``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from handlers.engine.cpu import packed_weights_win_everywhere
-from serving.errors import ConfigError
-
-_BOOL = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
-_DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "auto")
+from serving.options import option_value, parse_option
+from serving.values import AUTO
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,72 +44,35 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> EngineConfig:
-        """Parse DJL-style options; raises ``ConfigError`` naming the bad key and value."""
+        """Parse DJL-style options (each read with ``options.get``); raises ``ConfigError`` naming the bad key
+        and value (``option.block_size = '0': expected an integer >= 1``)."""
 
-        def integer(key: str, default: int, minimum: int = 0) -> int:
-            raw = options.get(key)
-            if raw is None or raw.strip() == "":
-                return default
-            try:
-                value = int(raw.strip())
-            except ValueError:
-                raise ConfigError(f"option.{key}={raw!r} is not an integer") from None
-            if value < minimum:
-                raise ConfigError(f"option.{key}={raw!r} must be >= {minimum}")
-            return value
+        def get(key: str) -> Any:  # the schema's parser says the type
+            return option_value(options, key)
 
-        def choice(key: str, allowed: tuple[str, ...], default: str) -> str:
-            value = (options.get(key) or default).strip().lower()
-            if value not in allowed:
-                raise ConfigError(f"option.{key}={options.get(key)!r} must be one of {', '.join(allowed)}")
-            return value
+        def auto_is_zero(key: str) -> int:
+            value = get(key)
+            return 0 if value == AUTO else int(value)
 
-        def boolean(key: str, default: bool) -> bool:
-            raw = options.get(key)
-            if raw is None:
-                return default
-            if raw.strip().lower() not in _BOOL:
-                raise ConfigError(f"option.{key}={raw!r} is not a boolean (true/false)")
-            return _BOOL[raw.strip().lower()]
-
-        def fraction(key: str, default: float) -> float:
-            raw = options.get(key)
-            if raw is None or raw.strip() == "":
-                return default
-            try:
-                value = float(raw.strip())
-            except ValueError:
-                raise ConfigError(f"option.{key}={raw!r} is not a number") from None
-            if not 0 < value <= 1:
-                raise ConfigError(f"option.{key}={raw!r} must be > 0 and <= 1")
-            return value
-
-        kv_mb = options.get("kv_cache_memory_mb")
-        if kv_mb is not None and kv_mb.strip().lower() == "auto":
-            kv_mb = None
-        dtype = (options.get("dtype") or "fp32").strip().lower()
-        if dtype not in _DTYPES:
-            raise ConfigError(f"option.dtype={dtype!r} must be one of {', '.join(_DTYPES)}")
         return cls(
-            max_num_seqs=integer("max_rolling_batch_size", 32, 1),
-            max_num_batched_tokens=integer("max_rolling_batch_prefill_tokens", 2048, 1),
-            max_prefill_tokens_while_decoding=integer("max_prefill_tokens_while_decoding", 256),
-            block_size=integer("block_size", 16, 1),
-            kv_cache_memory_mb=integer("kv_cache_memory_mb", 0) if kv_mb is not None else 0,
-            kv_cache_memory_fraction=fraction("kv_cache_memory_fraction", 0.9),
-            num_kv_blocks=integer("num_kv_blocks", 0),
-            enable_prefix_caching=boolean("enable_prefix_caching", True),
-            num_threads=0 if (options.get("num_threads") or "auto").strip().lower() == "auto"
-            else integer("num_threads", 0, 1),
-            max_model_len=integer("max_model_len", 0),
-            dtype=dtype,
+            max_num_seqs=get("max_rolling_batch_size"),
+            max_num_batched_tokens=get("max_rolling_batch_prefill_tokens"),
+            max_prefill_tokens_while_decoding=get("max_prefill_tokens_while_decoding"),
+            block_size=get("block_size"),
+            kv_cache_memory_mb=auto_is_zero("kv_cache_memory_mb"),
+            kv_cache_memory_fraction=get("kv_cache_memory_fraction"),
+            num_kv_blocks=get("num_kv_blocks"),
+            enable_prefix_caching=get("enable_prefix_caching"),
+            num_threads=auto_is_zero("num_threads"),
+            max_model_len=get("max_model_len") or 0,
+            dtype=get("dtype"),
             prepack_weights=prepack_mode(options.get("prepack_weights")),
-            fuse_projections=boolean("fuse_projections", False),
-            attention_kernel=choice("attention_kernel", ("native", "torch"), "native"),
-            trust_remote_code=boolean("trust_remote_code", False),
-            allow_unsafe_weights=boolean("allow_unsafe_weights", False),
-            seed=integer("seed", 0),
-            tensor_parallel_degree=integer("tensor_parallel_degree", 1, 1),
+            fuse_projections=get("fuse_projections"),
+            attention_kernel=get("attention_kernel"),
+            trust_remote_code=get("trust_remote_code"),
+            allow_unsafe_weights=get("allow_unsafe_weights"),
+            seed=get("seed"),
+            tensor_parallel_degree=get("tensor_parallel_degree"),
         )
 
 
@@ -116,13 +80,9 @@ def prepack_mode(raw: str | None, packed_wins_everywhere: bool | None = None) ->
     """``option.prepack_weights``: ``auto`` (default), ``hybrid``, or a boolean (``true`` = packed only).
     ``auto`` is ``true`` on CPUs where packed weights win at every size (``handlers.engine.cpu``: the plain
     copy hybrid keeps for prefill would only cost memory there), else ``hybrid``."""
-    value = (raw or "auto").strip().lower()
+    value = parse_option("prepack_weights", raw)
     if value == "auto":
         if packed_wins_everywhere is None:
             packed_wins_everywhere = packed_weights_win_everywhere()
         return "true" if packed_wins_everywhere else "hybrid"
-    if value == "hybrid":
-        return value
-    if value not in _BOOL:
-        raise ConfigError(f"option.prepack_weights={raw!r} must be auto, hybrid, true or false")
-    return "true" if _BOOL[value] else "false"
+    return str(value)

@@ -23,7 +23,7 @@ ECHO = {"option.entryPoint": "echo"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     s = ServerProcess.start(tmp_path_factory.mktemp("config"), models={
-        "good": ECHO,
+        "good": {**ECHO, "option.echo_delay_mss": "0"},  # a typo: a warning at load, never an error
         "bad-batch": {**ECHO, "max_batch_delay": "10", "batch_size": "abc"},
         "bad-queue": {**ECHO, "job_queue_size": "0"},
     }, wait_ready=False)  # /ping stays 503 with failed models: wait for the good one instead
@@ -61,6 +61,12 @@ def test_ping_reports_each_model_and_good_model_serves(server: ServerProcess) ->
                                                               "bad-queue": "FAILED"}
 
 
+def test_a_typod_option_is_logged_at_load_and_the_model_serves(server: ServerProcess) -> None:
+    assert "model good: unknown option.echo_delay_mss: did you mean option.echo_delay_ms? " \
+           "(serving.properties:2)" in server.log()
+    assert server.describe("good")["config"]["echo_delay_mss"] == "0"  # passed on as set
+
+
 def serving_config(model_dir: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SERVING_", "SAGEMAKER_", "HF_"))}
     return subprocess.run([sys.executable, "-m", "serving", "config", str(model_dir)], cwd=REPO,
@@ -96,10 +102,31 @@ def test_config_command_shows_env_precedence(tmp_path: Path) -> None:
     assert "= 7" in line and "(env OPTION_MAX_ROLLING_BATCH_SIZE)" in line
 
 
+def test_config_command_shows_the_engine_options_and_warns_about_a_typo(tmp_path: Path) -> None:
+    d = write_model(tmp_path, "m", {"option.entryPoint": "huggingface", "option.rolling_batch": "auto",
+                                    "option.max_rolling_bach_size": "8", "option.my_handler_thing": "1"})
+    proc = serving_config(d, {"OPTION_BLOCK_SIZE": "8", "OPTION_ENABLE_PREFIX_CACHING": "off"})
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "options of the rolling engine" in out
+    for key, value, source in [("option.block_size", "8", "env OPTION_BLOCK_SIZE"),
+                               ("option.enable_prefix_caching", "false", "env OPTION_ENABLE_PREFIX_CACHING"),
+                               ("option.kv_cache_memory_mb", "auto", "default"),
+                               ("option.max_prefill_tokens_while_decoding", "256", "default"),
+                               ("option.my_handler_thing", "1", "serving.properties:4")]:
+        line = setting_line(out, key)
+        assert f"{key} = {value} " in line and line.endswith(f"({source})"), line
+    warnings = [ln for ln in out.splitlines() if ln.startswith("warning:")]
+    assert warnings == ["warning: unknown option.max_rolling_bach_size: did you mean option.max_rolling_batch_size? "
+                        "(serving.properties:3)"]
+
+
 @pytest.mark.parametrize("props,env,expect", [
     ({"batch_size": "abc"}, {}, ["serving.properties:2", "batch_size", "'abc'"]),
     ({"job_queue_size": "0"}, {}, ["serving.properties:2", "job_queue_size", "'0'"]),
     ({"no_such_key": "1"}, {}, ["serving.properties:2", "no_such_key", "unknown key"]),
+    ({"option.echo_delay_ms": "soon"}, {}, ["serving.properties:2", "option.echo_delay_ms = 'soon'",
+                                            "expected a number >= 0"]),
     ({}, {"SERVING_BATCH_SIZE": "-3"}, ["env SERVING_BATCH_SIZE", "batch_size", "'-3'"]),
 ])
 def test_config_command_fails_on_a_bad_value(tmp_path: Path, props: dict[str, str], env: dict[str, str],

@@ -79,3 +79,25 @@ def test_the_reader_sees_function_level_imports() -> None:
     """The checks above can fail: an import inside a function is found."""
     path = ROOT / "handlers" / "engine" / "parallel.py"
     assert "handlers.engine.loading" in imports_of(path)  # imported inside rank_main
+
+
+SERVING_FOR_HANDLERS = {"serving.types", "serving.errors", "serving.options", "serving.values"}
+
+
+def test_handlers_import_only_the_kernel_of_serving() -> None:
+    """Handlers parse their options with the frontend's schema (``serving.options``), and nothing else of
+    ``serving`` but the kernel reaches the worker's side."""
+    offenders = {m: sorted(i for i in deps if _inside(i, "serving") and i.rpartition(".")[0] not in
+                           SERVING_FOR_HANDLERS and i not in SERVING_FOR_HANDLERS)
+                 for m, deps in modules("handlers").items()}
+    assert {m: deps for m, deps in offenders.items() if deps} == {}
+    users = {m for m, deps in modules("handlers").items() if "serving.options" in deps}
+    assert {"handlers.engine.config", "handlers.huggingface", "handlers.echo"} <= users
+
+
+@pytest.mark.parametrize("module", ["serving/options.py", "serving/values.py"])
+def test_the_option_schema_is_kernel(module: str) -> None:
+    """The schema and the value parsers import no more of the project than the kernel (no torch either)."""
+    project = {i for i in imports_of(ROOT / module) if i.split(".")[0] in ("serving", "handlers")}
+    assert {i.rpartition(".")[0] if i.rpartition(".")[0] in SERVING_FOR_HANDLERS else i for i in project} \
+        <= {"serving.errors", "serving.values"}

@@ -1,0 +1,163 @@
+"""The option schema: every ``option.*`` key that rollserve's own code reads, with its parser and default.
+
+Design note: part of the kernel (imports only ``serving.values`` and ``serving.errors``; no torch), the one
+place an option is defined. ``serving.config`` validates a model's options with it at load (file, line, key
+and value in the error), puts the effective value and its source in ``ModelConfig.options``/``sources``
+(what ``serving config`` prints) and warns about an unknown ``option.*`` key close to a known one
+(``suggest``); the handlers parse the same keys with the same parsers (``option_value``: the rolling
+engine's ``EngineConfig.from_options``, the huggingface and echo handlers), so a value means the same on
+both sides of the worker boundary. ``readers`` says who reads a key: ``serving`` (the frontend, for every
+model), ``loader`` (custom entry points), or a built-in handler (``engine``: the rolling engine,
+``huggingface``: dynamic batching with ``generate``, ``echo``). An ``option.*`` key not listed here is a
+custom handler's own and passes through as is.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from serving.errors import ConfigError
+from serving.values import (
+    BOOL_WORDS,
+    Parser,
+    any_text,
+    boolean,
+    choice,
+    integer,
+    number,
+    text,
+)
+
+SERVING, LOADER, ENGINE, HUGGINGFACE, ECHO = "serving", "loader", "engine", "huggingface", "echo"
+SUGGEST_CUTOFF = 0.8  # difflib ratio above which an unknown key is taken for a typo of a known one
+
+ROLLING_BATCH_MODES = ("disable", "auto", "scheduler", "lmi-dist", "vllm")
+# DJL's names for rolling-batch engines: rollserve's engine (scheduler) serves these...
+ROLLING_ENGINE_ALIASES = frozenset({"lmi-dist", "vllm"})
+# ...and refuses these, which name engines rollserve does not have.
+_FOREIGN_ROLLING_ENGINES = {"trtllm": "TensorRT-LLM", "tensorrt": "TensorRT-LLM", "tensorrt-llm": "TensorRT-LLM",
+                            "tnx": "transformers-neuronx", "neuronx": "transformers-neuronx",
+                            "deepspeed": "DeepSpeed"}
+DTYPES = ("fp32", "fp16", "bf16", "auto")
+DTYPE_ALIASES = MappingProxyType({"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"})
+PREPACK_MODES = ("auto", "hybrid", "true", "false")
+# Entry points of the built-in handlers -> the readers whose options they take. ``huggingface`` runs the
+# rolling engine or HF generate, whichever batching the model gets (``handlers_of``).
+_BUILTIN_READERS: Mapping[str, frozenset[str]] = MappingProxyType({
+    "huggingface": frozenset({ENGINE, HUGGINGFACE}), "djl_python.huggingface": frozenset({ENGINE, HUGGINGFACE}),
+    "rolling": frozenset({ENGINE}), "echo": frozenset({ECHO}),
+})
+
+
+def rolling_batch(value: str) -> str:
+    lowered = value.lower()
+    if lowered in _FOREIGN_ROLLING_ENGINES:
+        raise ValueError(f"{_FOREIGN_ROLLING_ENGINES[lowered]} is not part of rollserve; use auto or scheduler "
+                         "(rollserve's rolling engine; DJL's lmi-dist and vllm name it too) or disable")
+    if lowered not in ROLLING_BATCH_MODES:
+        raise ValueError(f"expected one of {', '.join(ROLLING_BATCH_MODES)}")
+    return lowered
+
+
+@dataclass(frozen=True, slots=True)
+class OptionSpec:
+    """One ``option.<key>``: its parser, its default as text (None: absent unless set; the reader decides),
+    who reads it and what it means."""
+
+    key: str
+    parser: Parser
+    default: str | None
+    readers: frozenset[str]
+    meaning: str
+
+
+def _spec(key: str, parser: Parser, default: str | None, readers: tuple[str, ...], meaning: str) -> OptionSpec:
+    return OptionSpec(key, parser, default, frozenset(readers), meaning)
+
+
+_BOTH = (ENGINE, HUGGINGFACE)
+OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
+    # Read by the frontend for every model (and by the handlers named).
+    _spec("entryPoint", text, None, (SERVING,), "the handler; default model.py if present, else huggingface"),
+    _spec("model_id", text, None, (SERVING, *_BOTH), "another local folder holding the weights"),
+    _spec("dtype", choice(DTYPES, DTYPE_ALIASES), "fp32", (SERVING, *_BOTH), "weights and KV cache dtype"),
+    _spec("trust_remote_code", boolean, "false", (SERVING, *_BOTH), "run the model folder's own code"),
+    _spec("predict_timeout", number(0, exclusive=True), "120", (SERVING,), "seconds one request may take"),
+    _spec("model_loading_timeout", number(0, exclusive=True), "600", (SERVING,), "seconds a worker may load"),
+    _spec("liveness_timeout", number(0, exclusive=True), "60", (SERVING,),
+          "rolling: seconds a worker with work pending may go without a step"),
+    _spec("rolling_batch", rolling_batch, "disable", (SERVING,), "auto, scheduler or disable"),
+    _spec("max_rolling_batch_size", integer(1), "32", (SERVING, ENGINE), "sequences running at once per worker"),
+    _spec("max_rolling_batch_prefill_tokens", integer(1), "2048", (SERVING, ENGINE),
+          "token budget of one engine step"),
+    _spec("tensor_parallel_degree", integer(1), "1", (SERVING, ENGINE),
+          "ranks per worker (serving.properties also takes max)"),
+    _spec("strict_parameters", boolean, "true", (SERVING,), "refuse unknown request parameters"),
+    _spec("output_formatter", any_text, None, (SERVING,), "sse: streams as server-sent events"),
+    _spec("tgi_compat", boolean, "false", (SERVING,), "TGI-shaped answers and stream events"),
+    _spec("handler", any_text, None, (LOADER,), "the handler class of a custom entry point's module"),
+    # The rolling engine (handlers.engine.config.EngineConfig) and the dynamic huggingface handler.
+    _spec("max_prefill_tokens_while_decoding", integer(0), "256", (ENGINE,),
+          "prefill tokens of a step while sequences decode; 0 = the whole budget"),
+    _spec("block_size", integer(1), "16", (ENGINE,), "tokens per KV-cache block"),
+    _spec("kv_cache_memory_mb", integer(0, auto=True), "auto", (ENGINE,),
+          "KV cache per worker in MiB; auto or 0: kv_cache_memory_fraction of the memory left"),
+    _spec("kv_cache_memory_fraction", number(0, 1, exclusive=True), "0.9", (ENGINE,),
+          "share of the memory left after weights that auto gives the KV cache"),
+    _spec("num_kv_blocks", integer(0), "0", (ENGINE,), "KV blocks outright; 0 = sized by memory"),
+    _spec("enable_prefix_caching", boolean, "true", (ENGINE,), "share KV blocks of identical prefixes"),
+    _spec("num_threads", integer(1, auto=True), "auto", _BOTH, "torch threads per worker (rank)"),
+    _spec("max_model_len", integer(0), None, _BOTH, "tokens per sequence; absent or 0: the model's"),
+    _spec("prepack_weights", choice(PREPACK_MODES, {w: str(v).lower() for w, v in BOOL_WORDS.items()}), "auto",
+          (ENGINE,), "oneDNN-packed linear weights: auto, hybrid, true, false"),
+    _spec("attention_kernel", choice(("native", "torch")), "native", (ENGINE,), "decode attention kernel"),
+    _spec("fuse_projections", boolean, "false", (ENGINE,), "fuse the q/k/v and gate/up projections"),
+    _spec("allow_unsafe_weights", boolean, "false", _BOTH, "load pickled (.bin) weights"),
+    _spec("seed", integer(0), "0", (ENGINE,), "the engine's sampling seed"),
+    # The echo handler (tests, load generation).
+    _spec("echo_delay_ms", number(0), "0", (ECHO,), "sleep once per batch"),
+    _spec("echo_fail_on", any_text, None, (ECHO,), "fail an item whose prompt contains this"),
+)})
+_LOWER = {key.lower(): key for key in OPTIONS}
+
+
+def handlers_of(entry_point: str, rolling: bool | None = None) -> frozenset[str]:
+    """The built-in readers whose options a model with ``entry_point`` takes: the handler it runs when
+    ``rolling`` is known (``huggingface`` is the engine when rolling, HF generate otherwise), every handler the
+    entry point may run when None; empty for a custom entry point."""
+    readers = _BUILTIN_READERS.get(entry_point, frozenset())
+    if rolling is None or readers != _BUILTIN_READERS["huggingface"]:
+        return readers
+    return frozenset({ENGINE if rolling else HUGGINGFACE})
+
+
+def reads(spec: OptionSpec, handlers: frozenset[str]) -> bool:
+    """True when a model whose handler is one of ``handlers`` (``handlers_of``) reads ``spec``'s key."""
+    return bool(spec.readers & ({SERVING, LOADER} | handlers))
+
+
+def parse_option(key: str, raw: str | None, where: str = "") -> Any:
+    """``option.<key>``'s value (``raw`` stripped; absent: the default, or None without one), parsed by its
+    schema entry. Raises ``ConfigError`` naming ``where`` (if given), the key and the value."""
+    spec = OPTIONS[key]
+    if raw is None:
+        return None if spec.default is None else spec.parser(spec.default)
+    try:
+        return spec.parser(raw.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{where + ': ' if where else ''}option.{key} = {raw!r}: {exc}") from None
+
+
+def option_value(options: Mapping[str, str], key: str) -> Any:
+    """``parse_option`` of ``options.get(key)``: how a handler reads one of its options (prefix stripped)."""
+    return parse_option(key, options.get(key))
+
+
+def suggest(key: str) -> str | None:
+    """The known option an unknown ``key`` (without ``option.``) looks like a typo of, or None."""
+    close = difflib.get_close_matches(key.lower(), list(_LOWER), n=1, cutoff=SUGGEST_CUTOFF)
+    return _LOWER[close[0]] if close else None

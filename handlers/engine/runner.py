@@ -11,6 +11,7 @@ Runs on the engine thread.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,7 +31,7 @@ from handlers.engine.paged_attention import (
     StepMetadata,
     paged_attention_forward,
 )
-from handlers.engine.prepack import prepack_linear_layers
+from handlers.engine.prepack import prepack_linear_layers, warm_packed_kernels
 from handlers.engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,10 @@ class ModelRunner:
             logger.info("fused %d projection groups (QKV, gate/up)", fuse_projections(model))
         if prepack_weights in ("true", "hybrid"):
             n = prepack_linear_layers(model, hybrid=prepack_weights == "hybrid")
-            logger.info("prepacked %d linear layers for oneDNN", n)
+            started = time.perf_counter()
+            kernels = warm_packed_kernels(model)
+            logger.info("prepacked %d linear layers for oneDNN; built %d kernels in %.1f s", n, kernels,
+                        time.perf_counter() - started)
         self.context = StepContext()
         for module in model.modules():
             if hasattr(module, "layer_idx"):

@@ -79,7 +79,8 @@ class PackedLinear(nn.Module):
 
     def shape_key(self) -> tuple[int, int, bool, torch.dtype]:
         """What a oneDNN kernel is built for, besides the row count."""
-        return self.in_features, self.out_features, self.bias is not None, self.packed_weight.dtype
+        packed: torch.Tensor = self.packed_weight
+        return self.in_features, self.out_features, self.bias is not None, packed.dtype
 
 
 def warm_packed_kernels(model: nn.Module, max_rows: int = HYBRID_MAX_PACKED_ROWS) -> int:

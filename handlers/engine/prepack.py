@@ -79,7 +79,7 @@ class PackedLinear(nn.Module):
 
     def shape_key(self) -> tuple[int, int, bool, torch.dtype]:
         """What a oneDNN kernel is built for, besides the row count."""
-        packed: torch.Tensor = self.packed_weight
+        packed = self.get_buffer("packed_weight")
         return self.in_features, self.out_features, self.bias is not None, packed.dtype
 
 

@@ -177,6 +177,28 @@ def _group_members(pgid: int) -> list[str]:
     return out.stdout.split()
 
 
+def greedy_references(prompts: list[str] | tuple[str, ...], max_new_tokens: int, *, ignore_eos: bool = False,
+                      model_dir: Path = DEFAULT_MODEL) -> dict[str, list[int]]:
+    """Greedy token ids of each prompt from transformers' own ``generate``, one prompt at a time, fp32 (what a
+    server's greedy answer must equal); ``ignore_eos`` as requests that ignore EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if ignore_eos:
+        model.generation_config.eos_token_id = None
+    out: dict[str, list[int]] = {}
+    with torch.no_grad():
+        for p in prompts:
+            enc = tok(p, return_tensors="pt")
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+            out[p] = gen[0, enc["input_ids"].shape[1]:].tolist()
+    return out
+
+
 def copy_default_model(dest: Path) -> Path:
     shutil.copytree(DEFAULT_MODEL, dest, dirs_exist_ok=True)
     return dest

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as pb_grpc
-from tests.integration.harness import DEFAULT_MODEL, ServerProcess
+from tests.integration.harness import ServerProcess, greedy_references
 
 PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4 5", "Once upon a time there was",
            "a", "Why is the sky blue?", "def main():", "The quick brown fox"]
@@ -95,20 +95,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
     """Greedy token ids of every prompt from transformers' own generate, alone, EOS ignored (as the requests)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    out: dict[str, list[int]] = {}
-    with torch.no_grad():
-        for p in PROMPTS:
-            enc = tok(p, return_tensors="pt")
-            gen = model.generate(**enc, max_new_tokens=LONG, do_sample=False, pad_token_id=0)
-            out[p] = gen[0, enc["input_ids"].shape[1]:].tolist()
-    return out
+    return greedy_references(PROMPTS, LONG, ignore_eos=True)
 
 
 # --- helpers ------------------------------------------------------------------------------------------

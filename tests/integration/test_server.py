@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.harness import DEFAULT_MODEL, REPO, ServerProcess
+from tests.integration.harness import REPO, ServerProcess, greedy_references
 
 MODEL = "tiny-llama"
 MAX_NEW_TOKENS = 8
@@ -45,20 +45,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
     """Greedy token ids of every prompt from transformers' own generate, one prompt at a time, fp32."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    out: dict[str, list[int]] = {}
-    with torch.no_grad():
-        for p in PROMPTS:
-            enc = tok(p, return_tensors="pt")
-            gen = model.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
-            out[p] = gen[0, enc["input_ids"].shape[1]:].tolist()
-    return out
+    return greedy_references(PROMPTS, MAX_NEW_TOKENS)
 
 
 def token_ids(answer: dict[str, Any]) -> list[int]:

@@ -91,12 +91,10 @@ def warm_packed_kernels(model: nn.Module, max_rows: int = HYBRID_MAX_PACKED_ROWS
     for module in model.modules():
         if isinstance(module, PackedLinear):
             shapes.setdefault(module.shape_key(), module)
-    limit = {key: (HYBRID_MAX_PACKED_ROWS if m.max_packed_rows is None else min(max_rows, m.max_packed_rows))
-             for key, m in shapes.items()}
     built = 0
     with torch.no_grad():
         for key, module in shapes.items():
-            for rows in packed_row_counts(min(max_rows, limit[key])):
+            for rows in packed_row_counts(min(max_rows, module.max_packed_rows or max_rows)):
                 module(torch.zeros(rows, module.in_features, dtype=key[3]))
                 built += 1
     return built

@@ -3,14 +3,13 @@ how, and where an effective value came from."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-
 import pytest
 
 from handlers.engine.config import EngineConfig
 from serving import knobs
 from serving.config import model_config_keys
 from serving.errors import InvalidRequest
+from tests.option_reads import Recording
 
 
 def refused(items: list[tuple[str, str]]) -> str:
@@ -101,27 +100,6 @@ def test_typed_values_are_checked_as_the_query() -> None:
 ])
 def test_source_kind(source: str, kind: str) -> None:
     assert knobs.source_kind(source) == kind
-
-
-class Recording(Mapping[str, str]):
-    """An empty options mapping that records every key read from it."""
-
-    def __init__(self) -> None:
-        self.read: set[str] = set()
-
-    def __getitem__(self, key: str) -> str:
-        self.read.add(key)
-        raise KeyError(key)
-
-    def get(self, key: str, default: object = None) -> object:  # type: ignore[override]
-        self.read.add(key)
-        return default
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
 
 
 def test_every_engine_option_is_a_knob_or_needs_a_reload() -> None:

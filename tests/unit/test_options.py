@@ -5,7 +5,7 @@ an unknown ``option.*`` key that looks like a typo of a known one is a warning (
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from serving.config import describe_model_config, load_model_config, load_server
 from serving.errors import ConfigError
 from serving.options import ENGINE, OPTIONS, suggest
 from serving.values import BOOL_WORDS, FALSE_WORDS, TRUE_WORDS, boolean, choice, integer, number, render
+from tests.option_reads import Recording
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,27 +27,6 @@ def model(tmp_path: Path, properties: str, name: str = "m") -> Path:
     folder.mkdir()
     (folder / "serving.properties").write_text(properties, encoding="utf-8")
     return folder
-
-
-class Recording(Mapping[str, str]):
-    """An empty options mapping that records every key read from it."""
-
-    def __init__(self) -> None:
-        self.read: set[str] = set()
-
-    def __getitem__(self, key: str) -> str:
-        self.read.add(key)
-        raise KeyError(key)
-
-    def get(self, key: str, default: object = None) -> object:  # type: ignore[override]
-        self.read.add(key)
-        return default
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
 
 
 def engine_reads() -> set[str]:

@@ -29,7 +29,7 @@ from tests.integration.harness import ServerProcess, greedy_references
 
 PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4 5", "Once upon a time there was",
            "a", "Why is the sky blue?", "def main():", "The quick brown fox"]
-LONG = 102  # the longest answer of the rolling load
+LONG = 142  # the longest answer of the rolling load
 ROLL = {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "32", "option.max_model_len": "256",
         # no prefill cap while decodes run: a raised batch size admits every waiting prompt at one step
         "option.max_prefill_tokens_while_decoding": "0",
@@ -198,12 +198,21 @@ def test_rolling_batch_size_32_to_4_to_32_under_64_requests(server: ServerProces
                                                             reference: dict[str, list[int]]) -> None:
     url = f"{server.url}/predictions/roll"
     # 32 long requests fill the batch; their lengths differ, so they finish one by one
-    first = [greedy(PROMPTS[i % 8], 40 + 2 * i) for i in range(32)]
+    first = [greedy(PROMPTS[i % 8], 80 + 2 * i) for i in range(32)]
+    finished_before = int(roll_state(server)[1].get("num_requests_finished_total", 0))
     load1 = Load(url, first)
     wait_for(lambda: running(server) == (32, 32), "32 requests running")
     second = [greedy(PROMPTS[i % 8], 40 + 2 * (i % 8)) for i in range(32)]
     load2 = Load(url, second)
-    wait_for(lambda: roll_state(server)[0]["waiting"] == 32, "32 more requests waiting")
+
+    def all_64_arrived() -> bool:
+        # every request of both loads is waiting, running or finished (on a slow machine the first of the 32
+        # may finish, and a waiting one take its place, before the last of the second load arrives)
+        batcher, stats = roll_state(server)
+        finished = int(stats.get("num_requests_finished_total", 0)) - finished_before
+        return int(batcher["waiting"]) + int(batcher["running"]) + finished >= 64 and int(batcher["waiting"]) > 0
+
+    wait_for(all_64_arrived, "the second 32 requests queued")
 
     # 32 -> 4 with 32 running: nothing is preempted, nothing admitted until fewer than 4 run
     r = put(server, "roll", max_rolling_batch_size=4)

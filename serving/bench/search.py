@@ -286,6 +286,7 @@ class Evaluator:
         self.knob_changes = 0
         self.deadline: float | None = None  # time.monotonic(): a run still going then is cut (``Run.cut``)
         self.cut: list[Run] = []
+        self.warm_e2e: list[float] = []  # the warm-up requests' E2E (estimated_seconds before any full run)
         self._n_servers = 0
 
     # --- server ---
@@ -339,6 +340,7 @@ class Evaluator:
         recs = run_requests(self.api, self.target, warm, [0.0] * len(warm), self.stream)
         if any(r.error for r in recs):
             raise RuntimeError(f"the warm-up requests failed: {[r.error for r in recs if r.error][0]}")
+        self.warm_e2e += [r.e2e() for r in recs if r.ok]
 
     def settle(self) -> None:
         """After an aborted run: one 1-token request, answered once the server has finished what it was doing."""
@@ -428,10 +430,15 @@ class Evaluator:
         return run
 
     def estimated_seconds(self, rung: int) -> float:
-        """What a run at ``rung`` should take: the requests' arrival span plus the slowest drain seen so far."""
+        """What a run at ``rung`` should take: the requests' arrival span plus the slowest drain of a full run
+        so far; before any full run, the longest request seen (a stopped run's, the warm-up's) stands for the
+        drain, and with none either, the span again."""
         span = len(self.w.requests) / self.ladder[rung]
         drains = [r.seconds - len(r.recs) / r.rate for r in self.order if not r.aborted]
-        return span + (max(drains) if drains else span)
+        if drains:
+            return span + max(drains)
+        e2e = [x.e2e() for r in self.order for x in r.recs if x.ok and x.end is not None] + self.warm_e2e
+        return span + (max(e2e) if e2e else span)
 
 
 # ----------------------------------------------------------------------------------------------- racing

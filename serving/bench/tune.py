@@ -6,13 +6,21 @@
 It starts the model and searches on the live server (``serving.bench.search``: knobs changed with
 ``PUT /models/{name}``, restarts only for another batching mode, worker count or thread count):
 
-1. the folder's own configuration (the baseline) first: a burst pass calibrates the scenario's relative
-   rates, then its goodput is found by bisection on the load ladder;
-2. one seed configuration per other group (mode x workers x threads), raced against the best so far;
-3. successive halving over the groups: each round keeps the better half (by their best goodput) and gives
-   each survivor twice as many trials as the round before, proposed by a TPE sampler (optuna) per group
-   that learns from every measured configuration of its group; the last group goes on until the budget
-   (``--budget``) or ``--max-trials`` is spent, or ``--patience`` trials in a row found nothing better.
+1. with a relative ladder, a burst pass of the folder's configuration (the baseline) calibrates it;
+2. one server start per group (mode x workers x threads) in order of promise (``promise_order``: the running
+   server's group, then the cheapest to start, a layout that failed in a dropped group last); the group's
+   seed (for the folder's group: the baseline, measured in that server) is raced against the best so far
+   (bisection on the ladder while nothing meets the SLO); a group whose seed misses the SLO at the lowest
+   rung is dropped;
+3. successive halving over the groups left: each round keeps the better half (by their best goodput) and
+   gives each survivor twice as many trials as the round before, proposed by a TPE sampler (optuna) per
+   group that learns from every measured configuration of its group; the last group goes on until the
+   budget or ``--max-trials`` is spent, or ``--patience`` trials in a row found nothing better.
+
+``--budget`` counts from the process's start and keeps a server stop and the report for the end: before a
+server start or a run the tune predicts its cost (measured start seconds per worker; arrival span plus the
+slowest drain seen) and skips what would end after it (the report lists each skip); a run still going at
+the deadline is cut.
 
 A configuration's goodput is that of the highest ladder rung at which it meets the SLO (goodput = requests
 meeting the SLO per second, vLLM's definition). Writes ``OUT/serving.properties`` (the folder's file with the
@@ -80,7 +88,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                                  'e2e; pNN or mean; s or ms)')
     ap.add_argument("--scenario", "-s", default="tune",
                     help="preset or YAML file; its sweep is the load ladder (default: the tune preset)")
-    ap.add_argument("--budget", default="20m", help="wall-clock budget of the search (default 20m)")
+    ap.add_argument("--budget", default="20m",
+                    help="wall-clock budget of the whole command, from its start (default 20m)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--out", "-o", type=Path, help="output folder (default ./tune-MODEL)")
     ap.add_argument("--modes", help="batching modes to explore: rolling,dynamic (default: every mode the model "

@@ -57,6 +57,7 @@ class FakeEvaluator:
         self.cut: list[Run] = []
         self.knob_changes = 0
         self.deadline: float | None = None
+        self.warm_e2e: list[float] = []
         self.events: list[tuple[Any, ...]] = []  # ("start", label, clock after) / ("run", config id, rung, group)
 
     def apply(self, config: Config) -> None:
@@ -149,6 +150,20 @@ def test_start_estimate_from_measured_starts(tmp_path: Path) -> None:
     assert (ev.start_estimate(R1), ev.start_estimate(D1), ev.start_estimate(R2)) == (24.0, 24.0, 48.0)
     ev.started = [(R1, 24.0), (R2, 40.0), (R1, 30.0)]
     assert (ev.start_estimate(R1), ev.start_estimate(R2), ev.start_estimate(D2)) == (30.0, 40.0, 60.0)
+
+
+def test_run_estimate_before_and_after_a_full_run(tmp_path: Path) -> None:
+    ev = Evaluator(tmp_path, tmp_path, SimpleNamespace(requests=[None] * N), LADDER, "lmi", [SLO])  # type: ignore[arg-type]
+    assert ev.estimated_seconds(0) == 8.0  # nothing seen: the 4 s span, twice
+    ev.warm_e2e = [0.7, 1.2]
+    assert ev.estimated_seconds(0) == 4.0 + 1.2  # the longest warm-up request stands for the drain
+    c = rolling(R1)
+    stopped = Run(c, 2, 4.0, [Rec(0.0, [0.5, 3.5], end=3.5), Rec(0.25, [])], [2, 2], 3.0, True, 3.0)
+    ev.order.append(stopped)
+    assert ev.estimated_seconds(0) == 4.0 + 3.5  # a stopped run's longest completed request
+    full = Run(c, 3, 8.0, [Rec(0.0, [0.1], end=0.1)] * N, [1] * N, 0.5 + 0.75, False, 0.5)
+    ev.order.append(full)
+    assert ev.estimated_seconds(1) == 2.0 + 0.75  # a full run's drain (its seconds past its span)
 
 
 def test_baseline_is_raced_in_its_groups_server_with_no_start_of_its_own() -> None:

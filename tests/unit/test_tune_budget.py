@@ -281,3 +281,31 @@ def test_improvement_text_of_a_raced_baseline() -> None:
     assert improvement_text(lost, won, SLO) == (
         "improvement: the baseline misses the SLO at 8 req/s (raced: not tried lower), which the chosen "
         "configuration meets (4.00 req/s goodput at 4 req/s offered)")
+
+
+def test_evaluator_cuts_a_run_at_its_deadline_without_settling(tmp_path: Path, monkeypatch: Any) -> None:
+    import time
+
+    import serving.bench.search as search
+
+    c = rolling(R1)
+    w = SimpleNamespace(requests=[SimpleNamespace(max_new_tokens=3, index=i) for i in range(N)],
+                        arrivals=lambda rate: [i / rate for i in range(N)])
+    ev = Evaluator(tmp_path, tmp_path, w, LADDER, "lmi", [SLO])  # type: ignore[arg-type]
+    ev.server = SimpleNamespace(url="http://x", name="m", grpc_target="x:1", tokens={})  # type: ignore[assignment]
+    ev.current = c
+    calls: list[int] = []
+
+    def fake_run_requests(api: str, target: Any, requests: Any, arrivals: list[float], stream: bool,
+                          timeout_s: float = 0.0, should_abort: Any = None) -> list[Rec]:
+        calls.append(len(requests))
+        recs = [Rec(0.0, [0.1])] + [Rec(0.0) for _ in range(N - 1)]  # nothing late: only the deadline stops it
+        assert should_abort is not None and should_abort(recs, 0.2) is (ev.deadline is not None)
+        return recs
+
+    monkeypatch.setattr(search, "run_requests", fake_run_requests)
+    ev.deadline = time.monotonic() - 1.0
+    run = ev.measure(c, 1)
+    assert (run.cut, run.aborted, calls) == (True, True, [N])  # no settle request after it
+    assert ev.cut == [run] and ev.runs == {} and ev.order == []
+    assert race(ev, c, SLO, 0).runs == []  # type: ignore[arg-type]

@@ -212,7 +212,10 @@ def main(argv: list[str] | None = None) -> None:
             "goodput_ratio": (chosen.get("goodput_req_s", 0.0) / best["goodput_req_s"]) if best else None,
             "baseline_goodput_req_s": rep.get("baseline", {}).get("goodput_req_s"),
             "improvement_over_folder": rep.get("improvement"),
-            "tune_runs": len(rep.get("runs", [])), "tune_configurations": len(rep.get("configurations", []))}
+            "tune_runs": len(rep.get("runs", [])), "tune_configurations": len(rep.get("configurations", [])),
+            "tune_time_split_s": rep.get("time_s"), "tune_server_starts": rep.get("server_starts"),
+            "tune_dropped_groups": rep.get("dropped_groups"),
+            "tune_skipped_for_budget": len(rep.get("skipped_for_budget", [])), "tune_stopped": rep.get("stopped")}
         doc["tunes"][label] = t
         print(json.dumps(t["summary"], indent=1, default=str), flush=True)
     Path(f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str))

@@ -180,6 +180,7 @@ class Run:
     aborted: bool
     wall_s: float  # first send -> last answer (or the abort): goodput's denominator
     violated_at: dict[str, float] = field(default_factory=dict)  # SLO spec -> seconds into the run
+    cut: bool = False  # stopped at the evaluator's deadline (the budget): no measurement, never cached
 
     def met(self, slo: Slo) -> bool:
         return not self.aborted and slo.run_meets(self.recs)
@@ -280,7 +281,12 @@ class Evaluator:
         self.runs: dict[tuple[str, int], Run] = {}
         self.order: list[Run] = []
         self.restarts: list[tuple[str, float]] = []  # (group label, seconds)
+        self.started: list[tuple[Group, float]] = []  # the same, by group
+        self.stops: list[float] = []  # seconds each server stop took
         self.knob_changes = 0
+        self.deadline: float | None = None  # time.monotonic(): a run still going then is cut (``Run.cut``)
+        self.cut: list[Run] = []
+        self.warm_e2e: list[float] = []  # the warm-up requests' E2E (estimated_seconds before any full run)
         self._n_servers = 0
 
     # --- server ---
@@ -306,7 +312,9 @@ class Evaluator:
                                         timeout_s=self.server_timeout_s)
         self.current = config
         self._warm()
-        self.restarts.append((config.group.label, time.perf_counter() - t0))
+        took = time.perf_counter() - t0
+        self.restarts.append((config.group.label, took))
+        self.started.append((config.group, took))
 
     def _check_effective(self, config: Config, answer: dict[str, Any]) -> None:
         """The PUT's answer lists every knob's effective value (``{"knobs": {name: {"value": ...}}}``)."""
@@ -332,6 +340,7 @@ class Evaluator:
         recs = run_requests(self.api, self.target, warm, [0.0] * len(warm), self.stream)
         if any(r.error for r in recs):
             raise RuntimeError(f"the warm-up requests failed: {[r.error for r in recs if r.error][0]}")
+        self.warm_e2e += [r.e2e() for r in recs if r.ok]
 
     def settle(self) -> None:
         """After an aborted run: one 1-token request, answered once the server has finished what it was doing."""
@@ -341,9 +350,25 @@ class Evaluator:
 
     def close(self) -> None:
         if self.server is not None:
+            t0 = time.perf_counter()
             self.server.stop()
+            self.stops.append(time.perf_counter() - t0)
             self.server = None
             self.current = None
+
+    def start_estimate(self, group: Group) -> float | None:
+        """What starting ``group``'s server (and its warm-up) should take: the slowest measured start of that
+        group, else the measured starts' seconds per worker times its workers (the workers load side by side
+        on the same cores), else None (nothing measured yet)."""
+        own = [s for g, s in self.started if g == group]
+        if own:
+            return max(own)
+        if not self.started:
+            return None
+        return max(s / g.workers for g, s in self.started) * group.workers
+
+    def needs_start(self, config: Config) -> bool:
+        return self.server is None or self.current is None or self.current.group != config.group
 
     # --- runs ---
     def burst(self, config: Config) -> dict[str, Any]:
@@ -371,8 +396,14 @@ class Evaluator:
             return len(violated_at) == len(self.abort_slos)
 
         aborted_at: list[float] = []
+        cut: list[bool] = []
+        deadline = self.deadline
 
         def abort(recs: list[Rec], now: float) -> bool:
+            if deadline is not None and time.monotonic() >= deadline:
+                cut.append(True)
+                aborted_at.append(now)
+                return True
             if should_abort(recs, now):
                 aborted_at.append(now)
                 return True
@@ -381,6 +412,11 @@ class Evaluator:
         recs = run_requests(self.api, self.target, self.w.requests, self.w.arrivals(rate), stream,
                             should_abort=abort)
         first_send = min(r.send for r in recs)
+        if cut:  # the budget is spent: no settling (the server is stopped next), no measurement
+            run = Run(config, rung, rate, recs, expected, time.perf_counter() - t0, True,
+                      aborted_at[0] - first_send, violated_at, cut=True)
+            self.cut.append(run)
+            return run
         if aborted_at:
             wall = aborted_at[0] - first_send
             self.settle()
@@ -394,10 +430,15 @@ class Evaluator:
         return run
 
     def estimated_seconds(self, rung: int) -> float:
-        """What a run at ``rung`` should take: the requests' arrival span plus the slowest drain seen so far."""
+        """What a run at ``rung`` should take: the requests' arrival span plus the slowest drain of a full run
+        so far; before any full run, the longest request seen (a stopped run's, the warm-up's) stands for the
+        drain, and with none either, the span again."""
         span = len(self.w.requests) / self.ladder[rung]
         drains = [r.seconds - len(r.recs) / r.rate for r in self.order if not r.aborted]
-        return span + (max(drains) if drains else span)
+        if drains:
+            return span + max(drains)
+        e2e = [x.e2e() for r in self.order for x in r.recs if x.ok and x.end is not None] + self.warm_e2e
+        return span + (max(e2e) if e2e else span)
 
 
 # ----------------------------------------------------------------------------------------------- racing
@@ -428,6 +469,8 @@ def race(ev: Evaluator, config: Config, slo: Slo, incumbent: int, first: int | N
         if out_of_time is not None and out_of_time(k):
             return None
         r = ev.measure(config, k)
+        if r.cut:  # stopped at the deadline: no result
+            return None
         runs.append(r)
         return r
 
@@ -437,19 +480,21 @@ def race(ev: Evaluator, config: Config, slo: Slo, incumbent: int, first: int | N
     lo, hi = (start, top + 1) if r0.met(slo) else (-1, start)
     if lo == -1 and not allow_below:
         return Outcome(config, None, runs, r0.goodput(slo) * r0.slack(slo))
+    out = False  # out of time (or a run cut at the deadline): what is known so far is the outcome
     if lo >= 0:  # gallop up
         step = 1
         while lo + step < hi:
             k = lo + step
             r = run(k)
             if r is None:
+                out = True
                 break
             if r.met(slo):
                 lo, step = k, step * 2
             else:
                 hi = k
                 break
-    while hi - lo > 1:  # bisect between a passing and a failing rung
+    while hi - lo > 1 and not out:  # bisect between a passing and a failing rung
         k = (lo + hi) // 2
         r = run(k)
         if r is None:

@@ -6,13 +6,21 @@
 It starts the model and searches on the live server (``serving.bench.search``: knobs changed with
 ``PUT /models/{name}``, restarts only for another batching mode, worker count or thread count):
 
-1. the folder's own configuration (the baseline) first: a burst pass calibrates the scenario's relative
-   rates, then its goodput is found by bisection on the load ladder;
-2. one seed configuration per other group (mode x workers x threads), raced against the best so far;
-3. successive halving over the groups: each round keeps the better half (by their best goodput) and gives
-   each survivor twice as many trials as the round before, proposed by a TPE sampler (optuna) per group
-   that learns from every measured configuration of its group; the last group goes on until the budget
-   (``--budget``) or ``--max-trials`` is spent, or ``--patience`` trials in a row found nothing better.
+1. with a relative ladder, a burst pass of the folder's configuration (the baseline) calibrates it;
+2. one server start per group (mode x workers x threads) in order of promise (``promise_order``: the running
+   server's group, then the cheapest to start, a layout that failed in a dropped group last); the group's
+   seed (for the folder's group: the baseline, measured in that server) is raced against the best so far
+   (bisection on the ladder while nothing meets the SLO); a group whose seed misses the SLO at the lowest
+   rung is dropped;
+3. successive halving over the groups left: each round keeps the better half (by their best goodput) and
+   gives each survivor twice as many trials as the round before, proposed by a TPE sampler (optuna) per
+   group that learns from every measured configuration of its group; the last group goes on until the
+   budget or ``--max-trials`` is spent, or ``--patience`` trials in a row found nothing better.
+
+``--budget`` counts from the process's start and keeps a server stop and the report for the end: before a
+server start or a run the tune predicts its cost (measured start seconds per worker; arrival span plus the
+slowest drain seen) and skips what would end after it (the report lists each skip); a run still going at
+the deadline is cut.
 
 A configuration's goodput is that of the highest ladder rung at which it meets the SLO (goodput = requests
 meeting the SLO per second, vLLM's definition). Writes ``OUT/serving.properties`` (the folder's file with the
@@ -25,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -78,7 +88,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                                  'e2e; pNN or mean; s or ms)')
     ap.add_argument("--scenario", "-s", default="tune",
                     help="preset or YAML file; its sweep is the load ladder (default: the tune preset)")
-    ap.add_argument("--budget", default="20m", help="wall-clock budget of the search (default 20m)")
+    ap.add_argument("--budget", default="20m",
+                    help="wall-clock budget of the whole command, from its start (default 20m)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--out", "-o", type=Path, help="output folder (default ./tune-MODEL)")
     ap.add_argument("--modes", help="batching modes to explore: rolling,dynamic (default: every mode the model "
@@ -94,6 +105,30 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- plan
+STOP_S = 2.0  # a server's stop, before one was measured
+REPORT_S = 2.0  # writing the report and its figure (matplotlib's import included)
+
+
+def promise_order(groups: list[Group] | tuple[Group, ...], *, current: Group | None = None,
+                  dropped: set[Group] | frozenset[Group] = frozenset(), best_mode: str | None = None,
+                  baseline_group: Group | None = None,
+                  start_estimate: Callable[[Group], float | None] | None = None) -> list[Group]:
+    """``groups`` in the order a tune tries them: the group whose server runs now (no start); then groups
+    whose layout (workers x threads) has not failed in a dropped group; then the cheapest to start (the
+    estimate, else fewer workers); then the best configuration's batching mode; then the folder's group;
+    then the given order."""
+    failed_layouts = {(g.workers, g.threads) for g in dropped}
+    index = {g: i for i, g in enumerate(groups)}
+
+    def cost(g: Group) -> float:
+        est = start_estimate(g) if start_estimate is not None else None
+        return float(g.workers) if est is None else est
+
+    return sorted(groups, key=lambda g: (g != current, (g.workers, g.threads) in failed_layouts, cost(g),
+                                         best_mode is not None and g.mode != best_mode, g != baseline_group,
+                                         index[g]))
+
+
 @dataclass
 class Plan:
     model_dir: Path
@@ -108,65 +143,139 @@ class Plan:
     def ladder_spec(self) -> list[str]:
         return [str(p.rate) for p in self.scenario.passes if p.sweep_index is not None]
 
+    @property
+    def calibrates(self) -> bool:
+        return any(s.endswith("x") for s in self.ladder_spec())
+
     def text(self) -> str:
         b = self.space.baseline
+        first = b.group if self.calibrates else None
+        order = promise_order(self.space.groups, current=first, baseline_group=b.group)
         lines = [f"serving tune {self.model_dir}: SLO {self.slo}, budget {self.budget_s / 60:.1f} min, at most "
                  f"{self.max_trials} configurations",
                  f"scenario {self.scenario.name} ({self.scenario.source}): {self.scenario.num_requests} requests a "
                  f"run, api {self.scenario.api}; load ladder (Poisson rates): {', '.join(self.ladder_spec())}"
-                 + ("  (x = times the baseline's burst throughput, measured first)"
-                    if any(s.endswith("x") for s in self.ladder_spec()) else ""),
-                 "",
-                 f"1. baseline (the folder's configuration): {b.id}",
-                 "   calibrate (a burst pass) where rates are relative; its goodput by bisection on the ladder",
-                 f"2. one seed configuration for each of the {len(self.space.groups) - 1} other group(s), raced "
-                 f"against the best so far (its first run one rung above the best's; a restart per group):"]
-        for g in self.space.groups[1:]:
-            lines.append(f"     {self.space.seeds[g].id}")
-        lines += ["3. successive halving over the groups: keep the better half, double the trials per group each "
-                  "round;",
-                  "   TPE (optuna) proposes each group's live knobs, changed with PUT /models/{name} (no restart):"]
+                 + ("  (x = times the baseline's burst throughput, measured first)" if self.calibrates else ""),
+                 f"baseline (the folder's configuration, measured in its group's server): {b.id}",
+                 ""]
+        n = 1
+        if self.calibrates:
+            lines.append(f"{n}. calibrate: a burst pass of the baseline (the first server) makes the relative rates "
+                         f"req/s")
+            n += 1
+        lines += [f"{n}. one server start per group, in order of promise (the running server's group first, then "
+                  f"the cheapest to",
+                  "   start; a group whose workers x threads failed in a dropped group goes last); its seed "
+                  "configuration",
+                  "   is raced against the best so far (first run one rung above the best's; with no best yet, "
+                  "bisection",
+                  f"   from rung {len(self.ladder_spec()) // 3}); a group whose seed misses the SLO at the lowest "
+                  f"rung is dropped:"]
+        for g in order:
+            seed = self.space.seeds[g]
+            lines.append(f"     {seed.id}{'  (the baseline)' if seed == b else ''}")
+        n += 1
+        lines += [f"{n}. successive halving over the groups left: keep the better half, double the trials per "
+                  f"group each round",
+                  "   (the running server's group first); TPE (optuna) proposes each group's live knobs, changed "
+                  "with",
+                  "   PUT /models/{name} (no restart):"]
         for mode in sorted({g.mode for g in self.space.groups}):
             for k in knobs_of(mode):
                 lines.append(f"     {mode:8s} {k.name} in [{k.lo}, {k.hi}]{' (log scale)' if k.log else ''}")
         lines += [f"   the last group continues until the budget, {self.max_trials} configurations, or "
                   f"{self.patience} trials in a row without a better one",
-                  "4. write serving.properties (annotated), tune-report.yaml, tune-report.png; print the improvement "
-                  "over the baseline"]
+                  f"   budget: counted from the process's start, {REPORT_S:.0f} s and a server stop kept for the "
+                  f"end; before a",
+                  "   server start or a run its cost is predicted (measured start seconds per worker; the run's "
+                  "arrival span",
+                  "   plus the slowest drain seen) and what would end after the budget is skipped (listed in the "
+                  "report);",
+                  "   a run still going at the deadline is cut",
+                  f"{n + 1}. write serving.properties (annotated), tune-report.yaml, tune-report.png; print the "
+                  f"improvement over the baseline"]
         return "\n".join(lines)
+
+
+def process_started() -> float:
+    """``time.monotonic()`` when this process started (Linux: ``/proc/self/stat``'s start time against
+    ``/proc/uptime``), so that ``--budget`` counts the interpreter's start and the imports; now elsewhere."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        age = float(Path("/proc/uptime").read_text().split()[0]) - int(fields[19]) / ticks
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
+    return time.monotonic() - min(max(age, 0.0), 3600.0)
 
 
 # ------------------------------------------------------------------------------------------------ search
 @dataclass
 class Tuner:
+    """The search. ``end``: ``clock()`` by which the whole tune (its report written) should be done."""
+
     plan: Plan
     ev: Evaluator
     log: Any
-    deadline: float
+    end: float
+    clock: Callable[[], float] = time.monotonic
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     incumbent: Outcome | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    dropped: list[Group] = field(default_factory=list)
     stop_reason: str = ""
 
     @property
     def slo(self) -> Slo:
         return self.plan.slo
 
-    def out_of_time(self, rung: int, config: Config | None = None) -> bool:
-        """Would a run at ``rung`` (of ``config``: with a server start when its group is not the running one)
-        end after the deadline?"""
-        need = self.ev.estimated_seconds(rung)
-        if config is not None and (self.ev.current is None or self.ev.current.group != config.group):
-            starts = [s for _, s in self.ev.restarts]
-            need += sum(starts) / len(starts) if starts else 0.0
-        return time.monotonic() + need > self.deadline
+    def finish_estimate(self) -> float:
+        """The tune's end after the search: the last server's stop and the report."""
+        return (max(self.ev.stops) if self.ev.stops else STOP_S) + REPORT_S
+
+    def deadline(self) -> float:
+        """When the search must be over."""
+        return self.end - self.finish_estimate()
+
+    def start_cost(self, group: Group) -> float:
+        """A server start for ``group`` (0 for the first one: nothing to predict it from), with the running
+        server's stop."""
+        est = self.ev.start_estimate(group)
+        stop = (max(self.ev.stops) if self.ev.stops else STOP_S) if self.ev.server is not None else 0.0
+        return (est or 0.0) + stop
+
+    def cost(self, config: Config, rung: int) -> tuple[float, float]:
+        """(a server start if ``config``'s group is not the running one, a run at ``rung``): predicted seconds."""
+        start = self.start_cost(config.group) if self.ev.needs_start(config) else 0.0
+        return start, self.ev.estimated_seconds(rung)
+
+    def out_of_time(self, rung: int, config: Config, record: bool = True) -> bool:
+        """Would a run of ``config`` at ``rung`` (with a server start when its group is not the running one)
+        end after the deadline? Records what it skips."""
+        start, run = self.cost(config, rung)
+        left = self.deadline() - self.clock()
+        if start + run <= left:
+            return False
+        if record and not any(x["config_id"] == config.id and x["rung"] == rung for x in self.skipped):
+            self.skipped.append({"config_id": config.id, "rung": rung, "rate_req_s": round(self.ev.ladder[rung], 4),
+                                 "server_start_s": round(start, 1), "run_s": round(run, 1),
+                                 "left_s": round(max(left, 0.0), 1)})
+            self.log(f"  skipped for budget: {config.id} at {self.ev.ladder[rung]:.3g}/s"
+                     f"{f' (with a server start, {start:.0f} s)' if start else ''}: predicted {start + run:.0f} s, "
+                     f"{max(left, 0.0):.0f} s left")
+        return True
 
     def evaluate(self, config: Config, phase: str, first: int | None = None, allow_below: bool = False) -> Outcome:
+        """Race ``config`` (cached once measured; a configuration skipped for budget is not cached)."""
         if config.id in self.outcomes:
             return self.outcomes[config.id]
         inc = self.incumbent.rung if self.incumbent is not None else -1
+        self.ev.deadline = self.deadline()
         o = race(self.ev, config, self.slo, inc, first=first, allow_below=allow_below,
                  out_of_time=lambda k: self.out_of_time(k, config))
+        if not o.runs:
+            return o
         self.outcomes[config.id] = o
         improved = o.best is not None and better(o, self.incumbent, self.slo)
         if improved:
@@ -182,23 +291,41 @@ class Tuner:
         return len(self.outcomes)
 
     def budget_left(self) -> bool:
+        """Room for another trial in the running server's group."""
         if self.trials() >= self.plan.max_trials:
             self.stop_reason = f"{self.plan.max_trials} configurations tried (--max-trials)"
             return False
         top = len(self.ev.ladder) - 1
         inc = self.incumbent.rung if self.incumbent is not None else -1
-        if self.out_of_time(min(inc + 1, top)):
+        rung = min(inc + 1, top)
+        if self.ev.estimated_seconds(rung) > self.deadline() - self.clock():
             self.stop_reason = "budget spent"
             return False
         return True
+
+    def affordable(self, g: Group) -> bool:
+        """Can a run in ``g`` (with its server's start, unless it is the running one) end before the deadline?"""
+        if self.ev.current is not None and self.ev.current.group == g:
+            return True
+        inc = self.incumbent.rung if self.incumbent is not None else -1
+        return not self.out_of_time(min(inc + 1, len(self.ev.ladder) - 1), self.plan.space.seeds[g])
+
+    def pruned(self, g: Group) -> bool:
+        """No configuration of ``g`` met the SLO at any rung tried, and one missed it at the lowest rung."""
+        os_ = [o for o in self.outcomes.values() if o.config.group == g]
+        return bool(os_) and all(o.best is None for o in os_) and any(r.rung == 0 for o in os_ for r in o.runs)
+
+    def order(self, groups: list[Group]) -> list[Group]:
+        return promise_order(groups, current=self.ev.current.group if self.ev.current is not None else None,
+                             dropped=set(self.dropped),
+                             best_mode=self.incumbent.config.group.mode if self.incumbent is not None else None,
+                             baseline_group=self.plan.space.baseline.group, start_estimate=self.ev.start_estimate)
 
     def run(self) -> None:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         space = self.plan.space
-        # 1. baseline: bisection from a middle rung
-        self.evaluate(space.baseline, "baseline", first=len(self.ev.ladder) // 3, allow_below=True)
         studies = {g: optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(
             seed=self.plan.seed + i, n_startup_trials=3, multivariate=True)) for i, g in enumerate(space.groups)}
         dists: dict[Group, dict[str, optuna.distributions.BaseDistribution]] = {
@@ -210,21 +337,41 @@ class Tuner:
             if all(k.lo <= params[k.name] <= k.hi for k in knobs_of(g.mode)):  # a folder value outside: not told
                 studies[g].add_trial(optuna.trial.create_trial(params=params, distributions=dists[g], value=o.score))
 
-        tell(space.baseline.group, self.outcomes[space.baseline.id])
-        # 2. one seed per other group
-        for g in space.groups[1:]:
-            if not self.budget_left():
+        # 1. a seed per group, in order of promise (the baseline is its group's seed: measured in that server)
+        pending = list(space.groups)
+        while pending:
+            g = self.order(pending)[0]
+            pending.remove(g)
+            if self.trials() >= self.plan.max_trials:
+                self.stop_reason = f"{self.plan.max_trials} configurations tried (--max-trials)"
                 return
-            tell(g, self.evaluate(space.seeds[g], f"seed {g.label}"))
-        # 3. successive halving
-        alive = list(space.groups)
+            seed = space.seeds[g]
+            phase = "baseline" if seed == space.baseline else f"seed {g.label}"
+            if self.incumbent is None:  # nothing to race against: bisection on the ladder
+                o = self.evaluate(seed, phase, first=len(self.ev.ladder) // 3, allow_below=True)
+            else:
+                o = self.evaluate(seed, phase)
+            if not o.runs:
+                continue  # skipped for budget (recorded); a group whose server runs may still fit
+            tell(g, o)
+            if self.pruned(g):
+                self.dropped.append(g)
+                self.log(f"  dropped {g.label}: its seed misses the SLO at the lowest rung "
+                         f"({self.ev.ladder[0]:.3g}/s)")
+        # 2. successive halving over the measured groups left
+        alive = [g for g in space.groups if g not in self.dropped and self.group_best(g)[0] > -2]
+        if not alive:
+            self.stop_reason = self.stop_reason or ("every group dropped" if self.dropped else "budget spent")
+            return
         per_group, rnd = 2, 1
         while alive:
-            ranked = sorted(alive, key=lambda g: self.group_best(g), reverse=True)
+            fit = [g for g in alive if self.affordable(g)]
+            if not fit:
+                self.stop_reason = "budget spent"
+                return
+            ranked = sorted(fit, key=lambda g: self.group_best(g), reverse=True)
             alive = ranked[:max(1, math.ceil(len(ranked) / 2))] if len(ranked) > 1 else ranked
-            # the group whose server runs now goes first (one restart fewer)
-            current = self.ev.current.group if self.ev.current is not None else None
-            alive.sort(key=lambda g: g != current)
+            alive = self.order(alive)  # the group whose server runs now first (one restart fewer)
             last = len(alive) == 1
             self.log(f"  round {rnd}: {', '.join(g.label for g in alive)}"
                      + (" (last group: until budget/patience)" if last else f", {per_group} trial(s) each"))
@@ -238,6 +385,12 @@ class Tuner:
                     seen = config.id in self.outcomes
                     before = self.incumbent
                     o = self.evaluate(config, f"round {rnd} {g.label}")
+                    if not o.runs:  # skipped for budget (its server's start, or the run, does not fit)
+                        studies[g].tell(trial, state=optuna.trial.TrialState.FAIL)
+                        if last:
+                            self.stop_reason = "budget spent"
+                            return
+                        break
                     studies[g].tell(trial, o.score)
                     n += not seen
                     repeats = repeats + 1 if seen else 0
@@ -255,6 +408,11 @@ class Tuner:
                 return
             per_group *= 2
             rnd += 1
+
+    def baseline_outcome(self) -> Outcome:
+        """The folder's configuration's outcome (not measured when the budget never reached its group)."""
+        b = self.plan.space.baseline
+        return self.outcomes.get(b.id) or Outcome(b, None, [], 0.0)
 
     def group_best(self, g: Group) -> tuple[int, float]:
         os_ = [o for o in self.outcomes.values() if o.config.group == g]
@@ -339,10 +497,10 @@ def annotated_properties(model_dir: Path, chosen: Outcome, reasons: dict[str, st
 
 
 def report_doc(plan: Plan, tuner: Tuner, ladder: list[float], calibration: dict[str, Any] | None,
-               wall_s: float) -> dict[str, Any]:
+               wall_s: float, times: dict[str, float] | None = None) -> dict[str, Any]:
     slo = plan.slo
     ev = tuner.ev
-    base = tuner.outcomes[plan.space.baseline.id]
+    base = tuner.baseline_outcome()
     chosen = tuner.incumbent or base
     runs = [r.row(slo) for r in ev.order]
 
@@ -361,8 +519,14 @@ def report_doc(plan: Plan, tuner: Tuner, ladder: list[float], calibration: dict[
             "scenario": plan.scenario.describe(), "ladder_req_s": [round(x, 4) for x in ladder],
             "calibration": calibration, "budget_s": plan.budget_s, "wall_s": round(wall_s, 1),
             "stopped": tuner.stop_reason or "search complete",
+            "time_s": {k: round(v, 1) for k, v in (times or {}).items()},
             "server_starts": [{"group": g, "seconds": round(s, 1)} for g, s in ev.restarts],
+            "server_stops_s": [round(s, 1) for s in ev.stops],
             "live_knob_changes": ev.knob_changes,
+            "dropped_groups": [g.label for g in tuner.dropped],
+            "skipped_for_budget": tuner.skipped,
+            "runs_cut_at_deadline": [{"config_id": r.config.id, "rung": r.rung, "seconds": round(r.seconds, 1)}
+                                     for r in ev.cut],
             "baseline": b, "chosen": c, "improvement": None if improvement is None else round(improvement, 3),
             "configurations": [summary(o) | {"runs": len(o.runs)} for o in configs],
             "history": tuner.history, "runs": runs}
@@ -377,7 +541,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan.text())
         return 0
-    return tune(plan, args.out or Path(f"tune-{plan.model_dir.resolve().name}"))
+    return tune(plan, args.out or Path(f"tune-{plan.model_dir.resolve().name}"), started=process_started())
 
 
 def _plan(args: argparse.Namespace) -> Plan:
@@ -405,7 +569,27 @@ def _plan(args: argparse.Namespace) -> Plan:
                 args.seed)
 
 
-def tune(plan: Plan, out: Path) -> int:
+def improvement_text(base: Outcome, chosen: Outcome, slo: Slo) -> str:
+    """The line comparing the chosen configuration with the folder's."""
+    if chosen.best is None:
+        return "no configuration met the SLO at any rung of the ladder: loosen the SLO or lower the scenario's rates"
+    got = chosen.best.goodput(slo)
+    if base.best is not None:
+        return (f"improvement: {got / base.best.goodput(slo):.2f}x the baseline's goodput "
+                f"({got:.2f} vs {base.best.goodput(slo):.2f} req/s)")
+    if not base.runs:
+        return ("improvement: not known: the baseline was not measured (its group did not fit the budget); the "
+                f"chosen configuration's goodput is {got:.2f} req/s")
+    low = min(r.rung for r in base.runs)
+    if low == 0:
+        return "improvement: the baseline meets the SLO at no rung of the ladder; the chosen configuration does"
+    rate = min(base.runs, key=lambda r: r.rung).rate
+    return (f"improvement: the baseline misses the SLO at {rate:.3g} req/s (raced: not tried lower), which the "
+            f"chosen configuration meets ({got:.2f} req/s goodput at {chosen.best.rate:.3g} req/s offered)")
+
+
+def tune(plan: Plan, out: Path, started: float | None = None) -> int:
+    """Run the tune; ``started``: ``time.monotonic()`` from which ``--budget`` counts (default: now)."""
     import yaml
 
     from serving.bench.plots import tune_figure
@@ -415,14 +599,17 @@ def tune(plan: Plan, out: Path) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    t0 = time.monotonic()
+    t0 = time.monotonic() if started is None else started
+    setup_at = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     print(plan.text(), file=sys.stderr, flush=True)
     w = workload_of(plan.scenario, load_tokenizer(plan.model_dir))
     sweep = [p for p in plan.scenario.passes if p.sweep_index is not None]
     ev = Evaluator(plan.model_dir, out / "servers", w, [], plan.scenario.api, [plan.slo], log)
     ev.baseline = plan.space.baseline
+    tuner = Tuner(plan, ev, log, t0 + plan.budget_s)
     calibration = None
+    search_at = time.monotonic()
     try:
         if any(p.rate is not None and p.rate.relative for p in sweep):
             m = ev.burst(plan.space.baseline)
@@ -435,16 +622,23 @@ def tune(plan: Plan, out: Path) -> int:
         ladder = [p.rate.resolve(burst_req_s, plan.scenario.source) for p in sweep if p.rate is not None]
         ev.ladder = ladder
         log("  ladder (req/s): " + ", ".join(f"{x:.3g}" for x in ladder))
-        tuner = Tuner(plan, ev, log, t0 + plan.budget_s)
         tuner.run()
     except (RuntimeError, ScenarioError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
+        stop_at, stops_before = time.monotonic(), sum(ev.stops)
         ev.close()
+    finish_at = time.monotonic()
+    runs_s = sum(r.seconds for r in ev.order) + sum(r.seconds for r in ev.cut)
+    starts_s = sum(s for _, s in ev.restarts)
+    times = {"before_tune": setup_at - t0, "setup": search_at - setup_at, "server_starts": starts_s,
+             "runs": runs_s, "server_stops": sum(ev.stops),
+             "other_search": (stop_at - search_at) - starts_s - runs_s - stops_before,
+             "deadline_left": tuner.end - finish_at}
     wall = time.monotonic() - t0
-    doc = report_doc(plan, tuner, ladder, calibration, wall)
-    base = tuner.outcomes[plan.space.baseline.id]
+    doc = report_doc(plan, tuner, ladder, calibration, wall, times)
+    base = tuner.baseline_outcome()
     chosen = tuner.incumbent or base
     header = [f"serving tune {time.strftime('%Y-%m-%d %H:%M')}: SLO {plan.slo}; scenario {plan.scenario.name} "
               f"({plan.scenario.num_requests} requests a run, Poisson ladder {ladder[0]:.3g}-{ladder[-1]:.3g} req/s)",
@@ -454,18 +648,16 @@ def tune(plan: Plan, out: Path) -> int:
               f"the folder's configuration: {describe_outcome(base, plan.slo, ladder)}"]
     reasons = knob_reasons(chosen, list(tuner.outcomes.values()), plan.slo, ladder)
     (out / "serving.properties").write_text(annotated_properties(plan.model_dir, chosen, reasons, header))
-    (out / "tune-report.yaml").write_text(yaml.safe_dump(doc, sort_keys=False, width=120))
     tune_figure(doc, out / "tune-report.png")
+    wall = time.monotonic() - t0
+    doc["wall_s"] = round(wall, 1)
+    (out / "tune-report.yaml").write_text(yaml.safe_dump(doc, sort_keys=False, width=120))
     print(f"baseline (the folder's configuration): {base.config.id}\n  {describe_outcome(base, plan.slo, ladder)}")
     print(f"chosen: {chosen.config.id}\n  {describe_outcome(chosen, plan.slo, ladder)}")
-    if doc["improvement"] is not None:
-        print(f"improvement: {doc['improvement']:.2f}x the baseline's goodput "
-              f"({doc['chosen']['goodput_req_s']:.2f} vs {doc['baseline']['goodput_req_s']:.2f} req/s)")
-    elif chosen.best is not None:
-        print("improvement: the baseline meets the SLO at no rung of the ladder; the chosen configuration does")
-    else:
-        print("no configuration met the SLO at any rung of the ladder: loosen the SLO or lower the scenario's rates")
+    print(improvement_text(base, chosen, plan.slo))
+    skipped = f", {len(tuner.skipped)} skipped for budget" if tuner.skipped else ""
     print(f"{len(ev.order)} runs of {len(tuner.outcomes)} configurations, {len(ev.restarts)} server start(s), "
-          f"{ev.knob_changes} live knob change(s), {wall / 60:.1f} min ({doc['stopped']})")
+          f"{ev.knob_changes} live knob change(s){skipped}, {wall:.0f} s of a {plan.budget_s:.0f} s budget "
+          f"({doc['stopped']})")
     print(f"wrote {out / 'serving.properties'}, {out / 'tune-report.yaml'}, {out / 'tune-report.png'}")
     return 0 if chosen.best is not None else 1

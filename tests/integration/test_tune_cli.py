@@ -43,15 +43,19 @@ def test_dry_run_prints_the_plan(tmp_path: Path) -> None:
     assert lines[1] == ("scenario tune (preset tune): 24 requests a run, api lmi; load ladder (Poisson rates): "
                         "0.3x, 0.375x, 0.46875x, 0.585938x, 0.732422x, 0.915527x, 1.14441x, 1.43051x, 1.78814x, "
                         "2.23517x, 2.79397x, 3.49246x  (x = times the baseline's burst throughput, measured first)")
-    baseline = ("1. baseline (the folder's configuration): rolling 1w x {}t: max_rolling_batch_size=32, "
-                "max_rolling_batch_prefill_tokens=2048").format(cores)
-    assert baseline in lines
-    seeds = ["     dynamic 1w x 1t: batch_size=8, max_batch_delay=50"]
+    base = f"rolling 1w x {cores}t: max_rolling_batch_size=32, max_rolling_batch_prefill_tokens=2048"
+    assert lines[2] == f"baseline (the folder's configuration, measured in its group's server): {base}"
+    assert lines[4] == "1. calibrate: a burst pass of the baseline (the first server) makes the relative rates req/s"
+    # the order of promise: the calibration's server (the baseline's group) first, then the same start cost
+    seeds = [f"     {base}  (the baseline)", "     dynamic 1w x 1t: batch_size=8, max_batch_delay=50"]
     if cores > 1:  # the baseline's group is rolling 1w x CORESt: 1 thread is another group
-        seeds.insert(0, "     rolling 1w x 1t: max_rolling_batch_size=32, max_rolling_batch_prefill_tokens=2048")
-    i = lines.index(baseline) + 2
-    assert lines[i].startswith(f"2. one seed configuration for each of the {len(seeds)} other group(s)")
-    assert lines[i + 1:i + 1 + len(seeds)] == seeds
+        seeds.insert(1, "     rolling 1w x 1t: max_rolling_batch_size=32, max_rolling_batch_prefill_tokens=2048")
+    i = lines.index("2. one server start per group, in order of promise (the running server's group first, then "
+                    "the cheapest to")
+    assert lines[i + 3] == ("   from rung 4); a group whose seed misses the SLO at the lowest rung is dropped:")
+    assert lines[i + 4:i + 4 + len(seeds)] == seeds
+    assert lines[i + 4 + len(seeds)].startswith("3. successive halving over the groups left")
+    assert "   a run still going at the deadline is cut" in lines
     assert "     rolling  max_rolling_batch_size in [1, 64] (log scale)" in lines
     assert "     dynamic  max_batch_delay in [0, 200]" in lines
     assert not list(tmp_path.iterdir())  # nothing started, nothing written

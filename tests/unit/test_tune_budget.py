@@ -1,0 +1,311 @@
+"""``serving tune``'s search on a simulated server: the budget (predicted server starts and runs, skipped when
+they would end after it, a run cut at the deadline), the folder's configuration measured in its group's
+server, groups ordered by promise and dropped when their seed misses the SLO at the lowest rung."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from serving.bench.metrics import Rec, parse_slo
+from serving.bench.scenario import load_scenario
+from serving.bench.search import Config, Evaluator, Group, Run, Space, make_config, race
+from serving.bench.tune import REPORT_S, STOP_S, Plan, Tuner, improvement_text, promise_order
+
+SLO = parse_slo("ttft_p99=1s,itl_p99=100ms")
+LADDER = [1.0, 2.0, 4.0, 8.0]  # 4 requests a run: arrival spans 4, 2, 1, 0.5 s
+N = 4
+R1 = Group("rolling", 1, 2)
+D1 = Group("dynamic", 1, 2)
+R2 = Group("rolling", 2, 1)
+D2 = Group("dynamic", 2, 1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeEvaluator:
+    """The Evaluator's interface on a simulated server: a start of ``start_s[workers]`` seconds, a stop of
+    ``stop_s``; a run of config at rung k meets the SLO when k <= ``top(config)`` and takes its arrival span +
+    1 s (a miss: 0.5 s, stopped early). The budget logic (``estimated_seconds``, ``start_estimate``) is the
+    real Evaluator's."""
+
+    start_estimate = Evaluator.start_estimate
+    estimated_seconds = Evaluator.estimated_seconds
+    needs_start = Evaluator.needs_start
+
+    def __init__(self, clock: Clock, top: dict[Any, int], start_s: dict[int, float], stop_s: float = 1.0) -> None:
+        self.clock = clock
+        self.top = top  # Config or Group -> highest passing rung (-1: none)
+        self.start_s = start_s
+        self.stop_s = stop_s
+        self.ladder = LADDER
+        self.w = SimpleNamespace(requests=[None] * N)
+        self.server: object | None = None
+        self.current: Config | None = None
+        self.restarts: list[tuple[str, float]] = []
+        self.started: list[tuple[Group, float]] = []
+        self.stops: list[float] = []
+        self.runs: dict[tuple[str, int], Run] = {}
+        self.order: list[Run] = []
+        self.cut: list[Run] = []
+        self.knob_changes = 0
+        self.deadline: float | None = None
+        self.warm_e2e: list[float] = []
+        self.events: list[tuple[Any, ...]] = []  # ("start", label, clock after) / ("run", config id, rung, group)
+
+    def apply(self, config: Config) -> None:
+        if self.needs_start(config):
+            self.close()
+            s = self.start_s[config.group.workers]
+            self.clock.t += s
+            self.server, self.current = object(), config
+            self.restarts.append((config.group.label, s))
+            self.started.append((config.group, s))
+            self.events.append(("start", config.group.label))
+            return
+        assert self.current is not None
+        if self.current.knobs != config.knobs:
+            self.knob_changes += 1
+        self.current = config
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.clock.t += self.stop_s
+            self.stops.append(self.stop_s)
+            self.server = self.current = None
+
+    def measure(self, config: Config, rung: int) -> Run:
+        key = (config.id, rung)
+        if key in self.runs:
+            return self.runs[key]
+        self.apply(config)
+        top = self.top.get(config, self.top.get(config.group, -1))
+        met = rung <= top
+        rate = LADDER[rung]
+        seconds = N / rate + 1.0 if met else 0.5
+        if self.deadline is not None and self.clock.t + seconds > self.deadline:  # cut at the deadline
+            run = Run(config, rung, rate, [], [3] * N, self.deadline - self.clock.t, True, 0.0, cut=True)
+            self.clock.t = self.deadline
+            self.cut.append(run)
+            return run
+        self.clock.t += seconds
+        ttft = 0.2 if met else 2.0
+        recs = [Rec(i / rate, [i / rate + ttft + 0.05 * j for j in range(3)], end=i / rate + ttft + 0.1)
+                for i in range(N)]
+        run = Run(config, rung, rate, recs, [3] * N, seconds, not met, seconds - 1.0)
+        self.runs[key] = run
+        self.order.append(run)
+        self.events.append(("run", config.id, rung, config.group.label))
+        return run
+
+
+def rolling(g: Group, size: int = 32, prefill: int = 2048) -> Config:
+    return make_config(g, {"max_rolling_batch_size": size, "max_rolling_batch_prefill_tokens": prefill})
+
+
+def dynamic(g: Group) -> Config:
+    return make_config(g, {"batch_size": 8, "max_batch_delay": 50})
+
+
+def seed_of(g: Group) -> Config:
+    return rolling(g) if g.mode == "rolling" else dynamic(g)
+
+
+def space(baseline: Config, groups: list[Group]) -> Space:
+    return Space(tuple(groups), baseline, {g: baseline if g == baseline.group else seed_of(g) for g in groups})
+
+
+def plan(sp: Space, budget_s: float, max_trials: int = 60, patience: int = 8) -> Plan:
+    return Plan(Path("model"), SLO, load_scenario("tune"), sp, budget_s, max_trials, patience, 0)
+
+
+def tuner(sp: Space, ev: FakeEvaluator, clock: Clock, budget_s: float, **kw: Any) -> Tuner:
+    p = plan(sp, budget_s, **kw)
+    return Tuner(p, ev, lambda msg: None, clock.t + budget_s, clock=clock)  # type: ignore[arg-type]
+
+
+def test_promise_order() -> None:
+    groups = [R1, D1, R2, D2]
+    assert promise_order(groups) == [R1, D1, R2, D2]  # fewer workers first (cheaper to start)
+    assert promise_order(groups, current=D2) == [D2, R1, D1, R2]  # the running server first
+    assert promise_order(groups, dropped={R1}) == [R2, D2, R1, D1]  # 1 worker x 2 threads failed: last
+    assert promise_order(groups, best_mode="dynamic") == [D1, R1, D2, R2]
+    assert promise_order(groups, baseline_group=D1) == [D1, R1, R2, D2]
+    # measured starts: seconds, not worker counts
+    assert promise_order(groups, start_estimate=lambda g: {R1: 30.0, D1: 30.0, R2: 10.0, D2: 50.0}[g]) == [
+        R2, R1, D1, D2]
+
+
+def test_start_estimate_from_measured_starts(tmp_path: Path) -> None:
+    ev = Evaluator(tmp_path, tmp_path, SimpleNamespace(requests=[]), LADDER, "lmi", [SLO])  # type: ignore[arg-type]
+    assert ev.start_estimate(R1) is None
+    ev.started = [(R1, 24.0)]
+    assert (ev.start_estimate(R1), ev.start_estimate(D1), ev.start_estimate(R2)) == (24.0, 24.0, 48.0)
+    ev.started = [(R1, 24.0), (R2, 40.0), (R1, 30.0)]
+    assert (ev.start_estimate(R1), ev.start_estimate(R2), ev.start_estimate(D2)) == (30.0, 40.0, 60.0)
+
+
+def test_run_estimate_before_and_after_a_full_run(tmp_path: Path) -> None:
+    ev = Evaluator(tmp_path, tmp_path, SimpleNamespace(requests=[None] * N), LADDER, "lmi", [SLO])  # type: ignore[arg-type]
+    assert ev.estimated_seconds(0) == 8.0  # nothing seen: the 4 s span, twice
+    ev.warm_e2e = [0.7, 1.2]
+    assert ev.estimated_seconds(0) == 4.0 + 1.2  # the longest warm-up request stands for the drain
+    c = rolling(R1)
+    stopped = Run(c, 2, 4.0, [Rec(0.0, [0.5, 3.5], end=3.5), Rec(0.25, [])], [2, 2], 3.0, True, 3.0)
+    ev.order.append(stopped)
+    assert ev.estimated_seconds(0) == 4.0 + 3.5  # a stopped run's longest completed request
+    full = Run(c, 3, 8.0, [Rec(0.0, [0.1], end=0.1)] * N, [1] * N, 0.5 + 0.75, False, 0.5)
+    ev.order.append(full)
+    assert ev.estimated_seconds(1) == 2.0 + 0.75  # a full run's drain (its seconds past its span)
+
+
+def test_baseline_is_raced_in_its_groups_server_with_no_start_of_its_own() -> None:
+    # the folder runs 2 workers; a 1-worker group is cheaper to start, so it goes first and sets the best
+    base = rolling(R2, 16, 512)
+    sp = space(base, [R2, R1])
+    clock = Clock()
+    ev = FakeEvaluator(clock, {R1: 1, base: 3, R2: 2}, {1: 10.0, 2: 20.0})
+    t = tuner(sp, ev, clock, 1000.0, max_trials=3)
+    t.run()
+    # the baseline's only runs are in R2's one server, raced one rung above R1's best (1), climbing to 3
+    assert ev.events[:5] == [("start", R1.label), ("run", rolling(R1).id, 1, R1.label),
+                             ("run", rolling(R1).id, 2, R1.label), ("start", R2.label),
+                             ("run", base.id, 2, R2.label)]
+    assert ev.events[5] == ("run", base.id, 3, R2.label)
+    assert [e[1] for e in ev.events if e[0] == "start"] == [R1.label, R2.label]  # one start per group
+    assert t.history[1] == {"phase": "baseline", "config_id": base.id, "runs": 2, "rung": 3,
+                            "score": round(t.outcomes[base.id].score, 4), "improved": True}
+    assert t.baseline_outcome().rung == 3 and t.incumbent is t.outcomes[base.id]
+    assert t.stop_reason == "3 configurations tried (--max-trials)"
+    assert t.skipped == [] and t.dropped == []
+
+
+def test_a_group_whose_seed_misses_the_lowest_rung_is_dropped_and_its_layout_goes_last() -> None:
+    base = rolling(R1)
+    sp = space(base, [R1, D1, R2, D2])
+    clock = Clock()
+    ev = FakeEvaluator(clock, {R1: -1, D1: 3, R2: 0, D2: -1}, {1: 10.0, 2: 20.0})
+    t = tuner(sp, ev, clock, 1000.0, max_trials=4)
+    t.run()
+    # the baseline (no best yet): bisection from rung 4 // 3 = 1 down to 0, missing both: R1 dropped
+    assert ev.events[:3] == [("start", R1.label), ("run", base.id, 1, R1.label), ("run", base.id, 0, R1.label)]
+    assert t.dropped[0] == R1
+    # next: R2 (another layout) before D1 (R1's layout), though R2 costs twice the start
+    assert ev.events[3:5] == [("start", R2.label), ("run", rolling(R2).id, 1, R2.label)]
+    # R2's seed misses rung 1 with no best yet: bisection to rung 0, which it meets
+    assert ev.events[5] == ("run", rolling(R2).id, 0, R2.label)
+    starts = [e[1] for e in ev.events if e[0] == "start"]
+    assert starts == [R1.label, R2.label, D2.label, D1.label]
+    assert [g.label for g in t.dropped] == [R1.label]  # D2's seed was raced above R2's best: ranked, not dropped
+    # no trial in the dropped group beyond its seed
+    assert [o.config.id for o in t.outcomes.values() if o.config.group == R1] == [base.id]
+    assert t.stop_reason == "4 configurations tried (--max-trials)"
+
+
+def test_budget_skips_a_server_start_that_would_overrun_and_the_search_ends_in_time() -> None:
+    base = rolling(R1)
+    sp = space(base, [R1, R2])
+    clock = Clock()
+    begin = clock.t
+    ev = FakeEvaluator(clock, {R1: 3, R2: 3}, {1: 20.0, 2: 40.0})
+    budget = 60.0
+    t = tuner(sp, ev, clock, budget, patience=100)
+    t.run()
+    # R1: started (20 s), its baseline bisected from rung 1 up: 1 (2+1 s), 2 (1+1 s), 3 (0.5+1 s): 26.5 s;
+    # R2 would cost a stop (none measured yet: STOP_S) + 2 x 20 s + a run at the top rung
+    assert [e[1] for e in ev.events if e[0] == "start"] == [R1.label]
+    assert t.skipped[0] == {"config_id": rolling(R2).id, "rung": 3, "rate_req_s": 8.0,
+                            "server_start_s": STOP_S + 40.0, "run_s": 1.5,
+                            "left_s": budget - 26.5 - STOP_S - REPORT_S}
+    assert len(t.skipped) == 1  # recorded once, though checked each round
+    # then trials in R1 (live knobs), 1.5 s each at the top rung, while one fits before the deadline (56 s in,
+    # leaving STOP_S + REPORT_S for the finish): 26.5 + 19 x 1.5 = 55 s; a 20th would end at 56.5 s
+    assert t.deadline() == begin + budget - STOP_S - REPORT_S
+    assert clock.t - begin == 55.0
+    assert len(t.outcomes) == 20 and all(o.config.group == R1 for o in t.outcomes.values())
+    assert t.stop_reason == "budget spent"
+    assert ev.cut == []
+
+
+def test_a_run_predicted_too_long_is_skipped_not_run() -> None:
+    base = rolling(R1)
+    sp = space(base, [R1])
+    clock = Clock()
+    begin = clock.t
+    ev = FakeEvaluator(clock, {R1: 3}, {1: 20.0})
+    t = tuner(sp, ev, clock, 27.0)  # the search must end by 27 - STOP_S - REPORT_S = 23 s
+    t.run()
+    # the first start (20 s; nothing to predict it from) and rung 1 (predicted 2 x its 2 s span: fits in 3 s,
+    # takes 3 s); rung 2 (1 s span + the 1 s drain measured) would end 2 s after the deadline: skipped
+    assert ev.events == [("start", R1.label), ("run", base.id, 1, R1.label)]
+    assert t.skipped == [{"config_id": base.id, "rung": 2, "rate_req_s": 4.0, "server_start_s": 0.0, "run_s": 2.0,
+                          "left_s": 0.0}]
+    assert clock.t - begin == 23.0 and ev.cut == []
+    assert t.stop_reason == "budget spent"
+    assert t.baseline_outcome().rung == 1
+    assert improvement_text(t.baseline_outcome(), t.baseline_outcome(), SLO) == (
+        "improvement: 1.00x the baseline's goodput (2.00 vs 2.00 req/s)")
+    nothing = Tuner(t.plan, ev, lambda msg: None, 0.0).baseline_outcome()  # type: ignore[arg-type]
+    assert (nothing.runs, nothing.best) == ([], None)
+    assert improvement_text(nothing, t.baseline_outcome(), SLO) == (
+        "improvement: not known: the baseline was not measured (its group did not fit the budget); the chosen "
+        "configuration's goodput is 2.00 req/s")
+
+
+def test_a_run_cut_at_the_deadline_is_no_measurement() -> None:
+    clock = Clock()
+    c = rolling(R1)
+    ev = FakeEvaluator(clock, {R1: 3}, {1: 0.0})
+    ev.deadline = clock.t + 3.0  # a passing run at rung 1 takes 3 s, at rung 2: 2 s
+    o = race(ev, c, SLO, 0)  # type: ignore[arg-type]
+    assert [r.rung for r in o.runs] == [1]  # rung 1 measured (ends at the deadline); rung 2 cut
+    assert o.best is not None and o.best.rung == 1
+    assert [(r.rung, r.cut) for r in ev.cut] == [(2, True)]
+    assert (c.id, 2) not in ev.runs and clock.t == ev.deadline
+
+
+def test_improvement_text_of_a_raced_baseline() -> None:
+    clock = Clock()
+    base, other = rolling(R1), rolling(R2)
+    ev = FakeEvaluator(clock, {base: -1, other: 2}, {1: 0.0, 2: 0.0})
+    won = race(ev, other, SLO, -1, first=2)  # type: ignore[arg-type]
+    lost = race(ev, base, SLO, 2)  # type: ignore[arg-type]
+    assert [r.rung for r in lost.runs] == [3] and lost.best is None
+    assert improvement_text(lost, won, SLO) == (
+        "improvement: the baseline misses the SLO at 8 req/s (raced: not tried lower), which the chosen "
+        "configuration meets (4.00 req/s goodput at 4 req/s offered)")
+
+
+def test_evaluator_cuts_a_run_at_its_deadline_without_settling(tmp_path: Path, monkeypatch: Any) -> None:
+    import time
+
+    import serving.bench.search as search
+
+    c = rolling(R1)
+    w = SimpleNamespace(requests=[SimpleNamespace(max_new_tokens=3, index=i) for i in range(N)],
+                        arrivals=lambda rate: [i / rate for i in range(N)])
+    ev = Evaluator(tmp_path, tmp_path, w, LADDER, "lmi", [SLO])  # type: ignore[arg-type]
+    ev.server = SimpleNamespace(url="http://x", name="m", grpc_target="x:1", tokens={})  # type: ignore[assignment]
+    ev.current = c
+    calls: list[int] = []
+
+    def fake_run_requests(api: str, target: Any, requests: Any, arrivals: list[float], stream: bool,
+                          timeout_s: float = 0.0, should_abort: Any = None) -> list[Rec]:
+        calls.append(len(requests))
+        recs = [Rec(0.0, [0.1])] + [Rec(0.0) for _ in range(N - 1)]  # nothing late: only the deadline stops it
+        assert should_abort is not None and should_abort(recs, 0.2) is (ev.deadline is not None)
+        return recs
+
+    monkeypatch.setattr(search, "run_requests", fake_run_requests)
+    ev.deadline = time.monotonic() - 1.0
+    run = ev.measure(c, 1)
+    assert (run.cut, run.aborted, calls) == (True, True, [N])  # no settle request after it
+    assert ev.cut == [run] and ev.runs == {} and ev.order == []
+    assert race(ev, c, SLO, 0).runs == []  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ import torch
 from handlers.engine.engine import LLMEngine
 from serving.types import SamplingParams
 
-OPTIONS = {"kv_cache_memory_mb": "1500", "num_threads": "1"}
+OPTIONS = {"kv_cache_memory_mb": "3000", "num_threads": "1"}
 
 
 def _timed(step: Callable[[], object]) -> tuple[float, float]:
@@ -36,14 +36,21 @@ def _medians(samples: list[tuple[float, float]]) -> list[float]:
 
 
 def decode(model: str, batch: int, context: int, steps: int = 8) -> list[float]:
-    engine = LLMEngine.from_options(model, {**OPTIONS, "max_rolling_batch_size": str(batch)})
-    params = SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)
+    # no prefill cap while decodes run, and room for every prefill step: all ``batch`` sequences must still be
+    # running when the decode steps are timed (with the cap, the first ones finished while the last prefilled)
+    engine = LLMEngine.from_options(model, {**OPTIONS, "max_rolling_batch_size": str(batch),
+                                            "max_prefill_tokens_while_decoding": "0"})
+    params = SamplingParams(max_new_tokens=steps + 8 + -(-batch * context // 2048), ignore_eos=True)
     for i in range(batch):
         engine.add(f"r{i}", [5 + (i * 7 + j) % 400 for j in range(context)], params)
     sched = engine.scheduler
     while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
         engine.step()
-    return _medians([_timed(engine.step) for _ in range(steps)])
+    samples = [_timed(engine.step) for _ in range(steps)]
+    if len(sched.running) != batch:
+        raise SystemExit(f"decode B={batch} ctx={context}: {len(sched.running)} sequences running, not {batch} "
+                         "(KV too small for this case?)")
+    return _medians(samples)
 
 
 def prefill(model: str, num_prompts: int, length: int, repeats: int = 3) -> list[float]:

@@ -1,22 +1,28 @@
 /* Paged attention for decode rows, reading K/V where they sit in the pool (no gather, no padding).
  *
- * One call per layer serves every sequence of the step that has exactly one query row. For each
- * (sequence, KV head) the g query heads that share the KV head are processed together, so each key and
- * value row is read once; an online softmax (running max and sum, fp32) walks the keys block by block of
- * the sequence's block table. Optional: logit soft-capping (tanh), a per-head sink logit, and a key range
- * [kv_lo, kv_end) for sliding windows. Layouts: q and out [T, H, D] with any row/head strides; the pool is
- * [Hkv, S, D] (head-major) with D contiguous; fp32 or bf16 pool, query and output (bf16 is converted to fp32
- * on load; all arithmetic is fp32; bf16 output rounds to nearest even).
+ * One call per layer serves every sequence of the step that has exactly one query row. The work items are
+ * (sequence, KV head) pairs, spread over OpenMP threads; the g query heads that share a KV head are processed
+ * together, so each key and value row is read once. Per item, two passes walk the sequence's block table
+ * block by block (a block's rows of one head are contiguous in the pool, so there is no per-key index
+ * arithmetic): pass 1 computes every score (four keys at a time), then the softmax is taken over the whole
+ * row (fp32, max-subtracted), and pass 2 sums the value rows weighted by it (four keys at a time, the
+ * accumulator in registers). Scores live in a per-thread buffer sized by the longest sequence of the call.
+ * Optional: logit soft-capping (tanh), a per-head sink logit, and a key range [kv_lo, kv_end) for sliding
+ * windows. Layouts: q and out [T, H, D] with any row/head strides; the pool is [Hkv, S, D] (head-major) with D
+ * contiguous; fp32 or bf16 pool, query and output (bf16 is converted to fp32 on load; all arithmetic is fp32;
+ * bf16 output rounds to nearest even).
  *
  * Built at first use by handlers/engine/kernels.py (cc -O3 -march=native -fopenmp) and called through
  * ctypes; plain C with no torch headers, so it compiles in about a second.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_GROUP 64
 #define MAX_DIM 512
+#define ROWS 4 /* keys per inner iteration */
 
 static inline float bf16_to_float(uint16_t x) {
     uint32_t u = ((uint32_t)x) << 16;
@@ -25,23 +31,13 @@ static inline float bf16_to_float(uint16_t x) {
     return f;
 }
 
-/* A pointer to the row's fp32 values: in place for an fp32 pool, converted into dst for bf16. */
-static inline const float* load_row(const void* base, int is_bf16, int64_t offset, int64_t d, float* dst) {
-    if (!is_bf16) return (const float*)base + offset;
-    const uint16_t* p = (const uint16_t*)base + offset;
-    for (int64_t i = 0; i < d; i++) dst[i] = bf16_to_float(p[i]);
-    return dst;
-}
-
-static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch */
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN stays NaN */
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
-
-#define KEY_CHUNK 32
 
 /* exp(x) for x <= 0 (softmax arithmetic), written so that the compiler vectorizes a loop of it:
  * 2^(x log2 e) split into integer and fraction, degree-6 polynomial for 2^f (relative error ~2e-7). */
@@ -64,97 +60,171 @@ static inline float exp_nonpositive(float x) {
     return p;
 }
 
-static void attend_one(const void* q, int q_bf16, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
-                       const void* v_cache, int is_bf16, int64_t c_stride_h, int64_t c_stride_s, void* out,
-                       int64_t o_stride_t, int64_t o_stride_h, const int64_t* meta, const int32_t* tables,
-                       int64_t kvh, int64_t group, int64_t d, int64_t block_size, float scale, float softcap,
-                       const float* sinks) {
-    const int64_t q_row = meta[0], kv_lo = meta[1], kv_end = meta[2], table_off = meta[3];
-    const int32_t* table = tables + table_off;
-    float qv[MAX_GROUP][MAX_DIM];
-    float acc[MAX_GROUP][MAX_DIM];
-    float m[MAX_GROUP], l[MAX_GROUP];
-    float sc[MAX_GROUP][KEY_CHUNK];
-    float kbuf[KEY_CHUNK][MAX_DIM], vbuf[KEY_CHUNK][MAX_DIM];
-    const float* krows[KEY_CHUNK];
-    const float* vrows[KEY_CHUNK];
-    for (int64_t j = 0; j < group; j++) {
-        const int64_t q_off = q_row * q_stride_t + (kvh * group + j) * q_stride_h;
-        for (int64_t i = 0; i < d; i++) {
-            const float x = q_bf16 ? bf16_to_float(((const uint16_t*)q)[q_off + i]) : ((const float*)q)[q_off + i];
-            qv[j][i] = x * scale;
-            acc[j][i] = 0.0f;
+/* n rows of the pool starting at row `row` of head base `head`, as fp32: in place for an fp32 pool, else
+ * converted into buf (n x d). */
+static inline const float* rows_f32(const void* pool, int is_bf16, int64_t head, int64_t row, int64_t stride_s,
+                                    int64_t n, int64_t d, float* buf) {
+    if (!is_bf16) return (const float*)pool + head + row * stride_s;
+    const uint16_t* p = (const uint16_t*)pool + head + row * stride_s;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < d; i++) buf[t * d + i] = bf16_to_float(p[t * stride_s + i]);
+    return buf;
+}
+
+/* Scores of n contiguous key rows (row stride ks) against g query rows: sc[j * ld + t]. */
+static inline void prefetch_rows(const float* next, int64_t ks, int64_t d, int64_t t, int64_t n) {
+    if (next == 0) return;
+    for (int64_t r = t; r < t + ROWS && r < n; r++)
+        for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(next + r * ks + i, 0, 3);
+}
+
+static inline void score_rows(const float* restrict qv, int64_t g, int64_t d, const float* restrict k, int64_t ks,
+                              int64_t n, float* restrict sc, int64_t ld, const float* next, int64_t next_n) {
+    int64_t t = 0;
+    for (; t + ROWS <= n; t += ROWS) {
+        prefetch_rows(next, ks, d, t, next_n);
+        const float* restrict k0 = k + t * ks;
+        const float* restrict k1 = k0 + ks;
+        const float* restrict k2 = k1 + ks;
+        const float* restrict k3 = k2 + ks;
+        for (int64_t j = 0; j < g; j++) {
+            const float* restrict qj = qv + j * d;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (int64_t i = 0; i < d; i++) {
+                s0 += qj[i] * k0[i];
+                s1 += qj[i] * k1[i];
+                s2 += qj[i] * k2[i];
+                s3 += qj[i] * k3[i];
+            }
+            float* sj = sc + j * ld + t;
+            sj[0] = s0;
+            sj[1] = s1;
+            sj[2] = s2;
+            sj[3] = s3;
         }
-        m[j] = -INFINITY;
-        l[j] = 0.0f;
     }
-    for (int64_t c0 = kv_lo; c0 < kv_end; c0 += KEY_CHUNK) {
-        const int64_t n = kv_end - c0 < KEY_CHUNK ? kv_end - c0 : KEY_CHUNK;
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t pos = c0 + t;
-            const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
-            const int64_t off = kvh * c_stride_h + slot * c_stride_s;
-            krows[t] = load_row(k_cache, is_bf16, off, d, kbuf[t]);
-            vrows[t] = load_row(v_cache, is_bf16, off, d, vbuf[t]);
-        }
-        for (int64_t j = 0; j < group; j++) {
-            const float* restrict qj = qv[j];
-            float cmax = m[j];
-            for (int64_t t = 0; t < n; t++) {
-                const float* restrict kr = krows[t];
-                float s = 0.0f;
+    for (; t < n; t++) {
+        const float* restrict kr = k + t * ks;
+        for (int64_t j = 0; j < g; j++) {
+            const float* restrict qj = qv + j * d;
+            float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int64_t i = 0; i < d; i++) s += qj[i] * kr[i];
-                if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
-                sc[j][t] = s;
-                cmax = s > cmax ? s : cmax;
-            }
-            const float c = m[j] == -INFINITY ? 0.0f : exp_nonpositive(m[j] - cmax);
-            m[j] = cmax;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n; t++) {
-                sc[j][t] = exp_nonpositive(sc[j][t] - cmax);
-                sum += sc[j][t];
-            }
-            l[j] = l[j] * c + sum;
-            float* restrict aj = acc[j];
-            if (c != 1.0f) {
-#pragma omp simd
-                for (int64_t i = 0; i < d; i++) aj[i] *= c;
-            }
-            for (int64_t t = 0; t < n; t++) {
-                const float p = sc[j][t];
-                const float* restrict vr = vrows[t];
-#pragma omp simd
-                for (int64_t i = 0; i < d; i++) aj[i] += p * vr[i];
-            }
+            for (int64_t i = 0; i < d; i++) s += qj[i] * kr[i];
+            sc[j * ld + t] = s;
         }
     }
-    for (int64_t j = 0; j < group; j++) {
-        float denom = l[j];
-        if (sinks != 0) {
-            const float sink = sinks[kvh * group + j];
-            if (sink > m[j]) {  /* rescale to the larger max before adding the sink's share */
-                const float c = expf(m[j] - sink);
-                denom = l[j] * c + 1.0f;
-                for (int64_t i = 0; i < d; i++) acc[j][i] *= c;
-            } else {
-                denom = l[j] + expf(sink - m[j]);
-            }
+}
+
+/* acc[j] += sum_t p[j * ld + t] * v[t] over n contiguous value rows (row stride vs). */
+static inline void accumulate_rows(float* restrict acc, int64_t g, int64_t d, const float* restrict v, int64_t vs,
+                                   int64_t n, const float* restrict p, int64_t ld, const float* next, int64_t next_n) {
+    int64_t t = 0;
+    for (; t + ROWS <= n; t += ROWS) {
+        prefetch_rows(next, vs, d, t, next_n);
+        const float* restrict v0 = v + t * vs;
+        const float* restrict v1 = v0 + vs;
+        const float* restrict v2 = v1 + vs;
+        const float* restrict v3 = v2 + vs;
+        for (int64_t j = 0; j < g; j++) {
+            const float* pj = p + j * ld + t;
+            const float p0 = pj[0], p1 = pj[1], p2 = pj[2], p3 = pj[3];
+            float* restrict aj = acc + j * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) aj[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i];
         }
-        const int64_t o_off = q_row * o_stride_t + (kvh * group + j) * o_stride_h;
-        const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-        if (q_bf16) {
-            for (int64_t i = 0; i < d; i++) ((uint16_t*)out)[o_off + i] = float_to_bf16(acc[j][i] * inv);
+    }
+    for (; t < n; t++) {
+        const float* restrict vr = v + t * vs;
+        for (int64_t j = 0; j < g; j++) {
+            const float pt = p[j * ld + t];
+            float* restrict aj = acc + j * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) aj[i] += pt * vr[i];
+        }
+    }
+}
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    void* out;
+    const int64_t* meta;
+    const int32_t* tables;
+    int64_t q_stride_t, q_stride_h, c_stride_h, c_stride_s, o_stride_t, o_stride_h, group, d, block_size;
+    int q_bf16, is_bf16;
+    float scale, softcap;
+    const float* sinks;
+} Call;
+
+/* One (sequence, KV head): sc holds group x (kv_end - kv_lo) scores, rows 2 x block_size x d floats. */
+static void attend_one(const Call* c, const int64_t* meta, int64_t kvh, float* sc, float* rows) {
+    const int64_t q_row = meta[0], kv_lo = meta[1], kv_end = meta[2];
+    const int32_t* table = c->tables + meta[3];
+    const int64_t g = c->group, d = c->d, bs = c->block_size, len = kv_end - kv_lo;
+    const int64_t head = kvh * c->c_stride_h, ks = c->is_bf16 ? d : c->c_stride_s;
+    float qv[MAX_GROUP * MAX_DIM];
+    float acc[MAX_GROUP * MAX_DIM];
+    for (int64_t j = 0; j < g; j++) {
+        const int64_t q_off = q_row * c->q_stride_t + (kvh * g + j) * c->q_stride_h;
+        for (int64_t i = 0; i < d; i++) {
+            const float x = c->q_bf16 ? bf16_to_float(((const uint16_t*)c->q)[q_off + i]) : ((const float*)c->q)[q_off + i];
+            qv[j * d + i] = x * c->scale;
+            acc[j * d + i] = 0.0f;
+        }
+    }
+    /* pass 1: scores, block by block */
+    for (int64_t pos = kv_lo; pos < kv_end;) {
+        const int64_t off = pos % bs, n = bs - off < kv_end - pos ? bs - off : kv_end - pos;
+        const int64_t row = (int64_t)table[pos / bs] * bs + off;
+        const float* k = rows_f32(c->k_cache, c->is_bf16, head, row, c->c_stride_s, n, d, rows);
+        const int64_t nxt = pos + n, nn = kv_end - nxt < bs ? kv_end - nxt : bs;
+        const float* next = nxt < kv_end && !c->is_bf16 ? (const float*)c->k_cache + head + (int64_t)table[nxt / bs] * bs * c->c_stride_s : 0;
+        score_rows(qv, g, d, k, ks, n, sc + (pos - kv_lo), len, next, nn);
+        pos += n;
+    }
+    /* softmax over each query head's row (the sink, when given, joins the max and the sum) */
+    float denom[MAX_GROUP];
+    for (int64_t j = 0; j < g; j++) {
+        float* sj = sc + j * len;
+        if (c->softcap > 0.0f)
+            for (int64_t t = 0; t < len; t++) sj[t] = tanhf(sj[t] / c->softcap) * c->softcap;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < len; t++) m = sj[t] > m ? sj[t] : m;
+        const float sink = c->sinks != 0 ? c->sinks[kvh * g + j] : -INFINITY;
+        m = sink > m ? sink : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            sj[t] = exp_nonpositive(sj[t] - m);
+            sum += sj[t];
+        }
+        if (c->sinks != 0) sum += expf(sink - m);
+        denom[j] = sum;
+    }
+    /* pass 2: weighted sum of the value rows */
+    for (int64_t pos = kv_lo; pos < kv_end;) {
+        const int64_t off = pos % bs, n = bs - off < kv_end - pos ? bs - off : kv_end - pos;
+        const int64_t row = (int64_t)table[pos / bs] * bs + off;
+        const float* v = rows_f32(c->v_cache, c->is_bf16, head, row, c->c_stride_s, n, d, rows);
+        const int64_t nxt = pos + n, nn = kv_end - nxt < bs ? kv_end - nxt : bs;
+        const float* next = nxt < kv_end && !c->is_bf16 ? (const float*)c->v_cache + head + (int64_t)table[nxt / bs] * bs * c->c_stride_s : 0;
+        accumulate_rows(acc, g, d, v, ks, n, sc + (pos - kv_lo), len, next, nn);
+        pos += n;
+    }
+    for (int64_t j = 0; j < g; j++) {
+        const int64_t o_off = q_row * c->o_stride_t + (kvh * g + j) * c->o_stride_h;
+        const float inv = denom[j] > 0.0f ? 1.0f / denom[j] : 0.0f;
+        if (c->q_bf16) {
+            for (int64_t i = 0; i < d; i++) ((uint16_t*)c->out)[o_off + i] = float_to_bf16(acc[j * d + i] * inv);
         } else {
-            for (int64_t i = 0; i < d; i++) ((float*)out)[o_off + i] = acc[j][i] * inv;
+            for (int64_t i = 0; i < d; i++) ((float*)c->out)[o_off + i] = acc[j * d + i] * inv;
         }
     }
 }
 
 /* meta: num_seqs x 4 int64 (query row, first key position, end key position, offset of its block table in
- * tables). Returns 0, or -1 when the shapes exceed the kernel's fixed buffers (the caller falls back). */
+ * tables). Returns 0, or -1 when the shapes exceed the kernel's fixed buffers or memory runs out (the
+ * caller falls back). */
 int rollserve_paged_decode(const void* q, int q_bf16, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
                            const void* v_cache, int is_bf16, int64_t c_stride_h, int64_t c_stride_s, void* out,
                            int64_t o_stride_t, int64_t o_stride_h, const int64_t* meta, const int32_t* tables,
@@ -162,13 +232,30 @@ int rollserve_paged_decode(const void* q, int q_bf16, int64_t q_stride_t, int64_
                            int64_t block_size, float scale, float softcap, const float* sinks, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
     const int64_t group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || d > MAX_DIM) return -1;
-    const int64_t work = num_seqs * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t w = 0; w < work; w++) {
-        const int64_t s = w / num_kv_heads, kvh = w % num_kv_heads;
-        attend_one(q, q_bf16, q_stride_t, q_stride_h, k_cache, v_cache, is_bf16, c_stride_h, c_stride_s, out, o_stride_t,
-                   o_stride_h, meta + 4 * s, tables, kvh, group, d, block_size, scale, softcap, sinks);
+    if (group > MAX_GROUP || d > MAX_DIM || block_size <= 0) return -1;
+    int64_t longest = 1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t len = meta[4 * s + 2] - meta[4 * s + 1];
+        if (len < 0) return -1;
+        longest = len > longest ? len : longest;
     }
-    return 0;
+    const Call c = {q, k_cache, v_cache, out, meta, tables, q_stride_t, q_stride_h, c_stride_h, c_stride_s,
+                    o_stride_t, o_stride_h, group, d, block_size, q_bf16, is_bf16, scale, softcap, sinks};
+    const int64_t work = num_seqs * num_kv_heads;
+    const size_t floats = (size_t)(group * longest + (is_bf16 ? block_size * d : 0) + 16);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && work > 1)
+    {
+        float* buf = (float*)malloc(floats * sizeof(float));
+        if (buf == 0) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < work; w++) {
+            if (buf != 0) attend_one(&c, meta + 4 * (w / num_kv_heads), w % num_kv_heads, buf, buf + group * longest);
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
 }

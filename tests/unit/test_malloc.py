@@ -22,8 +22,3 @@ def test_limit_arenas_applies_unless_the_environment_sets_it() -> None:
                           text=True, check=True)
     assert told.stdout.strip() == "False"  # glibc already read the variable: it wins
 
-
-@pytest.mark.skipif(not GLIBC, reason="not glibc")
-def test_mallopt_refuses_an_unknown_parameter() -> None:
-    assert malloc.mallopt(malloc.M_ARENA_MAX, 2) is True
-    assert malloc.mallopt(12345, 1) is False

@@ -73,17 +73,21 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--option", action="append", default=[], metavar="K=V", help="engine option (repeatable)")
+    ap.add_argument("--decode", action="append", default=[], metavar="BxC",
+                    help="only these decode cases (B sequences x C tokens of context; repeatable), no prefill")
     args = ap.parse_args()
     OPTIONS.update(kv.split("=", 1) for kv in args.option)
     OPTIONS["num_threads"] = str(args.threads)
     torch.set_num_threads(args.threads)
     model = args.model
     out: dict[str, list[float]] = {}
-    for batch in (1, 8, 32):
-        for context in (128, 1024):
-            out[f"decode B={batch} ctx={context}"] = decode(model, batch, context)
-    out["prefill 1x256"] = prefill(model, 1, 256)
-    out["prefill 16x128"] = prefill(model, 16, 128)
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.decode] or \
+        [(b, c) for b in (1, 8, 32) for c in (128, 1024)]
+    for batch, context in cases:
+        out[f"decode B={batch} ctx={context}"] = decode(model, batch, context)
+    if not args.decode:
+        out["prefill 1x256"] = prefill(model, 1, 256)
+        out["prefill 16x128"] = prefill(model, 16, 128)
     print(json.dumps(out))
 
 

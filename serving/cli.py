@@ -24,7 +24,6 @@ from pathlib import Path
 from serving.config import ModelConfig, describe_model_config, load_model_config, load_server_config
 from serving.errors import ConfigError
 from serving.logs import setup_logging
-from serving.malloc import limit_arenas
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +105,6 @@ def cmd_start(args: argparse.Namespace) -> int:
             name, path = Path(spec).name, spec
         extra[name] = path
     setup_logging(config.log_format, args.log_level)
-    limit_arenas()  # before any helper thread allocates (serving/malloc.py: the frontend's RSS drift)
     from serving.server import Server
 
     try:

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
-from serving.malloc import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, mallopt
 from serving.types import CORE_SHARERS_ENV
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -44,6 +43,10 @@ def has_fast_bf16(flags: frozenset[str] | None = None) -> bool:
     return "avx512_bf16" in f or "amx_bf16" in f
 
 
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
 _MMAP_THRESHOLD_MAX = 32 << 20
 
 
@@ -54,9 +57,22 @@ def keep_freed_memory(max_block_bytes: int = _MMAP_THRESHOLD_MAX) -> bool:
     at free: measured 142,000 page faults and 0.26 s of system time per such step, ~0 with this. The heap then
     holds the peak activation memory, which the memory plan budgets anyway. Returns False where it does not
     apply (not glibc). Process-wide: call it once in a worker process."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
     # glibc caps the mmap threshold at HEAP_MAX (32 MiB on 64-bit): larger blocks are still mmapped.
-    return mallopt(M_MMAP_THRESHOLD, min(max_block_bytes, _MMAP_THRESHOLD_MAX)) and \
-        mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1)
+    return bool(mallopt(_M_MMAP_THRESHOLD, min(max_block_bytes, _MMAP_THRESHOLD_MAX))) and \
+        bool(mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))
 
 
 def auto_threads(num_workers: int = 1, ranks_per_worker: int = 1, environ: Mapping[str, str] | None = None) -> int:

@@ -19,6 +19,10 @@ from torch import nn
 # rows equal. 128 keeps decode batches and small chunks packed, prefill chunks plain. (An earlier threshold of
 # 16 rows, from a microbenchmark, sent batched decode to the slower plain weight.)
 HYBRID_MAX_PACKED_ROWS = 128
+# ... and below which it does too: a single row (a decode step of one sequence) is a matrix-vector product, which
+# the plain weight runs faster (MKL's sgemv) than oneDNN's packed GEMM on AVX2-only CPUs (measured, one thread:
+# 150-220 vs 200-350 us for the 110m model's weights, 2.7 vs 4.0 ms for its lm_head; from 2 rows on packed wins).
+HYBRID_MIN_PACKED_ROWS = 2
 
 # oneDNN builds (JIT-compiles) one kernel per input shape and caches it: measured 0.55 MiB of heap per kernel
 # whatever the weight's size (torch 2.13, 1 or 2 threads). Left to itself, a worker met new row counts for
@@ -65,10 +69,10 @@ class PackedLinear(nn.Module):
         self.weight = None if max_packed_rows is None else nn.Parameter(linear.weight.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None and self.max_packed_rows is not None and \
-                x.numel() > self.max_packed_rows * self.in_features:
-            return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
+        if self.weight is not None and self.max_packed_rows is not None and \
+                not HYBRID_MIN_PACKED_ROWS <= rows <= self.max_packed_rows:
+            return F.linear(x, self.weight, self.bias)
         run_rows = packed_rows(rows)
         if run_rows == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

@@ -15,6 +15,7 @@ from torch import nn
 from handlers.engine.engine import LLMEngine
 from handlers.engine.prepack import (
     HYBRID_MAX_PACKED_ROWS,
+    HYBRID_MIN_PACKED_ROWS,
     KERNEL_BYTES,
     PackedLinear,
     can_prepack,
@@ -55,6 +56,23 @@ def test_padded_rows_give_the_unpadded_result(hybrid: bool) -> None:
     for shape in ((33, 48), (1, 37, 48), (2, 50, 48), (300, 48)):
         x = torch.randn(*shape)
         torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_hybrid_routes_single_rows_and_prefill_to_the_plain_weight() -> None:
+    """Hybrid mode: one row (a matrix-vector product) and more than HYBRID_MAX_PACKED_ROWS rows run on the plain
+    weight, 2..HYBRID_MAX_PACKED_ROWS on the packed one. The packed copy is zeroed here, so its path returns
+    the bias alone and each route is visible in the output."""
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 40)
+    packed = PackedLinear(linear, max_packed_rows=HYBRID_MAX_PACKED_ROWS)
+    zero = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(linear.weight), 8)
+    packed.register_buffer("packed_weight", zero, persistent=False)
+    with torch.no_grad():
+        for rows in (1, HYBRID_MIN_PACKED_ROWS, HYBRID_MAX_PACKED_ROWS, HYBRID_MAX_PACKED_ROWS + 1):
+            x = torch.randn(rows, 48)
+            plain = rows < HYBRID_MIN_PACKED_ROWS or rows > HYBRID_MAX_PACKED_ROWS
+            expected = F.linear(x, linear.weight, linear.bias) if plain else linear.bias.expand(rows, 40)
+            torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5, msg=f"{rows} rows")
 
 
 def test_engine_memory_does_not_grow_with_new_row_counts(model_dirs: dict[str, Path]) -> None:

@@ -121,6 +121,20 @@ def cores_available() -> int:
     return len(os.sched_getaffinity(0))
 
 
+# A worker's load (interpreter, torch, the weights) is mostly one thread's work, so workers load side by side,
+# one a core; measured on 2 cores (the tune-quality grid's server logs): 2 workers ready in 1.20-1.32x the
+# time of one.
+LOAD_CONTENTION = 0.3
+
+
+def load_rounds(workers: int, cores: int) -> float:
+    """A server start's cost in units of one worker's load: rounds of ``cores`` workers loading side by side,
+    each round slower by ``LOAD_CONTENTION`` per worker beyond the first (they share memory bandwidth and the
+    frontend's core)."""
+    cores = max(1, cores)
+    return math.ceil(workers / cores) * (1.0 + LOAD_CONTENTION * (min(workers, cores) - 1))
+
+
 def build_space(model_dir: Path, modes: tuple[str, ...] | None = None, workers: tuple[int, ...] | None = None,
                 threads: tuple[int, ...] | None = None, cores: int | None = None) -> Space:
     """The space of a model folder: its configuration (``serving.config``) is the baseline; the groups are
@@ -288,6 +302,7 @@ class Evaluator:
         self.cut: list[Run] = []
         self.warm_e2e: list[float] = []  # the warm-up requests' E2E (estimated_seconds before any full run)
         self._n_servers = 0
+        self.cores = cores_available()
 
     # --- server ---
     def apply(self, config: Config) -> None:
@@ -358,14 +373,15 @@ class Evaluator:
 
     def start_estimate(self, group: Group) -> float | None:
         """What starting ``group``'s server (and its warm-up) should take: the slowest measured start of that
-        group, else the measured starts' seconds per worker times its workers (the workers load side by side
-        on the same cores), else None (nothing measured yet)."""
+        group, else a measured start scaled by ``load_rounds`` (the workers load side by side, one a core),
+        else None (nothing measured yet)."""
         own = [s for g, s in self.started if g == group]
         if own:
             return max(own)
         if not self.started:
             return None
-        return max(s / g.workers for g, s in self.started) * group.workers
+        return max(s / load_rounds(g.workers, self.cores) for g, s in self.started) * load_rounds(group.workers,
+                                                                                                   self.cores)
 
     def needs_start(self, config: Config) -> bool:
         return self.server is None or self.current is None or self.current.group != config.group

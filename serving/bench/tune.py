@@ -8,17 +8,19 @@ It starts the model and searches on the live server (``serving.bench.search``: k
 
 1. with a relative ladder, a burst pass of the folder's configuration (the baseline) calibrates it;
 2. one server start per group (mode x workers x threads) in order of promise (``promise_order``: the running
-   server's group, then the cheapest to start, a layout that failed in a dropped group last); the group's
+   server's group, the folder's first, then the cheapest to start, a layout that failed in a dropped group
+   last; a start is predicted from measured ones, the workers loading side by side, one a core); the group's
    seed (for the folder's group: the baseline, measured in that server) is raced against the best so far
    (bisection on the ladder while nothing meets the SLO); a group whose seed misses the SLO at the lowest
    rung is dropped;
 3. successive halving over the groups left: each round keeps the better half (by their best goodput) and
-   gives each survivor twice as many trials as the round before, proposed by a TPE sampler (optuna) per
-   group that learns from every measured configuration of its group; the last group goes on until the
-   budget or ``--max-trials`` is spent, or ``--patience`` trials in a row found nothing better.
+   gives each survivor twice as many trials as the round before: first the group's best with its batch
+   doubled, then what a TPE sampler (optuna) per group proposes, learning from every measured configuration
+   of its group; the last group goes on until the budget or ``--max-trials`` is spent, or ``--patience``
+   trials in a row found nothing better.
 
 ``--budget`` counts from the process's start and keeps a server stop and the report for the end: before a
-server start or a run the tune predicts its cost (measured start seconds per worker; arrival span plus the
+server start or a run the tune predicts its cost (measured starts, workers loading side by side; arrival span plus the
 slowest drain seen) and skips what would end after it (the report lists each skip); a run still going at
 the deadline is cut.
 
@@ -149,8 +151,7 @@ class Plan:
 
     def text(self) -> str:
         b = self.space.baseline
-        first = b.group if self.calibrates else None
-        order = promise_order(self.space.groups, current=first, baseline_group=b.group)
+        order = promise_order(self.space.groups, current=b.group, baseline_group=b.group)
         lines = [f"serving tune {self.model_dir}: SLO {self.slo}, budget {self.budget_s / 60:.1f} min, at most "
                  f"{self.max_trials} configurations",
                  f"scenario {self.scenario.name} ({self.scenario.source}): {self.scenario.num_requests} requests a "
@@ -163,10 +164,10 @@ class Plan:
             lines.append(f"{n}. calibrate: a burst pass of the baseline (the first server) makes the relative rates "
                          f"req/s")
             n += 1
-        lines += [f"{n}. one server start per group, in order of promise (the running server's group first, then "
-                  f"the cheapest to",
-                  "   start; a group whose workers x threads failed in a dropped group goes last); its seed "
-                  "configuration",
+        lines += [f"{n}. one server start per group, in order of promise (the running server's group first: the "
+                  f"baseline's, then",
+                  "   the cheapest to start; a group whose workers x threads failed in a dropped group goes last); "
+                  "its seed configuration",
                   "   is raced against the best so far (first run one rung above the best's; with no best yet, "
                   "bisection",
                   f"   from rung {len(self.ladder_spec()) // 3}); a group whose seed misses the SLO at the lowest "
@@ -177,9 +178,9 @@ class Plan:
         n += 1
         lines += [f"{n}. successive halving over the groups left: keep the better half, double the trials per "
                   f"group each round",
-                  "   (the running server's group first); TPE (optuna) proposes each group's live knobs, changed "
-                  "with",
-                  "   PUT /models/{name} (no restart):"]
+                  "   (the running server's group first); a group's first trial is its best with the batch doubled, "
+                  "then",
+                  "   TPE (optuna) proposes its live knobs, changed with PUT /models/{name} (no restart):"]
         for mode in sorted({g.mode for g in self.space.groups}):
             for k in knobs_of(mode):
                 lines.append(f"     {mode:8s} {k.name} in [{k.lo}, {k.hi}]{' (log scale)' if k.log else ''}")
@@ -187,10 +188,10 @@ class Plan:
                   f"{self.patience} trials in a row without a better one",
                   f"   budget: counted from the process's start, {REPORT_S:.0f} s and a server stop kept for the "
                   f"end; before a",
-                  "   server start or a run its cost is predicted (measured start seconds per worker; the run's "
-                  "arrival span",
-                  "   plus the slowest drain seen) and what would end after the budget is skipped (listed in the "
-                  "report);",
+                  "   server start or a run its cost is predicted (measured starts, workers loading side by side; "
+                  "the run's",
+                  "   arrival span plus the slowest drain seen) and what would end after the budget is skipped "
+                  "(listed in the report);",
                   "   a run still going at the deadline is cut",
                   f"{n + 1}. write serving.properties (annotated), tune-report.yaml, tune-report.png; print the "
                   f"improvement over the baseline"]
@@ -316,7 +317,12 @@ class Tuner:
         return bool(os_) and all(o.best is None for o in os_) and any(r.rung == 0 for o in os_ for r in o.runs)
 
     def order(self, groups: list[Group]) -> list[Group]:
-        return promise_order(groups, current=self.ev.current.group if self.ev.current is not None else None,
+        """``promise_order``; before the first start the folder's group counts as the running one: the baseline
+        is measured first (the improvement is against it, and a calibration runs it)."""
+        current = self.ev.current.group if self.ev.current is not None else None
+        if current is None and not self.ev.started:
+            current = self.plan.space.baseline.group
+        return promise_order(groups, current=current,
                              dropped=set(self.dropped),
                              best_mode=self.incumbent.config.group.mode if self.incumbent is not None else None,
                              baseline_group=self.plan.space.baseline.group, start_estimate=self.ev.start_estimate)
@@ -364,6 +370,7 @@ class Tuner:
             self.stop_reason = self.stop_reason or ("every group dropped" if self.dropped else "budget spent")
             return
         per_group, rnd = 2, 1
+        stepped: set[Group] = set()
         while alive:
             fit = [g for g in alive if self.affordable(g)]
             if not fit:
@@ -376,6 +383,10 @@ class Tuner:
             self.log(f"  round {rnd}: {', '.join(g.label for g in alive)}"
                      + (" (last group: until budget/patience)" if last else f", {per_group} trial(s) each"))
             for g in alive:
+                step = self.batch_step(g)
+                if step is not None and g not in stepped:  # the group's first trial: its best with a bigger batch
+                    stepped.add(g)
+                    studies[g].enqueue_trial(step)
                 stale = n = repeats = 0
                 while last or n < per_group:
                     if not self.budget_left():
@@ -413,6 +424,24 @@ class Tuner:
         """The folder's configuration's outcome (not measured when the budget never reached its group)."""
         b = self.plan.space.baseline
         return self.outcomes.get(b.id) or Outcome(b, None, [], 0.0)
+
+    def batch_step(self, g: Group) -> dict[str, int] | None:
+        """The knobs of ``g``'s best measured configuration with its batch knob (``max_rolling_batch_size`` /
+        ``batch_size``) doubled, clipped to its range; None when nothing was measured in ``g`` or the batch is
+        at its maximum. Goodput under load grows with the batch until a latency bound breaks, and a race
+        stops a configuration that cannot win after one run: a cheap first step before the sampler's own."""
+        os_ = [o for o in self.outcomes.values() if o.config.group == g]
+        if not os_:
+            return None
+        best = max(os_, key=lambda o: (o.rung, o.score))
+        knobs = knobs_of(g.mode)
+        params = {k.name: min(max(int(best.config.knob(k.name)), k.lo), k.hi) for k in knobs}
+        batch = knobs[0]
+        bigger = min(batch.hi, params[batch.name] * 2)
+        if bigger == params[batch.name]:
+            return None
+        params[batch.name] = bigger
+        return params
 
     def group_best(self, g: Group) -> tuple[int, float]:
         os_ = [o for o in self.outcomes.values() if o.config.group == g]

@@ -8,9 +8,22 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from serving.bench.metrics import Rec, parse_slo
 from serving.bench.scenario import load_scenario
-from serving.bench.search import Config, Evaluator, Group, Run, Space, make_config, race
+from serving.bench.search import (
+    LOAD_CONTENTION,
+    Config,
+    Evaluator,
+    Group,
+    Outcome,
+    Run,
+    Space,
+    load_rounds,
+    make_config,
+    race,
+)
 from serving.bench.tune import REPORT_S, STOP_S, Plan, Tuner, improvement_text, promise_order
 
 SLO = parse_slo("ttft_p99=1s,itl_p99=100ms")
@@ -58,6 +71,7 @@ class FakeEvaluator:
         self.knob_changes = 0
         self.deadline: float | None = None
         self.warm_e2e: list[float] = []
+        self.cores = 1  # the simulated starts grow with the workers: they load one after the other
         self.events: list[tuple[Any, ...]] = []  # ("start", label, clock after) / ("run", config id, rung, group)
 
     def apply(self, config: Config) -> None:
@@ -145,11 +159,19 @@ def test_promise_order() -> None:
 
 def test_start_estimate_from_measured_starts(tmp_path: Path) -> None:
     ev = Evaluator(tmp_path, tmp_path, SimpleNamespace(requests=[]), LADDER, "lmi", [SLO])  # type: ignore[arg-type]
+    ev.cores = 2
     assert ev.start_estimate(R1) is None
     ev.started = [(R1, 24.0)]
-    assert (ev.start_estimate(R1), ev.start_estimate(D1), ev.start_estimate(R2)) == (24.0, 24.0, 48.0)
+    # two workers load side by side on two cores, each slowed by the other (LOAD_CONTENTION)
+    assert (ev.start_estimate(R1), ev.start_estimate(D1)) == (24.0, 24.0)
+    assert ev.start_estimate(R2) == pytest.approx(24.0 * (1 + LOAD_CONTENTION))
     ev.started = [(R1, 24.0), (R2, 40.0), (R1, 30.0)]
-    assert (ev.start_estimate(R1), ev.start_estimate(R2), ev.start_estimate(D2)) == (30.0, 40.0, 60.0)
+    assert (ev.start_estimate(R1), ev.start_estimate(R2)) == (30.0, 40.0)
+    assert ev.start_estimate(D2) == pytest.approx(40.0)  # the measured 2-worker start, not 2 x 30 s
+    ev.cores = 1  # one core: the workers load one after the other
+    ev.started = [(R1, 24.0)]
+    assert ev.start_estimate(R2) == 48.0
+    assert [load_rounds(w, 4) for w in (1, 2, 4, 5, 8)] == pytest.approx([1.0, 1.3, 1.9, 3.8, 3.8])
 
 
 def test_run_estimate_before_and_after_a_full_run(tmp_path: Path) -> None:
@@ -167,20 +189,20 @@ def test_run_estimate_before_and_after_a_full_run(tmp_path: Path) -> None:
 
 
 def test_baseline_is_raced_in_its_groups_server_with_no_start_of_its_own() -> None:
-    # the folder runs 2 workers; a 1-worker group is cheaper to start, so it goes first and sets the best
+    # the folder runs 2 workers: its group starts first although a 1-worker group is cheaper (the improvement
+    # is measured against the baseline), then the other group's seed is raced one rung above the best
     base = rolling(R2, 16, 512)
     sp = space(base, [R2, R1])
     clock = Clock()
     ev = FakeEvaluator(clock, {R1: 1, base: 3, R2: 2}, {1: 10.0, 2: 20.0})
     t = tuner(sp, ev, clock, 1000.0, max_trials=3)
     t.run()
-    # the baseline's only runs are in R2's one server, raced one rung above R1's best (1), climbing to 3
-    assert ev.events[:5] == [("start", R1.label), ("run", rolling(R1).id, 1, R1.label),
-                             ("run", rolling(R1).id, 2, R1.label), ("start", R2.label),
-                             ("run", base.id, 2, R2.label)]
-    assert ev.events[5] == ("run", base.id, 3, R2.label)
-    assert [e[1] for e in ev.events if e[0] == "start"] == [R1.label, R2.label]  # one start per group
-    assert t.history[1] == {"phase": "baseline", "config_id": base.id, "runs": 2, "rung": 3,
+    # the baseline's runs: a bisection from rung 1 (nothing to race against yet), climbing to 3
+    assert ev.events[:5] == [("start", R2.label), ("run", base.id, 1, R2.label), ("run", base.id, 2, R2.label),
+                             ("run", base.id, 3, R2.label), ("start", R1.label)]
+    assert ev.events[5] == ("run", rolling(R1).id, 3, R1.label)  # the best's rung is the top: raced there
+    assert [e[1] for e in ev.events if e[0] == "start"][:2] == [R2.label, R1.label]  # no start for the baseline
+    assert t.history[0] == {"phase": "baseline", "config_id": base.id, "runs": 3, "rung": 3,
                             "score": round(t.outcomes[base.id].score, 4), "improved": True}
     assert t.baseline_outcome().rung == 3 and t.incumbent is t.outcomes[base.id]
     assert t.stop_reason == "3 configurations tried (--max-trials)"
@@ -309,3 +331,24 @@ def test_evaluator_cuts_a_run_at_its_deadline_without_settling(tmp_path: Path, m
     assert (run.cut, run.aborted, calls) == (True, True, [N])  # no settle request after it
     assert ev.cut == [run] and ev.runs == {} and ev.order == []
     assert race(ev, c, SLO, 0).runs == []  # type: ignore[arg-type]
+
+
+def test_a_groups_first_trial_is_its_best_with_the_batch_doubled() -> None:
+    base = rolling(R1, 16, 512)
+    sp = space(base, [R1])
+    clock = Clock()
+    bigger = rolling(R1, 32, 512)
+    ev = FakeEvaluator(clock, {base: 1, bigger: 2, R1: 0}, {1: 10.0})
+    t = tuner(sp, ev, clock, 1000.0, max_trials=3)
+    t.run()
+    runs = [e[1:3] for e in ev.events if e[0] == "run"]
+    # the baseline's bisection (meets rung 1, misses 2), then the doubled batch raced one rung above: met, then 3
+    assert runs[:4] == [(base.id, 1), (base.id, 2), (bigger.id, 2), (bigger.id, 3)]
+    assert t.history[1]["phase"] == "round 1 rolling 1w x 2t" and t.history[1]["config_id"] == bigger.id
+    assert t.incumbent is t.outcomes[bigger.id]
+    # at the top of the range there is nothing to double
+    top = tuner(space(rolling(R1, 64, 512), [R1]), FakeEvaluator(Clock(), {}, {1: 10.0}), Clock(), 1000.0)
+    top.outcomes[rolling(R1, 64, 512).id] = Outcome(rolling(R1, 64, 512), None, [], 0.0)
+    assert top.batch_step(R1) is None and top.batch_step(R2) is None
+    t.outcomes = {base.id: t.outcomes[base.id]}
+    assert t.batch_step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 512}

@@ -41,6 +41,7 @@ from serving.frontends.lmi import LmiRoutes
 from serving.frontends.management import ManagementRoutes
 from serving.frontends.openai import OpenAIRoutes
 from serving.health import Health, HealthRoutes
+from serving.heap import trim_periodically
 from serving.metrics import ServingMetrics
 from serving.params import Limits
 from serving.registry import ModelRegistry
@@ -141,7 +142,9 @@ class Server:
         self._write_ports()
         models = self.registry.discover(self.extra_models)
         load = asyncio.create_task(self.registry.start_all(models))
+        trim = asyncio.create_task(trim_periodically())
         await self._stop.wait()
+        trim.cancel()
         log.info("shutting down: draining in-flight requests (up to %.0fs)", self.config.drain_timeout_s)
         self.state.draining = True
         await self._drain()

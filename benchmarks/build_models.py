@@ -27,13 +27,30 @@ DEFAULT_MODEL = REPO / "model_store" / "tiny-llama"
 LLAMA_110M = MODELS_DIR / "llama-110m"
 
 
-def build_110m(force: bool = False) -> Path:
-    """Build the 110M Llama once (seeded, deterministic); returns its folder."""
-    if (LLAMA_110M / "model.safetensors").exists() and (LLAMA_110M / "tokenizer.json").exists() and not force:
-        return LLAMA_110M
-    from handlers.synthetic_model import build_model
+# The 110m folder's own configuration, as a user would drop it in (what serving tune and tune_quality.py start
+# from; bench.py and compare.py write their own): rolling batching, one worker with every core's threads.
+PROPERTIES_110M = """engine=Python
+option.entryPoint=huggingface
+option.dtype=fp32
+option.rolling_batch=auto
+option.max_rolling_batch_size=32
+option.max_rolling_batch_prefill_tokens=2048
+option.num_threads=auto
+minWorkers=1
+maxWorkers=1
+"""
 
-    return build_model(LLAMA_110M, arch="llama", size="110m")
+
+def build_110m(force: bool = False) -> Path:
+    """Build the 110M Llama once (seeded, deterministic), with its serving.properties; returns its folder."""
+    if not ((LLAMA_110M / "model.safetensors").exists() and (LLAMA_110M / "tokenizer.json").exists()) or force:
+        from handlers.synthetic_model import build_model
+
+        build_model(LLAMA_110M, arch="llama", size="110m")
+    props = LLAMA_110M / "serving.properties"
+    if not props.exists() or force:
+        props.write_text(PROPERTIES_110M)
+    return LLAMA_110M
 
 
 def model_dir(name: str) -> Path:

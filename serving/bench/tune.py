@@ -556,7 +556,8 @@ def report_doc(plan: Plan, tuner: Tuner, ladder: list[float], calibration: dict[
             "skipped_for_budget": tuner.skipped,
             "runs_cut_at_deadline": [{"config_id": r.config.id, "rung": r.rung, "seconds": round(r.seconds, 1)}
                                      for r in ev.cut],
-            "baseline": b, "chosen": c, "improvement": None if improvement is None else round(improvement, 3),
+            # the improvement as the printed line rounds it
+            "baseline": b, "chosen": c, "improvement": None if improvement is None else round(improvement, 2),
             "configurations": [summary(o) | {"runs": len(o.runs)} for o in configs],
             "history": tuner.history, "runs": runs}
 

@@ -43,15 +43,17 @@ def test_dry_run_prints_the_plan(tmp_path: Path) -> None:
     assert lines[1] == ("scenario tune (preset tune): 24 requests a run, api lmi; load ladder (Poisson rates): "
                         "0.3x, 0.375x, 0.46875x, 0.585938x, 0.732422x, 0.915527x, 1.14441x, 1.43051x, 1.78814x, "
                         "2.23517x, 2.79397x, 3.49246x  (x = times the baseline's burst throughput, measured first)")
-    base = f"rolling 1w x {cores}t: max_rolling_batch_size=32, max_rolling_batch_prefill_tokens=2048"
+    # the folder: 2 workers sharing the cores
+    base = f"rolling 2w x {max(1, cores // 2)}t: max_rolling_batch_size=32, max_rolling_batch_prefill_tokens=2048"
     assert lines[2] == f"baseline (the folder's configuration, measured in its group's server): {base}"
     assert lines[4] == "1. calibrate: a burst pass of the baseline (the first server) makes the relative rates req/s"
-    # the order of promise: the calibration's server (the baseline's group) first, then the same start cost
-    seeds = [f"     {base}  (the baseline)", "     dynamic 1w x 1t: batch_size=8, max_batch_delay=50"]
-    if cores > 1:  # the baseline's group is rolling 1w x CORESt: 1 thread is another group
-        seeds.insert(1, "     rolling 1w x 1t: max_rolling_batch_size=32, max_rolling_batch_prefill_tokens=2048")
-    i = lines.index("2. one server start per group, in order of promise (the running server's group first, then "
-                    "the cheapest to")
+    # the order of promise: the calibration's server (the baseline's group) first, then fewer workers (cheaper
+    # to start), then the given order
+    seeds = [f"     {base}  (the baseline)",
+             "     rolling 1w x 1t: max_rolling_batch_size=32, max_rolling_batch_prefill_tokens=2048",
+             "     dynamic 1w x 1t: batch_size=8, max_batch_delay=50"]
+    i = lines.index("2. one server start per group, in order of promise (the running server's group first: the "
+                    "baseline's, then")
     assert lines[i + 3] == ("   from rung 4); a group whose seed misses the SLO at the lowest rung is dropped:")
     assert lines[i + 4:i + 4 + len(seeds)] == seeds
     assert lines[i + 4 + len(seeds)].startswith("3. successive halving over the groups left")
@@ -81,13 +83,15 @@ def test_short_tune_writes_properties_and_report(tmp_path: Path) -> None:
     (tmp_path / "s.yaml").write_text(SCENARIO)
     out = tmp_path / "out"
     cores = len(os.sched_getaffinity(0))
-    # one group (the folder's: rolling, 1 worker, every core): one server start, the trials change knobs live
+    threads = max(1, cores // 2)
+    # one group (the folder's: rolling, 2 workers sharing the cores): one server start, the trials change knobs
+    # live
     proc = tune([str(DEFAULT_MODEL), "--slo", SLO, "--scenario", str(tmp_path / "s.yaml"), "--budget", "4m",
-                 "--modes", "rolling", "--workers", "1", "--threads", str(cores), "--max-trials", "3", "--out",
+                 "--modes", "rolling", "--workers", "2", "--threads", str(threads), "--max-trials", "3", "--out",
                  str(out)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = yaml.safe_load((out / "tune-report.yaml").read_text())
-    assert report["baseline"]["config_id"] == (f"rolling 1w x {cores}t: max_rolling_batch_size=32, "
+    assert report["baseline"]["config_id"] == (f"rolling 2w x {threads}t: max_rolling_batch_size=32, "
                                                f"max_rolling_batch_prefill_tokens=2048")
     assert report["stopped"] == "3 configurations tried (--max-trials)"
     assert len(report["configurations"]) == 3

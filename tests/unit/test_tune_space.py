@@ -18,16 +18,18 @@ SLO = parse_slo("ttft_p99=1s,itl_p99=100ms")
 
 def test_space_of_the_default_model() -> None:
     space = build_space(TINY, cores=4)
-    assert space.baseline == Config(Group("rolling", 1, 4), (("max_rolling_batch_size", 32),
+    # the folder: 2 workers, option.num_threads=auto (the cores shared by the workers)
+    assert space.baseline == Config(Group("rolling", 2, 2), (("max_rolling_batch_size", 32),
                                                              ("max_rolling_batch_prefill_tokens", 2048)))
     assert [g.label for g in space.groups] == [
-        "rolling 1w x 4t", "rolling 2w x 2t", "rolling 4w x 1t", "dynamic 1w x 4t", "dynamic 2w x 2t",
+        "rolling 2w x 2t", "rolling 1w x 4t", "rolling 4w x 1t", "dynamic 1w x 4t", "dynamic 2w x 2t",
         "dynamic 4w x 1t"]
     # the folder sets the rolling knobs (seeds keep them); dynamic ones are defaults (seeds: 8 requests, 50 ms)
-    assert space.seeds[Group("rolling", 2, 2)].knobs == space.baseline.knobs
+    assert space.seeds[Group("rolling", 1, 4)].knobs == space.baseline.knobs
     assert space.seeds[Group("dynamic", 1, 4)].knobs == (("batch_size", 8), ("max_batch_delay", 50))
-    only = build_space(TINY, modes=("dynamic",), workers=(2,), cores=4)
-    assert [g.label for g in only.groups] == ["rolling 1w x 4t", "dynamic 2w x 2t"]
+    only = build_space(TINY, modes=("dynamic",), workers=(1,), cores=4)
+    assert [g.label for g in only.groups] == ["rolling 2w x 2t", "dynamic 1w x 4t"]
+    assert build_space(TINY, cores=1).baseline.group == Group("rolling", 2, 1)  # never fewer than 1 thread
 
 
 def test_make_config_clips_and_keeps_a_token_per_sequence() -> None:

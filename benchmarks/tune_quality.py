@@ -19,6 +19,8 @@ A script that prints (not a pass/fail test). For one model and two SLOs (tight, 
 
     python benchmarks/tune_quality.py --model default
     python benchmarks/tune_quality.py --model 110m --tight "ttft_p99=3s,itl_p99=150ms" --loose "..."
+    python benchmarks/tune_quality.py --model 110m --grid-from benchmarks/results/tune-quality-110m-STAMP.json
+        # the tunes only, against that run's ladder and grid (after a change to the tuner)
 """
 
 from __future__ import annotations
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-requests", type=int, help="requests a run (default: the scenario's)")
     ap.add_argument("--out", type=Path, help="results stem (default benchmarks/results/tune-quality-MODEL-STAMP)")
     ap.add_argument("--grid", choices=sorted(GRIDS), default="full", help="grid values (default full)")
+    ap.add_argument("--grid-from", type=Path, help="an earlier run's JSON: reuse its calibration (ladder file) and "
+                    "grid, run only the tunes")
     ap.add_argument("--ladder", help="START,FACTOR,COUNT: an absolute ladder (requests/s) instead of the "
                                      "calibrated one")
     args = ap.parse_args(argv)
@@ -156,6 +160,13 @@ def main(argv: list[str] | None = None) -> None:
                            "load_avg_at_start": os.getloadavg(), "slos": {"tight": tight, "loose": loose}}
     print(json.dumps(doc["lscpu"]), flush=True)
 
+    if args.grid_from:  # the tunes only, against an earlier run's calibration and grid (same ladder file)
+        prev = json.loads(args.grid_from.read_text())
+        if prev["model"] != args.model or prev["slos"] != doc["slos"]:
+            ap.error(f"--grid-from {args.grid_from}: model {prev['model']} and SLOs {prev['slos']} differ")
+        doc.update(calibration=prev["calibration"], grid=prev["grid"], grid_from=str(args.grid_from))
+        run_tunes(doc, path, Path(prev["calibration"]["scenario_file"]), tight, loose, work, stem)
+        return
     # 1. calibration -> an absolute ladder shared by the grid and the tunes
     scenario = load_scenario(args.scenario)
     if args.num_requests:
@@ -192,7 +203,12 @@ def main(argv: list[str] | None = None) -> None:
     # 2. the grid (both SLOs on the same runs)
     doc["grid"] = run_grid(path, scen_file, slos, work / "grid")
     doc["grid"]["values"] = GRID
-    # 3. the tunes
+    run_tunes(doc, path, scen_file, tight, loose, work, stem)
+
+
+def run_tunes(doc: dict[str, Any], path: Path, scen_file: Path, tight: str, loose: str, work: Path,
+              stem: Path) -> None:
+    """3. the tunes, each with a quarter of its SLO's grid time (less 10%), and the verdicts."""
     doc["tunes"] = {}
     for label, slo in (("tight", tight), ("loose", loose)):
         g = doc["grid"]["per_slo"][str(parse_slo(slo))]

@@ -352,3 +352,27 @@ def test_a_groups_first_trial_is_its_best_with_the_batch_doubled() -> None:
     assert top.batch_step(R1) is None and top.batch_step(R2) is None
     t.outcomes = {base.id: t.outcomes[base.id]}
     assert t.batch_step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 512}
+
+
+def test_warm_up_ends_with_a_burst_of_the_whole_workload(tmp_path: Path, monkeypatch: Any) -> None:
+    """After a start the evaluator warms the server with every request of the workload at once, a few tokens
+    each (a first run right after a start was measured far slower than the next ones), and only the short
+    warm-up requests stand for the drain estimate."""
+    from serving.bench import search
+    from serving.bench.workload import BenchRequest
+
+    requests = [BenchRequest(i, f"p{i}", tuple(range(10 + i)), 30 + i) for i in range(5)]
+    calls: list[list[tuple[int, int]]] = []
+
+    def fake_run(api: str, target: Any, reqs: list[BenchRequest], arrivals: list[float], stream: bool,
+                 **kw: Any) -> list[Rec]:
+        assert arrivals == [0.0] * len(reqs)
+        calls.append([(r.index, r.max_new_tokens) for r in reqs])
+        return [Rec(0.0, [0.1, 0.2], end=0.25) for _ in reqs]
+
+    monkeypatch.setattr(search, "run_requests", fake_run)
+    ev = Evaluator(tmp_path, tmp_path, SimpleNamespace(requests=requests), LADDER, "lmi", [SLO])  # type: ignore[arg-type]
+    ev.server = SimpleNamespace(url="http://x", name="m", grpc_target="x", tokens={})  # type: ignore[assignment]
+    ev._warm()
+    assert calls == [[(0, 4)], [(0, 4), (1, 4)], [(i, search.WARM_BURST_TOKENS) for i in range(5)]]
+    assert ev.warm_e2e == [0.25, 0.25]  # the two short requests, not the burst

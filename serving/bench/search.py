@@ -391,8 +391,8 @@ class Evaluator:
             return max(own)
         if not self.started:
             return None
-        return max(s / load_rounds(g.workers, self.cores) for g, s in self.started) * load_rounds(group.workers,
-                                                                                                   self.cores)
+        per_round = max(s / load_rounds(g.workers, self.cores) for g, s in self.started)
+        return per_round * load_rounds(group.workers, self.cores)
 
     def needs_start(self, config: Config) -> bool:
         return self.server is None or self.current is None or self.current.group != config.group

@@ -383,9 +383,8 @@ class Tuner:
             self.log(f"  round {rnd}: {', '.join(g.label for g in alive)}"
                      + (" (last group: until budget/patience)" if last else f", {per_group} trial(s) each"))
             for g in alive:
-                step = self.batch_step(g)
-                if step is not None and g not in stepped:  # the group's first trial: its best with a bigger batch
-                    stepped.add(g)
+                if g not in stepped and (step := self.batch_step(g)) is not None:
+                    stepped.add(g)  # the group's first trial: its best with a bigger batch
                     studies[g].enqueue_trial(step)
                 stale = n = repeats = 0
                 while last or n < per_group:

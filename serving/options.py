@@ -109,6 +109,8 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("kv_cache_memory_fraction", number(0, 1, exclusive=True), "0.9", (ENGINE,),
           "share of the memory left after weights that auto gives the KV cache"),
     _spec("num_kv_blocks", integer(0), "0", (ENGINE,), "KV blocks outright; 0 = sized by memory"),
+    _spec("kv_cache_populate", choice(("lazy", "eager")), "lazy", (ENGINE,),
+          "KV memory: lazy = pages fault in on first use (fast start), eager = touched at load"),
     _spec("enable_prefix_caching", boolean, "true", (ENGINE,), "share KV blocks of identical prefixes"),
     _spec("num_threads", integer(1, auto=True), "auto", _BOTH, "torch threads per worker (rank)"),
     _spec("max_model_len", integer(0), None, _BOTH, "tokens per sequence; absent or 0: the model's"),

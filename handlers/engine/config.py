@@ -30,6 +30,7 @@ class EngineConfig:
     kv_cache_memory_mb: int = 0
     kv_cache_memory_fraction: float = 0.9
     num_kv_blocks: int = 0  # explicit number of KV blocks; overrides kv_cache_memory_mb (tests, tuning)
+    kv_cache_populate: str = "lazy"  # lazy | eager (see handlers.engine.lazy_memory)
     enable_prefix_caching: bool = True
     num_threads: int = 0  # 0 = auto: the cores of this worker's affinity mask / (workers x TP ranks)
     max_model_len: int = 0
@@ -62,6 +63,7 @@ class EngineConfig:
             kv_cache_memory_mb=auto_is_zero("kv_cache_memory_mb"),
             kv_cache_memory_fraction=get("kv_cache_memory_fraction"),
             num_kv_blocks=get("num_kv_blocks"),
+            kv_cache_populate=get("kv_cache_populate"),
             enable_prefix_caching=get("enable_prefix_caching"),
             num_threads=auto_is_zero("num_threads"),
             max_model_len=get("max_model_len") or 0,

@@ -80,6 +80,7 @@ class LLMEngine:
         if tp_group is not None:  # every rank must build the same pool: rank 0 decides
             num_blocks = tp_group.broadcast_int(num_blocks)
         self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
+                                  populate_kv=config.kv_cache_populate,
                                   num_kv_heads=num_kv_heads, group=tp_group, fuse_weights=config.fuse_projections,
                                   use_kernels=config.attention_kernel == "native")
         self.scheduler = Scheduler(SchedulerConfig(

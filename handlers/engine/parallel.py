@@ -277,6 +277,7 @@ def rank_main(argv: list[str] | None = None) -> None:
         kv_heads = shard_model(model, args.rank, args.world_size)
         num_blocks = group.broadcast_int(0)
         runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
+                             populate_kv=config.kv_cache_populate,
                              num_kv_heads=kv_heads, fuse_weights=config.fuse_projections,
                              use_kernels=config.attention_kernel == "native")
         while True:

@@ -98,7 +98,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: str = "false",
                  num_kv_heads: int | None = None, group: StepBroadcaster | None = None,
-                 fuse_weights: bool = False, use_kernels: bool = True) -> None:
+                 fuse_weights: bool = False, use_kernels: bool = True, populate_kv: str = "lazy") -> None:
         model.eval()
         use_paged_attention(model)
         if fuse_weights:
@@ -119,7 +119,8 @@ class ModelRunner:
         self.group = group
         num_layers, config_kv_heads, head_dim = kv_geometry(model.config)
         dtype = next(model.parameters()).dtype
-        self.pool = KVPool(num_layers, num_blocks * block_size, num_kv_heads or config_kv_heads, head_dim, dtype)
+        self.pool = KVPool(num_layers, num_blocks * block_size, num_kv_heads or config_kv_heads, head_dim, dtype,
+                           populate_kv)
         self.kernels = load_kernels() if use_kernels else None
         self._probe(num_layers)
 

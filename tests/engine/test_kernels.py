@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -101,3 +102,42 @@ def test_freed_activation_memory_is_reused_without_page_faults() -> None:
     faults = [faults_of_one_step() for _ in range(8)]  # the first ones grow the heap to its high-water mark
     # Without it every step faults its temporaries in again (measured: 14,304 faults each time).
     assert max(faults[4:]) < 100, faults
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("populate", ["lazy", "eager"])
+def test_kv_pool_memory_is_zero_and_paid_for_when_used(populate: str) -> None:
+    """The pool starts zeroed; ``lazy`` (the default) touches none of its pages at allocation (a start used to
+    spend 36 s zeroing a 4.5 GiB pool), ``eager`` all of them; layers' tensors never overlap."""
+    layers, slots, heads, dim = 4, 4096, 4, 64
+    nbytes = 2 * layers * heads * slots * dim * 4
+    before = _rss_bytes()
+    pool = KVPool(layers, slots, heads, dim, torch.float32, populate)
+    grown = _rss_bytes() - before
+    if populate == "lazy":
+        assert grown < nbytes // 16, (grown, nbytes)
+    else:
+        assert grown >= nbytes * 9 // 10, (grown, nbytes)
+    tensors = pool.keys + pool.values
+    assert all(t.shape == (heads, slots, dim) and t.is_contiguous() and t.dtype == torch.float32 for t in tensors)
+    assert len({t.data_ptr() for t in tensors}) == 2 * layers
+    assert all(not t.any() for t in tensors)
+    pool.keys[2][1, 7] = 1.5
+    pool.values[1][0, 0] = -2.0
+    assert pool.keys[2].sum() == 1.5 * dim and pool.values[1].sum() == -2.0 * dim
+    assert sum(int(t.count_nonzero()) for t in tensors) == 2 * dim
+
+
+def test_kv_cache_populate_option_is_checked() -> None:
+    """``option.kv_cache_populate`` is parsed and checked (lazy by default)."""
+    from handlers.engine.config import EngineConfig
+    from serving.errors import ConfigError
+
+    assert EngineConfig.from_options({}).kv_cache_populate == "lazy"
+    assert EngineConfig.from_options({"kv_cache_populate": "eager"}).kv_cache_populate == "eager"
+    with pytest.raises(ConfigError, match="kv_cache_populate"):
+        EngineConfig.from_options({"kv_cache_populate": "sometimes"})

@@ -83,6 +83,7 @@ class LLMEngine:
                                   populate_kv=config.kv_cache_populate,
                                   num_kv_heads=num_kv_heads, group=tp_group, fuse_weights=config.fuse_projections,
                                   use_kernels=config.attention_kernel == "native")
+        self._kv_block_bytes = per_token * config.block_size
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
@@ -215,6 +216,11 @@ class LLMEngine:
             "kv_blocks_used": alloc.num_used_blocks,
             "kv_blocks_cached_free": alloc.num_cached_free_blocks,
             "kv_cache_usage_ratio": alloc.num_used_blocks / alloc.num_blocks,
+            # Blocks ever handed out: with option.kv_cache_populate=lazy the pool's pages are paid for when first
+            # written, so the worker's RSS grows with this (up to the planned KV size), not with a leak.
+            "kv_blocks_touched": alloc.num_touched_blocks,
+            "kv_block_bytes": self._kv_block_bytes,
+            "kv_cache_populate": self.config.kv_cache_populate,
             "num_preemptions_total": self.scheduler.num_preemptions,
             "prefix_cache_queries_total": alloc.prefix_queries,
             "prefix_cache_hits_total": alloc.prefix_hits,

@@ -49,6 +49,8 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached-free blocks, LRU first
         self._free_flags = bytearray(b"\x01") * num_blocks  # 1 = free and not cached
         self._num_free = num_blocks
+        self._touched = bytearray(num_blocks)  # 1 = handed out at least once (its KV memory has been written)
+        self.num_touched_blocks = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -142,6 +144,9 @@ class BlockAllocator:
                     self._num_free += 1
 
     def _take(self, block: int) -> None:
+        if not self._touched[block]:
+            self._touched[block] = 1
+            self.num_touched_blocks += 1
         if self._free_flags[block]:
             self._free_flags[block] = 0
             self._num_free -= 1

@@ -23,6 +23,7 @@ def _check(alloc: BlockAllocator, tables: list[list[int]]) -> None:
 def test_allocate_free_accounting(ops: list[tuple[bool, int]], num_blocks: int) -> None:
     alloc = BlockAllocator(num_blocks, 4)
     tables: list[list[int]] = []
+    ever: set[int] = set()
     for is_alloc, n in ops:
         if is_alloc or not tables:
             table: list[int] = []
@@ -31,9 +32,11 @@ def test_allocate_free_accounting(ops: list[tuple[bool, int]], num_blocks: int) 
             except MemoryError:
                 assert n > alloc.num_free_blocks and table == []
             tables.append(table)
+            ever.update(table)
         else:
             alloc.free(tables.pop(n % len(tables)))
         _check(alloc, tables)
+        assert alloc.num_touched_blocks == len(ever)  # the pages a lazily mapped KV pool has paid for
     for t in tables:
         alloc.free(t)
     assert alloc.num_used_blocks == 0

@@ -1,20 +1,24 @@
 """Large zeroed buffers that cost nothing until used: the KV pool's memory.
 
 Design note: the KV pool is the largest allocation of a worker (4.5 GiB for a 110M model's 32 sequences of
-2048 tokens). Zeroing it at load made it the slowest part of a start: on a virtual machine whose memory the
-host backs on first touch, writing 4.5 GiB took 12-42 s (this project's 2-core VM: 36 s of a 49 s start;
-the model itself loaded in 13 s). An anonymous private mapping is zero by definition and costs nothing
-until a page is touched, so ``ZeroRegion`` maps the memory and, by default (``lazy``), leaves each page to
-fault in when the engine first writes KV into it: only the blocks a workload uses are ever paid for.
+2048 tokens). Writing it at load is the slowest part of a start on a virtual machine whose host backs
+memory on first touch: 12-42 s for 4.5 GiB on this project's 2-core VM (36 s of a 49 s start; the model
+itself loads in 13 s). An anonymous private mapping is zero by definition and costs nothing until a page is
+touched, so ``ZeroRegion`` maps the memory, then either touches every page now (``eager``, the default) or
+leaves each page to fault in when the engine first writes KV into it (``lazy``).
 
-Measured before choosing (``serving bench`` on the 110M model, 32 requests right after a start, alternating):
-``lazy`` matched ``eager`` (burst 87.1 / 82.2 vs 73.4 / 88.7 / 76.2 output tok/s), while faulting the whole
-region in a background idle-priority thread (``madvise(MADV_POPULATE_WRITE)``) slowed that first burst to
-55-58 tok/s: on this VM the host-side faults of 4.5 GiB interfere with the steps even at idle priority.
+Why eager stays the default (``serving bench`` on the 110M model, 2 cores, 24 requests at 2 req/s,
+three passes of new prompts each): lazy served 56.6 / 61.7 / 57.1 output tok/s, eager 66.2 / 68.1 / 64.7.
+The prefix cache keeps every finished prompt's blocks until the pool is full, so new requests keep landing
+on pages never touched, and each such fault lands inside a step; the cost is paid once per page, but until
+the pool has been used once (about 13 such runs here) every measurement and every early user pays it.
+Faulting the region in a background thread at idle priority (``madvise(MADV_POPULATE_WRITE)``) was slower
+still during that window (first burst 55-58 tok/s vs 73-89): on this VM the host-side faults of 4.5 GiB
+interfere with the steps at any priority. ``lazy`` is for fast starts (9 s instead of 49 s here) where the
+first minutes' latency matters less: development, tests, scale-from-zero.
 
-Trade-off: with ``lazy`` the worker's RSS grows as the pool is used (up to the planned KV size; the memory
-plan checked at load that it is available), and a page first touched inside a step costs that step its
-fault. ``eager`` zeroes everything at load, as before: memory committed up front, flat RSS, slow start.
+With ``lazy`` the worker's RSS grows with use up to the planned KV size (the memory plan checked at load
+that it is available); engine stats report ``kv_blocks_touched``.
 """
 
 from __future__ import annotations
@@ -23,13 +27,13 @@ import mmap
 
 import torch
 
-POPULATE_MODES = ("lazy", "eager")
+POPULATE_MODES = ("eager", "lazy")
 
 
 class ZeroRegion:
     """``nbytes`` of zeroed anonymous memory, viewed as tensors with ``view``."""
 
-    def __init__(self, nbytes: int, populate: str = "lazy") -> None:
+    def __init__(self, nbytes: int, populate: str = "eager") -> None:
         if populate not in POPULATE_MODES:
             raise ValueError(f"populate mode {populate!r}: expected one of {', '.join(POPULATE_MODES)}")
         self.nbytes = nbytes

@@ -47,10 +47,10 @@ class KVPool:
     attention kernel reads such a view as fast as a contiguous tensor."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, populate: str = "lazy") -> None:
+                 dtype: torch.dtype = torch.float32, populate: str = "eager") -> None:
         self.num_slots = num_slots
-        # One zeroed anonymous mapping for every layer; pages fault in on first use unless populate="eager"
-        # (lazy_memory's note: zeroing it at load was most of a start).
+        # One zeroed anonymous mapping for every layer: touched now (eager) or page by page on first use (lazy);
+        # lazy_memory's note has the measured trade-off.
         shape = (num_kv_heads, num_slots, head_dim)
         per_tensor = num_kv_heads * num_slots * head_dim * dtype.itemsize
         self.region = ZeroRegion(2 * num_layers * per_tensor, populate)

@@ -98,7 +98,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: str = "false",
                  num_kv_heads: int | None = None, group: StepBroadcaster | None = None,
-                 fuse_weights: bool = False, use_kernels: bool = True, populate_kv: str = "lazy") -> None:
+                 fuse_weights: bool = False, use_kernels: bool = True, populate_kv: str = "eager") -> None:
         model.eval()
         use_paged_attention(model)
         if fuse_weights:

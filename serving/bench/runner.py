@@ -149,13 +149,16 @@ def run_scenario(scenario: Scenario, api: str, target: Target, w: Workload, slo:
         f"{'streamed' if stream else 'whole answers'}; workload {json.dumps(w.summary())}")
     burst_req_s: float | None = None
     passes = []
-    for spec in scenario.passes:
+    for i, spec in enumerate(scenario.passes):
         rate = None if spec.rate is None else spec.rate.resolve(burst_req_s, f"{scenario.source}: arrival")
-        run = run_pass(api, target, w, spec, rate, stream, slo, progress)
+        # New prompt text each pass (same lengths and arrivals): a pass must not hit the prefix cache an
+        # earlier one filled (serving.bench.workload); the warm-up sent variant 0.
+        wp = w.fresh(i + 1)
+        run = run_pass(api, target, wp, spec, rate, stream, slo, progress)
         if spec.process == "burst" and run.metrics.get("request_s"):
             burst_req_s = run.metrics["request_s"]
         log(f"  [{run.label}] {summary_line(run.metrics)}")
-        passes.append(run.to_json(w, slo))
+        passes.append(run.to_json(wp, slo))
     return {"model": target.model, "scenario": scenario.describe(), "api": api, "stream": stream,
             "slo": str(slo) if slo else None, "workload": w.summary(), "conditions": conditions(),
             "passes": passes}

@@ -303,6 +303,7 @@ class Evaluator:
         self.deadline: float | None = None  # time.monotonic(): a run still going then is cut (``Run.cut``)
         self.cut: list[Run] = []
         self.warm_e2e: list[float] = []  # the warm-up requests' E2E (estimated_seconds before any full run)
+        self.variants = 0  # prompt variants drawn so far (``fresh``)
         self._n_servers = 0
         self.cores = cores_available()
 
@@ -358,15 +359,22 @@ class Evaluator:
         if any(r.error for r in recs):
             raise RuntimeError(f"the warm-up requests failed: {[r.error for r in recs if r.error][0]}")
         self.warm_e2e += [r.e2e() for r in recs if r.ok]
-        # Then every request of the workload at once, a few tokens each: the worker's first large batches
-        # touch memory for the first time (its heap grows to what the biggest step needs, and keeps it), which
-        # made the first timed run after a start far slower than the next ones (110m model: ITL p99 666 ms,
-        # then 103 and 140 ms at the same rate in the same server).
+        # Then every request of the workload at once (new prompts, a few tokens each): the worker's first large
+        # batches grow its heap to what the biggest step needs (it keeps it). The first timed run after a start
+        # was measured far slower than the next ones (110m model: ITL p99 666, then 103 and 140 ms), but most of
+        # that turned out to be the prefix cache: every run sent the same prompts (with prefix caching off all
+        # three measured alike), which is why each run now sends prompts of its own (``fresh``).
         burst = [BenchRequest(r.index, r.prompt, r.prompt_token_ids, min(r.max_new_tokens, WARM_BURST_TOKENS))
-                 for r in self.w.requests]
+                 for r in self.fresh().requests]
         recs = run_requests(self.api, self.target, burst, [0.0] * len(burst), self.stream)
         if any(r.error for r in recs):
             raise RuntimeError(f"the warm-up burst failed: {[r.error for r in recs if r.error][0]}")
+
+    def fresh(self) -> Workload:
+        """The workload with prompts no earlier run sent (``Workload.fresh``): a run must not be answered from
+        the prefix cache an earlier one filled."""
+        self.variants += 1
+        return self.w.fresh(self.variants)
 
     def settle(self) -> None:
         """After an aborted run: one 1-token request, answered once the server has finished what it was doing."""
@@ -401,8 +409,9 @@ class Evaluator:
     def burst(self, config: Config) -> dict[str, Any]:
         """A burst pass (every request at t=0) of ``config``: its metrics (the calibration of relative rates)."""
         self.apply(config)
-        recs = run_requests(self.api, self.target, self.w.requests, [0.0] * len(self.w.requests), self.stream)
-        return metrics(RunResult(recs), [r.max_new_tokens for r in self.w.requests])
+        w = self.fresh()
+        recs = run_requests(self.api, self.target, w.requests, [0.0] * len(w.requests), self.stream)
+        return metrics(RunResult(recs), [r.max_new_tokens for r in w.requests])
 
     def measure(self, config: Config, rung: int) -> Run:
         """``config`` at ladder rung ``rung`` (cached: a configuration is measured once per rung)."""
@@ -436,7 +445,7 @@ class Evaluator:
                 return True
             return False
 
-        recs = run_requests(self.api, self.target, self.w.requests, self.w.arrivals(rate), stream,
+        recs = run_requests(self.api, self.target, self.fresh().requests, self.w.arrivals(rate), stream,
                             should_abort=abort)
         first_send = min(r.send for r in recs)
         if cut:  # the budget is spent: no settling (the server is stopped next), no measurement

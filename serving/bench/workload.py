@@ -6,13 +6,19 @@ included -- encodes it to exactly N ids; the same text can go over HTTP and the 
 Output lengths are fixed per request (``ignore_eos``). Lengths are drawn from ``LengthDist`` objects and
 arrival times from ``arrivals``; one ``random.Random(seed)`` draws, per request, the prompt length, the
 output length, then the text, so a workload is reproduced exactly from its spec and seed.
+
+A workload sent twice to one server would be answered from its prefix cache the second time (every prompt's
+full blocks are cached by then): measured on the 110M model, 24 requests at 2 req/s right after a start had
+TTFT p50 571-788 ms and ITL p99 594-683 ms, the same requests again 114-142 ms and 91-141 ms; with prefix
+caching off all three passes measured like the first. So every pass and every tuning run sends
+``Workload.fresh(k)``: the same lengths, output lengths and arrival times, prompts of new text (variant ``k``).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,6 +48,23 @@ class BenchRequest:
 class Workload:
     requests: tuple[BenchRequest, ...]
     seed: int
+    tokenizer: Any = field(default=None, compare=False, repr=False)  # what ``fresh`` draws new prompts with
+    variant: int = 0
+
+    def fresh(self, variant: int) -> Workload:
+        """This workload with prompts of new text, drawn from ``(seed, variant)``: each prompt keeps its token
+        count (and each request its output length and arrival time), so no prefix is shared with another
+        variant beyond chance. Variant 0 is the workload itself."""
+        if variant == self.variant:
+            return self
+        if self.tokenizer is None:
+            raise ValueError("this workload was built without its tokenizer: it cannot draw new prompts")
+        rng = random.Random(f"{self.seed}/{variant}")
+        reqs = []
+        for r in self.requests:
+            text, ids = prompt_of_length(self.tokenizer, r.prompt_len, rng)
+            reqs.append(BenchRequest(r.index, text, tuple(ids), r.max_new_tokens))
+        return replace(self, requests=tuple(reqs), variant=variant)
 
     def arrivals(self, rate: float | None, burstiness: float = 1.0) -> list[float]:
         """Arrival offsets in seconds: all 0 for ``rate`` None/0 (burst), else a seeded Poisson process at
@@ -120,7 +143,7 @@ def build_workload(tokenizer: Tokenizer, num_requests: int, seed: int, prompt_le
         out = output_len.sample(rng)
         text, ids = prompt_of_length(tokenizer, plen, rng)
         reqs.append(BenchRequest(i, text, tuple(ids), out))
-    return Workload(tuple(reqs), seed)
+    return Workload(tuple(reqs), seed, tokenizer)
 
 
 def clip(value: float, lo: int, hi: int) -> int:

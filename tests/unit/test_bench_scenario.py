@@ -161,3 +161,22 @@ def test_workload_is_reproducible_and_exact() -> None:
     assert gaps[0] == 0.0 and gaps == sorted(gaps) and gaps != w1.arrivals(4.0, burstiness=0.5)
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         load_tokenizer(REPO / "docs")
+
+
+def test_fresh_workload_keeps_lengths_and_arrivals_with_new_prompts() -> None:
+    """``fresh(k)``: what each pass and tuning run sends, so that none is answered from an earlier one's
+    prefix cache."""
+    tok = load_tokenizer(TINY)
+    w = build_workload(tok, 12, 5, Uniform(20, 90), Uniform(2, 7))
+    assert w.fresh(0) is w
+    variants = [w.fresh(k) for k in (1, 2)]
+    assert variants[0] == w.fresh(1)  # reproducible
+    for v in variants:
+        assert [(r.index, r.prompt_len, r.max_new_tokens) for r in v.requests] == \
+            [(r.index, r.prompt_len, r.max_new_tokens) for r in w.requests]
+        assert v.arrivals(3.0) == w.arrivals(3.0)
+        assert all(tok.encode(r.prompt).ids == list(r.prompt_token_ids) for r in v.requests)
+    # no prompt shares its first full KV block (16 tokens) with a prompt of another variant
+    firsts = [{r.prompt_token_ids[:16] for r in x.requests} for x in (w, *variants)]
+    assert all(len(f) == 12 for f in firsts) and not (firsts[0] & firsts[1] or firsts[0] & firsts[2]
+                                                      or firsts[1] & firsts[2])

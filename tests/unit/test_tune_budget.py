@@ -313,6 +313,7 @@ def test_evaluator_cuts_a_run_at_its_deadline_without_settling(tmp_path: Path, m
     c = rolling(R1)
     w = SimpleNamespace(requests=[SimpleNamespace(max_new_tokens=3, index=i) for i in range(N)],
                         arrivals=lambda rate: [i / rate for i in range(N)])
+    w.fresh = lambda variant: w
     ev = Evaluator(tmp_path, tmp_path, w, LADDER, "lmi", [SLO])  # type: ignore[arg-type]
     ev.server = SimpleNamespace(url="http://x", name="m", grpc_target="x:1", tokens={})  # type: ignore[assignment]
     ev.current = c
@@ -359,20 +360,41 @@ def test_warm_up_ends_with_a_burst_of_the_whole_workload(tmp_path: Path, monkeyp
     each (a first run right after a start was measured far slower than the next ones), and only the short
     warm-up requests stand for the drain estimate."""
     from serving.bench import search
-    from serving.bench.workload import BenchRequest
+    from serving.bench.workload import BenchRequest, build_workload, load_tokenizer
+    from tests.integration.harness import DEFAULT_MODEL
 
-    requests = [BenchRequest(i, f"p{i}", tuple(range(10 + i)), 30 + i) for i in range(5)]
+    w = build_workload(load_tokenizer(DEFAULT_MODEL), 5, 0, FixedLengths([10, 11, 12, 13, 14]),
+                       FixedLengths([30, 31, 32, 33, 34]))
     calls: list[list[tuple[int, int]]] = []
+    prompts: list[list[str]] = []
 
     def fake_run(api: str, target: Any, reqs: list[BenchRequest], arrivals: list[float], stream: bool,
                  **kw: Any) -> list[Rec]:
         assert arrivals == [0.0] * len(reqs)
         calls.append([(r.index, r.max_new_tokens) for r in reqs])
+        prompts.append([r.prompt for r in reqs])
         return [Rec(0.0, [0.1, 0.2], end=0.25) for _ in reqs]
 
     monkeypatch.setattr(search, "run_requests", fake_run)
-    ev = Evaluator(tmp_path, tmp_path, SimpleNamespace(requests=requests), LADDER, "lmi", [SLO])  # type: ignore[arg-type]
+    ev = Evaluator(tmp_path, tmp_path, w, LADDER, "lmi", [SLO])
     ev.server = SimpleNamespace(url="http://x", name="m", grpc_target="x", tokens={})  # type: ignore[assignment]
     ev._warm()
     assert calls == [[(0, 4)], [(0, 4), (1, 4)], [(i, search.WARM_BURST_TOKENS) for i in range(5)]]
+    # the burst sends new prompts of the same lengths; the first timed run newer ones still
+    assert prompts[2] == [r.prompt for r in w.fresh(1).requests]
+    assert not set(prompts[2]) & {r.prompt for r in w.requests}
+    assert ev.fresh().requests == w.fresh(2).requests
     assert ev.warm_e2e == [0.25, 0.25]  # the two short requests, not the burst
+
+
+class FixedLengths:
+    """A length distribution that returns its values in turn (one per request)."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = list(values)
+
+    def sample(self, rng: Any) -> int:
+        return self.values.pop(0)
+
+    def bounds(self) -> tuple[int, int]:
+        return (1, 1000)

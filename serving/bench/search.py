@@ -429,7 +429,7 @@ class Evaluator:
             for slo in self.abort_slos:
                 if str(slo) not in violated_at and certainly_violated(slo, recs, expected, stream, now):
                     violated_at[str(slo)] = now - t0
-            return len(violated_at) == len(self.abort_slos)
+            return bool(self.abort_slos) and len(violated_at) == len(self.abort_slos)
 
         aborted_at: list[float] = []
         cut: list[bool] = []

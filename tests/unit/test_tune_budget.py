@@ -398,3 +398,28 @@ class FixedLengths:
 
     def bounds(self) -> tuple[int, int]:
         return (1, 1000)
+
+
+def test_evaluator_without_abort_slos_runs_to_the_end(tmp_path: Path, monkeypatch: Any) -> None:
+    """tune_quality's confirmation measures full runs: an evaluator given no SLO to abort on never stops one
+    early (it used to stop every run at once: no SLO left unviolated read as all of them violated)."""
+    import serving.bench.search as search
+
+    c = rolling(R1)
+    w = SimpleNamespace(requests=[SimpleNamespace(max_new_tokens=3, index=i) for i in range(N)],
+                        arrivals=lambda rate: [i / rate for i in range(N)])
+    w.fresh = lambda variant: w
+    ev = Evaluator(tmp_path, tmp_path, w, LADDER, "lmi", [])  # type: ignore[arg-type]
+    ev.server = SimpleNamespace(url="http://x", name="m", grpc_target="x:1", tokens={})  # type: ignore[assignment]
+    ev.current = c
+    answers: list[bool] = []
+
+    def fake_run_requests(api: str, target: Any, requests: Any, arrivals: list[float], stream: bool,
+                          timeout_s: float = 0.0, should_abort: Any = None) -> list[Rec]:
+        recs = [Rec(0.0, [0.1], end=0.2) for _ in range(N)]
+        answers.append(should_abort(recs, 0.1))
+        return recs
+
+    monkeypatch.setattr(search, "run_requests", fake_run_requests)
+    run = ev.measure(c, 1)
+    assert answers == [False] and not run.aborted

@@ -11,8 +11,8 @@ It starts the model and searches on the live server (``serving.bench.search``: k
    server's group, the folder's first, then the cheapest to start, a layout that failed in a dropped group
    last; a start is predicted from measured ones, the workers loading side by side, one a core); the group's
    seed (for the folder's group: the baseline, measured in that server) is raced against the best so far
-   (bisection on the ladder while nothing meets the SLO); a group whose seed misses the SLO at the lowest
-   rung is dropped;
+   (bisection on the ladder from its top rung while nothing meets the SLO); a group whose seed misses the
+   SLO at the lowest rung is dropped;
 3. successive halving over the groups left: each round keeps the better half (by their best goodput) and
    gives each survivor twice as many trials as the round before: first the group's best with its batch
    doubled, then what a TPE sampler (optuna) per group proposes, learning from every measured configuration
@@ -170,16 +170,16 @@ class Plan:
                   "its seed configuration",
                   "   is raced against the best so far (first run one rung above the best's; with no best yet, "
                   "bisection",
-                  f"   from rung {len(self.ladder_spec()) // 3}); a group whose seed misses the SLO at the lowest "
-                  f"rung is dropped:"]
+                  f"   from the top rung, {len(self.ladder_spec()) - 1}); a group whose seed misses the SLO at the "
+                  f"lowest rung is dropped:"]
         for g in order:
             seed = self.space.seeds[g]
             lines.append(f"     {seed.id}{'  (the baseline)' if seed == b else ''}")
         n += 1
         lines += [f"{n}. successive halving over the groups left: keep the better half, double the trials per "
                   f"group each round",
-                  "   (the running server's group first); a group's first trial is its best with the batch doubled, "
-                  "then",
+                  "   (the running server's group first); a group's first trial is its best with the batch doubled "
+                  "(rolling: sequences and prefill tokens), then",
                   "   TPE (optuna) proposes its live knobs, changed with PUT /models/{name} (no restart):"]
         for mode in sorted({g.mode for g in self.space.groups}):
             for k in knobs_of(mode):
@@ -353,8 +353,9 @@ class Tuner:
                 return
             seed = space.seeds[g]
             phase = "baseline" if seed == space.baseline else f"seed {g.label}"
-            if self.incumbent is None:  # nothing to race against: bisection on the ladder
-                o = self.evaluate(seed, phase, first=len(self.ev.ladder) // 3, allow_below=True)
+            if self.incumbent is None:  # nothing to race against: bisection on the ladder from its top rung,
+                # the shortest run (the arrivals span 1/12 of the lowest rung's): passing there ends it at once
+                o = self.evaluate(seed, phase, first=len(self.ev.ladder) - 1, allow_below=True)
             else:
                 o = self.evaluate(seed, phase)
             if not o.runs:
@@ -425,10 +426,13 @@ class Tuner:
         return self.outcomes.get(b.id) or Outcome(b, None, [], 0.0)
 
     def batch_step(self, g: Group) -> dict[str, int] | None:
-        """The knobs of ``g``'s best measured configuration with its batch knob (``max_rolling_batch_size`` /
-        ``batch_size``) doubled, clipped to its range; None when nothing was measured in ``g`` or the batch is
-        at its maximum. Goodput under load grows with the batch until a latency bound breaks, and a race
-        stops a configuration that cannot win after one run: a cheap first step before the sampler's own."""
+        """The knobs of ``g``'s best measured configuration with its batch doubled, clipped to its range: for
+        a rolling group both ``max_rolling_batch_size`` and ``max_rolling_batch_prefill_tokens`` (the step's
+        sequences and its tokens), for a dynamic one ``batch_size``; None when nothing was measured in ``g``
+        or the batch is at its maximum. Goodput under load grows with the batch until a latency bound breaks,
+        and a race stops a configuration that cannot win after one run: a cheap first step before the
+        sampler's own. (Run 6 of the tune-quality benchmark: with the default model's 32 sequences, a prefill
+        budget of 4096 tokens beat 2048 by 1.19x, and a batch-only step never tried it.)"""
         os_ = [o for o in self.outcomes.values() if o.config.group == g]
         if not os_:
             return None
@@ -440,6 +444,9 @@ class Tuner:
         if bigger == params[batch.name]:
             return None
         params[batch.name] = bigger
+        if g.mode == "rolling":
+            prefill = next(k for k in knobs if k.name == "max_rolling_batch_prefill_tokens")
+            params[prefill.name] = min(prefill.hi, params[prefill.name] * 2)
         return params
 
     def group_best(self, g: Group) -> tuple[int, float]:

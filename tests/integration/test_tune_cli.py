@@ -54,7 +54,8 @@ def test_dry_run_prints_the_plan(tmp_path: Path) -> None:
              "     dynamic 1w x 1t: batch_size=8, max_batch_delay=50"]
     i = lines.index("2. one server start per group, in order of promise (the running server's group first: the "
                     "baseline's, then")
-    assert lines[i + 3] == ("   from rung 4); a group whose seed misses the SLO at the lowest rung is dropped:")
+    assert lines[i + 3] == ("   from the top rung, 11); a group whose seed misses the SLO at the lowest rung is "
+                            "dropped:")
     assert lines[i + 4:i + 4 + len(seeds)] == seeds
     assert lines[i + 4 + len(seeds)].startswith("3. successive halving over the groups left")
     assert "   a run still going at the deadline is cut" in lines

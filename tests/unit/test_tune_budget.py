@@ -197,12 +197,11 @@ def test_baseline_is_raced_in_its_groups_server_with_no_start_of_its_own() -> No
     ev = FakeEvaluator(clock, {R1: 1, base: 3, R2: 2}, {1: 10.0, 2: 20.0})
     t = tuner(sp, ev, clock, 1000.0, max_trials=3)
     t.run()
-    # the baseline's runs: a bisection from rung 1 (nothing to race against yet), climbing to 3
-    assert ev.events[:5] == [("start", R2.label), ("run", base.id, 1, R2.label), ("run", base.id, 2, R2.label),
-                             ("run", base.id, 3, R2.label), ("start", R1.label)]
-    assert ev.events[5] == ("run", rolling(R1).id, 3, R1.label)  # the best's rung is the top: raced there
+    # the baseline's runs: a bisection from the top rung (nothing to race against yet), which it meets: one run
+    assert ev.events[:3] == [("start", R2.label), ("run", base.id, 3, R2.label), ("start", R1.label)]
+    assert ev.events[3] == ("run", rolling(R1).id, 3, R1.label)  # the best's rung is the top: raced there
     assert [e[1] for e in ev.events if e[0] == "start"][:2] == [R2.label, R1.label]  # no start for the baseline
-    assert t.history[0] == {"phase": "baseline", "config_id": base.id, "runs": 3, "rung": 3,
+    assert t.history[0] == {"phase": "baseline", "config_id": base.id, "runs": 1, "rung": 3,
                             "score": round(t.outcomes[base.id].score, 4), "improved": True}
     assert t.baseline_outcome().rung == 3 and t.incumbent is t.outcomes[base.id]
     assert t.stop_reason == "3 configurations tried (--max-trials)"
@@ -216,13 +215,14 @@ def test_a_group_whose_seed_misses_the_lowest_rung_is_dropped_and_its_layout_goe
     ev = FakeEvaluator(clock, {R1: -1, D1: 3, R2: 0, D2: -1}, {1: 10.0, 2: 20.0})
     t = tuner(sp, ev, clock, 1000.0, max_trials=4)
     t.run()
-    # the baseline (no best yet): bisection from rung 4 // 3 = 1 down to 0, missing both: R1 dropped
-    assert ev.events[:3] == [("start", R1.label), ("run", base.id, 1, R1.label), ("run", base.id, 0, R1.label)]
+    # the baseline (no best yet): bisection from the top rung (3), then 1, then 0, missing all: R1 dropped
+    assert ev.events[:4] == [("start", R1.label), ("run", base.id, 3, R1.label), ("run", base.id, 1, R1.label),
+                             ("run", base.id, 0, R1.label)]
     assert t.dropped[0] == R1
     # next: R2 (another layout) before D1 (R1's layout), though R2 costs twice the start
-    assert ev.events[3:5] == [("start", R2.label), ("run", rolling(R2).id, 1, R2.label)]
-    # R2's seed misses rung 1 with no best yet: bisection to rung 0, which it meets
-    assert ev.events[5] == ("run", rolling(R2).id, 0, R2.label)
+    assert ev.events[4:6] == [("start", R2.label), ("run", rolling(R2).id, 3, R2.label)]
+    # R2's seed misses rungs 3 and 1 with no best yet: bisection to rung 0, which it meets
+    assert ev.events[6:8] == [("run", rolling(R2).id, 1, R2.label), ("run", rolling(R2).id, 0, R2.label)]
     starts = [e[1] for e in ev.events if e[0] == "start"]
     assert starts == [R1.label, R2.label, D2.label, D1.label]
     assert [g.label for g in t.dropped] == [R1.label]  # D2's seed was raced above R2's best: ranked, not dropped
@@ -240,18 +240,18 @@ def test_budget_skips_a_server_start_that_would_overrun_and_the_search_ends_in_t
     budget = 60.0
     t = tuner(sp, ev, clock, budget, patience=100)
     t.run()
-    # R1: started (20 s), its baseline bisected from rung 1 up: 1 (2+1 s), 2 (1+1 s), 3 (0.5+1 s): 26.5 s;
+    # R1: started (20 s), its baseline met the top rung, where the bisection starts (0.5+1 s): 21.5 s;
     # R2 would cost a stop (none measured yet: STOP_S) + 2 x 20 s + a run at the top rung
     assert [e[1] for e in ev.events if e[0] == "start"] == [R1.label]
     assert t.skipped[0] == {"config_id": rolling(R2).id, "rung": 3, "rate_req_s": 8.0,
                             "server_start_s": STOP_S + 40.0, "run_s": 1.5,
-                            "left_s": budget - 26.5 - STOP_S - REPORT_S}
+                            "left_s": budget - 21.5 - STOP_S - REPORT_S}
     assert len(t.skipped) == 1  # recorded once, though checked each round
     # then trials in R1 (live knobs), 1.5 s each at the top rung, while one fits before the deadline (56 s in,
-    # leaving STOP_S + REPORT_S for the finish): 26.5 + 19 x 1.5 = 55 s; a 20th would end at 56.5 s
+    # leaving STOP_S + REPORT_S for the finish): 21.5 + 23 x 1.5 = 56 s; a 24th would end at 57.5 s
     assert t.deadline() == begin + budget - STOP_S - REPORT_S
-    assert clock.t - begin == 55.0
-    assert len(t.outcomes) == 20 and all(o.config.group == R1 for o in t.outcomes.values())
+    assert clock.t - begin == 56.0
+    assert len(t.outcomes) == 24 and all(o.config.group == R1 for o in t.outcomes.values())
     assert t.stop_reason == "budget spent"
     assert ev.cut == []
 
@@ -261,15 +261,16 @@ def test_a_run_predicted_too_long_is_skipped_not_run() -> None:
     sp = space(base, [R1])
     clock = Clock()
     begin = clock.t
-    ev = FakeEvaluator(clock, {R1: 3}, {1: 20.0})
-    t = tuner(sp, ev, clock, 27.0)  # the search must end by 27 - STOP_S - REPORT_S = 23 s
+    ev = FakeEvaluator(clock, {R1: 1}, {1: 20.0})
+    t = tuner(sp, ev, clock, 29.0)  # the search must end by 29 - STOP_S - REPORT_S = 25 s
     t.run()
-    # the first start (20 s; nothing to predict it from) and rung 1 (predicted 2 x its 2 s span: fits in 3 s,
-    # takes 3 s); rung 2 (1 s span + the 1 s drain measured) would end 2 s after the deadline: skipped
-    assert ev.events == [("start", R1.label), ("run", base.id, 1, R1.label)]
+    # the first start (20 s; nothing to predict it from), the top rung (missed: 0.5 s), rung 1 (predicted its
+    # 2 s span + the longest request seen, 2.1 s: fits in 4.5 s; takes 3 s); rung 2 (1 s span + the 1 s drain
+    # measured) would end 0.5 s after the deadline: skipped
+    assert ev.events == [("start", R1.label), ("run", base.id, 3, R1.label), ("run", base.id, 1, R1.label)]
     assert t.skipped == [{"config_id": base.id, "rung": 2, "rate_req_s": 4.0, "server_start_s": 0.0, "run_s": 2.0,
-                          "left_s": 0.0}]
-    assert clock.t - begin == 23.0 and ev.cut == []
+                          "left_s": 1.5}]
+    assert clock.t - begin == 23.5 and ev.cut == []
     assert t.stop_reason == "budget spent"
     assert t.baseline_outcome().rung == 1
     assert improvement_text(t.baseline_outcome(), t.baseline_outcome(), SLO) == (
@@ -338,13 +339,14 @@ def test_a_groups_first_trial_is_its_best_with_the_batch_doubled() -> None:
     base = rolling(R1, 16, 512)
     sp = space(base, [R1])
     clock = Clock()
-    bigger = rolling(R1, 32, 512)
+    bigger = rolling(R1, 32, 1024)  # a rolling step doubles the sequences and the prefill tokens
     ev = FakeEvaluator(clock, {base: 1, bigger: 2, R1: 0}, {1: 10.0})
     t = tuner(sp, ev, clock, 1000.0, max_trials=3)
     t.run()
     runs = [e[1:3] for e in ev.events if e[0] == "run"]
-    # the baseline's bisection (meets rung 1, misses 2), then the doubled batch raced one rung above: met, then 3
-    assert runs[:4] == [(base.id, 1), (base.id, 2), (bigger.id, 2), (bigger.id, 3)]
+    # the baseline's bisection (misses the top rung 3, meets 1, misses 2), then the doubled batch raced one rung
+    # above: met, then 3
+    assert runs[:5] == [(base.id, 3), (base.id, 1), (base.id, 2), (bigger.id, 2), (bigger.id, 3)]
     assert t.history[1]["phase"] == "round 1 rolling 1w x 2t" and t.history[1]["config_id"] == bigger.id
     assert t.incumbent is t.outcomes[bigger.id]
     # at the top of the range there is nothing to double
@@ -352,7 +354,7 @@ def test_a_groups_first_trial_is_its_best_with_the_batch_doubled() -> None:
     top.outcomes[rolling(R1, 64, 512).id] = Outcome(rolling(R1, 64, 512), None, [], 0.0)
     assert top.batch_step(R1) is None and top.batch_step(R2) is None
     t.outcomes = {base.id: t.outcomes[base.id]}
-    assert t.batch_step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 512}
+    assert t.batch_step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 1024}
 
 
 def test_warm_up_ends_with_a_burst_of_the_whole_workload(tmp_path: Path, monkeypatch: Any) -> None:

@@ -73,7 +73,7 @@ GRIDS = {"full": {"rolling": {"max_rolling_batch_size": [4, 8, 16, 32, 64],
 GRID = GRIDS["full"]
 SLOS = {"default": ("ttft_p99=500ms,itl_p99=100ms", "ttft_p99=2s,itl_p99=250ms"),
         # Until Run 5b: itl_p99=150ms and 500ms. With a new prompt per request (Run 6) every arrival's prefill
-        # (32-256 tokens, 0.3-0.8 s on 2 AVX2 cores) stalls the running decodes: the folder.s point missed
+        # (32-256 tokens, 0.3-0.8 s on 2 AVX2 cores) stalls the running decodes: the folder's point missed
         # 150 ms even at the lowest rung (0.375 req/s).
         "110m": ("ttft_p99=2s,itl_p99=500ms", "ttft_p99=8s,itl_p99=1s")}
 

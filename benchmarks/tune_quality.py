@@ -95,10 +95,15 @@ def grid_points(ev_space: Any) -> list[Config]:
     return points
 
 
+def ladder_of(scenario: Any, scenario_file: Path) -> list[float]:
+    """The absolute ladder (requests/s) of a ``ladder.yaml`` the calibration wrote."""
+    return [p.rate.resolve(None, str(scenario_file)) for p in scenario.passes if p.rate is not None]
+
+
 def run_grid(path: Path, scenario_file: Path, slos: list[Slo], workdir: Path) -> dict[str, Any]:
     scenario = load_scenario(scenario_file)
     w = workload_of(scenario, load_tokenizer(path))
-    ladder = [p.rate.resolve(None, str(scenario_file)) for p in scenario.passes if p.rate is not None]
+    ladder = ladder_of(scenario, scenario_file)
     space = build_space(path)
     ev = Evaluator(path, workdir, w, ladder, scenario.api, slos)
     ev.baseline = space.baseline
@@ -157,7 +162,7 @@ def confirm(path: Path, scenario_file: Path, slo: Slo, grid_id: str, tune_id: st
         return {"ratio": 1.0, "note": "the same configuration"}
     scenario = load_scenario(scenario_file)
     w = workload_of(scenario, load_tokenizer(path))
-    ladder = [p.rate.resolve(None, str(scenario_file)) for p in scenario.passes if p.rate is not None]
+    ladder = ladder_of(scenario, scenario_file)
     ev = Evaluator(path, workdir, w, ladder, scenario.api, [])
     ev.baseline = build_space(path).baseline
     configs = {"grid": config_of(grid_id), "tune": config_of(tune_id)}

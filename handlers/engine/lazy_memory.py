@@ -23,6 +23,7 @@ that it is available); engine stats report ``kv_blocks_touched``.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -46,7 +47,4 @@ class ZeroRegion:
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor of ``shape`` and ``dtype`` over the bytes from ``offset`` (a multiple of the
         element size)."""
-        count = 1
-        for dim in shape:
-            count *= dim
-        return self.tensor[offset:offset + count * dtype.itemsize].view(dtype).view(shape)
+        return self.tensor[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)

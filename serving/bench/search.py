@@ -420,7 +420,8 @@ class Evaluator:
             return self.runs[key]
         self.apply(config)
         rate = self.ladder[rung]
-        expected = [r.max_new_tokens for r in self.w.requests]
+        requests = self.fresh().requests  # drawn (tokenized) before the run's clock starts
+        expected = [r.max_new_tokens for r in requests]
         violated_at: dict[str, float] = {}
         t0 = time.perf_counter()
         stream = self.stream
@@ -445,8 +446,7 @@ class Evaluator:
                 return True
             return False
 
-        recs = run_requests(self.api, self.target, self.fresh().requests, self.w.arrivals(rate), stream,
-                            should_abort=abort)
+        recs = run_requests(self.api, self.target, requests, self.w.arrivals(rate), stream, should_abort=abort)
         first_send = min(r.send for r in recs)
         if cut:  # the budget is spent: no settling (the server is stopped next), no measurement
             run = Run(config, rung, rate, recs, expected, time.perf_counter() - t0, True,

@@ -241,13 +241,29 @@ def certainly_violated(slo: Slo, recs: list[Rec], expected: list[int], stream: b
     if any(r.error is not None for r in recs):
         return True
     started = [(r, n) for r, n in zip(recs, expected, strict=True) if r.send <= now]
-    for b in slo.bounds:
-        if b.stat == "mean":
-            continue
-        over, total = _over_and_total(b, recs, expected, started, stream, now)
-        if total and over >= total - math.floor((total - 1) * float(b.stat[1:]) / 100):
-            return True
-    return False
+    return any(_certainly_over(b, recs, expected, started, stream, now) for b in slo.bounds)
+
+
+def _certainly_over(b: Bound, recs: list[Rec], expected: list[int], started: list[tuple[Rec, int]], stream: bool,
+                    now: float) -> bool:
+    """``b``'s percentile is over its limit counting only values known (by ``now``) to exceed it."""
+    if b.stat == "mean":
+        return False
+    over, total = _over_and_total(b, recs, expected, started, stream, now)
+    return bool(total) and over >= total - math.floor((total - 1) * float(b.stat[1:]) / 100)
+
+
+def missed_bounds(run: Run, slo: Slo, stream: bool) -> set[str]:
+    """The metrics (ttft, tpot, itl, e2e) whose bound ``run`` missed: over the limit on the requests it finished,
+    or, for a run stopped early, certainly over counting its open requests at the stop."""
+    vals = slo.run_values(run.recs)
+    missed = {b.metric for b in slo.bounds if vals[b.key] == vals[b.key] and vals[b.key] > b.limit_s}
+    if run.aborted and run.recs:
+        now = min(r.send for r in run.recs) + run.wall_s
+        started = [(r, n) for r, n in zip(run.recs, run.expected, strict=True) if r.send <= now]
+        missed |= {b.metric for b in slo.bounds
+                   if _certainly_over(b, run.recs, run.expected, started, stream, now)}
+    return missed
 
 
 def _over_and_total(b: Bound, recs: list[Rec], expected: list[int], started: list[tuple[Rec, int]],

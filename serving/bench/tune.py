@@ -14,10 +14,12 @@ It starts the model and searches on the live server (``serving.bench.search``: k
    (bisection on the ladder from its top rung while nothing meets the SLO); a group whose seed misses the
    SLO at the lowest rung is dropped;
 3. successive halving over the groups left: each round keeps the better half (by their best goodput) and
-   gives each survivor twice as many trials as the round before: first the group's best with its batch
-   doubled, then what a TPE sampler (optuna) per group proposes, learning from every measured configuration
-   of its group; the last group goes on until the budget or ``--max-trials`` is spent, or ``--patience``
-   trials in a row found nothing better.
+   gives each survivor twice as many trials as the round before: first steps from the group's best the way
+   its missed bound points (a decode bound, ITL or TPOT: a smaller prefill budget, then fewer sequences;
+   otherwise a doubled batch), for as long as each step improves the group's best, then what a TPE sampler
+   (optuna) per group proposes, learning from every measured configuration of its group; the last group
+   goes on until the budget or ``--max-trials`` is spent, or ``--patience`` trials in a row found nothing
+   better.
 
 ``--budget`` counts from the process's start and keeps a server stop and the report for the end: before a
 server start or a run the tune predicts its cost (measured starts, workers loading side by side; arrival span plus the
@@ -57,6 +59,7 @@ from serving.bench.search import (
     build_space,
     knobs_of,
     make_config,
+    missed_bounds,
     race,
 )
 
@@ -178,8 +181,11 @@ class Plan:
         n += 1
         lines += [f"{n}. successive halving over the groups left: keep the better half, double the trials per "
                   f"group each round",
-                  "   (the running server's group first); a group's first trial is its best with the batch doubled "
-                  "(rolling: sequences and prefill tokens), then",
+                  "   (the running server's group first); a group's first trials step from its best the way the "
+                  "missed bound points",
+                  "   (ITL/TPOT missed: halve the prefill budget, at its floor the sequences; dynamic: halve the "
+                  "batch; otherwise",
+                  "   double the batch, rolling: sequences and prefill tokens) while each step improves it, then",
                   "   TPE (optuna) proposes its live knobs, changed with PUT /models/{name} (no restart):"]
         for mode in sorted({g.mode for g in self.space.groups}):
             for k in knobs_of(mode):
@@ -384,13 +390,19 @@ class Tuner:
             self.log(f"  round {rnd}: {', '.join(g.label for g in alive)}"
                      + (" (last group: until budget/patience)" if last else f", {per_group} trial(s) each"))
             for g in alive:
-                if g not in stepped and (step := self.batch_step(g)) is not None:
-                    stepped.add(g)  # the group's first trial: its best with a bigger batch
-                    studies[g].enqueue_trial(step)
                 stale = n = repeats = 0
                 while last or n < per_group:
                     if not self.budget_left():
                         return
+                    # a group's first trials: steps from its best the way the missed bound points, for as long
+                    # as each step improves on the group's best (``step``); then the sampler's
+                    stepping = g not in stepped and (step := self.step(g)) is not None \
+                        and make_config(g, step).id not in self.outcomes
+                    if stepping:
+                        studies[g].enqueue_trial(step)
+                    else:
+                        stepped.add(g)
+                    group_before = self.group_best(g)
                     trial = studies[g].ask(dists[g])
                     config = make_config(g, dict(trial.params))
                     seen = config.id in self.outcomes
@@ -403,6 +415,8 @@ class Tuner:
                             return
                         break
                     studies[g].tell(trial, o.score)
+                    if stepping and self.group_best(g) <= group_before:
+                        stepped.add(g)  # the step did not improve the group's best: no further step
                     n += not seen
                     repeats = repeats + 1 if seen else 0
                     if not seen:  # patience counts measured configurations
@@ -425,29 +439,47 @@ class Tuner:
         b = self.plan.space.baseline
         return self.outcomes.get(b.id) or Outcome(b, None, [], 0.0)
 
-    def batch_step(self, g: Group) -> dict[str, int] | None:
-        """The knobs of ``g``'s best measured configuration with its batch doubled, clipped to its range: for
-        a rolling group both ``max_rolling_batch_size`` and ``max_rolling_batch_prefill_tokens`` (the step's
-        sequences and its tokens), for a dynamic one ``batch_size``; None when nothing was measured in ``g``
-        or the batch is at its maximum. Goodput under load grows with the batch until a latency bound breaks,
-        and a race stops a configuration that cannot win after one run: a cheap first step before the
-        sampler's own. (Run 6 of the tune-quality benchmark: with the default model's 32 sequences, a prefill
-        budget of 4096 tokens beat 2048 by 1.19x, and a batch-only step never tried it.)"""
+    def step(self, g: Group) -> dict[str, int] | None:
+        """The knobs of ``g``'s best measured configuration moved one step the way its missed bound points,
+        clipped to their ranges; None when nothing was measured in ``g`` or the step changes nothing.
+
+        The evidence is the best configuration's lowest failing run above its passing rung (with no passing
+        rung, its lowest run): which bounds it missed (``missed_bounds``).
+        * A decode bound (ITL, TPOT) missed: the running sequences waited on the step. Rolling: halve
+          ``max_rolling_batch_prefill_tokens`` (a prefill chunk stalls every running decode), and, once it is
+          down to one token per sequence, ``max_rolling_batch_size`` with it. Dynamic: halve ``batch_size``.
+        * Otherwise (TTFT, E2E: the requests queued) or with no failing run: double the batch, for a rolling
+          group both the sequences and the prefill tokens (a step's sequences and its tokens).
+        Run 6 of the tune-quality benchmark (benchmarks/README.md): the default model's grid found a prefill
+        budget of 4096 tokens better than the folder's 2048 (TTFT bound), while the 110m model's tight SLO
+        (ITL p99) was met best with 256."""
         os_ = [o for o in self.outcomes.values() if o.config.group == g]
         if not os_:
             return None
         best = max(os_, key=lambda o: (o.rung, o.score))
         knobs = knobs_of(g.mode)
         params = {k.name: min(max(int(best.config.knob(k.name)), k.lo), k.hi) for k in knobs}
+        before = make_config(g, params)
+        failing = sorted((r for r in best.runs if r.rung > best.rung and not r.met(self.slo)), key=lambda r: r.rung)
+        missed = missed_bounds(failing[0], self.slo, self.ev.stream) if failing else set()
         batch = knobs[0]
-        bigger = min(batch.hi, params[batch.name] * 2)
-        if bigger == params[batch.name]:
-            return None
-        params[batch.name] = bigger
-        if g.mode == "rolling":
-            prefill = next(k for k in knobs if k.name == "max_rolling_batch_prefill_tokens")
-            params[prefill.name] = min(prefill.hi, params[prefill.name] * 2)
-        return params
+        if missed & {"itl", "tpot"}:
+            if g.mode == "rolling":
+                prefill = "max_rolling_batch_prefill_tokens"
+                shorter = {**params, prefill: params[prefill] // 2}
+                if make_config(g, shorter) != before:
+                    params = shorter
+                else:  # the prefill budget is at its floor: fewer sequences
+                    params[batch.name] = max(batch.lo, params[batch.name] // 2)
+            else:
+                params[batch.name] = max(batch.lo, params[batch.name] // 2)
+        else:
+            params[batch.name] = min(batch.hi, params[batch.name] * 2)
+            if g.mode == "rolling":
+                prefill_knob = next(k for k in knobs if k.name == "max_rolling_batch_prefill_tokens")
+                params[prefill_knob.name] = min(prefill_knob.hi, params[prefill_knob.name] * 2)
+        params = dict(make_config(g, params).knobs)
+        return None if make_config(g, params) == before else params
 
     def group_best(self, g: Group) -> tuple[int, float]:
         os_ = [o for o in self.outcomes.values() if o.config.group == g]

@@ -22,6 +22,7 @@ from serving.bench.search import (
     Space,
     load_rounds,
     make_config,
+    missed_bounds,
     race,
 )
 from serving.bench.tune import REPORT_S, STOP_S, Plan, Tuner, improvement_text, promise_order
@@ -53,9 +54,12 @@ class FakeEvaluator:
     estimated_seconds = Evaluator.estimated_seconds
     needs_start = Evaluator.needs_start
 
-    def __init__(self, clock: Clock, top: dict[Any, int], start_s: dict[int, float], stop_s: float = 1.0) -> None:
+    def __init__(self, clock: Clock, top: dict[Any, int], start_s: dict[int, float], stop_s: float = 1.0,
+                 slow_decode: frozenset[Any] = frozenset()) -> None:
         self.clock = clock
         self.top = top  # Config or Group -> highest passing rung (-1: none)
+        self.slow_decode = slow_decode  # configs / groups whose misses are ITL gaps (else late first tokens)
+        self.stream = True
         self.start_s = start_s
         self.stop_s = stop_s
         self.ladder = LADDER
@@ -110,8 +114,10 @@ class FakeEvaluator:
             self.cut.append(run)
             return run
         self.clock.t += seconds
-        ttft = 0.2 if met else 2.0
-        recs = [Rec(i / rate, [i / rate + ttft + 0.05 * j for j in range(3)], end=i / rate + ttft + 0.1)
+        itl_miss = not met and (config in self.slow_decode or config.group in self.slow_decode)
+        ttft = 0.2 if met or itl_miss else 2.0
+        gap = 0.5 if itl_miss else 0.05
+        recs = [Rec(i / rate, [i / rate + ttft + gap * j for j in range(3)], end=i / rate + ttft + 2 * gap)
                 for i in range(N)]
         run = Run(config, rung, rate, recs, [3] * N, seconds, not met, seconds - 1.0)
         self.runs[key] = run
@@ -335,7 +341,7 @@ def test_evaluator_cuts_a_run_at_its_deadline_without_settling(tmp_path: Path, m
     assert race(ev, c, SLO, 0).runs == []  # type: ignore[arg-type]
 
 
-def test_a_groups_first_trial_is_its_best_with_the_batch_doubled() -> None:
+def test_a_groups_first_trial_is_its_best_with_the_batch_doubled_when_requests_queued() -> None:
     base = rolling(R1, 16, 512)
     sp = space(base, [R1])
     clock = Clock()
@@ -350,11 +356,45 @@ def test_a_groups_first_trial_is_its_best_with_the_batch_doubled() -> None:
     assert t.history[1]["phase"] == "round 1 rolling 1w x 2t" and t.history[1]["config_id"] == bigger.id
     assert t.incumbent is t.outcomes[bigger.id]
     # at the top of the range there is nothing to double
-    top = tuner(space(rolling(R1, 64, 512), [R1]), FakeEvaluator(Clock(), {}, {1: 10.0}), Clock(), 1000.0)
-    top.outcomes[rolling(R1, 64, 512).id] = Outcome(rolling(R1, 64, 512), None, [], 0.0)
-    assert top.batch_step(R1) is None and top.batch_step(R2) is None
+    top = tuner(space(rolling(R1, 64, 4096), [R1]), FakeEvaluator(Clock(), {}, {1: 10.0}), Clock(), 1000.0)
+    top.outcomes[rolling(R1, 64, 4096).id] = Outcome(rolling(R1, 64, 4096), None, [], 0.0)
+    assert top.step(R1) is None and top.step(R2) is None
+    # with the sequences at their maximum, the prefill budget still doubles
+    top.outcomes = {rolling(R1, 64, 512).id: Outcome(rolling(R1, 64, 512), None, [], 0.0)}
+    assert top.step(R1) == {"max_rolling_batch_size": 64, "max_rolling_batch_prefill_tokens": 1024}
     t.outcomes = {base.id: t.outcomes[base.id]}
-    assert t.batch_step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 1024}
+    assert t.step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 1024}
+
+
+def test_a_missed_itl_bound_steps_to_a_smaller_prefill_budget_while_it_improves() -> None:
+    """When the best configuration's failing run missed a decode bound (ITL), the running sequences waited on
+    prefill chunks: the group's first trials halve the prefill budget, step after step while each improves the
+    group's best, then fewer sequences once the budget is at one token per sequence."""
+    base = rolling(R1, 16, 512)
+    half, quarter, eighth = rolling(R1, 16, 256), rolling(R1, 16, 128), rolling(R1, 16, 64)
+    clock = Clock()
+    ev = FakeEvaluator(clock, {base: 0, half: 1, quarter: 2, eighth: 2, R1: -1}, {1: 10.0},
+                       slow_decode=frozenset({R1}))
+    t = tuner(space(base, [R1]), ev, clock, 1000.0, max_trials=5)
+    t.run()
+    tried = [h["config_id"] for h in t.history]
+    # the baseline, then 512 -> 256 -> 128 (each better), 128 -> 64 (no better: the steps end), then the sampler
+    assert tried[:4] == [base.id, half.id, quarter.id, eighth.id]
+    assert t.incumbent is t.outcomes[quarter.id]
+    assert missed_bounds(ev.runs[(base.id, 1)], SLO, True) == {"itl"}
+    assert missed_bounds(ev.runs[(half.id, 2)], SLO, True) == {"itl"}
+    # at the floor of the prefill budget (64 tokens: 32 sequences need 32), the sequences are halved
+    floor = rolling(R1, 32, 64)
+    ev2 = FakeEvaluator(Clock(), {floor: 0}, {1: 10.0}, slow_decode=frozenset({R1}))
+    t2 = tuner(space(floor, [R1]), ev2, ev2.clock, 1000.0, max_trials=1)
+    t2.run()
+    assert t2.step(R1) == {"max_rolling_batch_size": 16, "max_rolling_batch_prefill_tokens": 64}
+    # a late first token (TTFT) points the other way
+    ev3 = FakeEvaluator(Clock(), {base: 0}, {1: 10.0})
+    t3 = tuner(space(base, [R1]), ev3, ev3.clock, 1000.0, max_trials=1)
+    t3.run()
+    assert missed_bounds(ev3.runs[(base.id, 1)], SLO, True) == {"ttft"}
+    assert t3.step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 1024}
 
 
 def test_warm_up_ends_with_a_burst_of_the_whole_workload(tmp_path: Path, monkeypatch: Any) -> None:

@@ -396,9 +396,9 @@ class Tuner:
                         return
                     # a group's first trials: steps from its best the way the missed bound points, for as long
                     # as each step improves on the group's best (``step``); then the sampler's
-                    stepping = g not in stepped and (step := self.step(g)) is not None \
-                        and make_config(g, step).id not in self.outcomes
-                    if stepping:
+                    step = None if g in stepped else self.step(g)
+                    stepping = step is not None and make_config(g, step).id not in self.outcomes
+                    if step is not None and stepping:
                         studies[g].enqueue_trial(step)
                     else:
                         stepped.add(g)

@@ -1,0 +1,81 @@
+"""The decode step's GEMMs alone: our prepacked linear against ``F.linear`` and vLLM's oneDNN matmul.
+
+A stack of the 110m model's linear shapes (12 layers of fused QKV 2304x768, output 768x768, fused gate/up
+6144x768, down 768x3072, then the lm_head 8192x768: 340 MB of fp32 weights, streamed from memory every step
+as in the engine) run on ``--rows`` rows; prints the median step time and the CPU time per step.
+
+    .venv/bin/python benchmarks/gemm.py packed --threads 2           # handlers.engine.prepack.PackedLinear
+    .venv/bin/python benchmarks/gemm.py plain --threads 2            # F.linear on the plain weight
+    benchmarks/.venv-vllm/bin/python benchmarks/gemm.py vllm --threads 2   # vLLM's create_onednn_mm/onednn_mm
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+LAYER_SHAPES = [(2304, 768), (768, 768), (6144, 768), (768, 3072)]  # (out, in) per decoder layer
+LM_HEAD = (8192, 768)
+
+
+def build(mode: str, weights: list[torch.Tensor]) -> list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]]:
+    fns: list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = []
+    for w in weights:
+        if mode == "plain":
+            fns.append((w.shape[1], lambda x, w=w: F.linear(x, w)))
+        elif mode == "packed":
+            sys.path.insert(0, str(REPO))
+            from handlers.engine.prepack import HYBRID_MAX_PACKED_ROWS, PackedLinear
+
+            lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+            lin.weight.data = w
+            fns.append((w.shape[1], PackedLinear(lin, max_packed_rows=HYBRID_MAX_PACKED_ROWS)))
+        else:
+            from vllm import _custom_ops as ops  # type: ignore[import-not-found]
+
+            handler = ops.create_onednn_mm(w.t(), 32)
+            fns.append((w.shape[1], lambda x, h=handler: ops.onednn_mm(h, x, None)))
+    return fns
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["packed", "plain", "vllm"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=int, default=32, help="rows of each matmul (decode: running sequences)")
+    ap.add_argument("--steps", type=int, default=15)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    shapes = LAYER_SHAPES * 12 + [LM_HEAD]
+    fns = build(args.mode, [torch.randn(n, k) * 0.02 for n, k in shapes])
+    xs = {k: torch.randn(args.rows, k) for _, k in shapes}
+
+    def step() -> None:
+        with torch.inference_mode():
+            for k, f in fns:
+                f(xs[k])
+
+    for _ in range(3):
+        step()
+    times = []
+    cpu0 = time.process_time()
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    cpu = (time.process_time() - cpu0) / args.steps
+    print(f"{args.mode}, {args.threads} thread(s), {args.rows} rows: step median {1000 * statistics.median(times):.1f} "
+          f"ms (min {1000 * min(times):.1f}), CPU {1000 * cpu:.1f} ms a step")
+
+
+if __name__ == "__main__":
+    main()

@@ -14,12 +14,12 @@ It starts the model and searches on the live server (``serving.bench.search``: k
    (bisection on the ladder from its top rung while nothing meets the SLO); a group whose seed misses the
    SLO at the lowest rung is dropped;
 3. successive halving over the groups left: each round keeps the better half (by their best goodput) and
-   gives each survivor twice as many trials as the round before: first steps from the group's best the way
-   its missed bound points (a decode bound, ITL or TPOT: a smaller prefill budget, then fewer sequences;
-   otherwise a doubled batch), for as long as each step improves the group's best, then what a TPE sampler
-   (optuna) per group proposes, learning from every measured configuration of its group; the last group
-   goes on until the budget or ``--max-trials`` is spent, or ``--patience`` trials in a row found nothing
-   better.
+   gives each survivor twice as many trials as the round before: first a compass search from the group's
+   best (each knob doubled or halved, the way its missed bound points first: a decode bound, ITL or TPOT, a
+   smaller prefill budget, then fewer sequences; otherwise a bigger batch), recentred whenever a neighbour is
+   better; once the best's neighbours are measured, what a TPE sampler (optuna) per group proposes, learning
+   from every measured configuration of its group; the last group goes on until the budget or
+   ``--max-trials`` is spent, or ``--patience`` trials in a row found nothing better.
 
 ``--budget`` counts from the process's start and keeps a server stop and the report for the end: before a
 server start or a run the tune predicts its cost (measured starts, workers loading side by side; arrival span plus the
@@ -181,11 +181,12 @@ class Plan:
         n += 1
         lines += [f"{n}. successive halving over the groups left: keep the better half, double the trials per "
                   f"group each round",
-                  "   (the running server's group first); a group's first trials step from its best the way the "
-                  "missed bound points",
-                  "   (ITL/TPOT missed: halve the prefill budget, at its floor the sequences; dynamic: halve the "
-                  "batch; otherwise",
-                  "   double the batch, rolling: sequences and prefill tokens) while each step improves it, then",
+                  "   (the running server's group first); a group's first trials are a compass search from its "
+                  "best: each knob",
+                  "   doubled or halved, the way the missed bound points first (ITL/TPOT: a smaller prefill budget, "
+                  "then fewer",
+                  "   sequences; TTFT/E2E: a bigger batch), recentred on a better neighbour; once the best's "
+                  "neighbours are measured,",
                   "   TPE (optuna) proposes its live knobs, changed with PUT /models/{name} (no restart):"]
         for mode in sorted({g.mode for g in self.space.groups}):
             for k in knobs_of(mode):
@@ -377,7 +378,6 @@ class Tuner:
             self.stop_reason = self.stop_reason or ("every group dropped" if self.dropped else "budget spent")
             return
         per_group, rnd = 2, 1
-        stepped: set[Group] = set()
         while alive:
             fit = [g for g in alive if self.affordable(g)]
             if not fit:
@@ -394,15 +394,11 @@ class Tuner:
                 while last or n < per_group:
                     if not self.budget_left():
                         return
-                    # a group's first trials: steps from its best the way the missed bound points, for as long
-                    # as each step improves on the group's best (``step``); then the sampler's
-                    step = None if g in stepped else self.step(g)
-                    stepping = step is not None and make_config(g, step).id not in self.outcomes
-                    if step is not None and stepping:
+                    # a compass search first: the best's neighbours, the way its missed bound points first,
+                    # recentred whenever one is better (``moves``); once none is left to measure, the sampler's
+                    step = self.step(g)
+                    if step is not None:
                         studies[g].enqueue_trial(step)
-                    else:
-                        stepped.add(g)
-                    group_before = self.group_best(g)
                     trial = studies[g].ask(dists[g])
                     config = make_config(g, dict(trial.params))
                     seen = config.id in self.outcomes
@@ -415,8 +411,6 @@ class Tuner:
                             return
                         break
                     studies[g].tell(trial, o.score)
-                    if stepping and self.group_best(g) <= group_before:
-                        stepped.add(g)  # the step did not improve the group's best: no further step
                     n += not seen
                     repeats = repeats + 1 if seen else 0
                     if not seen:  # patience counts measured configurations
@@ -439,47 +433,54 @@ class Tuner:
         b = self.plan.space.baseline
         return self.outcomes.get(b.id) or Outcome(b, None, [], 0.0)
 
-    def step(self, g: Group) -> dict[str, int] | None:
-        """The knobs of ``g``'s best measured configuration moved one step the way its missed bound points,
-        clipped to their ranges; None when nothing was measured in ``g`` or the step changes nothing.
+    def moves(self, g: Group) -> list[dict[str, int]]:
+        """The neighbours of ``g``'s best measured configuration (each knob doubled or halved, clipped to its
+        range), the most promising first by the bound its best missed; empty when nothing was measured in ``g``.
 
         The evidence is the best configuration's lowest failing run above its passing rung (with no passing
         rung, its lowest run): which bounds it missed (``missed_bounds``).
-        * A decode bound (ITL, TPOT) missed: the running sequences waited on the step. Rolling: halve
-          ``max_rolling_batch_prefill_tokens`` (a prefill chunk stalls every running decode), and, once it is
-          down to one token per sequence, ``max_rolling_batch_size`` with it. Dynamic: halve ``batch_size``.
-        * Otherwise (TTFT, E2E: the requests queued) or with no failing run: double the batch, for a rolling
-          group both the sequences and the prefill tokens (a step's sequences and its tokens).
-        Run 6 of the tune-quality benchmark (benchmarks/README.md): the default model's grid found a prefill
-        budget of 4096 tokens better than the folder's 2048 (TTFT bound), while the 110m model's tight SLO
-        (ITL p99) was met best with 256."""
+        * A decode bound (ITL, TPOT) missed: the running sequences waited on the step. Rolling: a smaller
+          ``max_rolling_batch_prefill_tokens`` first (a prefill chunk stalls every running decode), then fewer
+          sequences; dynamic: a smaller ``batch_size`` first.
+        * Otherwise (TTFT, E2E: the requests queued), or no failing run: a bigger batch first, for a rolling
+          group both the sequences and the prefill tokens (a step's sequences and its tokens), then each alone.
+        The other directions follow. Run 6 of the tune-quality benchmark (benchmarks/README.md): the default
+        model's grid found a prefill budget of 4096 tokens better than the folder's 2048 (TTFT bound), while
+        the 110m model's tight SLO (ITL p99) was met best with 256."""
         os_ = [o for o in self.outcomes.values() if o.config.group == g]
         if not os_:
-            return None
+            return []
         best = max(os_, key=lambda o: (o.rung, o.score))
         knobs = knobs_of(g.mode)
         params = {k.name: min(max(int(best.config.knob(k.name)), k.lo), k.hi) for k in knobs}
-        before = make_config(g, params)
         failing = sorted((r for r in best.runs if r.rung > best.rung and not r.met(self.slo)), key=lambda r: r.rung)
-        missed = missed_bounds(failing[0], self.slo, self.ev.stream) if failing else set()
-        batch = knobs[0]
-        if missed & {"itl", "tpot"}:
-            if g.mode == "rolling":
-                prefill = "max_rolling_batch_prefill_tokens"
-                shorter = {**params, prefill: params[prefill] // 2}
-                if make_config(g, shorter) != before:
-                    params = shorter
-                else:  # the prefill budget is at its floor: fewer sequences
-                    params[batch.name] = max(batch.lo, params[batch.name] // 2)
-            else:
-                params[batch.name] = max(batch.lo, params[batch.name] // 2)
+        decode_bound = bool(failing) and bool(missed_bounds(failing[0], self.slo, self.ev.stream) & {"itl", "tpot"})
+        first, second = knobs[0].name, knobs[1].name  # sequences / batch; prefill tokens / delay
+
+        def moved(**factors: float) -> dict[str, int]:
+            out = dict(params)
+            for name, f in factors.items():
+                out[name] = max(int(out[name] * f), 10) if name == "max_batch_delay" and out[name] == 0 and f > 1 \
+                    else int(out[name] * f)
+            return out
+
+        if g.mode == "rolling":
+            up = [moved(**{first: 2, second: 2}), moved(**{second: 2}), moved(**{first: 2})]
+            down = [moved(**{second: 0.5}), moved(**{first: 0.5})]
         else:
-            params[batch.name] = min(batch.hi, params[batch.name] * 2)
-            if g.mode == "rolling":
-                prefill_knob = next(k for k in knobs if k.name == "max_rolling_batch_prefill_tokens")
-                params[prefill_knob.name] = min(prefill_knob.hi, params[prefill_knob.name] * 2)
-        params = dict(make_config(g, params).knobs)
-        return None if make_config(g, params) == before else params
+            up = [moved(**{first: 2}), moved(**{second: 0.5}), moved(**{second: 2})]
+            down = [moved(**{first: 0.5})]
+        here = make_config(g, params)
+        out: list[dict[str, int]] = []
+        for m in (down + up if decode_bound else up + down):
+            c = make_config(g, m)
+            if c != here and all(dict(c.knobs) != x for x in out):
+                out.append(dict(c.knobs))
+        return out
+
+    def step(self, g: Group) -> dict[str, int] | None:
+        """The first of ``moves(g)`` not measured yet (None: the best's neighbourhood is explored)."""
+        return next((m for m in self.moves(g) if make_config(g, m).id not in self.outcomes), None)
 
     def group_best(self, g: Group) -> tuple[int, float]:
         os_ = [o for o in self.outcomes.values() if o.config.group == g]

@@ -355,10 +355,12 @@ def test_a_groups_first_trial_is_its_best_with_the_batch_doubled_when_requests_q
     assert runs[:5] == [(base.id, 3), (base.id, 1), (base.id, 2), (bigger.id, 2), (bigger.id, 3)]
     assert t.history[1]["phase"] == "round 1 rolling 1w x 2t" and t.history[1]["config_id"] == bigger.id
     assert t.incumbent is t.outcomes[bigger.id]
-    # at the top of the range there is nothing to double
+    # at the top of the range there is nothing to double: the halvings are the neighbours left
     top = tuner(space(rolling(R1, 64, 4096), [R1]), FakeEvaluator(Clock(), {}, {1: 10.0}), Clock(), 1000.0)
     top.outcomes[rolling(R1, 64, 4096).id] = Outcome(rolling(R1, 64, 4096), None, [], 0.0)
-    assert top.step(R1) is None and top.step(R2) is None
+    assert top.moves(R1) == [{"max_rolling_batch_size": 64, "max_rolling_batch_prefill_tokens": 2048},
+                             {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 4096}]
+    assert top.step(R2) is None  # nothing measured in that group
     # with the sequences at their maximum, the prefill budget still doubles
     top.outcomes = {rolling(R1, 64, 512).id: Outcome(rolling(R1, 64, 512), None, [], 0.0)}
     assert top.step(R1) == {"max_rolling_batch_size": 64, "max_rolling_batch_prefill_tokens": 1024}
@@ -368,18 +370,20 @@ def test_a_groups_first_trial_is_its_best_with_the_batch_doubled_when_requests_q
 
 def test_a_missed_itl_bound_steps_to_a_smaller_prefill_budget_while_it_improves() -> None:
     """When the best configuration's failing run missed a decode bound (ITL), the running sequences waited on
-    prefill chunks: the group's first trials halve the prefill budget, step after step while each improves the
-    group's best, then fewer sequences once the budget is at one token per sequence."""
+    prefill chunks: the compass search tries a halved prefill budget first, recentres on each better one, and
+    when no halving is better, the best's other neighbours (fewer sequences first)."""
     base = rolling(R1, 16, 512)
     half, quarter, eighth = rolling(R1, 16, 256), rolling(R1, 16, 128), rolling(R1, 16, 64)
     clock = Clock()
     ev = FakeEvaluator(clock, {base: 0, half: 1, quarter: 2, eighth: 2, R1: -1}, {1: 10.0},
                        slow_decode=frozenset({R1}))
-    t = tuner(space(base, [R1]), ev, clock, 1000.0, max_trials=5)
+    t = tuner(space(base, [R1]), ev, clock, 1000.0, max_trials=7)
     t.run()
     tried = [h["config_id"] for h in t.history]
-    # the baseline, then 512 -> 256 -> 128 (each better), 128 -> 64 (no better: the steps end), then the sampler
-    assert tried[:4] == [base.id, half.id, quarter.id, eighth.id]
+    # the baseline, then 512 -> 256 -> 128 (each better), 128 -> 64 (no better), then the best's (128 tokens)
+    # other neighbours: 8 sequences, 32 sequences with 256 tokens (256 alone was measured), 32 sequences alone
+    assert tried == [base.id, half.id, quarter.id, eighth.id, rolling(R1, 8, 128).id, rolling(R1, 32, 256).id,
+                     rolling(R1, 32, 128).id]
     assert t.incumbent is t.outcomes[quarter.id]
     assert missed_bounds(ev.runs[(base.id, 1)], SLO, True) == {"itl"}
     assert missed_bounds(ev.runs[(half.id, 2)], SLO, True) == {"itl"}
@@ -395,6 +399,11 @@ def test_a_missed_itl_bound_steps_to_a_smaller_prefill_budget_while_it_improves(
     t3.run()
     assert missed_bounds(ev3.runs[(base.id, 1)], SLO, True) == {"ttft"}
     assert t3.step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 1024}
+    assert t3.moves(R1) == [{"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 1024},
+                            {"max_rolling_batch_size": 16, "max_rolling_batch_prefill_tokens": 1024},
+                            {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 512},
+                            {"max_rolling_batch_size": 16, "max_rolling_batch_prefill_tokens": 256},
+                            {"max_rolling_batch_size": 8, "max_rolling_batch_prefill_tokens": 512}]
 
 
 def test_warm_up_ends_with_a_burst_of_the_whole_workload(tmp_path: Path, monkeypatch: Any) -> None:

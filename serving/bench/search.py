@@ -290,6 +290,10 @@ def _over_and_total(b: Bound, recs: list[Rec], expected: list[int], started: lis
     return over, sum(max(0, n - 1) for n in expected)
 
 
+class StartCut(Exception):
+    """A server start still loading at the evaluator's deadline was stopped."""
+
+
 class Evaluator:
     """Owns the server (restarts it when the group changes, PUTs live knobs otherwise) and measures runs.
 
@@ -340,10 +344,21 @@ class Evaluator:
         self._n_servers += 1
         props = {} if config == self.baseline else config.properties()
         self.log(f"  starting {config.group.label} (server {self._n_servers})")
-        self.server = LocalServer.start(self.model_dir, self.workdir / f"server-{self._n_servers}",
-                                        name=self.model_dir.resolve().name, properties=props,
-                                        server_config={"enable_model_api": "true"},
-                                        timeout_s=self.server_timeout_s)
+        # A start predicted to fit the budget may take longer (the tune predicts it from measured ones): one
+        # still loading at the deadline is stopped there, so the budget holds.
+        timeout = self.server_timeout_s
+        by_deadline = self.deadline is not None and self.deadline - time.monotonic() < timeout
+        if self.deadline is not None and by_deadline:
+            timeout = max(0.0, self.deadline - time.monotonic())
+        try:
+            self.server = LocalServer.start(self.model_dir, self.workdir / f"server-{self._n_servers}",
+                                            name=self.model_dir.resolve().name, properties=props,
+                                            server_config={"enable_model_api": "true"}, timeout_s=timeout)
+        except RuntimeError:
+            if by_deadline and self.deadline is not None and time.monotonic() >= self.deadline:
+                self.log(f"  the start of {config.group.label} was stopped at the budget's deadline")
+                raise StartCut(config.group.label) from None
+            raise
         self.current = config
         self._warm()
         took = time.perf_counter() - t0
@@ -434,8 +449,13 @@ class Evaluator:
         key = (config.id, rung)
         if key in self.runs:
             return self.runs[key]
-        self.apply(config)
         rate = self.ladder[rung]
+        try:
+            self.apply(config)
+        except StartCut:  # the budget ran out while its server started: no measurement
+            run = Run(config, rung, rate, [], [r.max_new_tokens for r in self.w.requests], 0.0, True, 0.0, cut=True)
+            self.cut.append(run)
+            return run
         requests = self.fresh().requests  # drawn (tokenized) before the run's clock starts
         expected = [r.max_new_tokens for r in requests]
         violated_at: dict[str, float] = {}

@@ -341,6 +341,37 @@ def test_evaluator_cuts_a_run_at_its_deadline_without_settling(tmp_path: Path, m
     assert race(ev, c, SLO, 0).runs == []  # type: ignore[arg-type]
 
 
+def test_a_server_start_still_loading_at_the_deadline_is_stopped(tmp_path: Path, monkeypatch: Any) -> None:
+    """A start predicted to fit the budget but slower than predicted (measured: a 2-worker 110m server whose
+    workers each wrote a 4.5 GiB KV cache, 178 s of a 174 s budget) is given only the time left; stopped at the
+    deadline it yields a cut run (no measurement), not an error. Without a deadline a failed start still raises."""
+    import time
+
+    import serving.bench.search as search
+
+    c = rolling(R2)
+    w = SimpleNamespace(requests=[SimpleNamespace(max_new_tokens=3, index=i) for i in range(N)],
+                        arrivals=lambda rate: [i / rate for i in range(N)])
+    w.fresh = lambda variant: w
+    ev = Evaluator(tmp_path, tmp_path, w, LADDER, "lmi", [SLO])  # type: ignore[arg-type]
+    timeouts: list[float] = []
+
+    def slow_start(*args: Any, timeout_s: float, **kw: Any) -> Any:
+        timeouts.append(timeout_s)
+        time.sleep(min(timeout_s, 0.3))  # not ready within the time it was given (0.3 s stands for the full 600)
+        raise RuntimeError("model m not ready in time")
+
+    monkeypatch.setattr(search.LocalServer, "start", slow_start)
+    ev.deadline = time.monotonic() + 0.2
+    run = ev.measure(c, 1)
+    assert timeouts[0] <= 0.2 and (run.cut, run.recs, ev.cut, ev.runs) == (True, [], [run], {})
+    assert race(ev, c, SLO, 0).runs == []  # type: ignore[arg-type]
+    ev.deadline = None
+    with pytest.raises(RuntimeError, match="not ready in time"):
+        ev.measure(c, 2)
+    assert timeouts[-1] == ev.server_timeout_s
+
+
 def test_a_groups_first_trial_is_its_best_with_the_batch_doubled_when_requests_queued() -> None:
     base = rolling(R1, 16, 512)
     sp = space(base, [R1])

@@ -33,7 +33,8 @@ _PTR = ctypes.c_void_p
 
 
 class PagedKernels:
-    """The loaded shared object; ``decode`` runs one layer's decode rows of every sequence in one call."""
+    """The loaded shared object; ``decode`` runs one layer's decode rows of every sequence in one call,
+    ``write_kv`` writes one layer's new keys and values into their pool slots."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.rollserve_paged_decode
@@ -41,6 +42,31 @@ class PagedKernels:
         self._fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _I64, _I64,
                              _PTR, _PTR,
                              _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int]
+        self._write = lib.rollserve_write_kv
+        self._write.restype = ctypes.c_int
+        self._write.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64,
+                                _I64, _I64, ctypes.c_int]
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> bool:
+        """``k_cache[:, slots] = key`` and the same for values, one row copy per (token, head) instead of
+        ``index_copy_``'s element-wise loop. Measured on the 110m model's layer (12 KV heads of 64, AVX2-only
+        EPYC): keys and values of 32 tokens 93 -> 43 us on one thread, 113 -> 30 us on two; of 2048 tokens
+        19.7 -> 6.0 ms and 10.5 -> 2.4 ms. ``index_copy_`` was 4.2 ms of a 32-sequence decode step (110-125 ms,
+        two threads). ``key``/``value`` [Hkv, T, D] of the pool's dtype with D contiguous, pools [Hkv, S, D]
+        contiguous, ``slots`` [T] int64 contiguous. Returns False when the layouts are beyond it (the caller
+        then uses ``index_copy_``)."""
+        if not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+                and key.dtype in (torch.float32, torch.bfloat16) and key.stride(2) == 1 and value.stride(2) == 1
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+                and key.shape == value.shape and key.shape[0] == k_cache.shape[0] and key.shape[2] == k_cache.shape[2]
+                and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == key.shape[1]):
+            return False
+        rc = self._write(key.data_ptr(), key.stride(1), key.stride(0), value.data_ptr(), value.stride(1),
+                         value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                         k_cache.shape[1], slots.data_ptr(), key.shape[1], key.shape[0], key.shape[2],
+                         key.element_size(), torch.get_num_threads())
+        return rc == 0
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                meta: torch.Tensor, tables: torch.Tensor, block_size: int, scale: float, softcap: float | None,

@@ -203,8 +203,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     k_cache = meta.pool.keys[layer]
     v_cache = meta.pool.values[layer]
-    k_cache.index_copy_(1, meta.slot_mapping, key[0])  # key[0]: [Hkv, T, D]
-    v_cache.index_copy_(1, meta.slot_mapping, value[0])
+    if meta.kernels is None or not meta.kernels.write_kv(key[0], value[0], k_cache, v_cache, meta.slot_mapping):
+        k_cache.index_copy_(1, meta.slot_mapping, key[0])  # key[0]: [Hkv, T, D]
+        v_cache.index_copy_(1, meta.slot_mapping, value[0])
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     eager = softcap is not None or s_aux is not None

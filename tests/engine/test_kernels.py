@@ -69,6 +69,40 @@ def test_decode_kernel_equals_reference(dtype: torch.dtype, heads: int, kv_heads
             torch.testing.assert_close(out[0, i], torch_rows[0, :, 0].float(), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [3, 300])  # below and above the kernel's threshold for threads
+def test_kv_write_kernel_equals_index_copy(dtype: torch.dtype, tokens: int) -> None:
+    """The step's new keys and values land in the same slots, bit for bit, as with ``index_copy_``; the
+    sources are strided views as transformers passes them ([1, Hkv, T, D] transposed from [1, T, Hkv, D])."""
+    torch.manual_seed(0)
+    k_impl = load_kernels()
+    assert k_impl is not None
+    kv_heads, d, slots_total = 3, 16, 1024
+    pool, want = KVPool(1, slots_total, kv_heads, d, dtype), KVPool(1, slots_total, kv_heads, d, dtype)
+    for x in (pool.keys[0], pool.values[0]):
+        x.normal_()
+    want.keys[0].copy_(pool.keys[0])
+    want.values[0].copy_(pool.values[0])
+    qkv = torch.randn(1, tokens, 3 * kv_heads * d).to(dtype)  # a fused projection's output, split as views
+    key = qkv[..., kv_heads * d:2 * kv_heads * d].view(1, tokens, kv_heads, d).transpose(1, 2)
+    value = qkv[..., 2 * kv_heads * d:].view(1, tokens, kv_heads, d).transpose(1, 2)
+    assert not key[0].is_contiguous()
+    slots = torch.randperm(slots_total)[:tokens]
+    assert k_impl.write_kv(key[0], value[0], pool.keys[0], pool.values[0], slots)
+    want.keys[0].index_copy_(1, slots, key[0])
+    want.values[0].index_copy_(1, slots, value[0])
+    assert torch.equal(pool.keys[0], want.keys[0]) and torch.equal(pool.values[0], want.values[0])
+    # what it does not take, it leaves to index_copy_ (returns False, writes nothing)
+    before = pool.keys[0].clone()
+    bad = slots.clone()
+    bad[-1] = slots_total  # outside the pool
+    assert not k_impl.write_kv(key[0], value[0], pool.keys[0], pool.values[0], bad)
+    assert not k_impl.write_kv(key[0].float() if dtype == torch.bfloat16 else key[0].bfloat16(), value[0],
+                               pool.keys[0], pool.values[0], slots)  # a dtype other than the pool's
+    assert not k_impl.write_kv(key[0], value[0], pool.keys[0], pool.values[0], slots.int())
+    assert torch.equal(pool.keys[0], before)
+
+
 def test_engine_without_a_compiler_uses_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
     load_kernels.cache_clear()

@@ -259,3 +259,31 @@ int rollserve_paged_decode(const void* q, int q_bf16, int64_t q_stride_t, int64_
     }
     return failed ? -1 : 0;
 }
+
+/* Write a step's new keys and values into their pool slots: key/value [T, Hkv, D] with any token and head
+ * strides (D contiguous), pools [Hkv, S, D] with D contiguous; token t goes to slot slots[t] of every head.
+ * One memcpy of a D-element row per (token, head), spread over OpenMP threads when there are many; what
+ * torch's index_copy_ does element by element. elem_bytes: 4 (fp32) or 2 (bf16), the same in source and pool.
+ * Returns 0, or -1 for a slot outside the pool (nothing is written then). */
+int rollserve_write_kv(const void* key, int64_t k_stride_t, int64_t k_stride_h, const void* value,
+                       int64_t v_stride_t, int64_t v_stride_h, void* k_cache, void* v_cache, int64_t c_stride_h,
+                       int64_t c_stride_s, int64_t num_slots, const int64_t* slots, int64_t num_tokens,
+                       int64_t num_kv_heads, int64_t d, int64_t elem_bytes, int num_threads) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    }
+    const int64_t work = num_tokens * num_kv_heads;
+    const size_t row = (size_t)(d * elem_bytes);
+    char* kc = (char*)k_cache;
+    char* vc = (char*)v_cache;
+    const char* ks = (const char*)key;
+    const char* vs = (const char*)value;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && work >= 256) schedule(static)
+    for (int64_t w = 0; w < work; w++) {
+        const int64_t t = w / num_kv_heads, h = w % num_kv_heads;
+        const int64_t dst = (h * c_stride_h + slots[t] * c_stride_s) * elem_bytes;
+        memcpy(kc + dst, ks + (t * k_stride_t + h * k_stride_h) * elem_bytes, row);
+        memcpy(vc + dst, vs + (t * v_stride_t + h * v_stride_h) * elem_bytes, row);
+    }
+    return 0;
+}

@@ -199,7 +199,7 @@ class Plan:
                   "the run's",
                   "   arrival span plus the slowest drain seen) and what would end after the budget is skipped "
                   "(listed in the report);",
-                  "   a run still going at the deadline is cut",
+                  "   a run still going at the deadline is cut, a server start still loading then is stopped",
                   f"{n + 1}. write serving.properties (annotated), tune-report.yaml, tune-report.png; print the "
                   f"improvement over the baseline"]
         return "\n".join(lines)

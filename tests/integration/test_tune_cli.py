@@ -58,7 +58,7 @@ def test_dry_run_prints_the_plan(tmp_path: Path) -> None:
                             "dropped:")
     assert lines[i + 4:i + 4 + len(seeds)] == seeds
     assert lines[i + 4 + len(seeds)].startswith("3. successive halving over the groups left")
-    assert "   a run still going at the deadline is cut" in lines
+    assert "   a run still going at the deadline is cut, a server start still loading then is stopped" in lines
     assert "     rolling  max_rolling_batch_size in [1, 64] (log scale)" in lines
     assert "     dynamic  max_batch_delay in [0, 200]" in lines
     assert not list(tmp_path.iterdir())  # nothing started, nothing written

@@ -240,8 +240,13 @@ def certainly_violated(slo: Slo, recs: list[Rec], expected: list[int], stream: b
     percentile is already over its limit counting only values known to exceed it (mean bounds: never)."""
     if any(r.error is not None for r in recs):
         return True
-    started = [(r, n) for r, n in zip(recs, expected, strict=True) if r.send <= now]
+    started = _started(recs, expected, now)
     return any(_certainly_over(b, recs, expected, started, stream, now) for b in slo.bounds)
+
+
+def _started(recs: list[Rec], expected: list[int], now: float) -> list[tuple[Rec, int]]:
+    """The requests sent by ``now``, with their expected output lengths."""
+    return [(r, n) for r, n in zip(recs, expected, strict=True) if r.send <= now]
 
 
 def _certainly_over(b: Bound, recs: list[Rec], expected: list[int], started: list[tuple[Rec, int]], stream: bool,
@@ -260,7 +265,7 @@ def missed_bounds(run: Run, slo: Slo, stream: bool) -> set[str]:
     missed = {b.metric for b in slo.bounds if vals[b.key] == vals[b.key] and vals[b.key] > b.limit_s}
     if run.aborted and run.recs:
         now = min(r.send for r in run.recs) + run.wall_s
-        started = [(r, n) for r, n in zip(run.recs, run.expected, strict=True) if r.send <= now]
+        started = _started(run.recs, run.expected, now)
         missed |= {b.metric for b in slo.bounds
                    if _certainly_over(b, run.recs, run.expected, started, stream, now)}
     return missed
@@ -346,16 +351,16 @@ class Evaluator:
         self.log(f"  starting {config.group.label} (server {self._n_servers})")
         # A start predicted to fit the budget may take longer (the tune predicts it from measured ones): one
         # still loading at the deadline is stopped there, so the budget holds.
-        timeout = self.server_timeout_s
-        by_deadline = self.deadline is not None and self.deadline - time.monotonic() < timeout
-        if self.deadline is not None and by_deadline:
-            timeout = max(0.0, self.deadline - time.monotonic())
+        deadline = self.deadline
+        left = None if deadline is None else deadline - time.monotonic()
+        by_deadline = left is not None and left < self.server_timeout_s
+        timeout = max(0.0, left) if left is not None and by_deadline else self.server_timeout_s
         try:
             self.server = LocalServer.start(self.model_dir, self.workdir / f"server-{self._n_servers}",
                                             name=self.model_dir.resolve().name, properties=props,
                                             server_config={"enable_model_api": "true"}, timeout_s=timeout)
         except RuntimeError:
-            if by_deadline and self.deadline is not None and time.monotonic() >= self.deadline:
+            if by_deadline and deadline is not None and time.monotonic() >= deadline:
                 self.log(f"  the start of {config.group.label} was stopped at the budget's deadline")
                 raise StartCut(config.group.label) from None
             raise

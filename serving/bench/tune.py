@@ -460,8 +460,9 @@ class Tuner:
         def moved(**factors: float) -> dict[str, int]:
             out = dict(params)
             for name, f in factors.items():
-                out[name] = max(int(out[name] * f), 10) if name == "max_batch_delay" and out[name] == 0 and f > 1 \
-                    else int(out[name] * f)
+                out[name] = int(out[name] * f)
+                if name == "max_batch_delay" and f > 1 and params[name] == 0:
+                    out[name] = 10  # doubling a delay of 0 ms: 10 ms
             return out
 
         if g.mode == "rolling":

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.errors import ErrorKind, ServingError
+from serving.heap import IdleTrim
 from serving.ipc import codec
 from serving.ipc.messages import (
     Batch,
@@ -93,10 +94,12 @@ def output_to_wire(out: Any) -> dict[str, Any]:
     }
 
 
-def serve_dynamic(conn: WorkerConnection, handler: Any, model: str = "-", redact: Callable[[str], str] = str
-                  ) -> None:
+def serve_dynamic(conn: WorkerConnection, handler: Any, model: str = "-", redact: Callable[[str], str] = str,
+                  idle: Callable[[], object] | None = None) -> None:
+    """Run ``handle(batch)`` per ``Batch``; ``idle`` (default: ``IdleTrim``) runs whenever no batch waits."""
     from handlers.base import Output
 
+    idle = IdleTrim() if idle is None else idle
     while True:
         msg = conn.inbox.get()
         if msg is None or isinstance(msg, Shutdown):
@@ -116,6 +119,8 @@ def serve_dynamic(conn: WorkerConnection, handler: Any, model: str = "-", redact
                           len(inputs), extra={"request_id": rids, "model": model})
             outputs = [Output.failure(i.request_id, f"handler error: {type(exc).__name__}: {exc}") for i in inputs]
         conn.send(BatchResult(batch_id=msg.batch_id, outputs=[_encodable_output(o, model, redact) for o in outputs]))
+        if conn.inbox.empty():
+            idle()
 
 
 def _encodable_output(out: Any, model: str, redact: Callable[[str], str]) -> dict[str, Any]:

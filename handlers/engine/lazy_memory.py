@@ -31,6 +31,23 @@ import torch
 POPULATE_MODES = ("eager", "lazy")
 
 
+def huge_pages(region: mmap.mmap) -> bool:
+    """Ask the kernel to back ``region`` with transparent huge pages (2 MiB on x86-64) before it is touched;
+    True when it accepted. Where THP is ``madvise`` (the common default) memory is otherwise mapped in 4 KiB
+    pages, and a decode step that reads KV blocks scattered over the pool misses the TLB at every 4 KiB block
+    of every head (on a virtual machine each miss walks two page tables): measured, the decode-attention kernel
+    over 32 sequences of 512 tokens in scattered blocks, 110m geometry, one core, 20.2/23.7 ms per layer with 4 KiB
+    pages against 16.6/18.3 ms with huge pages (benchmarks/README.md). A no-op where THP is off."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return False
+    try:
+        region.madvise(advice)
+    except OSError:  # THP compiled out or disabled
+        return False
+    return True
+
+
 class ZeroRegion:
     """``nbytes`` of zeroed anonymous memory, viewed as tensors with ``view``."""
 
@@ -40,6 +57,7 @@ class ZeroRegion:
         self.nbytes = nbytes
         # MAP_PRIVATE: plain anonymous memory (mmap's default, MAP_SHARED, would be shmem).
         self._map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.huge_pages = huge_pages(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
         if populate == "eager":
             self.tensor.zero_()  # already zero: this only faults every page in now

@@ -22,6 +22,7 @@ from handlers.engine.adapters import adapt_model
 from handlers.engine.families import UnsupportedModel
 from handlers.engine.fusion import fuse_projections
 from handlers.engine.kernels import load_kernels
+from handlers.engine.lean import LeanDecoder, unsupported
 from handlers.engine.paged_attention import (
     ATTN_IMPLEMENTATION,
     CONTEXT_ATTR,
@@ -98,7 +99,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: str = "false",
                  num_kv_heads: int | None = None, group: StepBroadcaster | None = None,
-                 fuse_weights: bool = False, use_kernels: bool = True, populate_kv: str = "eager") -> None:
+                 fuse_weights: bool = False, use_kernels: bool = True, populate_kv: str = "eager",
+                 lean: bool = True) -> None:
         model.eval()
         use_paged_attention(model)
         if fuse_weights:
@@ -122,7 +124,37 @@ class ModelRunner:
         self.pool = KVPool(num_layers, num_blocks * block_size, num_kv_heads or config_kv_heads, head_dim, dtype,
                            populate_kv)
         self.kernels = load_kernels() if use_kernels else None
+        self.lean: LeanDecoder | None = None
         self._probe(num_layers)
+        if lean:
+            self.lean = self._lean_decoder()
+
+    def _lean_decoder(self) -> LeanDecoder | None:
+        """``LeanDecoder`` when it reproduces the model: its structure is one the lean forward knows, and a
+        probe step of both forwards (a 5-token prompt, then one decode token) gives bitwise the same logits."""
+        why = unsupported(self.model)
+        if why is None and self.num_blocks * self.block_size < 6:
+            why = "the KV pool is smaller than the probe"
+        if why is None:
+            lean = LeanDecoder(self.model, paged_attention_forward)
+            table = list(range(min(self.num_blocks, -(-6 // self.block_size))))  # slot = position
+            probe = [StepInputs([1, 2, 3, 4, 5], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [(0, 0, 5, table)], [4]),
+                     StepInputs([6], [5], [5], [(0, 5, 1, table)], [0])]
+            for step in probe:
+                want = self.forward(step)
+                self.lean = lean
+                try:
+                    got = self.forward(step)
+                finally:
+                    self.lean = None
+                if not torch.equal(want, got):
+                    why = f"its logits differ from transformers' forward by up to {(want - got).abs().max():.3g}"
+                    break
+            else:
+                logger.info("decoder: lean forward (%s)", type(self.model).__name__)
+                return lean
+        logger.info("decoder: transformers' forward (the lean one does not apply: %s)", why)
+        return None
 
     def _probe(self, num_layers: int) -> None:
         """Run one token through the model at load: an attention argument the engine does not implement
@@ -177,6 +209,10 @@ class ModelRunner:
         self.context.meta = StepMetadata(self.pool, torch.tensor(inputs.slots, dtype=torch.long), spans,
                                          self.block_size, self.kernels)
         try:
+            if self.lean is not None:
+                return self.lean.forward(torch.tensor(inputs.input_ids, dtype=torch.long),
+                                         torch.tensor(inputs.positions, dtype=torch.long),
+                                         torch.tensor(inputs.keep, dtype=torch.long))
             out = self.model(
                 input_ids=torch.tensor([inputs.input_ids], dtype=torch.long),
                 position_ids=torch.tensor([inputs.positions], dtype=torch.long),

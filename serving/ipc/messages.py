@@ -10,7 +10,7 @@ Worker -> frontend: Ready, LoadFailed, BatchResult, Deltas, Reject, Configured (
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Union
 
 
@@ -138,9 +138,22 @@ class ProtocolError(ValueError):
 
 
 def message_to_dict(msg: Message) -> dict[str, Any]:
-    d = asdict(msg)
+    """The message's fields as a tagged map, shallow: every field already holds plain data (str, numbers,
+    lists, dicts). ``dataclasses.asdict`` deep-copies every nested list and dict instead, which cost 1.6 ms
+    per rolling step of 32 sequences (a tenth of a decode step of the default model)."""
+    d = {name: getattr(msg, name) for name in _field_names(type(msg))}
     d["t"] = msg.TAG
     return d
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
 
 
 def message_from_dict(d: Any) -> Message:
@@ -149,10 +162,10 @@ def message_from_dict(d: Any) -> Message:
     cls = MESSAGE_TYPES.get(d["t"])
     if cls is None:
         raise ProtocolError(f"unknown message type {d['t']!r}")
-    names = {f.name for f in fields(cls)}
+    names = _field_names(cls)
     kw = {k: v for k, v in d.items() if k != "t"}
-    if not set(kw) <= names:
-        raise ProtocolError(f"unexpected fields {sorted(set(kw) - names)} in {d['t']!r}")
+    if not kw.keys() <= set(names):
+        raise ProtocolError(f"unexpected fields {sorted(kw.keys() - set(names))} in {d['t']!r}")
     try:
         return cls(**kw)  # type: ignore[no-any-return]
     except TypeError as exc:

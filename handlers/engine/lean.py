@@ -1,0 +1,130 @@
+"""A lean forward for Llama-structured decoders: the same modules and weights, a fraction of the Python.
+
+Design note (why: on a small model or a small batch a step is mostly per-operation overhead, not arithmetic):
+transformers' forward of a Llama-family model runs ~15 module calls and ~60 tensor operations per layer, plus
+a mask builder, output-capturing decorators and keyword plumbing per step. ``LeanDecoder`` walks the same
+decoder on flat [T, hidden] tensors: it calls the model's own projection modules (so prepacked, fused and
+tensor-parallel linears work unchanged), ``F.rms_norm`` for the norms (bitwise equal to transformers' RMSNorm
+formula: fp32 mean of squares, rsqrt, multiply, weight), the rotary tables of the model's own rotary module
+(computed once per step), and the engine's paged attention. Every operation is the one transformers
+runs, on the same values in the same order, so the logits are bitwise the same. ``LeanDecoder.build``
+accepts only the structures it reproduces (Llama, and Mistral/Qwen2 without sliding windows); the runner
+also compares its logits with transformers' on a probe step at load and keeps transformers' forward when
+they differ by a single bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Families whose decoder layer is Llama's: pre-norm RMSNorm, q/k/v/o projections, rotate-half rotary, gated
+# SiLU MLP, residual adds. (Qwen2 adds a bias to q/k/v, which the projection modules carry.)
+_FAMILIES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
+_ACTS = {"SiLU", "SiLUActivation"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    attn: nn.Module
+    in_norm: tuple[torch.Tensor, float]
+    post_norm: tuple[torch.Tensor, float]
+    q: nn.Module
+    k: nn.Module
+    v: nn.Module
+    o: nn.Module
+    gate: nn.Module
+    up: nn.Module
+    down: nn.Module
+    scaling: float
+
+
+# attention(module, query [1, H, T, D], key [1, Hkv, T, D], value, None, scaling=) -> ([1, T, H, D], None)
+Attention = Callable[..., tuple[torch.Tensor, Any]]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb`` for one tensor [T, heads, D] with cos/sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+class LeanDecoder:
+    """``forward(input_ids [T], positions [T], keep [K])`` -> logits [K, vocab], as the model would give."""
+
+    def __init__(self, model: nn.Module, attention: Attention) -> None:
+        inner: Any = model.model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
+        self.lm_head = model.lm_head
+        self.head_dim = int(inner.layers[0].self_attn.head_dim)
+        self.attention = attention
+        self.layers = [
+            _Layer(layer.self_attn, (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon)),
+                   (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon)),
+                   layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, float(layer.self_attn.scaling))
+            for layer in inner.layers]
+
+    @classmethod
+    def build(cls, model: nn.Module, attention: Attention) -> LeanDecoder | None:
+        """A lean decoder for ``model``, or None when its structure is not exactly Llama's (see ``unsupported``)."""
+        return None if unsupported(model) else cls(model, attention)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(x, positions[None])  # [1, T, D] each
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]: broadcast over heads
+        t, d = x.shape[0], self.head_dim
+        for layer in self.layers:
+            residual = x
+            h = F.rms_norm(x, x.shape[-1:], *layer.in_norm)
+            q = _rotate(layer.q(h).view(t, -1, d), cos, sin)
+            k = _rotate(layer.k(h).view(t, -1, d), cos, sin)
+            v = layer.v(h).view(t, -1, d)
+            out, _ = self.attention(layer.attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                    v.transpose(0, 1)[None], None, scaling=layer.scaling)
+            x = residual + layer.o(out.reshape(t, -1))
+            residual = x
+            h = F.rms_norm(x, x.shape[-1:], *layer.post_norm)
+            x = residual + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        x = F.rms_norm(x[keep], x.shape[-1:], *self.norm)
+        return self.lm_head(x)  # type: ignore[no-any-return,operator]
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why ``LeanDecoder`` cannot reproduce ``model``'s forward, or None when it can."""
+    name = type(model).__name__
+    if name not in _FAMILIES:
+        return f"{name} is not a Llama-structured family"
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "sliding_window", None) and (
+            name == "MistralForCausalLM" or getattr(config, "use_sliding_window", False)):
+        return "sliding-window attention"
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        return "layers other than full attention"
+    inner: Any = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or not layers or getattr(model, "lm_head", None) is None:
+        return "no model.layers / lm_head"
+    if type(inner.norm).__name__ not in _NORMS or getattr(config, "final_logit_softcapping", None):
+        return "a final norm or logit processing of its own"
+    for layer in layers:
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n).__name__ not in _NORMS for n in norms):
+            return f"norm {type(norms[0]).__name__}"
+        attn, mlp = layer.self_attn, layer.mlp
+        if any(hasattr(attn, a) for a in ("q_norm", "k_norm")):
+            return "query/key norms"
+        if type(getattr(mlp, "act_fn", None)).__name__ not in _ACTS:
+            return f"activation {type(getattr(mlp, 'act_fn', None)).__name__}"
+        if not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
+            return "an MLP other than gate/up/down"
+    return None

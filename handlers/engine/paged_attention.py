@@ -160,11 +160,12 @@ class StepMetadata:
         rows: list[int] = []
         tables: list[int] = []
         rest = []
-        for span, view in zip(self.spans, self.views(window), strict=True):
+        for span in self.spans:
             if span.num_new != 1:
-                rest.append(view)
+                rest.append(seq_attention(span, self.block_size, window))
                 continue
-            rows += [span.q_start, view.kv_pos, view.kv_pos + view.kv_len, len(tables)]
+            # a decode row reads keys [lo, start] (seq_attention's range for one query, without its view)
+            rows += [span.q_start, max(0, span.start - window + 1) if window else 0, span.start + 1, len(tables)]
             tables += span.block_table
         plan = None
         if rows:

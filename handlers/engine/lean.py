@@ -4,8 +4,8 @@ Design note (why: on a small model or a small batch a step is mostly per-operati
 transformers' forward of a Llama-family model runs ~15 module calls and ~60 tensor operations per layer, plus
 a mask builder, output-capturing decorators and keyword plumbing per step. ``LeanDecoder`` walks the same
 decoder on flat [T, hidden] tensors: it calls the model's own projection modules (so prepacked, fused and
-tensor-parallel linears work unchanged), ``F.rms_norm`` for the norms (bitwise equal to transformers' RMSNorm
-formula: fp32 mean of squares, rsqrt, multiply, weight), the rotary tables of the model's own rotary module
+tensor-parallel linears work unchanged), the norms as transformers computes them (``F.rms_norm`` in fp32, bitwise
+the same; transformers' own formula in half precision), the rotary tables of the model's own rotary module
 (computed once per step), and the engine's paged attention. Every operation is the one transformers
 runs, on the same values in the same order, so the logits are bitwise the same. ``LeanDecoder.build``
 accepts only the structures it reproduces (Llama, and Mistral/Qwen2 without sliding windows); the runner
@@ -49,6 +49,18 @@ class _Layer:
 Attention = Callable[..., tuple[torch.Tensor, Any]]
 
 
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def _rms_norm_upcast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm for half-precision inputs: fp32 statistics, the weight applied after the cast
+    back (``F.rms_norm`` keeps fp32 until after the weight, so its bf16 results differ)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' ``apply_rotary_pos_emb`` for one tensor [T, heads, D] with cos/sin [T, 1, D]."""
     half = x.shape[-1] // 2
@@ -66,6 +78,8 @@ class LeanDecoder:
         self.lm_head = model.lm_head
         self.head_dim = int(inner.layers[0].self_attn.head_dim)
         self.attention = attention
+        dtype = inner.embed_tokens.weight.dtype
+        self.rms_norm = _rms_norm_fp32 if dtype == torch.float32 else _rms_norm_upcast
         self.layers = [
             _Layer(layer.self_attn, (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon)),
                    (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon)),
@@ -85,7 +99,7 @@ class LeanDecoder:
         t, d = x.shape[0], self.head_dim
         for layer in self.layers:
             residual = x
-            h = F.rms_norm(x, x.shape[-1:], *layer.in_norm)
+            h = self.rms_norm(x, *layer.in_norm)
             q = _rotate(layer.q(h).view(t, -1, d), cos, sin)
             k = _rotate(layer.k(h).view(t, -1, d), cos, sin)
             v = layer.v(h).view(t, -1, d)
@@ -93,9 +107,9 @@ class LeanDecoder:
                                     v.transpose(0, 1)[None], None, scaling=layer.scaling)
             x = residual + layer.o(out.reshape(t, -1))
             residual = x
-            h = F.rms_norm(x, x.shape[-1:], *layer.post_norm)
+            h = self.rms_norm(x, *layer.post_norm)
             x = residual + layer.down(F.silu(layer.gate(h)) * layer.up(h))
-        x = F.rms_norm(x[keep], x.shape[-1:], *self.norm)
+        x = self.rms_norm(x[keep], *self.norm)
         return self.lm_head(x)  # type: ignore[no-any-return,operator]
 
 

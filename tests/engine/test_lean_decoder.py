@@ -14,10 +14,15 @@ from handlers.synthetic_model import build_model
 BS = 16
 
 
-def runner_for(model_dir: Path, **kw: object) -> ModelRunner:
+def runner_for(model_dir: Path, dtype: torch.dtype = torch.float32, **kw: object) -> ModelRunner:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # norm weights other than the initial ones, so that where they multiply matters
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
     return ModelRunner(model, 16, BS, prepack_weights="hybrid", **kw)  # type: ignore[arg-type]
 
 
@@ -40,11 +45,13 @@ def mixed_steps() -> list[StepInputs]:
     ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_lean_forward_gives_transformers_logits_bit_for_bit(tmp_path: Path, arch: str) -> None:
-    lean_runner = runner_for(build_model(tmp_path / arch, arch, "tiny"))
+@pytest.mark.parametrize(("arch", "dtype"), [("llama", torch.float32), ("qwen2", torch.float32),
+                                             ("llama", torch.bfloat16)])
+def test_the_lean_forward_gives_transformers_logits_bit_for_bit(tmp_path: Path, arch: str, dtype: torch.dtype
+                                                                ) -> None:
+    lean_runner = runner_for(build_model(tmp_path / arch, arch, "tiny"), dtype)
     assert lean_runner.lean is not None
-    plain_runner = runner_for(tmp_path / arch, lean=False)
+    plain_runner = runner_for(tmp_path / arch, dtype, lean=False)
     assert plain_runner.lean is None
     for step in mixed_steps():
         got, want = lean_runner.forward(step), plain_runner.forward(step)

@@ -7,8 +7,8 @@ decoder on flat [T, hidden] tensors: it calls the model's own projection modules
 tensor-parallel linears work unchanged), the norms as transformers computes them (``F.rms_norm`` in fp32, bitwise
 the same; transformers' own formula in half precision), the rotary tables of the model's own rotary module
 (computed once per step), and the engine's paged attention. Every operation is the one transformers
-runs, on the same values in the same order, so the logits are bitwise the same. ``LeanDecoder.build``
-accepts only the structures it reproduces (Llama, and Mistral/Qwen2 without sliding windows); the runner
+runs, on the same values in the same order, so the logits are bitwise the same. ``unsupported``
+names any structure it does not reproduce (it accepts Llama, and Mistral/Qwen2 without sliding windows); the runner
 also compares its logits with transformers' on a probe step at load and keeps transformers' forward when
 they differ by a single bit.
 """
@@ -86,11 +86,6 @@ class LeanDecoder:
                    layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, float(layer.self_attn.scaling))
             for layer in inner.layers]
-
-    @classmethod
-    def build(cls, model: nn.Module, attention: Attention) -> LeanDecoder | None:
-        """A lean decoder for ``model``, or None when its structure is not exactly Llama's (see ``unsupported``)."""
-        return None if unsupported(model) else cls(model, attention)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)  # [T, hidden]

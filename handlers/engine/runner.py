@@ -137,7 +137,7 @@ class ModelRunner:
             why = "the KV pool is smaller than the probe"
         if why is None:
             lean = LeanDecoder(self.model, paged_attention_forward)
-            table = list(range(min(self.num_blocks, -(-6 // self.block_size))))  # slot = position
+            table = list(range(-(-6 // self.block_size)))  # blocks 0.. in order: slot = position
             probe = [StepInputs([1, 2, 3, 4, 5], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [(0, 0, 5, table)], [4]),
                      StepInputs([6], [5], [5], [(0, 5, 1, table)], [0])]
             for step in probe:

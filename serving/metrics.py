@@ -103,6 +103,10 @@ class ServingMetrics:
                                       "cache", m, registry=r)
         self.prefix_hits = Counter("rollserve_prefix_cache_hits", "Prompt blocks found in the prefix cache", m,
                                    registry=r)
+        self.spec_drafts = Counter("rollserve_spec_decode_num_draft_tokens", "Tokens guessed by speculative "
+                                   "decoding (option.speculative_draft)", m, registry=r)
+        self.spec_accepted = Counter("rollserve_spec_decode_num_accepted_tokens", "Guessed tokens the model "
+                                     "confirmed", m, registry=r)
         r.register(_StateCollector(models))
 
     # --- model label ---
@@ -160,7 +164,9 @@ class ServingMetrics:
         last = self._engine_totals.setdefault((model, worker_id), {})
         for key, counter in (("num_preemptions_total", self.preemptions),
                              ("prefix_cache_queries_total", self.prefix_queries),
-                             ("prefix_cache_hits_total", self.prefix_hits)):
+                             ("prefix_cache_hits_total", self.prefix_hits),
+                             ("spec_draft_tokens_total", self.spec_drafts),
+                             ("spec_accepted_tokens_total", self.spec_accepted)):
             value = stats.get(key)
             if not isinstance(value, (int, float)):
                 continue

@@ -120,6 +120,11 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("fuse_projections", boolean, "false", (ENGINE,), "fuse the q/k/v and gate/up projections"),
     _spec("allow_unsafe_weights", boolean, "false", _BOTH, "load pickled (.bin) weights"),
     _spec("seed", integer(0), "0", (ENGINE,), "the engine's sampling seed"),
+    _spec("speculative_draft", choice(("none", "ngram")), "none", (ENGINE,),
+          "speculative decoding of greedy requests: ngram = prompt lookup (guesses from the sequence's own text)"),
+    _spec("num_speculative_tokens", integer(1, 16), "4", (ENGINE,), "guesses checked per sequence and step"),
+    _spec("prompt_lookup_min", integer(1, 16), "1", (ENGINE,), "shortest n-gram the ngram drafter matches"),
+    _spec("prompt_lookup_max", integer(1, 16), "3", (ENGINE,), "longest n-gram the ngram drafter matches"),
     # The echo handler (tests, load generation).
     _spec("echo_delay_ms", number(0), "0", (ECHO,), "sleep once per batch"),
     _spec("echo_fail_on", any_text, None, (ECHO,), "fail an item whose prompt contains this"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from handlers.engine.cpu import packed_weights_win_everywhere
+from serving.errors import ConfigError
 from serving.options import option_value, parse_option
 from serving.values import AUTO
 
@@ -42,6 +43,10 @@ class EngineConfig:
     allow_unsafe_weights: bool = False
     seed: int = 0
     tensor_parallel_degree: int = 1
+    speculative_draft: str = "none"  # none | ngram (handlers.engine.speculative)
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> EngineConfig:
@@ -55,6 +60,9 @@ class EngineConfig:
             value = get(key)
             return 0 if value == AUTO else int(value)
 
+        if get("prompt_lookup_min") > get("prompt_lookup_max"):
+            raise ConfigError(f"option.prompt_lookup_min = {get('prompt_lookup_min')} exceeds option.prompt_lookup_max "
+                              f"= {get('prompt_lookup_max')}")
         return cls(
             max_num_seqs=get("max_rolling_batch_size"),
             max_num_batched_tokens=get("max_rolling_batch_prefill_tokens"),
@@ -75,6 +83,10 @@ class EngineConfig:
             allow_unsafe_weights=get("allow_unsafe_weights"),
             seed=get("seed"),
             tensor_parallel_degree=get("tensor_parallel_degree"),
+            speculative_draft=get("speculative_draft"),
+            num_speculative_tokens=get("num_speculative_tokens"),
+            prompt_lookup_min=get("prompt_lookup_min"),
+            prompt_lookup_max=get("prompt_lookup_max"),
         )
 
 

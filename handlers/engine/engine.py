@@ -31,9 +31,10 @@ from handlers.engine.memory import (
 from handlers.engine.paged_attention import KVPool
 from handlers.engine.parallel import TensorParallelGroup, shard_model, start_group
 from handlers.engine.runner import ModelRunner, kv_geometry
-from handlers.engine.sampling import RequestSampler, SampledToken, sample_batch
-from handlers.engine.scheduler import Scheduler, SchedulerConfig
+from handlers.engine.sampling import RequestSampler, SampledToken, sample_batch, sampled_token
+from handlers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.sequence import Sequence
+from handlers.engine.speculative import NgramDrafter, accepted_prefix
 from serving.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class _Request:
     sampler: RequestSampler
     detokenizer: IncrementalDetokenizer
     eos_ids: frozenset[int]
+    drafter: NgramDrafter | None = None  # speculative decoding's guesses (plain greedy requests only)
     sent_first: bool = False
 
 
@@ -97,7 +99,12 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._counters = {"num_steps_total": 0, "num_prefill_tokens_total": 0, "prompt_tokens_total": 0,
                           "generation_tokens_total": 0, "num_requests_finished_total": 0,
-                          "num_requests_aborted_total": 0}
+                          "num_requests_aborted_total": 0, "spec_draft_tokens_total": 0,
+                          "spec_accepted_tokens_total": 0}
+        if config.speculative_draft == "ngram":
+            self.scheduler.drafter = self._draft
+            logger.info("speculative decoding: n-gram prompt lookup, up to %d tokens a step (n-grams of %d-%d)",
+                        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
     @classmethod
     def from_options(cls, model_dir: Path, options: Mapping[str, str]) -> LLMEngine:
@@ -130,9 +137,13 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params)
         self.scheduler.add(seq)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        sampler = RequestSampler(params, self._seed_source)
+        drafter = None
+        if self.scheduler.drafter is not None and sampler.plain_greedy:
+            drafter = NgramDrafter(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         self._requests[request_id] = _Request(
-            seq, RequestSampler(params, self._seed_source),
-            IncrementalDetokenizer(self._backend_tokenizer, seq.prompt_token_ids, params.stop), eos)
+            seq, sampler, IncrementalDetokenizer(self._backend_tokenizer, seq.prompt_token_ids, params.stop), eos,
+            drafter)
 
     def abort(self, request_id: str) -> None:
         """Drop a request now (waiting or running); its blocks are free before the next step."""
@@ -159,7 +170,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[TokenDelta]:
-        """Run one iteration; returns a delta for every request that produced a token."""
+        """Run one iteration; returns a delta for every token produced (one per request, or several for a
+        request whose guessed tokens were confirmed: ``_verify``)."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
@@ -167,10 +179,65 @@ class LLMEngine:
         self.scheduler.commit(plan)
         self._counters["num_steps_total"] += 1
         self._counters["num_prefill_tokens_total"] += sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
-        sampled = [c.seq for c in plan.chunks if c.samples]
-        reqs = [self._requests[s.request_id] for s in sampled]
-        tokens = sample_batch(logits, [s.token_ids for s in sampled], [r.sampler for r in reqs])
+        sampled = [c for c in plan.chunks if c.samples]
+        reqs = [self._requests[c.seq.request_id] for c in sampled]
+        if any(c.draft for c in sampled):
+            return self._verify(sampled, reqs, logits)
+        tokens = sample_batch(logits, [c.seq.token_ids for c in sampled], [r.sampler for r in reqs])
         return [self._advance(r, t) for r, t in zip(reqs, tokens, strict=True)]
+
+    # -------------------------------------------------------- speculative decoding
+    def _draft(self, seq: Sequence) -> list[int]:
+        """The scheduler's drafter: guesses of ``seq``'s next tokens, never more than it may still generate
+        after the token the model adds."""
+        req = self._requests.get(seq.request_id)
+        if req is None or req.drafter is None:
+            return []
+        k = min(self.config.num_speculative_tokens, seq.params.max_new_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1)
+        return req.drafter.propose(seq.token_ids, k)
+
+    def _verify(self, sampled: list[ScheduledChunk], reqs: list[_Request], logits: torch.Tensor) -> list[TokenDelta]:
+        """A step with guesses: chunks with a draft have 1 + len(draft) logits rows (greedy, see
+        ``handlers.engine.speculative``), the others one row sampled as usual."""
+        first: list[int] = []  # each chunk's first logits row
+        row = 0
+        for c in sampled:
+            first.append(row)
+            row += 1 + len(c.draft)
+        plain = [i for i, c in enumerate(sampled) if not c.draft]
+        plain_tokens = iter(sample_batch(logits[[first[i] for i in plain]], [sampled[i].seq.token_ids for i in plain],
+                                         [reqs[i].sampler for i in plain]) if plain else ())
+        verify_rows = [first[i] + j for i, c in enumerate(sampled) if c.draft for j in range(1 + len(c.draft))]
+        chosen = logits[verify_rows].argmax(-1).tolist()
+        deltas = []
+        at = 0
+        for i, (c, req) in enumerate(zip(sampled, reqs, strict=True)):
+            if not c.draft:
+                deltas.append(self._advance(req, next(plain_tokens)))
+                continue
+            picks = chosen[at:at + 1 + len(c.draft)]
+            at += 1 + len(c.draft)
+            accepted = accepted_prefix(c.draft, picks)
+            if req.drafter is not None:
+                req.drafter.record(len(c.draft), accepted)
+            self._counters["spec_draft_tokens_total"] += len(c.draft)
+            self._counters["spec_accepted_tokens_total"] += accepted
+            emitted = [sampled_token(logits[first[i] + j], t, req.sampler) for j, t in enumerate(picks[:accepted + 1])]
+            deltas.extend(self._advance_many(req, emitted))
+        return deltas
+
+    def _advance_many(self, req: _Request, tokens: list[SampledToken]) -> list[TokenDelta]:
+        """Emit the model's tokens of one verified chunk (confirmed guesses, then its own next token), a delta
+        each (so that every token keeps its own released text), stopping at the first that finishes the
+        request; the confirmed guesses' KV counts as computed."""
+        deltas = []
+        for token in tokens:
+            deltas.append(self._advance(req, token))
+            if deltas[-1].finish_reason is not None:
+                return deltas
+        self.scheduler.accept_draft(req.seq, len(deltas) - 1)
+        return deltas
 
     def _advance(self, req: _Request, sampled: SampledToken) -> TokenDelta:
         seq = req.seq

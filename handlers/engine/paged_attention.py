@@ -25,8 +25,12 @@ import torch.nn.functional as F
 from handlers.engine.families import UnsupportedModel
 from handlers.engine.kernels import PagedKernels
 from handlers.engine.lazy_memory import ZeroRegion
+from handlers.engine.speculative import MAX_SPECULATIVE_TOKENS
 
 ATTN_IMPLEMENTATION = "rollserve_paged"
+# A chunk of at most this many tokens after cached ones (speculative decoding's last token and guesses) goes to
+# the decode kernel as one row per token, instead of a masked attention call of its own.
+MAX_ROWS_AS_DECODES = MAX_SPECULATIVE_TOKENS + 1
 CONTEXT_ATTR = "rollserve_context"
 
 # Arguments transformers passes to attention that carry no attention semantics (bookkeeping for caches,
@@ -161,11 +165,15 @@ class StepMetadata:
         tables: list[int] = []
         rest = []
         for span in self.spans:
-            if span.num_new != 1:
+            if span.num_new != 1 and not (span.start > 0 and span.num_new <= MAX_ROWS_AS_DECODES):
                 rest.append(seq_attention(span, self.block_size, window))
                 continue
-            # a decode row reads keys [lo, start] (seq_attention's range for one query, without its view)
-            rows += [span.q_start, max(0, span.start - window + 1) if window else 0, span.start + 1, len(tables)]
+            # Each query at position p reads keys [lo, p] (seq_attention's range for one query, without its view);
+            # a short chunk after cached tokens (a decode with guesses) is read as that many decode rows.
+            offset = len(tables)
+            for i in range(span.num_new):
+                p = span.start + i
+                rows += [span.q_start + i, max(0, p - window + 1) if window else 0, p + 1, offset]
             tables += span.block_table
         plan = None
         if rows:

@@ -175,7 +175,8 @@ class ModelRunner:
         self.sliding_window = windows.pop() if len(windows) == 1 else 0
 
     def execute(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
-        """Run the chunks as one flat batch; returns logits [num sampled chunks, vocab] in chunk order."""
+        """Run the chunks as one flat batch; returns logits [sampled rows, vocab] in chunk order: one row per
+        sampled chunk, 1 + len(draft) for a chunk with guesses."""
         inputs = self.prepare(chunks)
         if self.group is not None:
             self.group.broadcast_step(inputs)
@@ -191,15 +192,16 @@ class ModelRunner:
         bs = self.block_size
         for c in chunks:
             seq = c.seq
-            end = c.start + c.num_tokens
+            end = c.start + c.num_tokens + len(c.draft)
             q0 = len(input_ids)
-            input_ids.extend(seq.token_ids[c.start:end])
+            input_ids.extend(seq.token_ids[c.start:c.start + c.num_tokens])
+            input_ids.extend(c.draft)
             positions.extend(range(c.start, end))
             table = seq.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
-            seqs.append((q0, c.start, c.num_tokens, table[:-(-end // bs)]))
-            if c.samples:
-                keep.append(len(input_ids) - 1)
+            seqs.append((q0, c.start, end - c.start, table[:-(-end // bs)]))
+            if c.samples:  # a decode with guesses samples after its token and after each guess
+                keep.extend(range(len(input_ids) - 1 - len(c.draft), len(input_ids)))
         return StepInputs(input_ids, positions, slots, seqs, keep)
 
     @torch.inference_mode()

@@ -88,15 +88,16 @@ def sample_batch(logits: torch.Tensor, token_ids: Seq[Seq[int]], samplers: Seq[R
     for i, s in enumerate(samplers):
         if not s.plain_greedy:
             chosen[i] = s.choose(logits[i], token_ids[i])
-    result = []
-    for i, s in enumerate(samplers):
-        if not s.wants_logprobs:
-            result.append(SampledToken(chosen[i]))
-            continue
-        logprobs = torch.log_softmax(logits[i].float(), dim=-1)
-        top: tuple[tuple[int, float], ...] = ()
-        if s.params.logprobs > 0:
-            values, ids = logprobs.topk(s.params.logprobs)
-            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-        result.append(SampledToken(chosen[i], float(logprobs[chosen[i]]), top))
-    return result
+    return [sampled_token(logits[i], chosen[i], s) for i, s in enumerate(samplers)]
+
+
+def sampled_token(logits: torch.Tensor, token: int, sampler: RequestSampler) -> SampledToken:
+    """``token`` chosen from one row of ``logits`` [V], with the log-probabilities its request asked for."""
+    if not sampler.wants_logprobs:
+        return SampledToken(token)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if sampler.params.logprobs > 0:
+        values, ids = logprobs.topk(sampler.params.logprobs)
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return SampledToken(token, float(logprobs[token]), top)

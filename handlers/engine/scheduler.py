@@ -20,7 +20,7 @@ that a change took effect at the next step.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from handlers.engine.kv_cache import BlockAllocator, block_key
@@ -44,11 +44,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """Feed ``seq.token_ids[start:start + num_tokens]`` to the model this step."""
+    """Feed ``seq.token_ids[start:start + num_tokens]`` to the model this step, then the guessed tokens
+    ``draft`` (speculative decoding: their KV is written at the positions after, and the model's logits at
+    every position of the chunk are sampled)."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -65,7 +68,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(c.num_tokens + len(c.draft) for c in self.chunks)
 
 
 @dataclass(slots=True)
@@ -104,6 +107,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_schedules = 0
         self.limits = LimitsRecord()
+        # Speculative decoding: guesses of a decoding sequence's next tokens (the engine's drafter; None: off).
+        self.drafter: Callable[[Sequence], list[int]] | None = None
 
     def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         """Change the batch size and the token budget of the coming steps (None keeps a value). Sequences
@@ -180,6 +185,8 @@ class Scheduler:
         for seq in decodes:
             if seq.status is SequenceStatus.RUNNING and budget > 0 and self._plan(seq, 1, planned, preempted):
                 budget -= 1
+        if self.drafter is not None and budget > 0:
+            budget = self._add_drafts(decodes, planned, budget)
         prefill_budget = budget
         if planned and self.config.max_prefill_tokens_while_decoding:
             # A long prefill chunk stalls every running decode for its whole step (inter-token latency).
@@ -203,6 +210,29 @@ class Scheduler:
         self._record(admitted)
         return SchedulerOutput(tuple(planned.values()), tuple(preempted))
 
+    def _add_drafts(self, decodes: list[Sequence], planned: dict[int, ScheduledChunk], budget: int) -> int:
+        """Extend the planned decodes with the drafter's guesses, within the token budget and the free blocks
+        beyond one per running sequence (a guess never preempts anyone). Returns the budget left."""
+        assert self.drafter is not None
+        bs = self.config.block_size
+        spare = self.allocator.num_free_blocks - len(self.running)
+        for seq in decodes:
+            chunk = planned.get(id(seq))
+            if chunk is None or budget <= 0:
+                continue
+            draft = self.drafter(seq)[:budget]
+            # positions start .. start + len(draft) must have slots: the blocks held plus the spare ones
+            room = (len(seq.block_ids) + max(0, spare)) * bs - chunk.start - 1
+            draft = draft[:max(0, room)]
+            if not draft:
+                continue
+            need = self._blocks_needed(seq, 1 + len(draft))
+            self.allocator.allocate(seq.block_ids, need)
+            spare -= need
+            planned[id(seq)] = replace(chunk, draft=tuple(draft))
+            budget -= len(draft)
+        return budget
+
     def _record(self, admitted: int) -> None:
         self.num_schedules += 1
         record = self.limits
@@ -222,21 +252,34 @@ class Scheduler:
         return True
 
     def commit(self, output: SchedulerOutput) -> None:
-        """Record that the planned chunks' KV is now computed (call after the model step)."""
-        bs = self.config.block_size
+        """Record that the planned chunks' KV is now computed (call after the model step; confirmed guesses
+        are added by ``accept_draft``)."""
         for chunk in output.chunks:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            while len(seq.block_hashes) < seq.num_computed_tokens // bs:
-                i = len(seq.block_hashes)
-                parent = seq.block_hashes[-1] if seq.block_hashes else None
-                key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
-                seq.block_hashes.append(key)
-                self.allocator.register_full_block(seq.block_ids[i], key)
-            if self.config.sliding_window:
-                self._free_out_of_window(seq)
+            self._computed(seq)
+
+    def accept_draft(self, seq: Sequence, num_tokens: int) -> None:
+        """The first ``num_tokens`` guesses of ``seq``'s last chunk were confirmed and are now among its tokens:
+        their KV (written by that step) counts as computed."""
+        if seq.status is SequenceStatus.RUNNING and num_tokens > 0:
+            seq.num_computed_tokens += num_tokens
+            assert seq.num_computed_tokens < seq.num_tokens, "a confirmed guess beyond the sequence's tokens"
+            self._computed(seq)
+
+    def _computed(self, seq: Sequence) -> None:
+        """Register the blocks ``num_computed_tokens`` filled (prefix cache); free what left the window."""
+        bs = self.config.block_size
+        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(key)
+            self.allocator.register_full_block(seq.block_ids[i], key)
+        if self.config.sliding_window:
+            self._free_out_of_window(seq)
 
     def _free_out_of_window(self, seq: Sequence) -> None:
         """Free the blocks no future query of ``seq`` can see: every later token is at a position

@@ -247,3 +247,21 @@ def test_bf16_against_generate_bf16(family_root: Path, family: str, record_prope
     first = min((d for d in divergences if d is not None), default=None)
     record_property("bf16_first_divergence", "none" if first is None else str(first))
     assert agree >= 0.9, (family, agree, divergences)
+
+
+@pytest.mark.parametrize("family", EXACT)
+def test_family_with_speculative_decoding_equals_generate(family_root: Path, family: str) -> None:
+    """Prompt-lookup speculation changes how many tokens a step emits, never which: every family's greedy
+    output stays generate's, with guesses confirmed and rejected across the sliding window."""
+    model_dir = family_dir(family_root, family)
+    prompts = family_prompts()
+    refs = generate_reference(model_dir, prompts)
+    engine = LLMEngine.from_options(model_dir, {**ENGINE_OPTIONS, "speculative_draft": "ngram",
+                                                "num_speculative_tokens": "5"})
+    got = run_together(engine, prompts, "s")
+    for i, p in enumerate(prompts):
+        assert got[i] == refs[i], f"{family}: prompt {i} ({len(p)} tokens) differs from generate with speculation"
+    stats = engine.stats()
+    assert stats["spec_draft_tokens_total"] > 0
+    assert stats["spec_accepted_tokens_total"] > 0, f"{family}: no guess was confirmed (the test needs some)"
+    assert stats["kv_blocks_used"] == 0

@@ -128,7 +128,8 @@ def test_rolling_steps_move_token_latency_and_engine_counters() -> None:
         streams = [b.submit(req(rid)) for rid in ids]
         for i in range(4):  # 4 tokens per request; engine counters grow each step
             stats = {"num_preemptions_total": i, "prefix_cache_queries_total": 10 * (i + 1),
-                     "prefix_cache_hits_total": 3 * (i + 1), "num_running": 3, "num_waiting": 0}
+                     "prefix_cache_hits_total": 3 * (i + 1), "spec_draft_tokens_total": 8 * i,
+                     "spec_accepted_tokens_total": 5 * i, "num_running": 3, "num_waiting": 0}
             b.on_message(w, step(ids, last=i == 3, stats=stats))
             await asyncio.sleep(0.002)
         await asyncio.gather(*(s.collect() for s in streams))
@@ -148,6 +149,8 @@ def test_rolling_steps_move_token_latency_and_engine_counters() -> None:
     assert value(s, "rollserve_num_preemptions_total", model="m") == 3 + 2
     assert value(s, "rollserve_prefix_cache_queries_total", model="m") == 40
     assert value(s, "rollserve_prefix_cache_hits_total", model="m") == 12
+    assert value(s, "rollserve_spec_decode_num_draft_tokens_total", model="m") == 24
+    assert value(s, "rollserve_spec_decode_num_accepted_tokens_total", model="m") == 15
 
 
 def test_rejections_by_reason() -> None:

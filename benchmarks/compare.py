@@ -44,10 +44,14 @@ from benchmarks.build_models import model_dir  # noqa: E402
 from benchmarks.workload import Workload, build_workload  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
-SERVERS = ("rollserve", "vllm")
+SERVERS = ("rollserve", "vllm", "rollserve-ngram")
+DEFAULT_SERVERS = ("rollserve", "vllm")
+# rollserve with opt-in engine options (the same server otherwise): its ratios to vLLM and to plain rollserve print too
+VARIANTS: dict[str, dict[str, str]] = {"rollserve-ngram": {"speculative_draft": "ngram"}}
 ROLLSERVE_ENV: dict[str, str] = {}  # --rollserve-env K=V (an experiment's knob, recorded with every run)
 VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+RATIOS = (("rollserve", "vllm"), ("rollserve-ngram", "vllm"), ("rollserve-ngram", "rollserve"))
 KEYS = ("output_tok_s", "cpu_s", "tok_per_cpu_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 
 
@@ -197,9 +201,10 @@ def start(server: str, path: Path, workdir: Path, cores: list[int], dtype: str, 
           own: OwnLoad) -> tuple[Any, str, str]:
     n = len(cores)
     workdir.mkdir(parents=True, exist_ok=True)
-    if server == "rollserve":
+    if server == "rollserve" or server in VARIANTS:
         with pinned_launch(cores, {"OMP_NUM_THREADS": str(n), **ROLLSERVE_ENV}, None, rec, own):
-            proc, url = bench.start_rollserve(path, workdir, n, engine_options(n) | {"dtype": dtype})
+            proc, url = bench.start_rollserve(path, workdir, n,
+                                              engine_options(n) | {"dtype": dtype} | VARIANTS.get(server, {}))
         rec["serving_properties"] = (workdir / "model_store" / "bench" / "serving.properties").read_text()
         return proc, url, "lmi"
     with pinned_launch(cores, {"OMP_NUM_THREADS": str(n), "VLLM_CPU_OMP_THREADS_BIND": cpulist(cores)},
@@ -278,14 +283,17 @@ def summarize(runs: list[dict[str, Any]], extra: list[dict[str, Any]], allow_bus
     escaped = [r for r in runs if not all(r.get(k, {"ok": 1})["ok"] for k in ("pins_after_start", "pins_after_pass"))]
     busy = [r for r in runs + extra if r["busy"]]
     loads = ", ".join(f"{r['load_check']['load1']:.1f}" for r in runs + extra if "load_check" in r)
-    if len(out) < len(SERVERS):
+    pairs = [(a, b) for a, b in RATIOS if a in out and b in out]
+    if not pairs:
         out["withheld"] = "one server only (--servers): no ratio"
     elif bad or escaped:
         out["withheld"] = f"ratio withheld: {len(bad)} run(s) failed or wrong lengths, {len(escaped)} escaped pinning"
     elif busy and not allow_busy:
         out["withheld"] = f"ratio withheld: machine busy (load {loads})"
     else:
-        out["ratio"] = {k: out["rollserve"][k]["median"] / out["vllm"][k]["median"] for k in KEYS}
+        out["ratios"] = {f"{a} / {b}": {k: out[a][k]["median"] / out[b][k]["median"] for k in KEYS} for a, b in pairs}
+        if "rollserve / vllm" in out["ratios"]:
+            out["ratio"] = out["ratios"]["rollserve / vllm"]
         out["flag"] = f"measured under load (load {loads})" if busy else ""
     return out
 
@@ -318,9 +326,10 @@ def markdown(res: dict[str, Any]) -> str:
             load = ", ".join(f"{r['load_check']['load1']:.2f} ({r['load_check']['own_load']:.2f})" for r in rs)
             during = ", ".join(f"{r['others_cores_during']:.2f}" for r in rs)
             lines.append(f"| {cores}{rate} | {s} | {sm[s]['runs']} | {' | '.join(cells)} | {load} | {during} |")
-        if "ratio" in sm:
-            ratios = " | ".join(f"{sm['ratio'][k]:.2f}x" for k in KEYS)
-            lines.append(f"| {cores} | **rollserve / vLLM** {sm['flag']} | | {ratios} | | |")
+        if "ratios" in sm:
+            for name, ratio in sm["ratios"].items():
+                ratios = " | ".join(f"{ratio[k]:.2f}x" for k in KEYS)
+                lines.append(f"| {cores} | **{name.replace('vllm', 'vLLM')}** {sm['flag']} | | {ratios} | | |")
         else:
             lines.append(f"| {cores} | **{sm['withheld']}** |" + " |" * 10)
     return "\n".join(lines) + "\n"
@@ -353,8 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--busy-threshold", type=float, default=0.5, help="cores of other jobs that make a run busy")
     ap.add_argument("--settle-s", type=float, default=60.0, help="how long to wait for a quiet machine per run")
     ap.add_argument("--allow-busy", action="store_true", help="print ratios of busy runs, flagged")
-    ap.add_argument("--servers", type=lambda v: [x for x in v.split(",") if x], default=list(SERVERS),
-                    help="comma list (default rollserve,vllm); one server gives figures without a ratio")
+    ap.add_argument("--servers", type=lambda v: [x for x in v.split(",") if x], default=list(DEFAULT_SERVERS),
+                    help="comma list of rollserve, vllm, rollserve-ngram (rollserve with option.speculative_draft="
+                         "ngram); default rollserve,vllm; one server gives figures without a ratio")
     ap.add_argument("--rollserve-env", action="append", default=[], metavar="K=V",
                     help="environment variable for rollserve's server (an experiment; recorded)")
     ap.add_argument("--out", type=Path, default=None, help="results stem (default benchmarks/results/compare-STAMP)")

@@ -125,6 +125,8 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("num_speculative_tokens", integer(1, 16), "4", (ENGINE,), "guesses checked per sequence and step"),
     _spec("prompt_lookup_min", integer(1, 16), "1", (ENGINE,), "shortest n-gram the ngram drafter matches"),
     _spec("prompt_lookup_max", integer(1, 16), "3", (ENGINE,), "longest n-gram the ngram drafter matches"),
+    _spec("speculative_max_batch_size", integer(0), "4", (ENGINE,),
+          "guess only while at most this many sequences decode (larger batches are compute-bound); 0 = always"),
     # The echo handler (tests, load generation).
     _spec("echo_delay_ms", number(0), "0", (ECHO,), "sleep once per batch"),
     _spec("echo_fail_on", any_text, None, (ECHO,), "fail an item whose prompt contains this"),

@@ -47,6 +47,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    speculative_max_batch_size: int = 4  # guesses only while at most this many sequences decode (0: always)
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> EngineConfig:
@@ -87,6 +88,7 @@ class EngineConfig:
             num_speculative_tokens=get("num_speculative_tokens"),
             prompt_lookup_min=get("prompt_lookup_min"),
             prompt_lookup_max=get("prompt_lookup_max"),
+            speculative_max_batch_size=get("speculative_max_batch_size"),
         )
 
 

@@ -90,7 +90,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching, sliding_window=self.runner.sliding_window,
-            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding))
+            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
+            max_speculative_batch=config.speculative_max_batch_size or 1 << 30))
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB); %.1f sequences of %d tokens fit",
                     num_blocks, config.block_size, num_blocks * config.block_size * per_token / 2**20,
                     num_blocks * config.block_size / self.max_model_len, self.max_model_len)
@@ -103,8 +104,9 @@ class LLMEngine:
                           "spec_accepted_tokens_total": 0}
         if config.speculative_draft == "ngram":
             self.scheduler.drafter = self._draft
-            logger.info("speculative decoding: n-gram prompt lookup, up to %d tokens a step (n-grams of %d-%d)",
-                        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+            logger.info("speculative decoding: n-gram prompt lookup, up to %d tokens a step (n-grams of %d-%d) while "
+                        "at most %s sequences decode", config.num_speculative_tokens, config.prompt_lookup_min,
+                        config.prompt_lookup_max, config.speculative_max_batch_size or "any number of")
 
     @classmethod
     def from_options(cls, model_dir: Path, options: Mapping[str, str]) -> LLMEngine:

@@ -40,6 +40,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     sliding_window: int = 0  # every layer attends to at most this many keys (0: some layer sees all)
     max_prefill_tokens_while_decoding: int = 0  # prefill tokens per step while decodes run (0: no cap)
+    max_speculative_batch: int = 1 << 30  # guesses only while at most this many sequences decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +186,7 @@ class Scheduler:
         for seq in decodes:
             if seq.status is SequenceStatus.RUNNING and budget > 0 and self._plan(seq, 1, planned, preempted):
                 budget -= 1
-        if self.drafter is not None and budget > 0:
+        if self.drafter is not None and budget > 0 and len(decodes) <= self.config.max_speculative_batch:
             budget = self._add_drafts(decodes, planned, budget)
         prefill_budget = budget
         if planned and self.config.max_prefill_tokens_while_decoding:

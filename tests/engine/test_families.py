@@ -257,7 +257,7 @@ def test_family_with_speculative_decoding_equals_generate(family_root: Path, fam
     prompts = family_prompts()
     refs = generate_reference(model_dir, prompts)
     engine = LLMEngine.from_options(model_dir, {**ENGINE_OPTIONS, "speculative_draft": "ngram",
-                                                "num_speculative_tokens": "5"})
+                                                "num_speculative_tokens": "5", "speculative_max_batch_size": "0"})
     got = run_together(engine, prompts, "s")
     for i, p in enumerate(prompts):
         assert got[i] == refs[i], f"{family}: prompt {i} ({len(p)} tokens) differs from generate with speculation"

@@ -18,7 +18,8 @@ from serving.errors import ConfigError
 from serving.types import FinishReason, SamplingParams, TokenDelta
 from tests.engine.conftest import make_prompts, reference_greedy
 
-SPEC = {"num_kv_blocks": "256", "speculative_draft": "ngram", "num_speculative_tokens": "4"}
+SPEC = {"num_kv_blocks": "256", "speculative_draft": "ngram", "num_speculative_tokens": "4",
+        "speculative_max_batch_size": "0"}
 MAX_NEW = 40
 
 
@@ -97,13 +98,37 @@ def test_guesses_use_only_spare_blocks_and_the_token_budget() -> None:
     assert seq.num_computed_tokens == 9 and len(seq.block_hashes) == 2  # positions 0..7 fill two blocks
 
     tight = Scheduler(SchedulerConfig(block_size=4, num_blocks=64, max_num_batched_tokens=3))
+    tight.drafter = lambda s: [1, 2, 1, 2]
     other = Sequence("b", [1, 2, 1], SamplingParams(max_new_tokens=20))
     tight.add(other)
     tight.commit(tight.schedule())
     other.append_token(2)
-    tight.drafter = lambda s: [1, 2, 1, 2]
     (chunk,) = tight.schedule().chunks
     assert len(chunk.draft) == 2  # the step's budget of 3 tokens: the decode and two guesses
+
+
+def test_guesses_stop_above_the_speculative_batch_size() -> None:
+    """Only while at most max_speculative_batch sequences decode (beyond, a step's matmuls are compute-bound
+    and every guessed row costs as much as a real one)."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=64, max_speculative_batch=2))
+    seqs = [Sequence(f"s{i}", [1, 2, 1], SamplingParams(max_new_tokens=20)) for i in range(3)]
+    for seq in seqs[:2]:
+        sched.add(seq)
+    sched.commit(sched.schedule())
+    for seq in seqs[:2]:
+        seq.append_token(2)
+    sched.drafter = lambda s: [1, 2]
+    plan = sched.schedule()
+    assert [len(c.draft) for c in plan.chunks] == [2, 2]
+    sched.commit(plan)
+    for seq in seqs[:2]:
+        seq.append_token(1)
+    sched.add(seqs[2])
+    sched.commit(sched.schedule())  # the third one's prompt (the two decoding ones may still guess)
+    for seq in seqs:
+        seq.append_token(2)
+    plan = sched.schedule()
+    assert len(plan.chunks) == 3 and [len(c.draft) for c in plan.chunks] == [0, 0, 0]
 
 
 # ------------------------------------------------------------------ the engine

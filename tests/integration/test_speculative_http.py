@@ -20,7 +20,8 @@ from tests.integration.test_families_http import text_prompts
 
 MAX_NEW = 40
 PROPERTIES = {"option.entryPoint": "rolling", "option.rolling_batch": "scheduler", "option.num_kv_blocks": "256",
-              "option.speculative_draft": "ngram", "option.num_speculative_tokens": "4"}
+              "option.speculative_draft": "ngram", "option.num_speculative_tokens": "4",
+              "option.speculative_max_batch_size": "8"}
 
 
 def _counter(server: ServerProcess, name: str) -> float:

@@ -1,0 +1,96 @@
+"""Prompt-lookup speculative decoding in the engine, by batch size: plain decoding vs ``speculative_draft=ngram``.
+
+For each ``--batch`` B, the first B prompts of the benchmark workload each generate ``--tokens`` tokens (greedy,
+EOS ignored) in an ``LLMEngine`` with bench.py's engine options, once plain and once with n-gram guesses, alternating
+``--rounds`` times (a fresh engine each time; the model loaded once per variant). Prints per B: the median output
+tok/s of each (min-max), their ratio, the share of guesses the model confirmed and tokens per step. Both variants'
+outputs are compared token for token (they must be equal).
+
+    taskset -c 0 .venv/bin/python benchmarks/spec_decode.py --model default --batch 1 --batch 4 --batch 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.bench import engine_options  # noqa: E402
+from benchmarks.build_models import model_dir  # noqa: E402
+from benchmarks.workload import build_workload  # noqa: E402
+
+
+def run(engine: Any, prompts: list[list[int]], tokens: int) -> tuple[float, dict[str, list[int]], int]:
+    from serving.types import SamplingParams
+
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add(f"r{i}", p, params)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    steps = 0
+    t0 = time.perf_counter()
+    while engine.has_work():
+        for d in engine.step():
+            out[d.request_id].extend(t.id for t in d.tokens)
+        steps += 1
+    return time.perf_counter() - t0, out, steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", choices=["default", "110m"])
+    ap.add_argument("--batch", type=int, action="append")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-batch", default="0", help="option.speculative_max_batch_size of the ngram variant "
+                    "(default 0: guesses at every batch size, to see where they pay)")
+    args = ap.parse_args(argv)
+    variants = {"plain": {}, "ngram": {"speculative_draft": "ngram", "speculative_max_batch_size": args.max_batch}}
+
+    import torch
+
+    from handlers.engine.engine import LLMEngine
+
+    torch.set_num_threads(args.threads)
+    path = model_dir(args.model)
+    engines = {name: LLMEngine.from_options(path, engine_options(args.threads) | opts)
+               for name, opts in variants.items()}
+    w = build_workload(engines["plain"].tokenizer, 64, seed=0)
+    prompts = [list(r.prompt_token_ids) for r in w.requests]
+    print(f"model {args.model}, {args.tokens} tokens per request, {torch.get_num_threads()} thread(s), "
+          f"{args.rounds} alternating rounds; cells: median (min-max)")
+    print("| batch | plain tok/s | ngram tok/s | ngram / plain | guesses confirmed | tokens per step (plain, ngram) |")
+    print("|---|---|---|---|---|---|")
+    for batch in args.batch or [1, 4, 32]:
+        rates: dict[str, list[float]] = {name: [] for name in variants}
+        outs: dict[str, dict[str, list[int]]] = {}
+        steps: dict[str, int] = {}
+        before = dict(engines["ngram"].stats())
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                seconds, outs[name], steps[name] = run(engine, prompts[:batch], args.tokens)
+                rates[name].append(batch * args.tokens / seconds)
+        if outs["plain"] != outs["ngram"]:
+            differ = [k for k in outs["plain"] if outs["plain"][k] != outs["ngram"][k]]
+            print(f"batch {batch}: outputs differ for {differ} (a near-tie resolved differently by another matmul "
+                  "shape)")
+        after = engines["ngram"].stats()
+        drafted = after["spec_draft_tokens_total"] - before["spec_draft_tokens_total"]
+        confirmed = after["spec_accepted_tokens_total"] - before["spec_accepted_tokens_total"]
+        p, n = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
+        cells = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for v in rates.values()]
+        share = f"{confirmed}/{drafted} ({confirmed / drafted:.0%})" if drafted else "no guesses"
+        per_step = f"{batch * args.tokens / steps['plain']:.2f}, {batch * args.tokens / steps['ngram']:.2f}"
+        print(f"| {batch} | {cells[0]} | {cells[1]} | {n / p:.2f}x | {share} | {per_step} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -40,6 +40,22 @@ def test_tp2_greedy_equals_generate(model_dirs: dict[str, Path]) -> None:
         assert got[f"r{i}"] == reference_greedy(model_dir, p, 12), f"prompt {i}"
 
 
+def test_tp2_with_speculative_decoding_equals_generate(model_dirs: dict[str, Path]) -> None:
+    """Verification chunks (the last token and its guesses, logits at every row) reach rank 1 like any step."""
+    model_dir = model_dirs["llama"]
+    prompts = make_prompts(6, seed=11)
+    engine = LLMEngine.from_options(model_dir, {"tensor_parallel_degree": "2", "num_kv_blocks": "128",
+                                                "speculative_draft": "ngram", "speculative_max_batch_size": "0"})
+    try:
+        got = run_all(engine, prompts, 40)
+        accepted = engine.stats()["spec_accepted_tokens_total"]
+    finally:
+        engine.close()
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == reference_greedy(model_dir, p, 40), f"prompt {i}"
+    assert accepted > 0
+
+
 def test_step_packing_round_trips() -> None:
     step = StepInputs([5, 6, 7], [0, 1, 9], [16, 17, 40], [(0, 0, 2, [1]), (2, 9, 1, [2, 3])], [1, 2])
     assert unpack_step(pack_step(step)) == step

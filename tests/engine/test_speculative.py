@@ -193,6 +193,25 @@ def test_speculative_greedy_equals_generate_in_fewer_steps(model_dirs: dict[str,
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
 
 
+def test_blocks_filled_by_confirmed_guesses_serve_the_prefix_cache(model_dirs: dict[str, Path]) -> None:
+    """Blocks filled by confirmed guesses are registered with the tokens they hold: a later prompt that continues
+    an earlier answer reuses them (prefix-cache hits past the old prompt) and still gets generate's tokens."""
+    model_dir = model_dirs["llama"]
+    prompts = make_prompts(6, seed=11)
+    greedy = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    engine = LLMEngine.from_options(model_dir, {**SPEC, "block_size": "4"})
+    first = run_all(engine, prompts, [greedy] * len(prompts))
+    assert sum(first.confirmed_runs(f"r{i}") for i in range(len(prompts))) > 0
+    followups = [p + ids(first[f"r{i}"])[:32] for i, p in enumerate(prompts)]
+    hits_before = engine.stats()["prefix_cache_hits_total"]
+    second = run_all(engine, followups, [SamplingParams(max_new_tokens=16, ignore_eos=True)] * len(prompts))
+    for i, p in enumerate(followups):
+        assert ids(second[f"r{i}"]) == reference_greedy(model_dir, p, 16), f"follow-up {i}"
+    # every follow-up reuses the blocks of its prompt and of its answer's first 32 tokens (8 blocks of 4)
+    reused = engine.stats()["prefix_cache_hits_total"] - hits_before
+    assert reused >= sum(len(p) // 4 for p in prompts) + 7 * len(prompts)
+
+
 def test_a_confirmed_guess_counts_as_computed(model_dirs: dict[str, Path]) -> None:
     """After a step that confirmed guesses, the sequence's next step is one decode token, not a recompute."""
     engine = LLMEngine.from_options(model_dirs["llama"], SPEC)

@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--phase", default="decode", choices=["decode", "mixed"])
     ap.add_argument("--rows", type=int, default=25, help="rows of each table")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine option over bench.py's (e.g. fuse_projections=true); repeatable")
     args = ap.parse_args(argv)
 
     import torch
@@ -47,7 +49,13 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     path = model_dir(args.model)
-    engine = LLMEngine.from_options(path, engine_options(args.threads))
+    options = engine_options(args.threads)
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--option {item!r}: expected KEY=VALUE")
+        options[key.removeprefix("option.")] = value
+    engine = LLMEngine.from_options(path, options)
     w = build_workload(engine.tokenizer, max(64, args.batch * 2), seed=0)
     reqs = list(w.requests)
     params = SamplingParams(max_new_tokens=1024, ignore_eos=True)  # long enough to stay running
@@ -71,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
-    print(f"model {args.model} ({path}), phase {args.phase}, running {len(sched.running)}, threads "
+    print(f"model {args.model} ({path}), phase {args.phase}, running {len(sched.running)}, options {args.option}, threads "
           f"{torch.get_num_threads()}, step ms: median {1000 * statistics.median(times):.1f} "
           f"(min {1000 * min(times):.1f}, max {1000 * max(times):.1f}) under torch.profiler")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))

@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
-    print(f"model {args.model} ({path}), phase {args.phase}, running {len(sched.running)}, options {args.option}, threads "
-          f"{torch.get_num_threads()}, step ms: median {1000 * statistics.median(times):.1f} "
+    print(f"model {args.model} ({path}), phase {args.phase}, running {len(sched.running)}, options "
+          f"{args.option}, threads {torch.get_num_threads()}, step ms: median {1000 * statistics.median(times):.1f} "
           f"(min {1000 * min(times):.1f}, max {1000 * max(times):.1f}) under torch.profiler")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 

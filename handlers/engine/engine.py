@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from handlers.engine.sampling import RequestSampler, SampledToken, sample_batch,
 from handlers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.sequence import Sequence
 from handlers.engine.speculative import NgramDrafter, accepted_prefix
+from serving.step_cost import StepCost
 from serving.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ class LLMEngine:
                           "generation_tokens_total": 0, "num_requests_finished_total": 0,
                           "num_requests_aborted_total": 0, "spec_draft_tokens_total": 0,
                           "spec_accepted_tokens_total": 0}
+        self.step_cost = StepCost()  # every step's tokens and seconds (``serving.step_cost``: serving tune fits it)
         if config.speculative_draft == "ngram":
             self.scheduler.drafter = self._draft
             logger.info("speculative decoding: n-gram prompt lookup, up to %d tokens a step (n-grams of %d-%d) while "
@@ -174,6 +177,7 @@ class LLMEngine:
     def step(self) -> list[TokenDelta]:
         """Run one iteration; returns a delta for every token produced (one per request, or several for a
         request whose guessed tokens were confirmed: ``_verify``)."""
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
@@ -184,9 +188,12 @@ class LLMEngine:
         sampled = [c for c in plan.chunks if c.samples]
         reqs = [self._requests[c.seq.request_id] for c in sampled]
         if any(c.draft for c in sampled):
-            return self._verify(sampled, reqs, logits)
-        tokens = sample_batch(logits, [c.seq.token_ids for c in sampled], [r.sampler for r in reqs])
-        return [self._advance(r, t) for r, t in zip(reqs, tokens, strict=True)]
+            deltas = self._verify(sampled, reqs, logits)
+        else:
+            tokens = sample_batch(logits, [c.seq.token_ids for c in sampled], [r.sampler for r in reqs])
+            deltas = [self._advance(r, t) for r, t in zip(reqs, tokens, strict=True)]
+        self.step_cost.add(plan.num_batched_tokens, time.perf_counter() - t0)
+        return deltas
 
     # -------------------------------------------------------- speculative decoding
     def _draft(self, seq: Sequence) -> list[int]:
@@ -297,6 +304,7 @@ class LLMEngine:
             "max_num_seqs": self.scheduler.config.max_num_seqs,
             "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
             "limits": self.scheduler.limits.as_dict(),
+            "step_cost": self.step_cost.as_dict(),
             "blocks_held": {s.request_id: s.num_live_blocks for s in self.scheduler.live_sequences()},
         }
 

@@ -29,6 +29,7 @@ from serving.bench.clients import Target, run_requests
 from serving.bench.launch import LocalServer
 from serving.bench.metrics import Bound, Rec, RunResult, Slo, metrics
 from serving.bench.workload import BenchRequest, Workload
+from serving.step_cost import StepCost
 
 
 # ------------------------------------------------------------------------------------------------- space
@@ -329,6 +330,9 @@ class Evaluator:
         self.cut: list[Run] = []
         self.warm_e2e: list[float] = []  # the warm-up requests' E2E (estimated_seconds before any full run)
         self.variants = 0  # prompt variants drawn so far (``fresh``)
+        # each group's rolling engines' step cost (``serving.step_cost``), read from its server after the
+        # warm-up and after every run: the sums since that server started, its workers added together
+        self.step_costs: dict[Group, StepCost] = {}
         self._n_servers = 0
         self.cores = cores_available()
 
@@ -366,6 +370,7 @@ class Evaluator:
             raise
         self.current = config
         self._warm()
+        self.read_step_cost()
         took = time.perf_counter() - t0
         self.restarts.append((config.group.label, took))
         self.started.append((config.group, took))
@@ -405,6 +410,24 @@ class Evaluator:
         recs = run_requests(self.api, self.target, burst, [0.0] * len(burst), self.stream)
         if any(r.error for r in recs):
             raise RuntimeError(f"the warm-up burst failed: {[r.error for r in recs if r.error][0]}")
+
+    def read_step_cost(self) -> None:
+        """The running server's engines' step cost (``GET /models/{name}``), kept for its group; nothing for
+        a dynamic-batching model (no engine) or when the server does not answer."""
+        if self.server is None or self.current is None:
+            return
+        try:
+            engines = self.server.describe().get("batcher", {}).get("engines", {})
+        except Exception as exc:  # noqa: BLE001 - a missed reading only leaves the tuner without a fitted line
+            self.log(f"  (step cost not read: {exc})")
+            return
+        if not isinstance(engines, dict) or not engines:
+            return
+        total = StepCost()
+        for stats in engines.values():
+            total = total + StepCost.from_dict(stats.get("step_cost") if isinstance(stats, dict) else None)
+        if total.steps:
+            self.step_costs[self.current.group] = total
 
     def fresh(self) -> Workload:
         """The workload with prompts no earlier run sent (``Workload.fresh``): a run must not be answered from
@@ -502,6 +525,7 @@ class Evaluator:
             wall = (max(done) - first_send) if done else time.perf_counter() - first_send
         run = Run(config, rung, rate, recs, expected, time.perf_counter() - t0, bool(aborted_at), wall,
                   violated_at)
+        self.read_step_cost()
         self.runs[key] = run
         self.order.append(run)
         return run

@@ -62,6 +62,7 @@ from serving.bench.search import (
     missed_bounds,
     race,
 )
+from serving.step_cost import StepCost
 
 _BUDGET = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>s|m|min|h)?$")
 
@@ -112,6 +113,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 # -------------------------------------------------------------------------------------------------- plan
 STOP_S = 2.0  # a server's stop, before one was measured
 REPORT_S = 2.0  # writing the report and its figure (matplotlib's import included)
+# The share of a decode bound (ITL, TPOT) that the longest step may take by the step-cost line: the rest is
+# the line's error (attention grows with the context, which it averages) and the way from the engine to the
+# client (the worker's pipe, the frontend's streaming).
+STEP_SHARE = 0.8
 
 
 def promise_order(groups: list[Group] | tuple[Group, ...], *, current: Group | None = None,
@@ -233,6 +238,7 @@ class Tuner:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     dropped: list[Group] = field(default_factory=list)
     stop_reason: str = ""
+    lines_told: set[tuple[Group, int]] = field(default_factory=set)  # step-cost moves already logged
 
     @property
     def slo(self) -> Slo:
@@ -468,6 +474,9 @@ class Tuner:
         if g.mode == "rolling":
             up = [moved(**{first: 2, second: 2}), moved(**{second: 2}), moved(**{first: 2})]
             down = [moved(**{second: 0.5}), moved(**{first: 0.5})]
+            fitted = self.fitted_move(g, params, first, second) if decode_bound else None
+            if fitted is not None:
+                down.insert(0, fitted)
         else:
             up = [moved(**{first: 2}), moved(**{second: 0.5}), moved(**{second: 2})]
             down = [moved(**{first: 0.5})]
@@ -478,6 +487,30 @@ class Tuner:
             if c != here and all(dict(c.knobs) != x for x in out):
                 out.append(dict(c.knobs))
         return out
+
+    def fitted_move(self, g: Group, params: dict[str, int], seqs_knob: str, tokens_knob: str) -> dict[str, int] | None:
+        """A rolling group's token budget cut to what its step-cost line (``serving.step_cost``, measured on
+        the group's server) says a step may compute within ``STEP_SHARE`` of the SLO's tightest decode bound
+        (ITL or TPOT): one trial instead of halving the budget a measured run at a time. None without a line,
+        without a decode bound, or when the budget already fits; the sequences are halved as well when the
+        running ones alone would fill the step."""
+        limits = [b.limit_s for b in self.slo.bounds if b.metric in ("itl", "tpot")]
+        cost = self.ev.step_costs.get(g)
+        if not limits or cost is None:
+            return None
+        tokens = cost.tokens_within(STEP_SHARE * min(limits))
+        if tokens is None or tokens >= params[tokens_knob]:
+            return None
+        seqs = params[seqs_knob]
+        if tokens < 2 * seqs:  # room for the decodes and a prefill chunk as large as them
+            seqs = max(1, tokens // 2)
+        line = step_line_summary(cost)
+        if (g, tokens) not in self.lines_told:
+            self.lines_told.add((g, tokens))
+            self.log(f"  step-cost line of {g.label}: {line['fixed_ms']} ms + {line['per_token_ms']} ms a token "
+                     f"({cost.steps} steps, up to {cost.max_tokens} tokens): {tokens} tokens a step fit "
+                     f"{STEP_SHARE:.0%} of {1000 * min(limits):g} ms")
+        return {**params, seqs_knob: seqs, tokens_knob: tokens}
 
     def step(self, g: Group) -> dict[str, int] | None:
         """The first of ``moves(g)`` not measured yet (None: the best's neighbourhood is explored)."""
@@ -599,7 +632,16 @@ def report_doc(plan: Plan, tuner: Tuner, ladder: list[float], calibration: dict[
             # the improvement as the printed line rounds it
             "baseline": b, "chosen": c, "improvement": None if improvement is None else round(improvement, 2),
             "configurations": [summary(o) | {"runs": len(o.runs)} for o in configs],
+            "step_cost_lines": {g.label: step_line_summary(cost) for g, cost in ev.step_costs.items()},
             "history": tuner.history, "runs": runs}
+
+
+def step_line_summary(cost: StepCost) -> dict[str, Any]:
+    """A group's step-cost line as the report shows it (``fixed_ms``/``per_token_ms`` None: no line)."""
+    line = cost.fit()
+    return {"steps": cost.steps, "max_tokens": cost.max_tokens,
+            "fixed_ms": None if line is None else round(1000 * line[0], 3),
+            "per_token_ms": None if line is None else round(1000 * line[1], 4)}
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

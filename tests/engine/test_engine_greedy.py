@@ -108,3 +108,20 @@ def test_abort_frees_blocks_and_length_finish(model_dirs: dict[str, Path]) -> No
                 finishes[d.request_id] = d.finish_reason
     assert finishes == {"r0": FinishReason.LENGTH, "r2": FinishReason.LENGTH}
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_step_cost_sums_every_step_and_every_token_it_computed(model_dirs: dict[str, Path]) -> None:
+    """``stats()["step_cost"]`` (what ``serving tune`` fits a step's cost from): one entry per step, each with the
+    tokens the model was fed: every prompt token once and every generated token but the last (no prefix
+    cache, no preemption here), never more than the step's token budget."""
+    engine = LLMEngine.from_options(model_dirs["llama"], {"num_kv_blocks": "256", "enable_prefix_caching": "false",
+                                                          "max_rolling_batch_prefill_tokens": "32"})
+    prompts = make_prompts(6, seed=5)
+    deltas = run_staggered(engine, prompts, SamplingParams(max_new_tokens=MAX_NEW), per_step=2)
+    generated = [sum(len(d.tokens) for d in deltas[f"r{i}"]) for i in range(len(prompts))]
+    cost = engine.stats()["step_cost"]
+    assert cost["steps"] == engine.stats()["num_steps_total"] > 0
+    assert cost["tokens"] == sum(len(p) + n - 1 for p, n in zip(prompts, generated, strict=True))
+    assert cost["max_tokens"] == 32  # the prompts are longer than the budget: the first step is full
+    assert cost["seconds"] > 0 and cost["tokens_seconds"] > 0
+    assert cost["tokens_sq"] > cost["tokens"]

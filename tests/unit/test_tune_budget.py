@@ -25,7 +25,8 @@ from serving.bench.search import (
     missed_bounds,
     race,
 )
-from serving.bench.tune import REPORT_S, STOP_S, Plan, Tuner, improvement_text, promise_order
+from serving.bench.tune import REPORT_S, STEP_SHARE, STOP_S, Plan, Tuner, improvement_text, promise_order
+from serving.step_cost import StepCost
 
 SLO = parse_slo("ttft_p99=1s,itl_p99=100ms")
 LADDER = [1.0, 2.0, 4.0, 8.0]  # 4 requests a run: arrival spans 4, 2, 1, 0.5 s
@@ -77,6 +78,7 @@ class FakeEvaluator:
         self.warm_e2e: list[float] = []
         self.cores = 1  # the simulated starts grow with the workers: they load one after the other
         self.events: list[tuple[Any, ...]] = []  # ("start", label, clock after) / ("run", config id, rung, group)
+        self.step_costs: dict[Group, StepCost] = {}  # set by a test: the group's step-cost line
 
     def apply(self, config: Config) -> None:
         if self.needs_start(config):
@@ -435,6 +437,72 @@ def test_a_missed_itl_bound_steps_to_a_smaller_prefill_budget_while_it_improves(
                             {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 512},
                             {"max_rolling_batch_size": 16, "max_rolling_batch_prefill_tokens": 256},
                             {"max_rolling_batch_size": 8, "max_rolling_batch_prefill_tokens": 512}]
+
+
+def step_line(fixed: float, per_token: float) -> StepCost:
+    cost = StepCost()
+    for tokens in (32, 300, 33, 2048, 40, 900, 31, 35):
+        cost.add(tokens, fixed + per_token * tokens)
+    return cost
+
+
+def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() -> None:
+    """With the group's step-cost line measured, a missed ITL bound's first move is the token budget whose step
+    the line puts within ``STEP_SHARE`` of the bound (one trial, where halving 2048 -> 128 takes four); the
+    halvings follow. The line measured on the server (``Evaluator.read_step_cost``) is the group's own."""
+    base = rolling(R1, 32, 2048)
+    fitted = rolling(R1, 32, 140)  # (0.8 * 100 ms - 10 ms) / 0.5 ms a token
+    assert STEP_SHARE == 0.8
+    clock = Clock()
+    ev = FakeEvaluator(clock, {base: 0, fitted: 2, R1: -1}, {1: 10.0}, slow_decode=frozenset({R1}))
+    ev.step_costs[R1] = step_line(0.010, 0.0005)
+    t = tuner(space(base, [R1]), ev, clock, 1000.0, max_trials=3)
+    t.run()
+    tried = [h["config_id"] for h in t.history]
+    assert tried[:2] == [base.id, fitted.id]
+    assert t.incumbent is t.outcomes[fitted.id]
+    # from the new best (its failing run missed ITL again), the line's budget is where it is: the halvings
+    assert t.moves(R1)[0] == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 70}
+
+    # a line that leaves no room for the decodes and a chunk as large: the sequences are halved too
+    ev2 = FakeEvaluator(Clock(), {base: 0}, {1: 10.0}, slow_decode=frozenset({R1}))
+    ev2.step_costs[R1] = step_line(0.010, 0.002)  # 35 tokens a step
+    t2 = tuner(space(base, [R1]), ev2, ev2.clock, 1000.0, max_trials=1)
+    t2.run()
+    assert t2.step(R1) == {"max_rolling_batch_size": 17, "max_rolling_batch_prefill_tokens": 64}  # 35, clipped
+    # a line of another group, or none: the halvings as before
+    ev2.step_costs = {R2: step_line(0.010, 0.002)}
+    assert t2.step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 1024}
+    # a late first token (TTFT) is not the step's length: the line is not used
+    ev3 = FakeEvaluator(Clock(), {base: 0}, {1: 10.0})
+    ev3.step_costs[R1] = step_line(0.010, 0.0005)
+    t3 = tuner(space(base, [R1]), ev3, ev3.clock, 1000.0, max_trials=1)
+    t3.run()
+    assert t3.step(R1) == {"max_rolling_batch_size": 64, "max_rolling_batch_prefill_tokens": 4096}
+
+
+def test_evaluator_reads_the_step_cost_of_every_engine(tmp_path: Path) -> None:
+    """``read_step_cost``: the engines' sums of ``GET /models/{name}`` added (two workers), kept for the
+    running group; a dynamic model (no engines) or a failed request leaves what was known."""
+    ev = Evaluator(tmp_path, tmp_path, SimpleNamespace(requests=[]), LADDER, "lmi", [SLO])  # type: ignore[arg-type]
+    one, two = step_line(0.01, 0.001), step_line(0.02, 0.001)
+    answers: list[Any] = [{"batcher": {"engines": {"1": {"step_cost": one.as_dict()},
+                                                   "2": {"step_cost": two.as_dict()}}}},
+                          {"batcher": {"mode": "dynamic"}}, RuntimeError("connection refused")]
+
+    def describe() -> dict[str, Any]:
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return dict(a)
+
+    ev.server = SimpleNamespace(describe=describe)  # type: ignore[assignment]
+    ev.current = rolling(R2)
+    ev.read_step_cost()
+    assert ev.step_costs == {R2: one + two}
+    ev.read_step_cost()
+    ev.read_step_cost()
+    assert ev.step_costs == {R2: one + two}
 
 
 def test_warm_up_ends_with_a_burst_of_the_whole_workload(tmp_path: Path, monkeypatch: Any) -> None:

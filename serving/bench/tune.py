@@ -374,6 +374,13 @@ class Tuner:
             if not o.runs:
                 continue  # skipped for budget (recorded); a group whose server runs may still fit
             tell(g, o)
+            # A missed decode bound with the group's step-cost line measured: the budget the line allows, tried
+            # now in the running server (a PUT, no start), before the other groups' seeds (starts) take the time.
+            line = self.line_step(g)
+            if line is not None and self.budget_left():
+                lo = self.evaluate(make_config(g, line), f"step-cost line {g.label}")
+                if lo.runs:
+                    tell(g, lo)
             if self.pruned(g):
                 self.dropped.append(g)
                 self.log(f"  dropped {g.label}: its seed misses the SLO at the lowest rung "
@@ -453,14 +460,11 @@ class Tuner:
         The other directions follow. Run 6 of the tune-quality benchmark (benchmarks/README.md): the default
         model's grid found a prefill budget of 4096 tokens better than the folder's 2048 (TTFT bound), while
         the 110m model's tight SLO (ITL p99) was met best with 256."""
-        os_ = [o for o in self.outcomes.values() if o.config.group == g]
-        if not os_:
+        evidence = self.evidence(g)
+        if evidence is None:
             return []
-        best = max(os_, key=lambda o: (o.rung, o.score))
+        params, decode_bound = evidence
         knobs = knobs_of(g.mode)
-        params = {k.name: min(max(int(best.config.knob(k.name)), k.lo), k.hi) for k in knobs}
-        failing = sorted((r for r in best.runs if r.rung > best.rung and not r.met(self.slo)), key=lambda r: r.rung)
-        decode_bound = bool(failing) and bool(missed_bounds(failing[0], self.slo, self.ev.stream) & {"itl", "tpot"})
         first, second = knobs[0].name, knobs[1].name  # sequences / batch; prefill tokens / delay
 
         def moved(**factors: float) -> dict[str, int]:
@@ -487,6 +491,31 @@ class Tuner:
             if c != here and all(dict(c.knobs) != x for x in out):
                 out.append(dict(c.knobs))
         return out
+
+    def evidence(self, g: Group) -> tuple[dict[str, int], bool] | None:
+        """``g``'s best measured configuration's knobs (clipped to their ranges) and whether its lowest failing
+        run above its passing rung missed a decode bound (ITL, TPOT); None when nothing was measured in ``g``."""
+        os_ = [o for o in self.outcomes.values() if o.config.group == g]
+        if not os_:
+            return None
+        best = max(os_, key=lambda o: (o.rung, o.score))
+        params = {k.name: min(max(int(best.config.knob(k.name)), k.lo), k.hi) for k in knobs_of(g.mode)}
+        failing = sorted((r for r in best.runs if r.rung > best.rung and not r.met(self.slo)), key=lambda r: r.rung)
+        decode_bound = bool(failing) and bool(missed_bounds(failing[0], self.slo, self.ev.stream) & {"itl", "tpot"})
+        return params, decode_bound
+
+    def line_step(self, g: Group) -> dict[str, int] | None:
+        """The step-cost line's move from ``g``'s best (``fitted_move``) when its best missed a decode bound and
+        the move is not measured yet; else None."""
+        evidence = self.evidence(g)
+        if g.mode != "rolling" or evidence is None or not evidence[1]:
+            return None
+        first, second = (k.name for k in knobs_of(g.mode))
+        move = self.fitted_move(g, evidence[0], first, second)
+        if move is None:
+            return None
+        config = make_config(g, move)
+        return None if config.id in self.outcomes else dict(config.knobs)
 
     def fitted_move(self, g: Group, params: dict[str, int], seqs_knob: str, tokens_knob: str) -> dict[str, int] | None:
         """A rolling group's token budget cut to what its step-cost line (``serving.step_cost``, measured on

@@ -461,6 +461,15 @@ def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() 
     tried = [h["config_id"] for h in t.history]
     assert tried[:2] == [base.id, fitted.id]
     assert t.incumbent is t.outcomes[fitted.id]
+    # with other groups to seed, the line's trial runs first, in the running server: a PUT, no start
+    clock = Clock()
+    ev4 = FakeEvaluator(clock, {base: 0, fitted: 2, R1: -1, D1: 1}, {1: 10.0}, slow_decode=frozenset({R1}))
+    ev4.step_costs[R1] = step_line(0.010, 0.0005)
+    t4 = tuner(space(base, [R1, D1]), ev4, clock, 1000.0, max_trials=3)
+    t4.run()
+    assert [h["config_id"] for h in t4.history][:3] == [base.id, fitted.id, dynamic(D1).id]
+    assert t4.history[1]["phase"] == "step-cost line rolling 1w x 2t"
+    assert [e[1] for e in ev4.events if e[0] == "start"] == ["rolling 1w x 2t", "dynamic 1w x 2t"]
     # from the new best (its failing run missed ITL again), the line's budget is where it is: the halvings
     assert t.moves(R1)[0] == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 70}
 

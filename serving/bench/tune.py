@@ -376,9 +376,12 @@ class Tuner:
             tell(g, o)
             # A missed decode bound with the group's step-cost line measured: the budget the line allows, tried
             # now in the running server (a PUT, no start), before the other groups' seeds (starts) take the time.
+            # Raced like a seed: with nothing meeting the SLO yet, by bisection from the top rung (the shortest run).
             line = self.line_step(g)
-            if line is not None and self.budget_left():
-                lo = self.evaluate(make_config(g, line), f"step-cost line {g.label}")
+            if line is not None and self.trials() < self.plan.max_trials:
+                lo = self.evaluate(make_config(g, line), f"step-cost line {g.label}",
+                                   first=len(self.ev.ladder) - 1 if self.incumbent is None else None,
+                                   allow_below=self.incumbent is None)
                 if lo.runs:
                     tell(g, lo)
             if self.pruned(g):

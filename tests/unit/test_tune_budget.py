@@ -470,6 +470,16 @@ def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() 
     assert [h["config_id"] for h in t4.history][:3] == [base.id, fitted.id, dynamic(D1).id]
     assert t4.history[1]["phase"] == "step-cost line rolling 1w x 2t"
     assert [e[1] for e in ev4.events if e[0] == "start"] == ["rolling 1w x 2t", "dynamic 1w x 2t"]
+    # a baseline that met no rung: the line's trial is raced like it, by bisection from the top rung (the
+    # shortest run), and keeps its group from being dropped
+    clock = Clock()
+    ev5 = FakeEvaluator(clock, {base: -1, fitted: 1, R1: -1}, {1: 10.0}, slow_decode=frozenset({R1}))
+    ev5.step_costs[R1] = step_line(0.010, 0.0005)
+    t5 = tuner(space(base, [R1]), ev5, clock, 1000.0, max_trials=2)
+    t5.run()
+    assert [e[1:3] for e in ev5.events if e[0] == "run" and e[1] == fitted.id] == [(fitted.id, 3), (fitted.id, 1),
+                                                                                  (fitted.id, 2)]
+    assert t5.incumbent is t5.outcomes[fitted.id] and not t5.dropped
     # from the new best (its failing run missed ITL again), the line's budget is where it is: the halvings
     assert t.moves(R1)[0] == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 70}
 

@@ -366,6 +366,11 @@ class Tuner:
                 return
             seed = space.seeds[g]
             phase = "baseline" if seed == space.baseline else f"seed {g.label}"
+            line = self.probe_line(g, seed) if self.incumbent is None else None
+            if line is not None:
+                lo = self.evaluate(line, f"step-cost line {g.label}", first=len(self.ev.ladder) - 1, allow_below=True)
+                if lo.runs:
+                    tell(g, lo)
             if self.incumbent is None:  # nothing to race against: bisection on the ladder from its top rung,
                 # the shortest run (the arrivals span 1/12 of the lowest rung's): passing there ends it at once
                 o = self.evaluate(seed, phase, first=len(self.ev.ladder) - 1, allow_below=True)
@@ -376,12 +381,9 @@ class Tuner:
             tell(g, o)
             # A missed decode bound with the group's step-cost line measured: the budget the line allows, tried
             # now in the running server (a PUT, no start), before the other groups' seeds (starts) take the time.
-            # Raced like a seed: with nothing meeting the SLO yet, by bisection from the top rung (the shortest run).
-            line = self.line_step(g)
-            if line is not None and self.trials() < self.plan.max_trials:
-                lo = self.evaluate(make_config(g, line), f"step-cost line {g.label}",
-                                   first=len(self.ev.ladder) - 1 if self.incumbent is None else None,
-                                   allow_below=self.incumbent is None)
+            line_knobs = self.line_step(g)
+            if line_knobs is not None and self.trials() < self.plan.max_trials:
+                lo = self.evaluate(make_config(g, line_knobs), f"step-cost line {g.label}")
                 if lo.runs:
                     tell(g, lo)
             if self.pruned(g):
@@ -506,6 +508,26 @@ class Tuner:
         failing = sorted((r for r in best.runs if r.rung > best.rung and not r.met(self.slo)), key=lambda r: r.rung)
         decode_bound = bool(failing) and bool(missed_bounds(failing[0], self.slo, self.ev.stream) & {"itl", "tpot"})
         return params, decode_bound
+
+    def probe_line(self, g: Group, seed: Config) -> Config | None:
+        """With nothing meeting the SLO yet: ``seed``'s run at the top rung (the shortest; the seed's race
+        reuses it), and when it missed a decode bound, the configuration the group's step-cost line (read from
+        the server just started) allows; None otherwise. That configuration is raced before the rest of the
+        seed's bisection: on a tight budget the seed's runs down the ladder (the long ones) would otherwise
+        take the time (the 110m model's tight SLO: a 97 s budget, 55 s of it the folder's bisection to the
+        lowest rung), and the seed is then raced against what it found."""
+        top = len(self.ev.ladder) - 1
+        if g.mode != "rolling" or self.trials() >= self.plan.max_trials or self.out_of_time(top, seed):
+            return None
+        self.ev.deadline = self.deadline()
+        probe = self.ev.measure(seed, top)
+        if probe.cut or probe.met(self.slo) or not missed_bounds(probe, self.slo, self.ev.stream) & {"itl", "tpot"}:
+            return None
+        first, second = (k.name for k in knobs_of(g.mode))
+        params = {k.name: min(max(int(seed.knob(k.name)), k.lo), k.hi) for k in knobs_of(g.mode)}
+        move = self.fitted_move(g, params, first, second)
+        config = None if move is None else make_config(g, move)
+        return None if config is None or config == seed or config.id in self.outcomes else config
 
     def line_step(self, g: Group) -> dict[str, int] | None:
         """The step-cost line's move from ``g``'s best (``fitted_move``) when its best missed a decode bound and

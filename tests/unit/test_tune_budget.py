@@ -449,7 +449,9 @@ def step_line(fixed: float, per_token: float) -> StepCost:
 def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() -> None:
     """With the group's step-cost line measured, a missed ITL bound's first move is the token budget whose step
     the line puts within ``STEP_SHARE`` of the bound (one trial, where halving 2048 -> 128 takes four); the
-    halvings follow. The line measured on the server (``Evaluator.read_step_cost``) is the group's own."""
+    halvings follow. The line measured on the server (``Evaluator.read_step_cost``) is the group's own. With
+    nothing meeting the SLO yet, the line's configuration is raced right after the seed's first run (at the top
+    rung) missed ITL, before the rest of the seed's bisection down the ladder (the long runs)."""
     base = rolling(R1, 32, 2048)
     fitted = rolling(R1, 32, 140)  # (0.8 * 100 ms - 10 ms) / 0.5 ms a token
     assert STEP_SHARE == 0.8
@@ -459,19 +461,22 @@ def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() 
     t = tuner(space(base, [R1]), ev, clock, 1000.0, max_trials=3)
     t.run()
     tried = [h["config_id"] for h in t.history]
-    assert tried[:2] == [base.id, fitted.id]
-    assert t.incumbent is t.outcomes[fitted.id]
+    assert tried[:2] == [fitted.id, base.id]
+    runs = [e[1:3] for e in ev.events if e[0] == "run"]
+    # the seed's run at the top rung, the line's race (from the top: missed, met 1, met 2), then the seed's race
+    # against it: one rung above (3), already measured: no run
+    assert runs[:4] == [(base.id, 3), (fitted.id, 3), (fitted.id, 1), (fitted.id, 2)]
+    assert t.incumbent is t.outcomes[fitted.id] and t.outcomes[base.id].best is None
     # with other groups to seed, the line's trial runs first, in the running server: a PUT, no start
     clock = Clock()
     ev4 = FakeEvaluator(clock, {base: 0, fitted: 2, R1: -1, D1: 1}, {1: 10.0}, slow_decode=frozenset({R1}))
     ev4.step_costs[R1] = step_line(0.010, 0.0005)
     t4 = tuner(space(base, [R1, D1]), ev4, clock, 1000.0, max_trials=3)
     t4.run()
-    assert [h["config_id"] for h in t4.history][:3] == [base.id, fitted.id, dynamic(D1).id]
-    assert t4.history[1]["phase"] == "step-cost line rolling 1w x 2t"
+    assert [h["config_id"] for h in t4.history][:3] == [fitted.id, base.id, dynamic(D1).id]
+    assert t4.history[0]["phase"] == "step-cost line rolling 1w x 2t"
     assert [e[1] for e in ev4.events if e[0] == "start"] == ["rolling 1w x 2t", "dynamic 1w x 2t"]
-    # a baseline that met no rung: the line's trial is raced like it, by bisection from the top rung (the
-    # shortest run), and keeps its group from being dropped
+    # a baseline that meets no rung: the line's trial keeps its group from being dropped
     clock = Clock()
     ev5 = FakeEvaluator(clock, {base: -1, fitted: 1, R1: -1}, {1: 10.0}, slow_decode=frozenset({R1}))
     ev5.step_costs[R1] = step_line(0.010, 0.0005)
@@ -488,10 +493,14 @@ def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() 
     ev2.step_costs[R1] = step_line(0.010, 0.002)  # 35 tokens a step
     t2 = tuner(space(base, [R1]), ev2, ev2.clock, 1000.0, max_trials=1)
     t2.run()
-    assert t2.step(R1) == {"max_rolling_batch_size": 17, "max_rolling_batch_prefill_tokens": 64}  # 35, clipped
+    assert t2.history[0]["config_id"] == rolling(R1, 17, 64).id  # 35 tokens, clipped to the knob's 64
     # a line of another group, or none: the halvings as before
-    ev2.step_costs = {R2: step_line(0.010, 0.002)}
-    assert t2.step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 1024}
+    ev6 = FakeEvaluator(Clock(), {base: 0}, {1: 10.0}, slow_decode=frozenset({R1}))
+    ev6.step_costs = {R2: step_line(0.010, 0.002)}
+    t6 = tuner(space(base, [R1]), ev6, ev6.clock, 1000.0, max_trials=1)
+    t6.run()
+    assert [h["config_id"] for h in t6.history] == [base.id]
+    assert t6.step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 1024}
     # a late first token (TTFT) is not the step's length: the line is not used
     ev3 = FakeEvaluator(Clock(), {base: 0}, {1: 10.0})
     ev3.step_costs[R1] = step_line(0.010, 0.0005)

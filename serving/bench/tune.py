@@ -511,8 +511,10 @@ class Tuner:
 
     def probe_line(self, g: Group, seed: Config) -> Config | None:
         """With nothing meeting the SLO yet: ``seed``'s run at the top rung (the shortest; the seed's race
-        reuses it), and when it missed a decode bound, the configuration the group's step-cost line (read from
-        the server just started) allows; None otherwise. That configuration is raced before the rest of the
+        reuses it), and when it missed the SLO, the configuration the group's step-cost line (read from the
+        server just started) allows for the SLO's decode bound; None otherwise. Any missed bound will do: at
+        the top rung requests queue, so TTFT is what a run misses first, while the line already says that
+        the seed's longest steps break the ITL bound at any rate. That configuration is raced before the rest of the
         seed's bisection: on a tight budget the seed's runs down the ladder (the long ones) would otherwise
         take the time (the 110m model's tight SLO: a 97 s budget, 55 s of it the folder's bisection to the
         lowest rung), and the seed is then raced against what it found."""
@@ -521,7 +523,7 @@ class Tuner:
             return None
         self.ev.deadline = self.deadline()
         probe = self.ev.measure(seed, top)
-        if probe.cut or probe.met(self.slo) or not missed_bounds(probe, self.slo, self.ev.stream) & {"itl", "tpot"}:
+        if probe.cut or probe.met(self.slo):
             return None
         first, second = (k.name for k in knobs_of(g.mode))
         params = {k.name: min(max(int(seed.knob(k.name)), k.lo), k.hi) for k in knobs_of(g.mode)}
@@ -546,15 +548,15 @@ class Tuner:
         """A rolling group's token budget cut to what its step-cost line (``serving.step_cost``, measured on
         the group's server) says a step may compute within ``STEP_SHARE`` of the SLO's tightest decode bound
         (ITL or TPOT): one trial instead of halving the budget a measured run at a time. None without a line,
-        without a decode bound, or when the budget already fits; the sequences are halved as well when the
-        running ones alone would fill the step."""
+        without a decode bound, or when the budget already fits (or the server never ran a step that long);
+        the sequences are halved as well when the running ones alone would fill the step."""
         limits = [b.limit_s for b in self.slo.bounds if b.metric in ("itl", "tpot")]
         cost = self.ev.step_costs.get(g)
         if not limits or cost is None:
             return None
         tokens = cost.tokens_within(STEP_SHARE * min(limits))
-        if tokens is None or tokens >= params[tokens_knob]:
-            return None
+        if tokens is None or tokens >= params[tokens_knob] or tokens >= cost.max_tokens:
+            return None  # no line, or no step the budget allows (or the server ran) is longer than the bound
         seqs = params[seqs_knob]
         if tokens < 2 * seqs:  # room for the decodes and a prefill chunk as large as them
             seqs = max(1, tokens // 2)

@@ -501,12 +501,25 @@ def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() 
     t6.run()
     assert [h["config_id"] for h in t6.history] == [base.id]
     assert t6.step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 1024}
-    # a late first token (TTFT) is not the step's length: the line is not used
+    # the seed's top-rung run missed TTFT (requests queued, as they do at the top rung): the line still says its
+    # longest steps break the ITL bound, so its configuration goes first all the same
     ev3 = FakeEvaluator(Clock(), {base: 0}, {1: 10.0})
     ev3.step_costs[R1] = step_line(0.010, 0.0005)
     t3 = tuner(space(base, [R1]), ev3, ev3.clock, 1000.0, max_trials=1)
     t3.run()
+    assert [h["config_id"] for h in t3.history] == [fitted.id, base.id]
+    # once something meets the SLO, a late first token (TTFT) points to a bigger batch, not to the line
+    ev3.step_costs = {}
     assert t3.step(R1) == {"max_rolling_batch_size": 64, "max_rolling_batch_prefill_tokens": 4096}
+    # a server that never ran a step longer than the line allows: the budget is not what made steps long
+    short = StepCost()
+    for tokens in (10, 40, 12, 100, 33, 20, 60, 90):
+        short.add(tokens, 0.010 + 0.0005 * tokens)
+    ev7 = FakeEvaluator(Clock(), {base: 0}, {1: 10.0}, slow_decode=frozenset({R1}))
+    ev7.step_costs[R1] = short
+    t7 = tuner(space(base, [R1]), ev7, ev7.clock, 1000.0, max_trials=1)
+    t7.run()
+    assert [h["config_id"] for h in t7.history] == [base.id]
 
 
 def test_evaluator_reads_the_step_cost_of_every_engine(tmp_path: Path) -> None:

@@ -117,6 +117,12 @@ REPORT_S = 2.0  # writing the report and its figure (matplotlib's import include
 # the line's error (attention grows with the context, which it averages) and the way from the engine to the
 # client (the worker's pipe, the frontend's streaming).
 STEP_SHARE = 0.8
+# The knee of the step-cost line: the token budget at which the fixed part (reading every weight once) is 10%
+# of a step. A CPU's matmuls are compute-bound from a few dozen rows on, so a step 10x the knee computes its
+# tokens at most 10% cheaper while every running sequence waits the whole step: on the 110M model at two
+# threads (fixed ~58 ms, 2.2 ms a token: knee ~240 tokens) the tune-quality grid's best point for both SLOs
+# was a 256-token budget, the folder's 2048 far behind (benchmarks/README.md, tune quality, Run 8).
+KNEE = 9
 
 
 def promise_order(groups: list[Group] | tuple[Group, ...], *, current: Group | None = None,
@@ -462,7 +468,8 @@ class Tuner:
           sequences; dynamic: a smaller ``batch_size`` first.
         * Otherwise (TTFT, E2E: the requests queued), or no failing run: a bigger batch first, for a rolling
           group both the sequences and the prefill tokens (a step's sequences and its tokens), then each alone.
-        The other directions follow. Run 6 of the tune-quality benchmark (benchmarks/README.md): the default
+        Before all of them, for a rolling group whose step-cost line is measured, the line's budget
+        (``fitted_move``). The other directions follow. Run 6 of the tune-quality benchmark (benchmarks/README.md): the default
         model's grid found a prefill budget of 4096 tokens better than the folder's 2048 (TTFT bound), while
         the 110m model's tight SLO (ITL p99) was met best with 256."""
         evidence = self.evidence(g)
@@ -483,8 +490,9 @@ class Tuner:
         if g.mode == "rolling":
             up = [moved(**{first: 2, second: 2}), moved(**{second: 2}), moved(**{first: 2})]
             down = [moved(**{second: 0.5}), moved(**{first: 0.5})]
-            fitted = self.fitted_move(g, params, first, second) if decode_bound else None
-            if fitted is not None:
+            fitted = self.fitted_move(g, params, first, second)
+            if fitted is not None:  # the line's budget first, whichever bound was missed
+                up.insert(0, fitted)
                 down.insert(0, fitted)
         else:
             up = [moved(**{first: 2}), moved(**{second: 0.5}), moved(**{second: 2})]
@@ -532,10 +540,9 @@ class Tuner:
         return None if config is None or config == seed or config.id in self.outcomes else config
 
     def line_step(self, g: Group) -> dict[str, int] | None:
-        """The step-cost line's move from ``g``'s best (``fitted_move``) when its best missed a decode bound and
-        the move is not measured yet; else None."""
+        """The step-cost line's move from ``g``'s best (``fitted_move``) when it is not measured yet; else None."""
         evidence = self.evidence(g)
-        if g.mode != "rolling" or evidence is None or not evidence[1]:
+        if g.mode != "rolling" or evidence is None:
             return None
         first, second = (k.name for k in knobs_of(g.mode))
         move = self.fitted_move(g, evidence[0], first, second)
@@ -546,26 +553,31 @@ class Tuner:
 
     def fitted_move(self, g: Group, params: dict[str, int], seqs_knob: str, tokens_knob: str) -> dict[str, int] | None:
         """A rolling group's token budget cut to what its step-cost line (``serving.step_cost``, measured on
-        the group's server) says a step may compute within ``STEP_SHARE`` of the SLO's tightest decode bound
-        (ITL or TPOT): one trial instead of halving the budget a measured run at a time. None without a line,
-        without a decode bound, or when the budget already fits (or the server never ran a step that long);
-        the sequences are halved as well when the running ones alone would fill the step."""
-        limits = [b.limit_s for b in self.slo.bounds if b.metric in ("itl", "tpot")]
+        the group's server) says is worth a step: at most the knee (``KNEE``: beyond it a bigger step adds
+        little throughput but stalls every running sequence for longer), and with a decode bound (ITL, TPOT)
+        in the SLO, what a step may compute within ``STEP_SHARE`` of the tightest one. One trial where halving
+        the budget a measured run at a time takes several. None without a line, or when the budget is already
+        below that (or the server never ran a step that long); the sequences are halved as well when the
+        running ones alone would fill the step."""
         cost = self.ev.step_costs.get(g)
-        if not limits or cost is None:
+        line = None if cost is None else cost.fit()
+        if cost is None or line is None:
             return None
-        tokens = cost.tokens_within(STEP_SHARE * min(limits))
-        if tokens is None or tokens >= params[tokens_knob] or tokens >= cost.max_tokens:
-            return None  # no line, or no step the budget allows (or the server ran) is longer than the bound
+        fixed, per_token = line
+        knee = math.ceil(KNEE * fixed / per_token - 1e-6)  # 1e-6: a whole number of tokens stays whole
+        limits = [b.limit_s for b in self.slo.bounds if b.metric in ("itl", "tpot")]
+        fit = cost.tokens_within(STEP_SHARE * min(limits)) if limits else None
+        tokens = knee if fit is None else min(knee, fit)
+        if tokens >= params[tokens_knob] or tokens >= cost.max_tokens:
+            return None  # the budget is below it, or no step the server ran was that long
         seqs = params[seqs_knob]
         if tokens < 2 * seqs:  # room for the decodes and a prefill chunk as large as them
             seqs = max(1, tokens // 2)
-        line = step_line_summary(cost)
         if (g, tokens) not in self.lines_told:
             self.lines_told.add((g, tokens))
-            self.log(f"  step-cost line of {g.label}: {line['fixed_ms']} ms + {line['per_token_ms']} ms a token "
-                     f"({cost.steps} steps, up to {cost.max_tokens} tokens): {tokens} tokens a step fit "
-                     f"{STEP_SHARE:.0%} of {1000 * min(limits):g} ms")
+            bound = "" if fit is None else f", {fit} fit {STEP_SHARE:.0%} of {1000 * min(limits):g} ms"
+            self.log(f"  step-cost line of {g.label}: {1000 * fixed:.1f} ms + {1000 * per_token:.3f} ms a token "
+                     f"({cost.steps} steps, up to {cost.max_tokens} tokens): knee {knee} tokens{bound}")
         return {**params, seqs_knob: seqs, tokens_knob: tokens}
 
     def step(self, g: Group) -> dict[str, int] | None:

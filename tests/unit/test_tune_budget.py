@@ -522,6 +522,31 @@ def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() 
     assert [h["config_id"] for h in t7.history] == [base.id]
 
 
+def test_the_line_knee_bounds_the_budget_when_the_decode_bound_is_loose() -> None:
+    """``KNEE``: past the token budget at which the line's fixed part is a tenth of the step, a bigger step buys
+    little throughput and stalls every running sequence for longer; with a loose ITL bound (or none) that knee
+    is the line's move, tried in the running server right after a seed that met the SLO (before other
+    groups' starts)."""
+    base = rolling(R1, 32, 2048)
+    knee = rolling(R1, 32, 180)  # 9 x 10 ms / 0.5 ms a token
+    for spec in ("ttft_p99=1s,itl_p99=10s", "ttft_p99=1s"):
+        clock = Clock()
+        ev = FakeEvaluator(clock, {base: 3, knee: 3, D1: 3}, {1: 10.0})
+        ev.step_costs[R1] = step_line(0.010, 0.0005)
+        sp = space(base, [R1, D1])
+        p = Plan(Path("model"), parse_slo(spec), load_scenario("tune"), sp, 1000.0, 3, 8, 0)
+        t = Tuner(p, ev, lambda msg: None, clock.t + 1000.0, clock=clock)  # type: ignore[arg-type]
+        t.run()
+        assert [h["config_id"] for h in t.history] == [base.id, knee.id, dynamic(D1).id], spec
+        assert [e[1] for e in ev.events if e[0] == "start"] == ["rolling 1w x 2t", "dynamic 1w x 2t"]
+    # a line whose knee lies above the budget (a small model: the fixed part dominates every step): no move
+    ev2 = FakeEvaluator(Clock(), {base: 3}, {1: 10.0})
+    ev2.step_costs[R1] = step_line(0.010, 0.00001)  # knee 9000 tokens
+    t2 = tuner(space(base, [R1]), ev2, ev2.clock, 1000.0, max_trials=1)
+    t2.run()
+    assert t2.line_step(R1) is None
+
+
 def test_evaluator_reads_the_step_cost_of_every_engine(tmp_path: Path) -> None:
     """``read_step_cost``: the engines' sums of ``GET /models/{name}`` added (two workers), kept for the
     running group; a dynamic model (no engines) or a failed request leaves what was known."""

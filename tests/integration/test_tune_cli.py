@@ -109,6 +109,9 @@ def test_short_tune_writes_properties_and_report(tmp_path: Path) -> None:
     puts = sum(1 for a, b in zip(runs, runs[1:], strict=False) if a["group"] == b["group"] and a["knobs"] != b["knobs"])
     assert len(report["server_starts"]) == starts == 1
     assert report["live_knob_changes"] == puts == 2, runs  # two trials after the baseline, each a PUT
+    # the step-cost sums of both workers' engines, read from GET /models/{name} (serving.step_cost)
+    line = report["step_cost_lines"][f"rolling 2w x {threads}t"]
+    assert line["steps"] > 0 and 0 < line["max_tokens"] <= 4096
     # the written file: the folder's keys, the chosen values, each with its measured reason above it
     text = (out / "serving.properties").read_text()
     lines = text.splitlines()

@@ -470,8 +470,8 @@ class Tuner:
           group both the sequences and the prefill tokens (a step's sequences and its tokens), then each alone.
         Before all of them, for a rolling group whose step-cost line is measured, the line's budget
         (``fitted_move``). The other directions follow. Run 6 of the tune-quality benchmark
-        (benchmarks/README.md): the default model's grid found a prefill budget of 4096 tokens better than the folder's 2048 (TTFT bound), while
-        the 110m model's tight SLO (ITL p99) was met best with 256."""
+        (benchmarks/README.md): the default model's grid found a prefill budget of 4096 tokens better than
+        the folder's 2048 (TTFT bound), while the 110m model's tight SLO (ITL p99) was met best with 256."""
         evidence = self.evidence(g)
         if evidence is None:
             return []

@@ -36,6 +36,15 @@ class Scope(str, enum.Enum):
     INFERENCE = "inference"
 
 
+def new_key() -> str:
+    """A random token (24 bytes, URL-safe base64) that does not start with ``-``: a key given on a command line
+    (``serving bench --token KEY``, curl's ``-H``) must not read as an option (CI met one that did)."""
+    while True:
+        key = secrets.token_urlsafe(24)
+        if not key.startswith("-"):
+            return key
+
+
 def bearer_token(header: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header value (scheme case-insensitive), else None."""
     if not header:
@@ -99,8 +108,8 @@ def build_authority(config: ServerConfig, cwd: Path) -> TokenAuthority:
     if not path.is_absolute():
         path = cwd / path
     stored = read_key_file(path) if configured and path.exists() else {}
-    management = config.management_token or stored.get("management") or secrets.token_urlsafe(24)
-    inference = config.inference_token or stored.get("inference") or secrets.token_urlsafe(24)
+    management = config.management_token or stored.get("management") or new_key()
+    inference = config.inference_token or stored.get("inference") or new_key()
     if stored != {"management": management, "inference": inference}:
         write_key_file(path, management, inference)
     log.info("token authorization: management%s API needs 'Authorization: Bearer <token>'; tokens are in %s "

@@ -96,7 +96,7 @@ def test_bench_against_a_running_server(api_server: ServerProcess, tmp_path: Pat
     args = ["--url", api_server.url, "--model", model, "--tokenizer", str(DEFAULT_MODEL), "--scenario",
             str(tmp_path / "s.yaml"), "--out", str(out), "--grpc", api_server.grpc_target]
     if "inference" in api_server.tokens:
-        args += ["--token", api_server.tokens["inference"]]
+        args += [f"--token={api_server.tokens['inference']}"]
     proc = bench(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
@@ -133,7 +133,7 @@ def test_bench_passes_are_not_answered_from_the_prefix_cache(api_server: ServerP
     args = ["--url", api_server.url, "--model", "tiny-rb", "--tokenizer", str(DEFAULT_MODEL), "--scenario",
             str(tmp_path / "s.yaml"), "--out", str(tmp_path / "out")]
     if "inference" in api_server.tokens:
-        args += ["--token", api_server.tokens["inference"]]
+        args += [f"--token={api_server.tokens['inference']}"]
 
     def totals() -> tuple[int, int]:
         engines = api_server.describe("tiny-rb")["batcher"]["engines"].values()

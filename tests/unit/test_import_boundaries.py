@@ -81,7 +81,8 @@ def test_the_reader_sees_function_level_imports() -> None:
     assert "handlers.engine.loading" in imports_of(path)  # imported inside rank_main
 
 
-SERVING_FOR_HANDLERS = {"serving.types", "serving.errors", "serving.options", "serving.values"}
+# serving.step_cost: the engine's step-cost sums, read back by serving tune (standard library only)
+SERVING_FOR_HANDLERS = {"serving.types", "serving.errors", "serving.options", "serving.values", "serving.step_cost"}
 
 
 def test_handlers_import_only_the_kernel_of_serving() -> None:
@@ -95,7 +96,7 @@ def test_handlers_import_only_the_kernel_of_serving() -> None:
     assert {"handlers.engine.config", "handlers.huggingface", "handlers.echo"} <= users
 
 
-@pytest.mark.parametrize("module", ["serving/options.py", "serving/values.py"])
+@pytest.mark.parametrize("module", ["serving/options.py", "serving/values.py", "serving/step_cost.py"])
 def test_the_option_schema_is_kernel(module: str) -> None:
     """The schema and the value parsers import no more of the project than the kernel (no torch either)."""
     project = {i for i in imports_of(ROOT / module) if i.split(".")[0] in ("serving", "handlers")}

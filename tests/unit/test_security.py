@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from serving.auth import Scope, TokenAuthority, bearer_token, build_authority, read_key_file
+from serving.auth import Scope, TokenAuthority, bearer_token, build_authority, new_key, read_key_file
 from serving.config import ServerConfig, load_server_config
 from serving.errors import ConfigError, InvalidRequest
 from serving.frontends.grpc_auth import scope_of
@@ -34,6 +34,14 @@ def test_bearer_header_parsing() -> None:
     assert bearer_token("Basic abc") is None
     assert bearer_token("Bearer") is None
     assert bearer_token(None) is None
+
+
+def test_a_new_key_never_starts_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key that starts with ``-`` reads as an option on a command line (``serving bench --token KEY``): CI met
+    one. The random source is scripted: the dashed draws are skipped."""
+    draws = iter(["-abc", "-", "ok-key_1"])
+    monkeypatch.setattr("serving.auth.secrets.token_urlsafe", lambda n: next(draws))
+    assert new_key() == "ok-key_1"
 
 
 def test_each_scope_needs_its_own_token() -> None:

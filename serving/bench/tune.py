@@ -512,7 +512,7 @@ class Tuner:
         if not os_:
             return None
         best = max(os_, key=lambda o: (o.rung, o.score))
-        params = {k.name: min(max(int(best.config.knob(k.name)), k.lo), k.hi) for k in knobs_of(g.mode)}
+        params = clipped_knobs(best.config)
         failing = sorted((r for r in best.runs if r.rung > best.rung and not r.met(self.slo)), key=lambda r: r.rung)
         decode_bound = bool(failing) and bool(missed_bounds(failing[0], self.slo, self.ev.stream) & {"itl", "tpot"})
         return params, decode_bound
@@ -534,7 +534,7 @@ class Tuner:
         if probe.cut or probe.met(self.slo):
             return None
         first, second = (k.name for k in knobs_of(g.mode))
-        params = {k.name: min(max(int(seed.knob(k.name)), k.lo), k.hi) for k in knobs_of(g.mode)}
+        params = clipped_knobs(seed)
         move = self.fitted_move(g, params, first, second)
         config = None if move is None else make_config(g, move)
         return None if config is None or config == seed or config.id in self.outcomes else config
@@ -702,6 +702,11 @@ def report_doc(plan: Plan, tuner: Tuner, ladder: list[float], calibration: dict[
             "configurations": [summary(o) | {"runs": len(o.runs)} for o in configs],
             "step_cost_lines": {g.label: step_line_summary(cost) for g, cost in ev.step_costs.items()},
             "history": tuner.history, "runs": runs}
+
+
+def clipped_knobs(config: Config) -> dict[str, int]:
+    """``config``'s live knobs, each clipped to its range (a folder's value may lie outside)."""
+    return {k.name: min(max(int(config.knob(k.name)), k.lo), k.hi) for k in knobs_of(config.group.mode)}
 
 
 def step_line_summary(cost: StepCost) -> dict[str, Any]:

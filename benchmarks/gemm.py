@@ -7,6 +7,13 @@ as in the engine) run on ``--rows`` rows; prints the median step time and the CP
     .venv/bin/python benchmarks/gemm.py packed --threads 2           # handlers.engine.prepack.PackedLinear
     .venv/bin/python benchmarks/gemm.py plain --threads 2            # F.linear on the plain weight
     benchmarks/.venv-vllm/bin/python benchmarks/gemm.py vllm --threads 2   # vLLM's create_onednn_mm/onednn_mm
+    .venv/bin/python benchmarks/gemm.py packed-all --rows 2048              # the packed weight at any row count
+    OPENBLAS_NUM_THREADS=2 .venv/bin/python benchmarks/gemm.py openblas --threads 2 --rows 2048
+                                         # numpy's OpenBLAS (sgemm into the torch tensor), for comparison only
+
+``plain`` is MKL's sgemm (what ``F.linear`` runs for fp32 on x86), ``packed`` the engine's hybrid
+``PackedLinear`` (oneDNN up to 128 rows, then the plain weight), ``packed-all`` oneDNN at every row count
+(rounded up to ``packed_rows``), ``vllm`` vLLM's oneDNN matmul.
 """
 
 from __future__ import annotations
@@ -31,13 +38,23 @@ def build(mode: str, weights: list[torch.Tensor]) -> list[tuple[int, Callable[[t
     for w in weights:
         if mode == "plain":
             fns.append((w.shape[1], lambda x, w=w: F.linear(x, w)))
-        elif mode == "packed":
+        elif mode in ("packed", "packed-all"):
             sys.path.insert(0, str(REPO))
             from handlers.engine.prepack import HYBRID_MAX_PACKED_ROWS, PackedLinear
 
             lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
             lin.weight.data = w
-            fns.append((w.shape[1], PackedLinear(lin, max_packed_rows=HYBRID_MAX_PACKED_ROWS)))
+            fns.append((w.shape[1], PackedLinear(lin, max_packed_rows=HYBRID_MAX_PACKED_ROWS
+                                                 if mode == "packed" else None)))
+        elif mode == "openblas":
+            import numpy as np
+
+            def blas(x: torch.Tensor, w: torch.Tensor = w) -> torch.Tensor:
+                out = x.new_empty(x.shape[0], w.shape[0])
+                np.matmul(x.numpy(), w.numpy().T, out=out.numpy())
+                return out
+
+            fns.append((w.shape[1], blas))
         else:
             from vllm import _custom_ops as ops  # type: ignore[import-not-found]
 
@@ -48,7 +65,7 @@ def build(mode: str, weights: list[torch.Tensor]) -> list[tuple[int, Callable[[t
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["packed", "plain", "vllm"])
+    ap.add_argument("mode", choices=["packed", "packed-all", "plain", "openblas", "vllm"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, default=32, help="rows of each matmul (decode: running sequences)")
     ap.add_argument("--steps", type=int, default=15)
@@ -73,8 +90,10 @@ def main(argv: list[str] | None = None) -> None:
         step()
         times.append(time.perf_counter() - t0)
     cpu = (time.process_time() - cpu0) / args.steps
+    gflop = 2 * args.rows * sum(n * k for n, k in shapes) / 1e9
     print(f"{args.mode}, {args.threads} thread(s), {args.rows} rows: step median {1000 * statistics.median(times):.1f} "
-          f"ms (min {1000 * min(times):.1f}), CPU {1000 * cpu:.1f} ms a step")
+          f"ms (min {1000 * min(times):.1f}), CPU {1000 * cpu:.1f} ms a step, "
+          f"{gflop / statistics.median(times):.1f} GFLOP/s")
 
 
 if __name__ == "__main__":

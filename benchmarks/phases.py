@@ -4,6 +4,7 @@ sequences x context) and of one prefill step (1 x 256 and 16 x 128 tokens); CPU 
 
     python benchmarks/phases.py benchmarks/models/llama-110m
     python benchmarks/phases.py benchmarks/models/llama-110m --threads 2 --option prepack_weights=true
+    python benchmarks/phases.py benchmarks/models/llama-110m --threads 2 --prefill 1x128 --prefill 4x512
     PYTHONPATH=/path/to/an/older/checkout python benchmarks/phases.py MODEL_DIR   # the same on other code
 
 CPU time is what to compare on a shared machine: other jobs stretch wall time far more than CPU time.
@@ -74,20 +75,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--option", action="append", default=[], metavar="K=V", help="engine option (repeatable)")
     ap.add_argument("--decode", action="append", default=[], metavar="BxC",
-                    help="only these decode cases (B sequences x C tokens of context; repeatable), no prefill")
+                    help="only these decode cases (B sequences x C tokens of context; repeatable)")
+    ap.add_argument("--prefill", action="append", default=[], metavar="NxL",
+                    help="only these prefill cases (one step of N prompts of L tokens; repeatable)")
     args = ap.parse_args()
     OPTIONS.update(kv.split("=", 1) for kv in args.option)
     OPTIONS["num_threads"] = str(args.threads)
     torch.set_num_threads(args.threads)
     model = args.model
     out: dict[str, list[float]] = {}
+    chosen = bool(args.decode or args.prefill)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.decode] or \
-        [(b, c) for b in (1, 8, 32) for c in (128, 1024)]
+        ([] if chosen else [(b, c) for b in (1, 8, 32) for c in (128, 1024)])
+    prefills = [tuple(int(x) for x in c.split("x")) for c in args.prefill] or ([] if chosen else [(1, 256), (16, 128)])
     for batch, context in cases:
         out[f"decode B={batch} ctx={context}"] = decode(model, batch, context)
-    if not args.decode:
-        out["prefill 1x256"] = prefill(model, 1, 256)
-        out["prefill 16x128"] = prefill(model, 16, 128)
+    for num_prompts, length in prefills:
+        out[f"prefill {num_prompts}x{length}"] = prefill(model, num_prompts, length)
     print(json.dumps(out))
 
 

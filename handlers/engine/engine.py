@@ -86,7 +86,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
                                   populate_kv=config.kv_cache_populate,
                                   num_kv_heads=num_kv_heads, group=tp_group, fuse_weights=config.fuse_projections,
-                                  use_kernels=config.attention_kernel == "native")
+                                  use_kernels=config.attention_kernel == "native",
+                                  step_tokens=config.max_num_batched_tokens)
         self._kv_block_bytes = per_token * config.block_size
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

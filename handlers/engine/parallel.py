@@ -279,7 +279,8 @@ def rank_main(argv: list[str] | None = None) -> None:
         runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
                              populate_kv=config.kv_cache_populate,
                              num_kv_heads=kv_heads, fuse_weights=config.fuse_projections,
-                             use_kernels=config.attention_kernel == "native")
+                             use_kernels=config.attention_kernel == "native",
+                             step_tokens=config.max_num_batched_tokens)
         while True:
             inputs = group.broadcast_step(None)
             if inputs is None:

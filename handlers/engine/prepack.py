@@ -32,6 +32,13 @@ HYBRID_MIN_PACKED_ROWS = 2
 # runner builds those kernels at load (``warm_packed_kernels``): the memory is taken once, up front.
 EXACT_PACKED_ROWS = 32
 KERNEL_BYTES = 576 * 1024  # measured per cached kernel (see above)
+# Prefill-sized inputs (more than HYBRID_MAX_PACKED_ROWS rows) run packed too when their kernel was built at
+# load (``large_rows``: the engine's token budget per step) and rounding them up to their bucket pads at most
+# 1/LARGE_MAX_PADDING of them; else the plain weight (MKL). Measured in the engine on the 110m model, AVX2-only
+# EPYC, two threads, 3 alternating runs each (benchmarks/README.md, "Prefill and the GEMM libraries"): a
+# prefill step of 256 rows 634 -> 492 ms, 384 rows 832 -> 681, 512 rows 1072 -> 943 (medians); 1000 and 2048
+# rows unchanged within the noise, one thread too. 160 rows padded to 192 were slower than the plain weight.
+LARGE_MAX_PADDING = 16
 
 
 def packed_rows(rows: int) -> int:
@@ -47,6 +54,12 @@ def packed_rows(rows: int) -> int:
 def packed_row_counts(max_rows: int = HYBRID_MAX_PACKED_ROWS) -> list[int]:
     """Every row count the packed path runs for inputs of 1..``max_rows`` rows."""
     return sorted({packed_rows(rows) for rows in range(1, max_rows + 1)})
+
+
+def large_row_counts(large_rows: int) -> list[int]:
+    """The row counts the packed path runs for prefill-sized inputs of up to ``large_rows`` rows: the buckets
+    above HYBRID_MAX_PACKED_ROWS that fit in ``large_rows`` (12 up to 2048)."""
+    return [r for r in packed_row_counts(large_rows) if r > HYBRID_MAX_PACKED_ROWS]
 
 
 class PackedLinear(nn.Module):
@@ -66,12 +79,23 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.max_packed_rows = max_packed_rows
+        self.large_rows = 0  # set by warm_packed_kernels: prefill-sized inputs whose kernels were built
         self.weight = None if max_packed_rows is None else nn.Parameter(linear.weight.detach(), requires_grad=False)
+
+    def runs_packed(self, rows: int) -> bool:
+        """Whether an input of ``rows`` rows runs on the packed weight (always, unless hybrid)."""
+        if self.weight is None or self.max_packed_rows is None:
+            return True
+        if rows < HYBRID_MIN_PACKED_ROWS:
+            return False
+        if rows <= self.max_packed_rows:
+            return True
+        run_rows = packed_rows(rows)
+        return run_rows <= self.large_rows and (run_rows - rows) * LARGE_MAX_PADDING <= rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.weight is not None and self.max_packed_rows is not None and \
-                not HYBRID_MIN_PACKED_ROWS <= rows <= self.max_packed_rows:
+        if self.weight is not None and not self.runs_packed(rows):
             return F.linear(x, self.weight, self.bias)
         run_rows = packed_rows(rows)
         if run_rows == rows:
@@ -87,20 +111,36 @@ class PackedLinear(nn.Module):
         return self.in_features, self.out_features, self.bias is not None, packed.dtype
 
 
-def warm_packed_kernels(model: nn.Module, max_rows: int = HYBRID_MAX_PACKED_ROWS) -> int:
+def warm_packed_kernels(model: nn.Module, max_rows: int = HYBRID_MAX_PACKED_ROWS, large_rows: int = 0,
+                        large_skip: tuple[nn.Module, ...] = ()) -> int:
     """Build oneDNN's kernel for every packed row count up to ``max_rows`` (``packed_row_counts``) and every
     distinct weight shape of ``model``, so the worker's memory does not grow with traffic; returns how many.
-    Costs one matmul per kernel (about 0.4 s for a 110M model on one core)."""
+    Costs one matmul per kernel (about 0.4 s for a 110M model on one core). In hybrid mode, with
+    ``large_rows`` (the token budget of a step), also the prefill-sized buckets up to it (``large_row_counts``)
+    for every layer but ``large_skip`` (the lm_head, which sees the sampled rows only), and lets those layers
+    run them packed (about 2 s more for a 110M model and a 2048-token budget)."""
     shapes: dict[tuple[int, int, bool, torch.dtype], PackedLinear] = {}
+    large: dict[tuple[int, int, bool, torch.dtype], PackedLinear] = {}
+    skip = {id(m) for m in large_skip}
     for module in model.modules():
         if isinstance(module, PackedLinear):
             shapes.setdefault(module.shape_key(), module)
+            if large_rows and module.max_packed_rows is not None and id(module) not in skip:
+                large.setdefault(module.shape_key(), module)
     built = 0
     with torch.no_grad():
         for key, module in shapes.items():
             for rows in packed_row_counts(min(max_rows, module.max_packed_rows or max_rows)):
                 module(torch.zeros(rows, module.in_features, dtype=key[3]))
                 built += 1
+        for key, module in large.items():
+            for rows in large_row_counts(large_rows):
+                torch.ops.mkldnn._linear_pointwise(torch.zeros(rows, module.in_features, dtype=key[3]),
+                                                   module.get_buffer("packed_weight"), module.bias, "none", [], "")
+                built += 1
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and module.shape_key() in large and id(module) not in skip:
+            module.large_rows = large_rows
     return built
 
 

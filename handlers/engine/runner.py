@@ -100,7 +100,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: str = "false",
                  num_kv_heads: int | None = None, group: StepBroadcaster | None = None,
                  fuse_weights: bool = False, use_kernels: bool = True, populate_kv: str = "eager",
-                 lean: bool = True) -> None:
+                 lean: bool = True, step_tokens: int = 0) -> None:
         model.eval()
         use_paged_attention(model)
         if fuse_weights:
@@ -108,7 +108,10 @@ class ModelRunner:
         if prepack_weights in ("true", "hybrid"):
             n = prepack_linear_layers(model, hybrid=prepack_weights == "hybrid")
             started = time.perf_counter()
-            kernels = warm_packed_kernels(model)
+            # prefill-sized steps (up to the token budget) run packed too; the lm_head only sees sampled rows
+            head = getattr(model, "lm_head", None)
+            kernels = warm_packed_kernels(model, large_rows=step_tokens if prepack_weights == "hybrid" else 0,
+                                          large_skip=(head,) if isinstance(head, torch.nn.Module) else ())
             logger.info("prepacked %d linear layers for oneDNN; built %d kernels in %.1f s", n, kernels,
                         time.perf_counter() - started)
         self.context = StepContext()

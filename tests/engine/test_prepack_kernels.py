@@ -19,9 +19,12 @@ from handlers.engine.prepack import (
     KERNEL_BYTES,
     PackedLinear,
     can_prepack,
+    large_row_counts,
     packed_row_counts,
     packed_rows,
 )
+from serving.types import SamplingParams
+from tests.engine.conftest import reference_greedy
 
 
 class _MallInfo2(ctypes.Structure):
@@ -75,15 +78,72 @@ def test_hybrid_routes_single_rows_and_prefill_to_the_plain_weight() -> None:
             torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5, msg=f"{rows} rows")
 
 
+def test_prefill_sized_inputs_run_packed_only_when_built_and_barely_padded() -> None:
+    """Beyond HYBRID_MAX_PACKED_ROWS the packed weight runs only for inputs whose bucket's kernel was built at
+    load (``large_rows``) and which pad at most a sixteenth; the rest run on the plain weight. The packed copy
+    is zeroed, so each route shows in the output."""
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 40)
+    packed = PackedLinear(linear, max_packed_rows=HYBRID_MAX_PACKED_ROWS)
+    zero = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(linear.weight), 8)
+    packed.register_buffer("packed_weight", zero, persistent=False)
+    assert large_row_counts(2048) == [192, 256, 320, 384, 448, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    routes = {}
+    with torch.no_grad():
+        for large_rows in (0, 512):
+            packed.large_rows = large_rows
+            for rows in (129, 160, 192, 250, 256, 300, 310, 500, 513):
+                x = torch.randn(rows, 48)
+                out = packed(x)
+                on_packed = torch.equal(out, linear.bias.expand(rows, 40))
+                if not on_packed:
+                    torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+                routes[large_rows, rows] = on_packed
+    assert not any(routes[0, rows] for rows in (129, 160, 192, 250, 256, 300, 310, 500, 513)), routes
+    # 129 -> 192, 160 -> 192 and 300 -> 320 pad more than a sixteenth, 513 -> 768 is beyond the built kernels
+    assert [rows for rows in (129, 160, 192, 250, 256, 300, 310, 500, 513) if routes[512, rows]] == \
+        [192, 250, 256, 310, 500], routes
+
+
+def test_prefill_steps_on_the_packed_weight_equal_generate(model_dirs: dict[str, Path]) -> None:
+    """The engine builds the prefill-sized kernels up to its token budget for every layer but the lm_head, and
+    a 500-row prefill step (two long prompts at once) runs on them: greedy output equals ``generate``."""
+    engine = LLMEngine.from_options(model_dirs["llama"], {"num_kv_blocks": "256", "prepack_weights": "hybrid",
+                                                          "max_rolling_batch_prefill_tokens": "512"})
+    layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+    head = engine.model.get_submodule("lm_head")
+    assert isinstance(head, PackedLinear) and head.large_rows == 0
+    body = [m for m in layers if m is not head]
+    assert body and all(m.large_rows == 512 and m.runs_packed(500) for m in body)
+    calls: list[int] = []
+    for m in body:
+        m.register_forward_pre_hook(lambda _m, args: calls.append(args[0].numel() // _m.in_features))
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 500, (n,), generator=rng).tolist() for n in (260, 240)]
+    params = SamplingParams(max_new_tokens=12)  # stops at EOS, as generate does
+    for i, p in enumerate(prompts):
+        engine.add(f"r{i}", p, params)
+    got: dict[str, list[int]] = {"r0": [], "r1": []}
+    while engine.has_work():
+        for d in engine.step():
+            got[d.request_id].extend(t.id for t in d.tokens)
+    assert max(calls) == 500  # both prompts in one step, on the packed weight
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == reference_greedy(model_dirs["llama"], p, 12), f"prompt {i} differs from generate"
+
+
 def test_engine_memory_does_not_grow_with_new_row_counts(model_dirs: dict[str, Path]) -> None:
-    """After the engine is built, every row count 1..128 through every packed layer builds no new kernel."""
+    """After the engine is built, every row count 1..128 through every packed layer builds no new kernel, nor do
+    prefill-sized row counts up to the token budget."""
     engine = LLMEngine.from_options(model_dirs["llama"], {"num_kv_blocks": "64", "prepack_weights": "hybrid"})
     layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
     assert layers, "the engine prepacked nothing: the test would prove nothing"
+    assert any(m.large_rows == 2048 for m in layers)
     before = heap_bytes_in_use()
     with torch.no_grad():
-        for rows in range(1, HYBRID_MAX_PACKED_ROWS + 1):
-            for layer in {m.shape_key(): m for m in layers}.values():
+        # every row count a decode step brings, and prefill-sized ones up to the budget (some run packed)
+        for rows in [*range(1, HYBRID_MAX_PACKED_ROWS + 1), *range(129, 2049, 61), 2048]:
+            for layer in {(m.shape_key(), m.large_rows): m for m in layers}.values():
                 layer(torch.zeros(rows, layer.in_features))
     grown = heap_bytes_in_use() - before
     # Unwarmed, this loop builds ~5 shapes x 128 kernels x 0.55 MiB = ~350 MiB; allow a few stray allocations.

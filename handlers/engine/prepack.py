@@ -126,6 +126,7 @@ def warm_packed_kernels(model: nn.Module, max_rows: int = HYBRID_MAX_PACKED_ROWS
         if isinstance(module, PackedLinear):
             shapes.setdefault(module.shape_key(), module)
             if large_rows and module.max_packed_rows is not None and id(module) not in skip:
+                module.large_rows = large_rows  # its forward now routes these buckets to the packed weight
                 large.setdefault(module.shape_key(), module)
     built = 0
     with torch.no_grad():
@@ -135,12 +136,8 @@ def warm_packed_kernels(model: nn.Module, max_rows: int = HYBRID_MAX_PACKED_ROWS
                 built += 1
         for key, module in large.items():
             for rows in large_row_counts(large_rows):
-                torch.ops.mkldnn._linear_pointwise(torch.zeros(rows, module.in_features, dtype=key[3]),
-                                                   module.get_buffer("packed_weight"), module.bias, "none", [], "")
+                module(torch.zeros(rows, module.in_features, dtype=key[3]))
                 built += 1
-    for module in model.modules():
-        if isinstance(module, PackedLinear) and module.shape_key() in large and id(module) not in skip:
-            module.large_rows = large_rows
     return built
 
 

@@ -294,7 +294,8 @@ def run_tunes(doc: dict[str, Any], path: Path, scen_file: Path, tight: str, loos
             "tune_runs": len(rep.get("runs", [])), "tune_configurations": len(rep.get("configurations", [])),
             "tune_time_split_s": rep.get("time_s"), "tune_server_starts": rep.get("server_starts"),
             "tune_dropped_groups": rep.get("dropped_groups"),
-            "tune_skipped_for_budget": len(rep.get("skipped_for_budget", [])), "tune_stopped": rep.get("stopped")}
+            "tune_skipped_for_budget": len(rep.get("skipped_for_budget", [])), "tune_stopped": rep.get("stopped"),
+            "tune_head_to_head": rep.get("head_to_head")}
         if confirm_reps and best:
             print(f"  confirmation ({label}): {confirm_reps} alternating runs each", flush=True)
             t["summary"]["confirmation"] = confirm(path, scen_file, parse_slo(slo), best["config_id"],

@@ -472,10 +472,11 @@ class Evaluator:
         recs = run_requests(self.api, self.target, w.requests, [0.0] * len(w.requests), self.stream)
         return metrics(RunResult(recs), [r.max_new_tokens for r in w.requests])
 
-    def measure(self, config: Config, rung: int) -> Run:
-        """``config`` at ladder rung ``rung`` (cached: a configuration is measured once per rung)."""
+    def measure(self, config: Config, rung: int, again: bool = False) -> Run:
+        """``config`` at ladder rung ``rung`` (cached: a configuration is measured once per rung; ``again``: a
+        new run all the same, which leaves the cached one in place)."""
         key = (config.id, rung)
-        if key in self.runs:
+        if key in self.runs and not again:
             return self.runs[key]
         rate = self.ladder[rung]
         try:
@@ -526,7 +527,7 @@ class Evaluator:
         run = Run(config, rung, rate, recs, expected, time.perf_counter() - t0, bool(aborted_at), wall,
                   violated_at)
         self.read_step_cost()
-        self.runs[key] = run
+        self.runs.setdefault(key, run)
         self.order.append(run)
         return run
 

@@ -103,12 +103,34 @@ def test_short_tune_writes_properties_and_report(tmp_path: Path) -> None:
     assert all(r["completed"] == 6 and r["failed"] == 0 and r["slo_met"] for r in runs)
     # the loose SLO holds at every rung: every configuration climbs to the top rung, and the chosen one is there
     assert report["chosen"]["meets_slo"] is True
-    assert report["chosen"]["rate_req_s"] == runs[-1]["rate_req_s"] == report["ladder_req_s"][-1]
+    top = report["ladder_req_s"][-1]
+    assert report["chosen"]["rate_req_s"] == top
+    # the search's pick (the best of its 3 configurations) measured again against the baseline when they
+    # differ: 2 runs each at the top rung, alternating, the pick first (the running server has its knobs)
+    best = max((h for h in report["history"] if h["improved"]), key=lambda h: report["history"].index(h))
+    h2h = report["head_to_head"]
+    search_runs = runs
+    if best["config_id"] == report["baseline"]["config_id"]:
+        assert h2h is None
+    else:
+        pick, base = best["config_id"], report["baseline"]["config_id"]
+        assert {k: h2h[k] for k in ("search_pick", "rate_req_s", "runs_each", "done")} == {
+            "search_pick": pick, "rate_req_s": top, "runs_each": 2, "done": True}
+        assert [(r["config_id"], r["rate_req_s"]) for r in runs[-4:]] == [(pick, top), (base, top), (base, top),
+                                                                           (pick, top)]
+        assert (h2h["chosen_met"], h2h["baseline_met"]) == (2, 2)  # the loose SLO: every run meets it
+        kept = base if h2h["kept"] == "baseline" else pick
+        assert report["chosen"]["config_id"] == kept
+        search_runs = runs[:-4]
     # a restart only for another group; otherwise the knobs changed live (PUT /models/{name})
     starts = 1 + sum(1 for a, b in zip(runs, runs[1:], strict=False) if a["group"] != b["group"])
     puts = sum(1 for a, b in zip(runs, runs[1:], strict=False) if a["group"] == b["group"] and a["knobs"] != b["knobs"])
+    search_puts = sum(1 for a, b in zip(search_runs, search_runs[1:], strict=False) if a["knobs"] != b["knobs"])
     assert len(report["server_starts"]) == starts == 1
-    assert report["live_knob_changes"] == puts == 2, runs  # two trials after the baseline, each a PUT
+    assert search_puts == 2, runs  # two trials after the baseline, each a PUT
+    # the head-to-head's PUTs: pick -> baseline -> pick, and one before it unless the search ended on the pick
+    h2h_puts = 2 + (search_runs[-1]["knobs"] != runs[-4]["knobs"]) if h2h else 0
+    assert report["live_knob_changes"] == puts == search_puts + h2h_puts, runs
     # the step-cost sums of both workers' engines, read from GET /models/{name} (serving.step_cost)
     line = report["step_cost_lines"][f"rolling 2w x {threads}t"]
     assert line["steps"] > 0 and 0 < line["max_tokens"] <= 4096
@@ -124,7 +146,12 @@ def test_short_tune_writes_properties_and_report(tmp_path: Path) -> None:
     cfg = load_model_config(_folder_with(tmp_path, text))  # the file is valid serving.properties
     assert cfg.batching.max_rolling_batch_size == int(chosen["option.max_rolling_batch_size"])
     assert (out / "tune-report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"improvement: {report['improvement']:.2f}x the baseline's goodput" in proc.stdout
+    if h2h is None:
+        assert f"improvement: {report['improvement']:.2f}x the baseline's goodput" in proc.stdout
+    elif h2h["kept"] == "baseline":
+        assert "improvement: none, so the folder's configuration is kept (measured again head to head" in proc.stdout
+    else:
+        assert f"improvement: {report['improvement']:.2f}x the baseline's goodput (measured again" in proc.stdout
     assert report["model"] == "tiny-llama"
 
 

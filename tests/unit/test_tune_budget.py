@@ -25,7 +25,16 @@ from serving.bench.search import (
     missed_bounds,
     race,
 )
-from serving.bench.tune import REPORT_S, STEP_SHARE, STOP_S, Plan, Tuner, improvement_text, promise_order
+from serving.bench.tune import (
+    REPORT_S,
+    STEP_SHARE,
+    STOP_S,
+    VERIFY_SHARE,
+    Plan,
+    Tuner,
+    improvement_text,
+    promise_order,
+)
 from serving.step_cost import StepCost
 
 SLO = parse_slo("ttft_p99=1s,itl_p99=100ms")
@@ -79,6 +88,7 @@ class FakeEvaluator:
         self.cores = 1  # the simulated starts grow with the workers: they load one after the other
         self.events: list[tuple[Any, ...]] = []  # ("start", label, clock after) / ("run", config id, rung, group)
         self.step_costs: dict[Group, StepCost] = {}  # set by a test: the group's step-cost line
+        self.again_top: dict[Config, int] = {}  # set by a test: a configuration's top rung when measured again
 
     def apply(self, config: Config) -> None:
         if self.needs_start(config):
@@ -101,12 +111,14 @@ class FakeEvaluator:
             self.stops.append(self.stop_s)
             self.server = self.current = None
 
-    def measure(self, config: Config, rung: int) -> Run:
+    def measure(self, config: Config, rung: int, again: bool = False) -> Run:
         key = (config.id, rung)
-        if key in self.runs:
+        if key in self.runs and not again:
             return self.runs[key]
         self.apply(config)
         top = self.top.get(config, self.top.get(config.group, -1))
+        if again:  # measured again (the head-to-head): ``again_top`` simulates a search run that was lucky
+            top = self.again_top.get(config, top)
         met = rung <= top
         rate = LADDER[rung]
         seconds = N / rate + 1.0 if met else 0.5
@@ -122,7 +134,7 @@ class FakeEvaluator:
         recs = [Rec(i / rate, [i / rate + ttft + gap * j for j in range(3)], end=i / rate + ttft + 2 * gap)
                 for i in range(N)]
         run = Run(config, rung, rate, recs, [3] * N, seconds, not met, seconds - 1.0)
-        self.runs[key] = run
+        self.runs.setdefault(key, run)
         self.order.append(run)
         self.events.append(("run", config.id, rung, config.group.label))
         return run
@@ -639,3 +651,80 @@ def test_evaluator_without_abort_slos_runs_to_the_end(tmp_path: Path, monkeypatc
     monkeypatch.setattr(search, "run_requests", fake_run_requests)
     run = ev.measure(c, 1)
     assert answers == [False] and not run.aborted
+
+
+def _pick_over(base: Config, pick: Config, ev: FakeEvaluator, budget: float = 1000.0) -> Tuner:
+    """A tuner whose search measured the folder's configuration and a better one (the incumbent)."""
+    t = tuner(space(base, [base.group, pick.group]), ev, ev.clock, budget)
+    for c in (base, pick):
+        t.evaluate(c, "search", first=3, allow_below=True)
+    assert t.incumbent is t.outcomes[pick.id]
+    return t
+
+
+def test_the_pick_is_measured_again_against_the_folders_and_kept_when_it_holds() -> None:
+    base, pick = rolling(R1), rolling(R1, 64, 4096)
+    ev = FakeEvaluator(Clock(), {base: 1, pick: 2}, {1: 10.0})
+    t = _pick_over(base, pick, ev)
+    n = len(ev.events)
+    t.verify()
+    # two new runs each at the pick's rung, alternating, the pick first (the running server has its knobs):
+    # live knob changes, no server start
+    assert ev.events[n:] == [("run", pick.id, 2, R1.label), ("run", base.id, 2, R1.label),
+                             ("run", base.id, 2, R1.label), ("run", pick.id, 2, R1.label)]
+    v = t.verification
+    assert v is not None and v["done"] and v["kept"] == "chosen" and (v["chosen_met"], v["baseline_met"]) == (2, 0)
+    assert t.incumbent is t.outcomes[pick.id]
+    assert ev.runs[(base.id, 1)].rung == 1 and len(ev.order) == n - 1 + 4  # the search's runs stay cached
+    assert improvement_text(t.baseline_outcome(), t.incumbent, SLO, v) == (
+        "improvement: no ratio (the baseline's goodput was 0) (measured again head to head, 2 runs each at 4 req/s, "
+        "alternating: mean 4.00 req/s for the search's pick (met the SLO in 2), 0.00 for the folder's (met in 0))")
+
+
+def test_a_pick_that_does_not_hold_up_when_measured_again_gives_way_to_the_folders() -> None:
+    base, pick = rolling(R1), rolling(R1, 64, 4096)
+    ev = FakeEvaluator(Clock(), {base: 1, pick: 2}, {1: 10.0})
+    ev.again_top = {pick: 1, base: 2}  # the pick's rung-2 run was lucky; the folder's meets rung 2 measured again
+    t = _pick_over(base, pick, ev)
+    t.verify()
+    v = t.verification
+    assert v is not None and v["done"] and v["kept"] == "baseline" and v["search_pick"] == pick.id
+    assert (v["chosen_met"], v["baseline_met"]) == (0, 2)
+    assert t.incumbent is t.outcomes[base.id] is t.baseline_outcome()
+    assert t.incumbent.best is not None and t.incumbent.best.rung == 2
+    assert improvement_text(t.baseline_outcome(), t.incumbent, SLO, v).startswith(
+        "improvement: none, so the folder's configuration is kept (measured again head to head, 2 runs each")
+    # in another group: a server start at each switch, the running one's configuration first
+    other = rolling(R2)
+    ev2 = FakeEvaluator(Clock(), {base: 1, other: 2}, {1: 10.0, 2: 20.0})
+    t2 = _pick_over(base, other, ev2)
+    n = len(ev2.events)
+    assert t2.verify_cost(other, base, 2) == (10.0 + 1.0) + (20.0 + 1.0) + 4 * ev2.estimated_seconds(2)  # stop + start
+    t2.verify()
+    assert [e[:2] for e in ev2.events[n:]] == [("run", other.id), ("start", R1.label), ("run", base.id),
+                                                ("run", base.id), ("start", R2.label), ("run", other.id)]
+
+
+def test_the_search_leaves_the_head_to_head_its_time_within_the_budget() -> None:
+    base = rolling(R1)
+    clock = Clock()
+    begin = clock.t
+    ev = FakeEvaluator(clock, {R1: 3, base: 1}, {1: 20.0})  # every other configuration meets the top rung
+    budget = 60.0
+    t = tuner(space(base, [R1]), ev, clock, budget, patience=100)
+    t.run()
+    assert t.incumbent is not None and t.incumbent.config != base and t.stop_reason == "budget spent"
+    reserve = t.verify_cost(t.incumbent.config, base, 3)
+    assert reserve == 4 * 1.5 and t.verify_reserve() == reserve
+    t.verify()
+    v = t.verification
+    assert v is not None and v["done"] and v["kept"] == "chosen"
+    assert clock.t <= begin + budget - STOP_S - REPORT_S and ev.cut == []
+    # a head-to-head over VERIFY_SHARE of the budget is not reserved: it runs only if time is left
+    t.plan.budget_s = reserve / VERIFY_SHARE - 1
+    assert t.verify_reserve() == 0.0
+    t.verifying = False
+    t.end = clock.t + t.finish_estimate() + 1.0
+    t.verify()
+    assert t.verification == {"search_pick": t.incumbent.config.id, "rung": 3, "rate_req_s": 8.0, "runs_each": 2,
+                              "done": False, "why": "predicted 6 s, 1 s left"}

@@ -892,7 +892,7 @@ def _search_improvement(base: Outcome, chosen: Outcome, slo: Slo) -> str:
         return (f"improvement: {got / base.best.goodput(slo):.2f}x the baseline's goodput "
                 f"({got:.2f} vs {base.best.goodput(slo):.2f} req/s)")
     if not base.runs:
-        return ("improvement: not known: the baseline was not measured (its group did not fit the budget); the "
+        return ("improvement: not known: the baseline was not measured (the budget ran out before it); the "
                 f"chosen configuration's goodput is {got:.2f} req/s")
     low = min(r.rung for r in base.runs)
     if low == 0:

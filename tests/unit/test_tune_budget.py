@@ -298,7 +298,7 @@ def test_a_run_predicted_too_long_is_skipped_not_run() -> None:
     nothing = Tuner(t.plan, ev, lambda msg: None, 0.0).baseline_outcome()  # type: ignore[arg-type]
     assert (nothing.runs, nothing.best) == ([], None)
     assert improvement_text(nothing, t.baseline_outcome(), SLO) == (
-        "improvement: not known: the baseline was not measured (its group did not fit the budget); the chosen "
+        "improvement: not known: the baseline was not measured (the budget ran out before it); the chosen "
         "configuration's goodput is 2.00 req/s")
 
 

@@ -225,8 +225,9 @@ class Plan:
                   f"{n + 1}. head to head: the chosen configuration and the baseline measured again, "
                   f"{VERIFY_RUNS} runs each, alternating,",
                   "   at the chosen one's rung (its time kept from the search when it costs at most "
-                  f"{VERIFY_SHARE:.0%} of the budget); the baseline is",
-                  "   kept when its mean goodput is higher and it met the SLO as often",
+                  f"{VERIFY_SHARE:.0%} of the budget); the pick must hold",
+                  "   up (meet the SLO in a run, with the higher mean goodput or more runs meeting it), else the "
+                  "baseline is kept",
                   f"{n + 2}. write serving.properties (annotated), tune-report.yaml, tune-report.png; print the "
                   f"improvement over the baseline"]
         return "\n".join(lines)
@@ -508,8 +509,9 @@ class Tuner:
 
     def verify(self) -> None:
         """The chosen configuration against the folder's, measured again: ``VERIFY_RUNS`` new runs each,
-        alternating, at the chosen one's rung. The folder's configuration is kept instead when its runs' mean
-        goodput is higher and it met the SLO in at least as many of them (and in one at least). The result,
+        alternating, at the chosen one's rung. The pick must hold up: meet the SLO in one of its runs at least,
+        with a mean goodput at least the folder's or more runs meeting the SLO; otherwise the folder's
+        configuration is kept (when it met the SLO somewhere: in these runs, or in the search's). The result,
         and the improvement it measures, go to ``verification``."""
         pair = self.verify_pair()
         if pair is None:
@@ -540,7 +542,10 @@ class Tuner:
         met = {cid: sum(r.met(self.slo) for r in rs) for cid, rs in runs.items()}
         mean_c = sum(good[chosen.id]) / len(good[chosen.id])
         mean_b = sum(good[base.id]) / len(good[base.id])
-        keep_base = mean_b > mean_c and met[base.id] >= max(met[chosen.id], 1)
+        holds = met[chosen.id] >= 1 and (mean_c >= mean_b or met[chosen.id] > met[base.id])
+        old = self.outcomes.get(base.id)
+        base_met = met[base.id] >= 1 or (old is not None and old.best is not None)
+        keep_base = not holds and base_met
         info.update({"done": True, "chosen_goodput_req_s": [round(g, 4) for g in good[chosen.id]],
                      "baseline_goodput_req_s": [round(g, 4) for g in good[base.id]],
                      "chosen_met": met[chosen.id], "baseline_met": met[base.id],
@@ -552,9 +557,12 @@ class Tuner:
                  + ("  -> the folder's configuration is kept" if keep_base else ""))
         if keep_base:
             passed = [r for r in runs[base.id] if r.met(self.slo)]
-            best = max(passed, key=lambda r: r.goodput(self.slo))
-            old = self.outcomes.get(base.id)
-            o = Outcome(base, best, (old.runs if old else []) + runs[base.id], best.goodput(self.slo))
+            if passed:  # it met the SLO at the pick's rung: that is its best now
+                best = max(passed, key=lambda r: r.goodput(self.slo))
+                o = Outcome(base, best, (old.runs if old else []) + runs[base.id], best.goodput(self.slo))
+            else:  # what the search measured of it stands
+                assert old is not None and old.best is not None
+                o = Outcome(base, old.best, old.runs + runs[base.id], old.score)
             self.outcomes[base.id] = o
             self.incumbent = o
 

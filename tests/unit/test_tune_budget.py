@@ -694,6 +694,22 @@ def test_a_pick_that_does_not_hold_up_when_measured_again_gives_way_to_the_folde
     assert t.incumbent.best is not None and t.incumbent.best.rung == 2
     assert improvement_text(t.baseline_outcome(), t.incumbent, SLO, v).startswith(
         "improvement: none, so the folder's configuration is kept (measured again head to head, 2 runs each")
+    # measured again, neither meets the SLO at the pick's rung: the pick did not hold up, and the folder's
+    # configuration is kept with what the search measured of it
+    ev3 = FakeEvaluator(Clock(), {base: 1, pick: 2}, {1: 10.0})
+    ev3.again_top = {pick: 1}
+    t3 = _pick_over(base, pick, ev3)
+    t3.verify()
+    v3 = t3.verification
+    assert v3 is not None and v3["kept"] == "baseline" and (v3["chosen_met"], v3["baseline_met"]) == (0, 0)
+    assert t3.incumbent is t3.baseline_outcome() and t3.incumbent.best is ev3.runs[(base.id, 1)]
+    # ... unless the folder's configuration met the SLO nowhere: the pick stays (nothing better is known)
+    ev4 = FakeEvaluator(Clock(), {base: -1, pick: 2}, {1: 10.0})
+    ev4.again_top = {pick: 1}
+    t4 = _pick_over(base, pick, ev4)
+    t4.verify()
+    assert t4.verification is not None and t4.verification["kept"] == "chosen"
+    assert t4.incumbent is t4.outcomes[pick.id]
     # in another group: a server start at each switch, the running one's configuration first
     other = rolling(R2)
     ev2 = FakeEvaluator(Clock(), {base: 1, other: 2}, {1: 10.0, 2: 20.0})

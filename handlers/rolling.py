@@ -88,6 +88,8 @@ class HuggingFaceRollingHandler(RollingHandler):
             "vocab_size": self.vocab_size,
             "block_size": engine.config.block_size,
             "num_blocks": engine.scheduler.allocator.num_blocks,
+            # how the architecture was admitted: the verified list, or the load-time self-check's summary
+            "admitted": engine.admitted,
         }
 
 

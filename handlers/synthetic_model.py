@@ -111,9 +111,10 @@ def _config(arch: str, s: dict[str, int], max_pos: int, common: dict[str, Any]) 
     """A transformers config of family ``arch`` (see ``FAMILIES``) at size ``s``."""
     from transformers import AutoConfig
 
-    if arch not in FAMILIES:
-        raise ValueError(f"unknown arch {arch!r}; one of {', '.join(sorted(FAMILIES))}")
-    model_type, extra = FAMILIES[arch](s, max_pos)
+    families = {**FAMILIES, **UNLISTED_FAMILIES}
+    if arch not in families:
+        raise ValueError(f"unknown arch {arch!r}; one of {', '.join(sorted(families))}")
+    model_type, extra = families[arch](s, max_pos)
     return AutoConfig.for_model(model_type, **{**common, **extra})
 
 
@@ -189,11 +190,19 @@ FAMILIES: dict[str, _Family] = {
                                      max_seq_len=m, expansion_ratio=2)),
 }
 
+# Architectures off the engine's verified list (``handlers.engine.families.SUPPORTED``) that transformers serves
+# through its attention interface: the engine admits them by its load-time self-check (tests/engine/
+# test_self_check.py). OLMo-3 alternates sliding and full layers; GLM-4 has partial rotary and extra norms.
+UNLISTED_FAMILIES: dict[str, _Family] = {
+    "olmo3": lambda s, m: ("olmo3", _llama_like(s, m, sliding_window=_W, layer_types=_alternating(s))),
+    "glm4": lambda s, m: ("glm4", _llama_like(s, m, head_dim=s["hidden"] // s["heads"])),
+}
+
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
-    ap.add_argument("--arch", default="llama", choices=sorted(FAMILIES))
+    ap.add_argument("--arch", default="llama", choices=sorted({**FAMILIES, **UNLISTED_FAMILIES}))
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

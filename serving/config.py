@@ -438,14 +438,22 @@ def _choose_rolling_batch(requested: str, setting: _Setting, entry_point: str, m
     if not (folder / "config.json").is_file():
         return "scheduler", (f"{asked}: rolling engine; no config.json in the model folder to check the "
                              "architecture before loading (the engine checks it when it loads)")
-    from handlers.engine.families import load_config_dict, unsupported_reason  # torch-free
+    from handlers.engine.families import ADMITTED_BY_LIST, admission, load_config_dict, unsupported_reason  # torch-free
 
     config = load_config_dict(folder)
     reason = unsupported_reason(config, max_model_len)
     if reason is None:
         archs = config.get("architectures")
         arch = str(archs[0]) if isinstance(archs, list) and archs else str(config.get("model_type"))
-        return "scheduler", f"{asked}: rolling engine; {arch} (model_type={config.get('model_type')}) is supported"
+        named = f"{arch} (model_type={config.get('model_type')})"
+        if admission(config) == ADMITTED_BY_LIST:
+            return "scheduler", f"{asked}: rolling engine; {named} is supported"
+        # Off the verified list: the worker's self-check decides at load, and a difference FAILS the model
+        # (it is not switched to dynamic batching behind the user's back: README, "Model families").
+        return "scheduler", (f"{asked}: rolling engine, pending load-time self-check; {named} is not on the "
+                             "verified list: the worker compares the engine's logits with transformers' forward "
+                             "when it loads and fails the model on a difference (option.rolling_batch=disable "
+                             "serves it with dynamic batching)")
     if requested == "auto" and entry_point != "rolling":
         return "disable", (f"{asked}: dynamic batching (HF generate); the rolling engine cannot serve this "
                            f"model: {reason}")

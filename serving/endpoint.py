@@ -308,6 +308,9 @@ class ModelEndpoint:
             "model_dir": c.model_dir.name, "entry_point": c.entry_point,
             "batching": "rolling" if self.rolling else "dynamic",
             "rolling_batch": c.batching.describe_rolling_batch(),
+            # the rolling engine's word on the architecture, from its worker's load reply (``Ready.info``):
+            # "verified list" or "load-time self-check (...)"; None before a worker is ready, or not the engine
+            "admitted": self.info.get("admitted"),
             "batch_size": c.batching.batch_size, "max_batch_delay": c.batching.max_batch_delay_ms,
             "job_queue_size": c.batching.job_queue_size, "min_workers": c.min_workers,
             "max_workers": c.max_workers, "target_workers": self.pool.target, "workers": self.pool.describe(),

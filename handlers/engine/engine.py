@@ -19,7 +19,13 @@ import torch
 
 from handlers.engine.config import EngineConfig
 from handlers.engine.detokenizer import IncrementalDetokenizer
-from handlers.engine.families import check_config, load_config_dict
+from handlers.engine.families import (
+    ADMITTED_BY_LIST,
+    UnsupportedModel,
+    check_config,
+    load_config_dict,
+    needs_self_check,
+)
 from handlers.engine.loading import load_model_and_tokenizer
 from handlers.engine.memory import (
     MemoryBudget,
@@ -34,6 +40,7 @@ from handlers.engine.parallel import TensorParallelGroup, shard_model, start_gro
 from handlers.engine.runner import ModelRunner, kv_geometry
 from handlers.engine.sampling import RequestSampler, SampledToken, sample_batch, sampled_token
 from handlers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from handlers.engine.self_check import reference_logits, verify
 from handlers.engine.sequence import Sequence
 from handlers.engine.speculative import NgramDrafter, accepted_prefix
 from serving.step_cost import StepCost
@@ -83,11 +90,22 @@ class LLMEngine:
         self.tp_group = tp_group
         if tp_group is not None:  # every rank must build the same pool: rank 0 decides
             num_blocks = tp_group.broadcast_int(num_blocks)
+        # An architecture off the verified list: transformers' own logits now, before the runner changes the
+        # model; the engine's after (``handlers.engine.self_check``). ``admitted`` says which way it came in.
+        model_type = str(getattr(model_cfg, "model_type", "") or "")
+        arch = f"{type(model).__name__} (model_type={model_type})"
+        probe = None
+        if needs_self_check(model_type):
+            if tp_group is not None:
+                raise UnsupportedModel(f"{arch}: tensor parallelism serves verified architectures only")
+            probe = reference_logits(model, tokenizer, self.max_model_len, num_blocks * config.block_size,
+                                     config.max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
                                   populate_kv=config.kv_cache_populate,
                                   num_kv_heads=num_kv_heads, group=tp_group, fuse_weights=config.fuse_projections,
                                   use_kernels=config.attention_kernel == "native",
                                   step_tokens=config.max_num_batched_tokens)
+        self.admitted = ADMITTED_BY_LIST if probe is None else verify(self.runner, probe, arch)
         self._kv_block_bytes = per_token * config.block_size
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

@@ -9,10 +9,19 @@ feature the engine cannot honour refuses the model by name, it is never dropped 
 Families run either through transformers' attention interface (the model is unchanged, its attention
 calls ``paged_attention_forward``) or through an adapter of ours that replaces the attention module's
 forward (``handlers.engine.adapters``: Falcon).
+
+An architecture off the verified list (``SUPPORTED``) is not refused for its name: when transformers has a
+causal-LM class for it (``AutoModelForCausalLM``; read from transformers' source, so this stays torch-free)
+and it passes the feature screens below, the engine admits it provisionally and the worker verifies it at
+load (``handlers.engine.self_check``: the engine's logits against transformers' own forward); a difference
+refuses it there, naming the first one. ``admission`` says which way a config goes.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +53,11 @@ _REFUSED = {
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
+# How an architecture is admitted (``GET /models/{name}`` reports the worker's final word as "admitted").
+ADMITTED_BY_LIST = "verified list"
+PENDING_SELF_CHECK = "pending load-time self-check"
+
+
 class UnsupportedModel(ValueError):
     """The rolling engine cannot serve this model exactly; the message names the architecture and feature."""
 
@@ -69,9 +83,10 @@ def unsupported_reason(config: Mapping[str, Any], max_model_len: int | None = No
         return f"{arch}: config.json has no model_type; the rolling engine cannot tell the architecture"
     if model_type in _REFUSED:
         return f"{arch} (model_type={model_type}): {_REFUSED[model_type]}"
-    if model_type not in SUPPORTED:
-        return (f"{arch} (model_type={model_type}) is not an architecture the rolling engine has been verified "
-                f"on; supported: {', '.join(sorted(SUPPORTED))}")
+    if model_type not in SUPPORTED and not _causal_lm_loadable(config):
+        return (f"{arch} (model_type={model_type}) is not on the rolling engine's verified list "
+                f"({', '.join(sorted(SUPPORTED))}) and transformers has no AutoModelForCausalLM class for it, so "
+                "the load-time self-check cannot run")
     if model_type == "falcon" and config.get("alibi"):
         return f"{arch} (model_type=falcon, alibi=true): ALiBi position bias is not implemented by the engine"
     if config.get("use_bidirectional_attention"):
@@ -87,6 +102,53 @@ def unsupported_reason(config: Mapping[str, Any], max_model_len: int | None = No
             return (f"{arch} (model_type={model_type}): RoPE scaling {rope!r} changes with a sequence's length, "
                     f"which the engine does not compute per sequence; set option.max_model_len <= "
                     f"{original or 'original_max_position_embeddings'} to serve it without scaling")
+    return None
+
+
+def needs_self_check(model_type: str) -> bool:
+    """True for an architecture off the verified list: the worker verifies it at load before serving it."""
+    return model_type not in SUPPORTED
+
+
+def admission(config: Mapping[str, Any]) -> str:
+    """How a config that ``unsupported_reason`` lets through is admitted: ``ADMITTED_BY_LIST`` or, for an
+    architecture off the list, ``PENDING_SELF_CHECK`` (the worker's self-check decides)."""
+    return PENDING_SELF_CHECK if needs_self_check(str(config.get("model_type") or "")) else ADMITTED_BY_LIST
+
+
+def _causal_lm_loadable(config: Mapping[str, Any]) -> bool:
+    """Whether ``AutoModelForCausalLM`` can build this config: its ``auto_map`` names a remote class, or
+    transformers maps its model_type to a causal-LM class. True when transformers' mapping cannot be read
+    (the worker's load then decides)."""
+    auto_map = config.get("auto_map")
+    if isinstance(auto_map, Mapping) and "AutoModelForCausalLM" in auto_map:
+        return True
+    known = transformers_causal_lm_types()
+    return known is None or str(config.get("model_type") or "") in known
+
+
+@functools.lru_cache(maxsize=1)
+def transformers_causal_lm_types() -> frozenset[str] | None:
+    """The model_types of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, read from its source without
+    importing transformers (which imports torch), or None when that cannot be read."""
+    spec = importlib.util.find_spec("transformers")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        return None
+    path = Path(locations[0]) / "models" / "auto" / "modeling_auto.py"
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and node.value.args
+                and any(isinstance(t, ast.Name) and t.id == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+                        for t in node.targets)):
+            try:
+                pairs = ast.literal_eval(node.value.args[0])
+            except ValueError:
+                return None
+            return frozenset(str(pair[0]) for pair in pairs)
     return None
 
 

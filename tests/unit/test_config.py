@@ -505,6 +505,13 @@ UNKNOWN = {"architectures": ["FancyForCausalLM"], "model_type": "fancy"}
 LONGROPE = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "max_position_embeddings": 131072,
             "original_max_position_embeddings": 4096, "rope_scaling": {"type": "longrope"}}
 ALIBI = "ALiBi position bias (the engine implements rotary and learned positions only)"
+# Off the verified list and unknown to transformers: nothing can self-check it, so it is refused by the screen.
+UNLISTED_UNKNOWN = "FancyForCausalLM (model_type=fancy) is not on the rolling engine's verified list"
+# Off the verified list but a transformers causal LM: the engine takes it, pending the worker's self-check.
+GLM4 = {"architectures": ["Glm4ForCausalLM"], "model_type": "glm4", "max_position_embeddings": 2048}
+PENDING = ("rolling engine, pending load-time self-check; Glm4ForCausalLM (model_type=glm4) is not on the verified "
+           "list: the worker compares the engine's logits with transformers' forward when it loads and fails the "
+           "model on a difference (option.rolling_batch=disable serves it with dynamic batching)")
 
 
 def make_arch_model(tmp_path: Path, config: dict[str, object] | None, properties: str, **kw: object) -> Path:
@@ -529,6 +536,8 @@ def make_arch_model(tmp_path: Path, config: dict[str, object] | None, properties
     (MPT, "auto", "disable", "option.rolling_batch=auto: dynamic batching (HF generate); the rolling engine "
                              f"cannot serve this model: MPTForCausalLM (model_type=mpt): {ALIBI}"),
     (BLOOM, "disable", "disable", "option.rolling_batch=disable: dynamic batching"),
+    (GLM4, "auto", "scheduler", f"option.rolling_batch=auto: {PENDING}"),
+    (GLM4, "scheduler", "scheduler", f"option.rolling_batch=scheduler: {PENDING}"),
     (None, "auto", "scheduler", "option.rolling_batch=auto: rolling engine; no config.json in the model folder "
                                 "to check the architecture before loading (the engine checks it when it loads)"),
 ])
@@ -542,19 +551,31 @@ def test_rolling_batch_choice(tmp_path: Path, config: dict[str, object] | None, 
     assert cfg.options["rolling_batch"] == requested  # the option as configured, for the handler
 
 
-def test_rolling_batch_auto_on_an_unverified_architecture_falls_back(tmp_path: Path) -> None:
+def test_rolling_batch_auto_on_an_architecture_transformers_does_not_know_falls_back(tmp_path: Path) -> None:
+    """Off the verified list with no causal-LM class in transformers: no self-check can run, so ``auto`` falls
+    back to dynamic batching at the frontend (an unlisted transformers family goes to the engine: GLM4 above)."""
     b = load_model_config(make_arch_model(tmp_path, UNKNOWN, "option.rolling_batch=auto\n")).batching
     assert b.rolling_batch == "disable"
     assert b.rolling_batch_reason.startswith(
         "option.rolling_batch=auto: dynamic batching (HF generate); the rolling engine cannot serve this model: "
-        "FancyForCausalLM (model_type=fancy) is not an architecture the rolling engine has been verified on")
+        + UNLISTED_UNKNOWN)
+    assert b.rolling_batch_reason.endswith("and transformers has no AutoModelForCausalLM class for it, so the "
+                                           "load-time self-check cannot run")
+
+
+def test_remote_code_architecture_is_pending_the_self_check(tmp_path: Path) -> None:
+    """A config whose ``auto_map`` names an AutoModelForCausalLM class loads through transformers too."""
+    config = {**UNKNOWN, "auto_map": {"AutoModelForCausalLM": "modeling_fancy.FancyForCausalLM"}}
+    b = load_model_config(make_arch_model(tmp_path, config, "option.rolling_batch=auto\n")).batching
+    assert b.rolling_batch == "scheduler"
+    assert "rolling engine, pending load-time self-check; FancyForCausalLM (model_type=fancy)" in b.rolling_batch_reason
 
 
 @pytest.mark.parametrize("requested", ["scheduler", "vllm", "lmi-dist", "SCHEDULER"])
 @pytest.mark.parametrize(("config", "feature"), [
     (BLOOM, f"BloomForCausalLM (model_type=bloom): {ALIBI}"),
     (MPT, f"MPTForCausalLM (model_type=mpt): {ALIBI}"),
-    (UNKNOWN, "FancyForCausalLM (model_type=fancy) is not an architecture the rolling engine has been verified on"),
+    (UNKNOWN, UNLISTED_UNKNOWN),
 ])
 def test_explicit_rolling_engine_on_an_unsupported_architecture_is_an_error(
         tmp_path: Path, config: dict[str, object], feature: str, requested: str) -> None:

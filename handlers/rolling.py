@@ -35,7 +35,7 @@ class HuggingFaceRollingHandler(RollingHandler):
 
     def initialize(self, ctx: Context) -> None:
         """Load model and tokenizer and preallocate the KV cache; ``ctx.properties`` are the options."""
-        self._engine = LLMEngine.from_options(ctx.model_dir, ctx.properties)
+        self._engine = LLMEngine.from_options(ctx.model_dir, ctx.properties, ctx.device_id)
         self.vocab_size = vocab_size(self._engine.model)
 
     def add(self, request: Input) -> None:

@@ -28,6 +28,7 @@ from serving.batching.ports import BatchObserver, Clock, NullObserver
 from serving.batching.rolling import RollingBatcher
 from serving.batching.streams import ResultStream
 from serving.config import ModelConfig
+from serving.devices import DevicePlan
 from serving.errors import HandlerError, InvalidRequest, Unavailable
 from serving.ipc.messages import Init
 from serving.live_requests import LiveRequests
@@ -45,7 +46,8 @@ class ModelEndpoint:
 
     def __init__(self, config: ModelConfig, observer: BatchObserver | None = None,
                  clock: Clock = time.monotonic, env: Mapping[str, str] | None = None,
-                 log_format: str = "text", live: LiveRequests | None = None) -> None:
+                 log_format: str = "text", live: LiveRequests | None = None,
+                 devices: DevicePlan | None = None) -> None:
         self.config = config
         self.name = config.name
         self._live = live if live is not None else LiveRequests()
@@ -78,7 +80,7 @@ class ModelEndpoint:
         init = Init(model_name=self.name, model_dir=str(config.model_dir), entry_point=entry,
                     properties=config.handler_properties(), rolling=b.rolling, log_format=log_format)
         self.pool = WorkerPool(self.name, init, self.batcher, config.min_workers,
-                               config.model_loading_timeout_s, on_failed=self._failed, env=env)
+                               config.model_loading_timeout_s, on_failed=self._failed, env=env, devices=devices)
 
     @classmethod
     def failed(cls, name: str, reason: str) -> FailedEndpoint:

@@ -23,6 +23,7 @@ from typing import Any
 from serving import knobs
 from serving.batching.ports import BatchObserver
 from serving.config import ModelConfig, ServerConfig, load_model_config, validate_model_name
+from serving.devices import DevicePlan, plan_devices, visible_devices
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
 from serving.errors import ConfigError, Forbidden, InvalidRequest, ModelNotFound, Overloaded
 from serving.live_requests import LiveRequests
@@ -42,6 +43,10 @@ class ModelRegistry:
         self.endpoints: dict[str, AnyEndpoint] = {}
         self.startup_models: set[str] | None = None  # known once discover() ran
         self.live = LiveRequests()
+        # GPUs the server may hand to workers, learned once without torch (serving.devices); none on a CPU host
+        self.visible_devices = visible_devices(env)
+        if self.visible_devices:
+            log.info("devices: %d GPU(s) visible (%s)", len(self.visible_devices), ",".join(self.visible_devices))
 
     @property
     def model_store(self) -> Path:
@@ -105,7 +110,9 @@ class ModelRegistry:
         """Parse the model's config and create its endpoint (FAILED endpoint on a config error)."""
         try:
             cfg: ModelConfig = load_model_config(model_dir, name=name, env=self._env, overrides=overrides,
-                                                 server=self._server)
+                                                 server=self._server, num_devices=len(self.visible_devices) or None)
+            devices: DevicePlan = plan_devices(self.visible_devices, cfg.parallel.load_on_devices,
+                                               cfg.parallel.tensor_parallel_degree)
         except ConfigError as exc:
             log.error("model %s: invalid configuration: %s", name, exc)
             return FailedEndpoint(name, self._without_paths(str(exc), name, model_dir))
@@ -115,7 +122,8 @@ class ModelRegistry:
         # the models loaded at start too (two models with 2 threads each on 2 cores spin against each other:
         # measured, a soak then failed most requests on max_queue_time; benchmarks/README.md, Soak).
         env = {**self._env, CORE_SHARERS_ENV: str(max(1, len(self.startup_models or ())))}
-        return ModelEndpoint(cfg, self._observer, env=env, log_format=self._server.log_format, live=self.live)
+        return ModelEndpoint(cfg, self._observer, env=env, log_format=self._server.log_format, live=self.live,
+                             devices=devices)
 
     def _without_paths(self, message: str, name: str, model_dir: Path) -> str:
         """Clients see a model's files by model name, never by where they live on the server."""

@@ -10,6 +10,10 @@ from typing import Any
 
 import pytest
 
+# The GPU decode kernel (handlers/engine/triton_decode.py) runs in these CPU tests through Triton's interpreter,
+# which Triton reads once, before its first kernel is defined: so here, before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def ci_mode() -> bool:
     """True when the suite runs under CI (``CI=true``, as CI services set it)."""

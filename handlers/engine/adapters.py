@@ -102,12 +102,13 @@ def canonical_qkv(w: torch.Tensor, layout: str, heads: int, kv_heads: int, head_
     return torch.cat([q.reshape(-1, cols), k.reshape(-1, cols), val.reshape(-1, cols)]).contiguous()
 
 
-def _falcon_attention_forward(self: Any, hidden_states: torch.Tensor, alibi: torch.Tensor | None,
-                              attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+def _falcon_attention_forward(self: Any, hidden_states: torch.Tensor, alibi: torch.Tensor | None = None,
+                              attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                               layer_past: object = None, use_cache: bool = False, output_attentions: bool = False,
                               position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                               **kwargs: object) -> tuple[torch.Tensor, None]:
-    """FalconAttention.forward on the paged KV: hidden [1, T, hidden] -> ([1, T, hidden], None)."""
+    """FalconAttention.forward on the paged KV: hidden [1, T, hidden] -> ([1, T, hidden], None). ``alibi`` is
+    optional: transformers up to 5.24 passes it by keyword, later releases leave it out of rotary models' calls."""
     from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
 
     if alibi is not None or position_embeddings is None:

@@ -48,6 +48,9 @@ class EngineConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     speculative_max_batch_size: int = 4  # guesses only while at most this many sequences decode (0: always)
+    device: str = "cpu"  # the worker's torch device (from the pool's assignment, not an option)
+    gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the worker may fill
+    enforce_eager: bool = False  # GPU: no CUDA graphs
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> EngineConfig:
@@ -89,6 +92,8 @@ class EngineConfig:
             prompt_lookup_min=get("prompt_lookup_min"),
             prompt_lookup_max=get("prompt_lookup_max"),
             speculative_max_batch_size=get("speculative_max_batch_size"),
+            gpu_memory_utilization=get("gpu_memory_utilization"),
+            enforce_eager=get("enforce_eager"),
         )
 
 

@@ -11,7 +11,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 
 from handlers.engine.config import EngineConfig
 from handlers.engine.detokenizer import IncrementalDetokenizer
+from handlers.engine.device import device_budget, engine_device
 from handlers.engine.families import (
     ADMITTED_BY_LIST,
     UnsupportedModel,
@@ -68,8 +69,10 @@ class LLMEngine:
                  available_bytes: int | None = None, tp_group: TensorParallelGroup | None = None,
                  num_kv_heads: int | None = None, memory_plan: MemoryPlan | None = None) -> None:
         """``memory_plan``: the preflight's (``from_options``); without one, the KV cache is planned for the
-        already-loaded ``model`` from ``available_bytes`` (default: measured now)."""
+        already-loaded ``model`` from ``available_bytes`` (default: measured now, on the model's device)."""
         config = config or EngineConfig()
+        device = next(model.parameters()).device
+        config = replace(config, device=str(device))
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -79,11 +82,16 @@ class LLMEngine:
         dtype = next(model.parameters()).dtype
         per_token = KVPool.bytes_per_token(num_layers, num_kv_heads or config_kv_heads, head_dim, dtype)
         if memory_plan is None:  # the caller loaded the model: its weights are in memory already
+            if available_bytes is not None:
+                budget = MemoryBudget(available_bytes)
+            elif device.type == "cuda":
+                budget = device_budget(device, config.gpu_memory_utilization)
+            else:
+                budget = memory_budget()
             memory_plan = plan_loaded_model(
                 model_cfg.to_dict(), config, dtype=str(dtype), param_bytes=sum(p.nbytes for p in model.parameters()),
                 linear_bytes=sum(m.weight.nbytes for m in model.modules() if type(m) is torch.nn.Linear),
-                kv_bytes_per_token=per_token,
-                budget=memory_budget() if available_bytes is None else MemoryBudget(available_bytes))
+                kv_bytes_per_token=per_token, budget=budget)
         self.memory_plan = memory_plan.for_bytes_per_token(per_token)
         self.max_model_len = self.memory_plan.max_model_len
         num_blocks = self.memory_plan.num_kv_blocks
@@ -104,7 +112,9 @@ class LLMEngine:
                                   populate_kv=config.kv_cache_populate,
                                   num_kv_heads=num_kv_heads, group=tp_group, fuse_weights=config.fuse_projections,
                                   use_kernels=config.attention_kernel == "native",
-                                  step_tokens=config.max_num_batched_tokens)
+                                  step_tokens=config.max_num_batched_tokens,
+                                  cuda_graphs=0 if config.enforce_eager else config.max_num_seqs,
+                                  max_model_len=self.max_model_len)
         self.admitted = ADMITTED_BY_LIST if probe is None else verify(self.runner, probe, arch)
         self._kv_block_bytes = per_token * config.block_size
         self.scheduler = Scheduler(SchedulerConfig(
@@ -131,21 +141,24 @@ class LLMEngine:
                         config.prompt_lookup_max, config.speculative_max_batch_size or "any number of")
 
     @classmethod
-    def from_options(cls, model_dir: Path, options: Mapping[str, str]) -> LLMEngine:
-        """Load model and tokenizer from ``model_dir`` and build an engine from DJL-style options.
+    def from_options(cls, model_dir: Path, options: Mapping[str, str], device_id: int = -1) -> LLMEngine:
+        """Load model and tokenizer from ``model_dir`` and build an engine from DJL-style options, on the
+        worker's device (``device_id``: an index among the devices this process sees, -1 = CPU).
 
         With ``tensor_parallel_degree`` N > 1 this process becomes rank 0 of N: it starts the other ranks,
         and every rank loads and shards the model (see ``handlers.engine.parallel``)."""
+        device = engine_device(device_id)
         config = EngineConfig.from_options(options)
         check_config(load_config_dict(weights_dir(model_dir, options.get("model_id"))), config.max_model_len,
                      config.tensor_parallel_degree)
-        # Before anything loads (and before the other ranks start): refuse a model that cannot fit.
-        plan = preflight(weights_dir(model_dir, options.get("model_id")), config)
-        logger.info("%s", plan.describe().rstrip())
+        plan = None
+        if device.type == "cpu":  # before anything loads (and before the other ranks start): refuse what cannot fit
+            plan = preflight(weights_dir(model_dir, options.get("model_id")), config)
+            logger.info("%s", plan.describe().rstrip())
         group: TensorParallelGroup | None = None
         if config.tensor_parallel_degree > 1:
             group = start_group(config.tensor_parallel_degree, model_dir, options)
-        model, tokenizer, config = load_model_and_tokenizer(model_dir, options)
+        model, tokenizer, config = load_model_and_tokenizer(model_dir, options, device)
         kv_heads = shard_model(model, 0, group.world_size) if group is not None else None
         return cls(model, tokenizer, config, tp_group=group, num_kv_heads=kv_heads, memory_plan=plan)
 

@@ -79,7 +79,10 @@ class LeanDecoder:
         self.head_dim = int(inner.layers[0].self_attn.head_dim)
         self.attention = attention
         dtype = inner.embed_tokens.weight.dtype
-        self.rms_norm = _rms_norm_fp32 if dtype == torch.float32 else _rms_norm_upcast
+        # F.rms_norm is bitwise transformers' fp32 norm on CPU only; elsewhere (and in half precision) transformers'
+        # own formula is used, so the lean forward matches on every device
+        on_cpu = inner.embed_tokens.weight.device.type == "cpu"
+        self.rms_norm = _rms_norm_fp32 if dtype == torch.float32 and on_cpu else _rms_norm_upcast
         self.layers = [
             _Layer(layer.self_attn, (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon)),
                    (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon)),

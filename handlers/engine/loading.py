@@ -16,26 +16,33 @@ import torch
 from handlers.engine.adapters import adapt_model
 from handlers.engine.config import EngineConfig
 from handlers.engine.cpu import auto_threads, keep_freed_memory
-from handlers.engine.memory import read_model_config, resolve_dtype, weights_dir
+from handlers.engine.device import serving_dtype
+from handlers.engine.memory import read_model_config, weights_dir
 
 TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str]) -> tuple[torch.nn.Module, Any, EngineConfig]:
-    """Parse the options, set torch threads, and load model (safetensors unless allowed) and tokenizer.
-    ``option.model_id`` may name another local folder (relative to ``model_dir`` or absolute)."""
+def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str],
+                             device: torch.device | None = None) -> tuple[torch.nn.Module, Any, EngineConfig]:
+    """Parse the options, set torch threads, and load model (safetensors unless allowed) and tokenizer, the
+    model on ``device`` (default CPU). ``option.model_id`` may name another local folder (relative to
+    ``model_dir`` or absolute)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = EngineConfig.from_options(options)
+    device = device or torch.device("cpu")
+    config = replace(EngineConfig.from_options(options), device=str(device))
     torch.set_num_threads(config.num_threads or auto_threads(_int_option(options, "maxWorkers", 1),
                                                               config.tensor_parallel_degree))
     keep_freed_memory()
     source = weights_dir(model_dir, options.get("model_id"))
-    config = replace(config, dtype=resolve_dtype(config.dtype, read_model_config(source)))  # auto -> fp32, ...
+    # auto -> fp32 or bf16 by CPU; on a GPU the checkpoint's half precision unless option.dtype says otherwise
+    config = replace(config, dtype=serving_dtype(options.get("dtype"), read_model_config(source), device))
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
         trust_remote_code=config.trust_remote_code)
+    if device.type != "cpu":
+        model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
     adapt_model(model)  # before tensor-parallel sharding, which sees the adapted layout
     return model, tokenizer, config

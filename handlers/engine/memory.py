@@ -321,6 +321,7 @@ class MemoryBudget:
     cgroup_limit: int | None = None
     cgroup_usage: int | None = None
     cgroup_file: str | None = None  # the limit file of the tightest cgroup
+    note: str | None = None  # how a device's budget was measured (``handlers.engine.device``), for describe()
 
     @property
     def cgroup_headroom(self) -> int | None:
@@ -334,6 +335,8 @@ class MemoryBudget:
         return self.mem_available if headroom is None else min(self.mem_available, headroom)
 
     def describe(self) -> str:
+        if self.note is not None:
+            return self.note
         headroom = self.cgroup_headroom
         if headroom is None or self.cgroup_limit is None or self.cgroup_usage is None:
             return f"MemAvailable {_size(self.mem_available)}; no cgroup memory limit"

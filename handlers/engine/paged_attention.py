@@ -8,6 +8,10 @@ into the layer's slots of the preallocated pool (in place), then attends per seq
 sequence's cached KV. A sequence whose blocks are contiguous is read as a view of the pool (no copy);
 otherwise its slots are gathered.
 
+Devices: the pool, the step's slot mapping and every index or mask built here live on the pool's device;
+decode rows go to ``meta.kernels`` (the C kernel on CPU, ``gpu_attention``'s Triton kernel on a GPU), prefill
+chunks to SDPA, which picks the device's fused kernel.
+
 Attention features: per-layer sliding windows (a query at position p sees keys (p - window, p], as
 transformers' masks), logit soft-capping (Gemma-2) and attention sinks (gpt-oss ``s_aux``). Plain
 attention runs SDPA's fused CPU kernel; soft-capping and sinks run an exact eager path. Any other
@@ -51,11 +55,17 @@ class KVPool:
     attention kernel reads such a view as fast as a contiguous tensor."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, populate: str = "eager") -> None:
+                 dtype: torch.dtype = torch.float32, populate: str = "eager",
+                 device: torch.device | str = "cpu") -> None:
         self.num_slots = num_slots
+        self.device = torch.device(device)
+        shape = (num_kv_heads, num_slots, head_dim)
+        if self.device.type != "cpu":  # device memory: one allocation per tensor from the device's allocator
+            self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            return
         # One zeroed anonymous mapping for every layer: touched now (eager) or page by page on first use (lazy);
         # lazy_memory's note has the measured trade-off.
-        shape = (num_kv_heads, num_slots, head_dim)
         per_tensor = num_kv_heads * num_slots * head_dim * dtype.itemsize
         self.region = ZeroRegion(2 * num_layers * per_tensor, populate)
         self.keys = [self.region.view(2 * i * per_tensor, shape, dtype) for i in range(num_layers)]
@@ -63,7 +73,7 @@ class KVPool:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +106,9 @@ class SeqAttention:
     causal: bool
 
 
-def seq_attention(span: SeqSpan, block_size: int, window: int = 0) -> SeqAttention:
-    """The keys one sequence's queries read in a layer with sliding ``window`` (0 = full attention)."""
+def seq_attention(span: SeqSpan, block_size: int, window: int = 0, device: torch.device | None = None) -> SeqAttention:
+    """The keys one sequence's queries read in a layer with sliding ``window`` (0 = full attention); its
+    index and mask tensors on ``device`` (the pool's; default CPU)."""
     bs = block_size
     start, n = span.start, span.num_new
     end = start + n
@@ -108,16 +119,16 @@ def seq_attention(span: SeqSpan, block_size: int, window: int = 0) -> SeqAttenti
         b1 - b0 < 2 or all(table[i + 1] == table[i] + 1 for i in range(b0, b1)))
     index = None
     if not contiguous:
-        blocks = torch.tensor(table[b0:b1 + 1], dtype=torch.long)
-        index = (blocks[:, None] * bs + torch.arange(bs)).flatten()[lo - b0 * bs:end - b0 * bs]
+        blocks = torch.tensor(table[b0:b1 + 1], dtype=torch.long, device=device)
+        index = (blocks[:, None] * bs + torch.arange(bs, device=device)).flatten()[lo - b0 * bs:end - b0 * bs]
     mask = None
     causal = False
     if n > 1:
         if lo == start and (not window or n <= window):
             causal = True
         else:
-            q_pos = torch.arange(start, end)[:, None]
-            k_pos = torch.arange(lo, end)[None, :]
+            q_pos = torch.arange(start, end, device=device)[:, None]
+            k_pos = torch.arange(lo, end, device=device)[None, :]
             mask = k_pos <= q_pos
             if window:
                 mask &= k_pos > q_pos - window
@@ -153,7 +164,7 @@ class StepMetadata:
     def views(self, window: int = 0) -> tuple[SeqAttention, ...]:
         found = self._views.get(window)
         if found is None:
-            found = tuple(seq_attention(s, self.block_size, window) for s in self.spans)
+            found = tuple(seq_attention(s, self.block_size, window, self.pool.device) for s in self.spans)
             self._views[window] = found
         return found
 
@@ -166,7 +177,7 @@ class StepMetadata:
         rest = []
         for span in self.spans:
             if span.num_new != 1 and not (span.start > 0 and span.num_new <= MAX_ROWS_AS_DECODES):
-                rest.append(seq_attention(span, self.block_size, window))
+                rest.append(seq_attention(span, self.block_size, window, self.pool.device))
                 continue
             # Each query at position p reads keys [lo, p] (seq_attention's range for one query, without its view);
             # a short chunk after cached tokens (a decode with guesses) is read as that many decode rows.
@@ -177,10 +188,17 @@ class StepMetadata:
             tables += span.block_table
         plan = None
         if rows:
-            plan = DecodePlan(torch.tensor(rows, dtype=torch.int64).view(-1, 4),
-                              torch.tensor(tables, dtype=torch.int32), tuple(rest))
+            plan = DecodePlan(on_device(torch.tensor(rows, dtype=torch.int64).view(-1, 4), self.pool.device),
+                              on_device(torch.tensor(tables, dtype=torch.int32), self.pool.device), tuple(rest))
         self._plans[window] = plan
         return plan
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor built from Python lists, on ``device`` (an asynchronous copy from pinned memory on a GPU)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass(slots=True)
@@ -223,7 +241,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if meta.kernels is not None and query.stride(3) == 1:
         plan = meta.decode_plan(window)
         if plan is not None:
-            out = torch.empty(1, query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)  # [1, T, H, D]
+            out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T, H, D]
             if meta.kernels.decode(query, k_cache, v_cache, out, plan.meta, plan.tables, meta.block_size, scaling,
                                    softcap, s_aux):
                 for s in plan.rest:
@@ -234,7 +252,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     views = meta.views(window)
     if len(views) == 1:
         return _attend(query, k_cache, v_cache, views[0], scaling, eager, softcap, s_aux).transpose(1, 2), None
-    out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)  # [1, T, H, D]
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [1, T, H, D]
     for s in views:
         rows = _attend(query[:, :, s.q_start:s.q_end], k_cache, v_cache, s, scaling, eager, softcap, s_aux)
         out[:, s.q_start:s.q_end] = rows.transpose(1, 2)
@@ -244,7 +262,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: SeqAttention, scaling: float,
             eager: bool, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """Attention of one sequence's queries [1, H, q, D] against its KV; returns [1, H, q, D].
-    (4-D inputs, so SDPA takes the CPU flash kernel.)"""
+    (4-D inputs, so SDPA takes the device's flash kernel.)"""
     if s.kv_index is None:
         k = k_cache[:, s.kv_slot_start:s.kv_slot_start + s.kv_len].unsqueeze(0)  # [1, Hkv, L, D], a view
         v = v_cache[:, s.kv_slot_start:s.kv_slot_start + s.kv_len].unsqueeze(0)
@@ -270,7 +288,7 @@ def _attend_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: SeqAtten
         scores = torch.tanh(scores / softcap) * softcap
     mask = s.mask
     if mask is None and s.causal:
-        mask = torch.ones(n, s.kv_len, dtype=torch.bool).tril()
+        mask = torch.ones(n, s.kv_len, dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:

@@ -6,6 +6,11 @@ runner builds input ids [1, T], position ids [1, T] and a ``StepMetadata`` (slot
 query ranges and KV locations) once, and passes the metadata as a forward kwarg that transformers hands
 to every attention call. Logits are computed only for the rows that are sampled (``logits_to_keep``).
 Runs on the engine thread.
+
+Devices: the runner works on the model's device. The step's integers go to it in one copy (pinned, asynchronous
+on a GPU); the KV pool, the step metadata and the logits live there. CPU-only pieces (oneDNN prepacking, the C
+decode kernel) apply on CPU; on a GPU decode attention is ``gpu_attention``'s Triton kernel and decode-only steps
+replay CUDA graphs (``cuda_graphs``) unless ``enforce_eager``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from handlers.engine.adapters import adapt_model
+from handlers.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from handlers.engine.families import UnsupportedModel
 from handlers.engine.fusion import fuse_projections
 from handlers.engine.kernels import load_kernels
@@ -30,6 +36,7 @@ from handlers.engine.paged_attention import (
     SeqSpan,
     StepContext,
     StepMetadata,
+    on_device,
     paged_attention_forward,
 )
 from handlers.engine.prepack import prepack_linear_layers, warm_packed_kernels
@@ -100,11 +107,16 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: str = "false",
                  num_kv_heads: int | None = None, group: StepBroadcaster | None = None,
                  fuse_weights: bool = False, use_kernels: bool = True, populate_kv: str = "eager",
-                 lean: bool = True, step_tokens: int = 0) -> None:
+                 lean: bool = True, step_tokens: int = 0, cuda_graphs: int = 0, max_model_len: int = 0) -> None:
+        """``cuda_graphs`` > 0 (a GPU model): capture decode steps of up to that many sequences, each as long as
+        ``max_model_len`` at most."""
         model.eval()
         use_paged_attention(model)
+        self.device = next(model.parameters()).device
         if fuse_weights:
             logger.info("fused %d projection groups (QKV, gate/up)", fuse_projections(model))
+        if self.device.type != "cpu":
+            prepack_weights = "false"  # oneDNN packing is a CPU layout
         if prepack_weights in ("true", "hybrid"):
             n = prepack_linear_layers(model, hybrid=prepack_weights == "hybrid")
             started = time.perf_counter()
@@ -124,13 +136,21 @@ class ModelRunner:
         self.group = group
         num_layers, config_kv_heads, head_dim = kv_geometry(model.config)
         dtype = next(model.parameters()).dtype
-        self.pool = KVPool(num_layers, num_blocks * block_size, num_kv_heads or config_kv_heads, head_dim, dtype,
-                           populate_kv)
-        self.kernels = load_kernels() if use_kernels else None
+        graphs = cuda_graphs > 0 and self.device.type == "cuda"
+        # CUDA graphs pad a step with rows that write their KV into one more block, which the scheduler never sees
+        self.pool = KVPool(num_layers, (num_blocks + graphs) * block_size, num_kv_heads or config_kv_heads, head_dim,
+                           dtype, populate_kv, self.device)
+        self.kernels = _kernels(self.device) if use_kernels else None
         self.lean: LeanDecoder | None = None
+        self.graphs: DecodeGraphs | None = None
         self._probe(num_layers)
         if lean:
             self.lean = self._lean_decoder()
+        if graphs and self.lean is not None and self.kernels is not None and group is None:
+            self.graphs = DecodeGraphs(self.lean.forward, self.context, self.pool, self.kernels, block_size,
+                                       -(-max(max_model_len, 1) // block_size), num_blocks, capture_sizes(cuda_graphs))
+        elif graphs:
+            logger.info("CUDA graphs: off (they capture the lean forward with the device kernel, single rank)")
 
     def _lean_decoder(self) -> LeanDecoder | None:
         """``LeanDecoder`` when it reproduces the model: its structure is one the lean forward knows, and a
@@ -210,20 +230,28 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Run one prepared step through the model; returns the kept rows' logits [len(keep), vocab]."""
+        if self.graphs is not None and self.graphs.fits(inputs.seqs, inputs.keep):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.seqs)
         spans = tuple(SeqSpan(q0, start, num_new, tuple(table)) for q0, start, num_new, table in inputs.seqs)
-        self.context.meta = StepMetadata(self.pool, torch.tensor(inputs.slots, dtype=torch.long), spans,
-                                         self.block_size, self.kernels)
+        n = len(inputs.input_ids)
+        # one copy of the step's integers to the device: ids, positions, slots, kept rows
+        flat = on_device(torch.tensor(inputs.input_ids + inputs.positions + inputs.slots + inputs.keep,
+                                      dtype=torch.long), self.device)
+        ids, positions, slots, keep = flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:]
+        self.context.meta = StepMetadata(self.pool, slots, spans, self.block_size, self.kernels)
         try:
             if self.lean is not None:
-                return self.lean.forward(torch.tensor(inputs.input_ids, dtype=torch.long),
-                                         torch.tensor(inputs.positions, dtype=torch.long),
-                                         torch.tensor(inputs.keep, dtype=torch.long))
-            out = self.model(
-                input_ids=torch.tensor([inputs.input_ids], dtype=torch.long),
-                position_ids=torch.tensor([inputs.positions], dtype=torch.long),
-                use_cache=False,
-                logits_to_keep=torch.tensor(inputs.keep, dtype=torch.long),
-            )
+                return self.lean.forward(ids, positions, keep)
+            out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=keep)
         finally:
             self.context.meta = None
         return out.logits[0]
+
+
+def _kernels(device: torch.device) -> Any:
+    """The decode kernels for ``device`` (``PagedKernels``' interface): C on CPU, Triton on CUDA, else none."""
+    if device.type == "cuda":
+        from handlers.engine.gpu_attention import TritonPagedKernels
+
+        return TritonPagedKernels()
+    return load_kernels() if device.type == "cpu" else None

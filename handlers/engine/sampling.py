@@ -4,6 +4,9 @@ Design note: per-request behaviour goes through transformers' logits processors 
 (repetition penalty, temperature, top-k, top-p) and a per-request ``torch.Generator`` (seeded from the
 request's ``seed``, else from the engine's seed source), so a seeded request samples the same tokens no
 matter what it is batched with. Plain greedy rows skip all of that: one ``argmax`` for the whole group.
+On a GPU the greedy argmax runs on the device; the rows that sample or report log-probabilities are copied
+to the host in one transfer and go through the same CPU code (so a seeded request draws the same tokens on
+any device, from its CPU generator).
 """
 
 from __future__ import annotations
@@ -85,10 +88,18 @@ def sample_batch(logits: torch.Tensor, token_ids: Seq[Seq[int]], samplers: Seq[R
         rows = logits if len(greedy_rows) == len(samplers) else logits[greedy_rows]
         for i, t in zip(greedy_rows, rows.argmax(-1).tolist(), strict=True):
             chosen[i] = t
+    host_rows = [i for i, s in enumerate(samplers) if not s.plain_greedy or s.wants_logprobs]
+    if not host_rows:
+        return [SampledToken(t) for t in chosen]
+    if logits.device.type == "cpu":
+        host = {i: logits[i] for i in host_rows}
+    else:
+        host = dict(zip(host_rows, logits[host_rows].cpu(), strict=True))
     for i, s in enumerate(samplers):
         if not s.plain_greedy:
-            chosen[i] = s.choose(logits[i], token_ids[i])
-    return [sampled_token(logits[i], chosen[i], s) for i, s in enumerate(samplers)]
+            chosen[i] = s.choose(host[i], token_ids[i])
+    return [sampled_token(host[i], chosen[i], s) if i in host else SampledToken(chosen[i])
+            for i, s in enumerate(samplers)]
 
 
 def sampled_token(logits: torch.Tensor, token: int, sampler: RequestSampler) -> SampledToken:

@@ -95,7 +95,7 @@ class TgiRoutes:
         batching = getattr(config, "batching", None)
         limits = self.ctx.limits
         body = {"model_id": ep.name, "model_sha": None, "model_dtype": str(config.options.get("dtype", "fp32"))
-                if config is not None else None, "model_device_type": "cpu", "model_pipeline_tag": "text-generation",
+                if config is not None else None, "model_device_type": _device_type(ep), "model_pipeline_tag": "text-generation",
                 "max_concurrent_requests": getattr(batching, "job_queue_size", None), "max_best_of": 1,
                 "max_stop_sequences": limits.max_stop_sequences, "max_input_tokens": (max_len - 1) if max_len else None,
                 "max_input_length": (max_len - 1) if max_len else None, "max_total_tokens": max_len,
@@ -219,3 +219,10 @@ async def tgi_events(req: GenerationRequest, stream: ResultStream, text: ModelTe
     finally:
         if not stream.done:
             stream.cancel()
+
+
+def _device_type(ep: object) -> str:
+    """``cuda`` when the model's workers run on GPUs (``serving.devices``), else ``cpu``."""
+    pool = getattr(ep, "pool", None)
+    plan = getattr(getattr(pool, "devices", None), "plan", None)
+    return "cuda" if plan is not None and plan.on_gpu else "cpu"

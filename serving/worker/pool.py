@@ -10,6 +10,10 @@ retried again, so a broken model never spins the CPU.
 Scaling down retires the idlest workers (fewest requests in flight; the newest on a tie): the batcher stops
 giving them work at once, and each one is stopped only after its requests in flight finished, so no request
 is lost or retried. ``update_init`` makes workers started later load with a changed configuration.
+
+Devices (``serving.devices``): on GPUs each worker takes a free device group when it starts and gives it back
+when it exits; it sees only that group (its own ``CUDA_VISIBLE_DEVICES``) and loads on its first device
+(``device_id`` 0). The pool never runs more workers than there are groups.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
+from serving.devices import DevicePlan, DeviceSlots
 from serving.ipc.messages import Init, Message
 from serving.worker.handle import WorkerHandle, WorkerLoadError
 
@@ -47,14 +52,16 @@ class WorkerPool:
 
     def __init__(self, model: str, init: Init, batcher: WorkerEvents, num_workers: int, loading_timeout_s: float,
                  on_failed: Callable[[str], None], max_load_attempts: int = 3,
-                 env: Mapping[str, str] | None = None, stable_after_s: float = 60.0) -> None:
+                 env: Mapping[str, str] | None = None, stable_after_s: float = 60.0,
+                 devices: DevicePlan | None = None) -> None:
         self.model = model
+        self.devices = DeviceSlots(devices or DevicePlan())
         self._init = init
         # Workers inherit the server's environment, with hub progress bars off and never a network fetch.
         self._env = {**(env or {}), "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1",
                      "TOKENIZERS_PARALLELISM": "false"}
         self._batcher = batcher
-        self.target = max(1, num_workers)
+        self.target = self.devices.plan.max_workers(max(1, num_workers))
         self._loading_timeout_s = loading_timeout_s
         self._on_failed = on_failed
         self._max_load_attempts = max_load_attempts
@@ -94,11 +101,18 @@ class WorkerPool:
     async def _start_one(self) -> bool:
         while not self._stopping:
             wid = next(self._ids)
-            handle = WorkerHandle(wid, replace(self._init, worker_id=wid), self._env)
+            try:
+                group = self.devices.take(wid)
+            except RuntimeError as exc:  # every group is held (workers still retiring): nothing to start on
+                log.error("model %s: %s", self.model, exc)
+                return False
+            env = {**self._env, **self.devices.plan.worker_env(group)}
+            handle = WorkerHandle(wid, replace(self._init, worker_id=wid, device_id=-1 if group is None else 0), env)
             self._starting += 1
             try:
                 await handle.start(self, self._loading_timeout_s)
             except (WorkerLoadError, asyncio.TimeoutError, OSError) as exc:
+                self.devices.release(wid)
                 reason = str(exc) or f"model loading exceeded {self._loading_timeout_s:g}s"
                 self._load_failures += 1
                 self.last_error = reason
@@ -113,6 +127,7 @@ class WorkerPool:
                 self._starting -= 1
             if self._stopping:
                 await handle.stop()
+                self.devices.release(wid)
                 return False
             self._load_failures = 0
             self.workers[wid] = handle
@@ -128,6 +143,7 @@ class WorkerPool:
 
     def on_worker_exit(self, worker: WorkerHandle) -> None:
         self.workers.pop(worker.worker_id, None)
+        self.devices.release(worker.worker_id)
         self._batcher.worker_lost(worker)
         if self._stopping or worker.worker_id in self._retiring:
             self._retiring.discard(worker.worker_id)
@@ -157,7 +173,7 @@ class WorkerPool:
         ready; shrinking retires the idlest workers in the background (see the module note). Returns the ids
         of the workers being retired."""
         async with self._scale_lock:
-            self.target = max(1, num_workers)
+            self.target = self.devices.plan.max_workers(max(1, num_workers))
             extra = self.target - self.num_serving - self._starting
             if extra > 0:
                 await asyncio.gather(*(self._start_one() for _ in range(extra)))
@@ -188,5 +204,6 @@ class WorkerPool:
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"id": wid, "pid": h.pid, "in_flight": self._batcher.worker_load(h),
-                 "status": "STOPPED" if not h.alive else "RETIRING" if wid in self._retiring else "READY"}
+                 "status": "STOPPED" if not h.alive else "RETIRING" if wid in self._retiring else "READY",
+                 "devices": [f"gpu{d}" for d in self.devices.of(wid) or ()] or ["cpu"]}
                 for wid, h in sorted(self.workers.items())]

@@ -1,0 +1,51 @@
+"""The engine's device: which torch device a worker runs on, the dtype it serves there, and its memory budget.
+
+Design note: the pool gives every worker its devices through ``CUDA_VISIBLE_DEVICES`` (``serving.devices``), so
+a GPU worker sees its first device as ``cuda:0`` and the handler's ``device_id`` is that local index (-1: CPU).
+On a GPU the memory budget is the device's, measured after the weights load (vLLM's and DJL's
+``gpu_memory_utilization``: the share of the whole device the worker may fill), and the dtype a model is served
+in by default is its checkpoint's half precision (bf16 when the checkpoint is fp32): fp32 halves a GPU's
+throughput for no gain in serving. An explicit ``option.dtype`` always wins.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from handlers.engine.memory import MemoryBudget, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+_HALF = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "torch.float16": "fp16",
+         "fp16": "fp16", "half": "fp16"}
+
+
+def engine_device(device_id: int) -> torch.device:
+    """``cuda:<device_id>`` for a GPU worker (an index among the devices it sees), else the CPU."""
+    return torch.device("cpu") if device_id < 0 else torch.device("cuda", device_id)
+
+
+def serving_dtype(option: str | None, model_config: Mapping[str, Any], device: torch.device) -> str:
+    """The dtype to serve in: ``option.dtype`` when set (``auto`` resolved per device), else on a GPU the
+    checkpoint's half precision (bf16 for an fp32 checkpoint) and on CPU the option's default."""
+    if device.type == "cpu":
+        return resolve_dtype(option or "fp32", model_config)
+    if option is not None and option.strip().lower() != "auto":
+        return resolve_dtype(option, model_config)
+    stored = str(model_config.get("dtype") or model_config.get("torch_dtype") or "").lower()
+    chosen = _HALF.get(stored, "bf16")
+    logger.info("dtype on %s: %s (checkpoint %s; option.dtype sets another)", device, chosen, stored or "unknown")
+    return chosen
+
+
+def device_budget(device: torch.device, utilization: float) -> MemoryBudget:
+    """What a GPU worker may still fill now: ``utilization`` of the device's memory minus what is in use
+    (the weights, once loaded, and anything else on the device)."""
+    free, total = torch.cuda.mem_get_info(device)
+    available = max(0, int(total * utilization) - (total - free))
+    return MemoryBudget(available, note=f"{device}: {utilization:g} x {total / 2**30:.1f} GiB - "
+                                         f"{(total - free) / 2**30:.1f} GiB in use")

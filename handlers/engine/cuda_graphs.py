@@ -54,7 +54,7 @@ class DecodeGraphs:
         self._host_tables = torch.full((cap * max_blocks,), scratch_block, dtype=torch.int32).pin_memory()
         ids, positions, slots = self._ints[:cap], self._ints[cap:2 * cap], self._ints[2 * cap:3 * cap]
         plan = self._ints[3 * cap:].view(cap, 4)
-        keep = torch.arange(cap, device=device)
+        keep = self._keep = torch.arange(cap, device=device)  # held: the graphs read it at every replay
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         started = time.perf_counter()

@@ -103,13 +103,16 @@ def families(tmp: Path) -> None:
         folder = build_model(tmp / arch, arch=arch, size="small", seed=0)
         for dtype in (torch.float32, torch.bfloat16):
             try:
-                model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(DEV).eval()
+                # the reference in transformers' eager attention: its exact math (SDPA leaves out soft-capping)
+                model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                             attn_implementation="eager").to(DEV).eval()
+                model.generation_config.eos_token_id = None  # as the engine's ignore_eos: EOS may be chosen
                 want = []
                 with torch.no_grad():
                     for p in prompts:
                         ids = torch.tensor([p], device=DEV)
                         gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                             max_new_tokens=max_new, min_new_tokens=max_new)
+                                             max_new_tokens=max_new)
                         want.append(gen[0, len(p):].tolist())
                 engine = LLMEngine(model, AutoTokenizer.from_pretrained(folder),
                                    EngineConfig(num_kv_blocks=512, max_num_seqs=16, max_model_len=256))
@@ -128,11 +131,12 @@ def families(tmp: Path) -> None:
 
 
 def build_random(folder: Path, config: Any, tokenizer_vocab: int = 4096) -> None:
-    """A random-initialised bf16 model written to ``folder`` (built on the GPU: seconds, not minutes)."""
+    """A random-initialised bf16 model written to ``folder`` (built on the GPU: seconds, not minutes); its
+    vocabulary is its tokenizer's, so that every generated token has text to stream."""
     from transformers import AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(folder, tokenizer_vocab, 0)
+    config.vocab_size = build_tokenizer(folder, tokenizer_vocab, 0)
     torch.manual_seed(0)
     with torch.device(DEV):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -198,16 +202,21 @@ def http_server(tmp: Path) -> None:
             rng = random.Random(i)
             body = json.dumps({"model": "llama1b", "prompt": " ".join(f"w{rng.randint(0, 999)}" for _ in range(
                 rng.randint(20, 200))), "max_tokens": rng.choice([32, 64, 128]), "stream": True,
-                "ignore_eos": True, "temperature": 0}).encode()
+                "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}).encode()
             req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
             t0 = time.perf_counter()
             stamps = []
+            tokens = 0
             with urllib.request.urlopen(req, timeout=300) as r:
                 for line in r:
                     if line.startswith(b"data: {"):
-                        stamps.append(time.perf_counter())
-            results.append({"ttft": stamps[0] - t0, "n": len(stamps), "end": stamps[-1] - t0,
-                            "itl": max((b - a for a, b in zip(stamps, stamps[1:])), default=0.0)})
+                        event = json.loads(line[6:])
+                        if event.get("usage"):
+                            tokens = event["usage"]["completion_tokens"]
+                        if event.get("choices"):
+                            stamps.append(time.perf_counter())
+            results.append({"ttft": stamps[0] - t0, "n": tokens, "chunks": len(stamps), "end": stamps[-1] - t0,
+                            "gaps": [b - a for a, b in zip(stamps, stamps[1:])]})
 
         t0 = time.perf_counter()
         threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
@@ -218,9 +227,11 @@ def http_server(tmp: Path) -> None:
         wall = time.perf_counter() - t0
         tokens = sum(r["n"] for r in results)
         ttft = sorted(r["ttft"] for r in results)
-        emit(f"- {len(results)}/{requests} requests completed, {tokens} streamed chunks in {wall:.2f} s = "
-             f"{tokens / wall:.0f} tok/s; TTFT p50 {ttft[len(ttft) // 2] * 1e3:.0f} ms, p99 {ttft[-1] * 1e3:.0f} ms; "
-             f"worst inter-token gap {max(r['itl'] for r in results) * 1e3:.0f} ms")
+        gaps = sorted(g for r in results for g in r["gaps"]) or [0.0]
+        emit(f"- {len(results)}/{requests} requests completed: {tokens} tokens ({sum(r['chunks'] for r in results)} "
+             f"stream chunks) in {wall:.2f} s = {tokens / wall:.0f} output tok/s; TTFT p50 "
+             f"{ttft[len(ttft) // 2] * 1e3:.0f} ms, p99 {ttft[int(len(ttft) * 0.99)] * 1e3:.0f} ms; inter-chunk p50 "
+             f"{gaps[len(gaps) // 2] * 1e3:.1f} ms, p99 {gaps[int(len(gaps) * 0.99)] * 1e3:.1f} ms")
         token = json.loads((tmp / "key_file.json").read_text())["management"]["key"]
         req = urllib.request.Request(f"http://127.0.0.1:{mport}/models/llama1b",
                                      headers={"Authorization": f"Bearer {token}"})
@@ -260,8 +271,9 @@ def decode_speed(tmp: Path, bandwidth: float) -> None:
     weight_bytes = sum(p.nbytes for n, p in model.named_parameters() if "embed_tokens" not in n)
     emit(f"- weights read per step (all but the embedding table): {weight_bytes / 1e9:.2f} GB; copy bandwidth "
          f"{bandwidth / 1e12:.2f} TB/s: roofline of a batch-1 step {weight_bytes / bandwidth * 1e3:.2f} ms")
-    emit("| CUDA graphs | batch | step ms (median) | decode tok/s | x batch 1 | roofline fraction |")
-    emit("|---|---|---|---|---|---|")
+    emit("| CUDA graphs | batch | engine step ms (median) | graph replay alone ms | decode tok/s | x batch 1 | "
+         "roofline fraction |")
+    emit("|---|---|---|---|---|---|---|")
     for eager in (False, True):
         engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256 * 512 // 16 + 64, max_num_seqs=256,
                                                           max_model_len=512, enforce_eager=eager))
@@ -291,15 +303,61 @@ def decode_speed(tmp: Path, bandwidth: float) -> None:
             tps = batch / step
             base = base or tps
             roof = (weight_bytes + statistics.median(contexts) * per_token_kv) / bandwidth / step
-            emit(f"| {'off' if eager else 'on'} | {batch} | {step * 1e3:.2f} | {tps:.0f} | {tps / base:.1f} | "
+            graph = "-"
+            graphs = engine.runner.graphs
+            if graphs is not None and DEV.type == "cuda":  # the captured forward alone: the device's share of a step
+                replays = []
+                for _ in range(20):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    graphs._graphs[batch].replay()
+                    end.record()
+                    end.synchronize()
+                    replays.append(start.elapsed_time(end))
+                graph = f"{statistics.median(replays):.2f}"
+            emit(f"| {'off' if eager else 'on'} | {batch} | {step * 1e3:.2f} | {graph} | {tps:.0f} | {tps / base:.1f} | "
                  f"{roof:.2f} |")
         del engine
+
+
+def profile(tmp: Path) -> None:
+    """Where a batch-1 decode step of the 8B layout spends device time: the eager step under torch.profiler
+    (a CUDA graph replays the same kernels), the kernels with the most time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    emit("## Profile: one batch-1 decode step of the 8B layout (eager), kernels by device time")
+    shape = (4096, 32, 32, 8, 14336, 128256) if not SMOKE else (128, 2, 4, 2, 256, 4096)
+    with torch.device(DEV):
+        model = AutoModelForCausalLM.from_config(llama_config(*shape), dtype=torch.bfloat16)
+    build_tokenizer(tmp / "tokp", 4096, 0)
+    engine = LLMEngine(model, AutoTokenizer.from_pretrained(tmp / "tokp"),
+                       EngineConfig(num_kv_blocks=256, max_num_seqs=4, max_model_len=512, enforce_eager=True))
+    engine.add("p", list(range(5, 133)), SamplingParams(max_new_tokens=64, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    activities = [ProfilerActivity.CUDA] if DEV.type == "cuda" else [ProfilerActivity.CPU]
+    with torch_profile(activities=activities) as prof:
+        for _ in range(4):
+            engine.step()
+        sync()
+    key = "self_device_time_total" if DEV.type == "cuda" else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0))[:14]
+    total = sum(getattr(e, key, 0) for e in prof.key_averages()) / 4
+    emit(f"- device time per step {total / 1e3:.2f} ms")
+    emit("| kernel | calls per step | us per step | share |")
+    emit("|---|---|---|---|")
+    for e in rows:
+        t = getattr(e, key, 0) / 4
+        emit(f"| {e.key[:90]} | {e.count / 4:.0f} | {t:.0f} | {t / total:.0%} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=None, help="also write the table to this file")
-    ap.add_argument("--sections", default="families,http,decode")
+    ap.add_argument("--sections", default="families,http,decode",
+                    help="of families, http, decode, profile (a kernel breakdown of one batch-1 step)")
     ap.add_argument("--smoke", action="store_true", help="tiny models on --device (a dry run of this script)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
@@ -318,7 +376,7 @@ def main() -> None:
     sections = set(args.sections.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         for name, fn in (("families", lambda: families(Path(tmp))), ("http", lambda: http_server(Path(tmp))),
-                         ("decode", lambda: decode_speed(Path(tmp), bandwidth))):
+                         ("decode", lambda: decode_speed(Path(tmp), bandwidth)), ("profile", lambda: profile(Path(tmp)))):
             if name in sections:
                 started = time.perf_counter()
                 try:

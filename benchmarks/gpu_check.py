@@ -271,15 +271,18 @@ def decode_speed(tmp: Path, bandwidth: float) -> None:
     weight_bytes = sum(p.nbytes for n, p in model.named_parameters() if "embed_tokens" not in n)
     emit(f"- weights read per step (all but the embedding table): {weight_bytes / 1e9:.2f} GB; copy bandwidth "
          f"{bandwidth / 1e12:.2f} TB/s: roofline of a batch-1 step {weight_bytes / bandwidth * 1e3:.2f} ms")
-    emit("| CUDA graphs | batch | engine step ms (median) | graph replay alone ms | decode tok/s | x batch 1 | "
-         "roofline fraction |")
-    emit("|---|---|---|---|---|---|---|")
-    for eager in (False, True):
-        engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256 * 512 // 16 + 64, max_num_seqs=256,
-                                                          max_model_len=512, enforce_eager=eager))
+    emit("| CUDA graphs | fused QKV, gate/up | batch | engine step ms (median) | graph replay alone ms | decode tok/s | "
+         "x batch 1 | roofline fraction |")
+    emit("|---|---|---|---|---|---|---|---|")
+    # unfused first: fusing replaces the model's projection modules for good
+    runs = [(False, False, (1, 64)), (False, True, (1, 8, 64, 256)), (True, True, (1, 64))]
+    for eager, fused, batches in runs:
+        engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256 * 512 // 16 + 64, max_num_seqs=max(batches),
+                                                          max_model_len=512, enforce_eager=eager,
+                                                          fuse_projections=fused))
         per_token_kv = 2 * shape[1] * shape[3] * (shape[0] // shape[2]) * 2
         base = None
-        for batch in (1, 8, 64, 256) if not SMOKE else (1, 8):
+        for batch in batches if not SMOKE else (1, 8):
             rng = random.Random(batch)
             params = SamplingParams(max_new_tokens=96, ignore_eos=True)
             for i in range(batch):
@@ -301,7 +304,7 @@ def decode_speed(tmp: Path, bandwidth: float) -> None:
                 engine.step()
             step = statistics.median(times)
             tps = batch / step
-            base = base or tps
+            base = base if batch > 1 else tps
             roof = (weight_bytes + statistics.median(contexts) * per_token_kv) / bandwidth / step
             graph = "-"
             graphs = engine.runner.graphs
@@ -315,7 +318,7 @@ def decode_speed(tmp: Path, bandwidth: float) -> None:
                     end.synchronize()
                     replays.append(start.elapsed_time(end))
                 graph = f"{statistics.median(replays):.2f}"
-            emit(f"| {'off' if eager else 'on'} | {batch} | {step * 1e3:.2f} | {graph} | {tps:.0f} | {tps / base:.1f} | "
+            emit(f"| {'off' if eager else 'on'} | {'yes' if fused else 'no'} | {batch} | {step * 1e3:.2f} | {graph} | {tps:.0f} | {tps / base:.1f} | "
                  f"{roof:.2f} |")
         del engine
 
@@ -327,13 +330,14 @@ def profile(tmp: Path) -> None:
     from torch.profiler import profile as torch_profile
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    emit("## Profile: one batch-1 decode step of the 8B layout (eager), kernels by device time")
+    emit("## Profile: one batch-1 decode step of the 8B layout (eager, fused projections), kernels by device time")
     shape = (4096, 32, 32, 8, 14336, 128256) if not SMOKE else (128, 2, 4, 2, 256, 4096)
     with torch.device(DEV):
         model = AutoModelForCausalLM.from_config(llama_config(*shape), dtype=torch.bfloat16)
     build_tokenizer(tmp / "tokp", 4096, 0)
     engine = LLMEngine(model, AutoTokenizer.from_pretrained(tmp / "tokp"),
-                       EngineConfig(num_kv_blocks=256, max_num_seqs=4, max_model_len=512, enforce_eager=True))
+                       EngineConfig(num_kv_blocks=256, max_num_seqs=4, max_model_len=512, enforce_eager=True,
+                                    fuse_projections=True))
     engine.add("p", list(range(5, 133)), SamplingParams(max_new_tokens=64, ignore_eos=True))
     for _ in range(8):
         engine.step()

@@ -19,7 +19,7 @@ import torch
 
 from handlers.engine.config import EngineConfig
 from handlers.engine.detokenizer import IncrementalDetokenizer
-from handlers.engine.device import device_budget, engine_device
+from handlers.engine.device import device_budget, device_defaults, engine_device
 from handlers.engine.families import (
     ADMITTED_BY_LIST,
     UnsupportedModel,
@@ -157,9 +157,15 @@ class LLMEngine:
             logger.info("%s", plan.describe().rstrip())
         group: TensorParallelGroup | None = None
         if config.tensor_parallel_degree > 1:
-            group = start_group(config.tensor_parallel_degree, model_dir, options)
-        model, tokenizer, config = load_model_and_tokenizer(model_dir, options, device)
-        kv_heads = shard_model(model, 0, group.world_size) if group is not None else None
+            group = start_group(config.tensor_parallel_degree, model_dir, options, gpu=device.type == "cuda")
+        # with tensor parallelism every rank loads on the host, shards, then moves its shard to its device
+        model, tokenizer, config = load_model_and_tokenizer(model_dir, options, device if group is None else None,
+                                                            dtype_for=device)
+        config = device_defaults(config, options, device)
+        kv_heads = None
+        if group is not None:
+            kv_heads = shard_model(model, 0, group.world_size)
+            model.to(device)
         return cls(model, tokenizer, config, tp_group=group, num_kv_heads=kv_heads, memory_plan=plan)
 
     def close(self) -> None:

@@ -25,12 +25,13 @@ class FusedProjection(nn.Module):
         first = linears[0]
         weight = torch.cat([m.weight.detach() for m in linears])
         has_bias = any(m.bias is not None for m in linears)
-        self.linear = nn.Linear(first.in_features, weight.shape[0], bias=has_bias, dtype=weight.dtype)
+        self.linear = nn.Linear(first.in_features, weight.shape[0], bias=has_bias, dtype=weight.dtype,
+                                device=weight.device)
         with torch.no_grad():
             self.linear.weight.copy_(weight)
             if has_bias:
                 self.linear.bias.copy_(torch.cat([
-                    m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=weight.dtype)
+                    m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features)
                     for m in linears]))
         self.linear.requires_grad_(False)
         self.sizes = [m.out_features for m in linears]

@@ -23,11 +23,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def _kernel():  # type: ignore[no-untyped-def]
-    """The Triton kernel, imported lazily: importing triton costs a second, and CPU workers never need it."""
-    from handlers.engine.triton_decode import paged_decode
+def _kernels():  # type: ignore[no-untyped-def]
+    """The Triton kernels, imported lazily: importing triton costs a second, and CPU workers never need it."""
+    from handlers.engine import triton_decode
 
-    return paged_decode
+    return triton_decode
 
 
 def _pow2(n: int) -> int:
@@ -35,7 +35,14 @@ def _pow2(n: int) -> int:
 
 
 class TritonPagedKernels:
-    """``PagedKernels`` for tensors on a GPU (or on the CPU under Triton's interpreter)."""
+    """``PagedKernels`` for tensors on a GPU (or on the CPU under Triton's interpreter).
+
+    ``matrix_units``: the kernel that reads several KV blocks per iteration and scores them with ``tl.dot``
+    (``paged_decode_dot``; measured the faster one); when it fails to compile on a device, the plain kernel
+    (``paged_decode``) takes over for good, logged."""
+
+    def __init__(self, matrix_units: bool = True) -> None:
+        self.matrix_units = matrix_units
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> bool:
@@ -56,9 +63,20 @@ class TritonPagedKernels:
         if meta.shape[0] == 0:
             return True
         sinks_arg = sinks.detach().contiguous() if sinks is not None else meta  # any pointer when unused
-        _kernel()[(meta.shape[0], num_kv)](
-            query, query.stride(2), query.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
-            out, out.stride(1), out.stride(2), meta, tables, sinks_arg, float(scale), float(softcap or 1.0),
-            GROUP=group, GROUP_PAD=_pow2(group), HEAD_DIM=head_dim, D_PAD=_pow2(head_dim), BLOCK=block_size,
-            HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None)
+        args = (query, query.stride(2), query.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+                out, out.stride(1), out.stride(2), meta, tables, sinks_arg, float(scale), float(softcap or 1.0))
+        common = {"GROUP": group, "HEAD_DIM": head_dim, "D_PAD": max(16, _pow2(head_dim)), "BLOCK": block_size,
+                  "HAS_SOFTCAP": softcap is not None, "HAS_SINKS": sinks is not None}
+        grid = (meta.shape[0], num_kv)
+        if self.matrix_units:
+            try:
+                _kernels().paged_decode_dot[grid](*args, GROUP_PAD=max(16, _pow2(group)),
+                                                  TILE=max(block_size, 64), EXACT=query.dtype == torch.float32,
+                                                  **common)
+                return True
+            except Exception as exc:  # noqa: BLE001 (a compiler's refusal: the plain kernel serves instead)
+                logger.warning("the matrix-unit decode kernel does not build here (%s: %s); using the plain one",
+                               type(exc).__name__, str(exc)[:300])
+                self.matrix_units = False
+        _kernels().paged_decode[grid](*args, GROUP_PAD=_pow2(group), **common)
         return True

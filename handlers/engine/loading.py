@@ -23,21 +23,23 @@ TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.b
                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str],
-                             device: torch.device | None = None) -> tuple[torch.nn.Module, Any, EngineConfig]:
+def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str], device: torch.device | None = None,
+                             dtype_for: torch.device | None = None) -> tuple[torch.nn.Module, Any, EngineConfig]:
     """Parse the options, set torch threads, and load model (safetensors unless allowed) and tokenizer, the
-    model on ``device`` (default CPU). ``option.model_id`` may name another local folder (relative to
-    ``model_dir`` or absolute)."""
+    model on ``device`` (default CPU) in the dtype it is served in on ``dtype_for`` (default ``device``: a
+    tensor-parallel rank loads on the host for the GPU it shards to). ``option.model_id`` may name another
+    local folder (relative to ``model_dir`` or absolute)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or torch.device("cpu")
-    config = replace(EngineConfig.from_options(options), device=str(device))
+    dtype_for = dtype_for or device
+    config = replace(EngineConfig.from_options(options), device=str(dtype_for))
     torch.set_num_threads(config.num_threads or auto_threads(_int_option(options, "maxWorkers", 1),
                                                               config.tensor_parallel_degree))
     keep_freed_memory()
     source = weights_dir(model_dir, options.get("model_id"))
     # auto -> fp32 or bf16 by CPU; on a GPU the checkpoint's half precision unless option.dtype says otherwise
-    config = replace(config, dtype=serving_dtype(options.get("dtype"), read_model_config(source), device))
+    config = replace(config, dtype=serving_dtype(options.get("dtype"), read_model_config(source), dtype_for))
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
         trust_remote_code=config.trust_remote_code)

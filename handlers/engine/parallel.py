@@ -12,8 +12,13 @@ Rank 0 is the worker process: it owns scheduling, sampling and IPC, and broadcas
 (``StepInputs`` packed into one int64 tensor) before running it; ranks 1..N-1 are child processes started
 by rank 0 (``python -m handlers.engine.parallel``) that load their shard, then loop: receive a step, run the
 model, repeat. A failed collective is fatal for the whole group: the worker exits and is restarted by the
-frontend's pool, which respawns its ranks. Backend: gloo on CPU, nccl on GPU. Single node; the group
-address is a loopback TCP port chosen by rank 0.
+frontend's pool, which respawns its ranks. Single node; the group address is a loopback TCP port chosen by
+rank 0.
+
+Devices: on CPU one gloo group does everything. On GPUs (the worker's ``CUDA_VISIBLE_DEVICES`` lists its group,
+``serving.devices``) rank r runs on ``cuda:r``; the all-reduces go through NCCL on device tensors, and the
+step broadcasts, which are host-side integers, through a second group on gloo, so no step is copied to a
+device and back. Each rank loads and shards its model on the host, then moves its shard to its device.
 """
 
 from __future__ import annotations
@@ -70,27 +75,28 @@ class TensorParallelGroup:
     rank: int
     world_size: int
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    control: Any = None  # the group that carries steps (host tensors): gloo beside NCCL on GPUs, else the default
 
     def broadcast_step(self, inputs: StepInputs | None) -> StepInputs | None:
         """Rank 0 sends the step (``None`` = stop); other ranks receive it."""
         if self.rank == 0:
             payload = pack_step(inputs) if inputs is not None else torch.tensor([], dtype=torch.long)
-            size = torch.tensor([payload.numel() if inputs is not None else _STOP], dtype=torch.long)
-            dist.broadcast(size, 0)
+            size = torch.tensor([payload.numel() if inputs is not None else _STOP], dtype=torch.long, device="cpu")
+            dist.broadcast(size, 0, group=self.control)
             if inputs is not None:
-                dist.broadcast(payload, 0)
+                dist.broadcast(payload, 0, group=self.control)
             return inputs
-        size = torch.zeros(1, dtype=torch.long)
-        dist.broadcast(size, 0)
+        size = torch.zeros(1, dtype=torch.long, device="cpu")
+        dist.broadcast(size, 0, group=self.control)
         if int(size.item()) == _STOP:
             return None
-        payload = torch.empty(int(size.item()), dtype=torch.long)
-        dist.broadcast(payload, 0)
+        payload = torch.empty(int(size.item()), dtype=torch.long, device="cpu")
+        dist.broadcast(payload, 0, group=self.control)
         return unpack_step(payload)
 
     def broadcast_int(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.long)
-        dist.broadcast(t, 0)
+        t = torch.tensor([value], dtype=torch.long, device="cpu")
+        dist.broadcast(t, 0, group=self.control)
         return int(t.item())
 
     def shutdown(self) -> None:
@@ -114,20 +120,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_group(world_size: int, model_dir: Path, options: Mapping[str, str]) -> TensorParallelGroup:
-    """On the worker (rank 0): spawn ranks 1..N-1 and join the process group with them."""
+def start_group(world_size: int, model_dir: Path, options: Mapping[str, str],
+                gpu: bool = False) -> TensorParallelGroup:
+    """On the worker (rank 0): spawn ranks 1..N-1 and join the process group with them (``gpu``: rank r on
+    ``cuda:r``)."""
     port = _free_port()
     init_method = f"tcp://127.0.0.1:{port}"
     children = [
         subprocess.Popen([sys.executable, "-m", "handlers.engine.parallel", "--rank", str(r),
                           "--world-size", str(world_size), "--init-method", init_method,
-                          "--model-dir", str(model_dir), "--options", json.dumps(dict(options))],
+                          "--model-dir", str(model_dir), "--options", json.dumps(dict(options)),
+                          "--device", f"cuda:{r}" if gpu else "cpu"],
                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         for r in range(1, world_size)
     ]
-    _init(0, world_size, init_method)
+    control = _init(0, world_size, init_method, gpu)
     logger.info("tensor parallel group of %d ranks up (%s)", world_size, dist.get_backend())
-    return TensorParallelGroup(0, world_size, children)
+    return TensorParallelGroup(0, world_size, children, control)
 
 
 def _die_with_parent() -> None:
@@ -141,9 +150,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def _init(rank: int, world_size: int, init_method: str) -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+def _init(rank: int, world_size: int, init_method: str, gpu: bool) -> Any:
+    """Join the group; returns the group that carries steps (None: the default one, gloo on CPU)."""
+    if not gpu:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        return None
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size, device_id=device)
+    return dist.new_group(backend="gloo")
 
 
 # ----------------------------------------------------------------------------------------- sharding
@@ -263,18 +278,23 @@ def rank_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init-method", required=True)
     ap.add_argument("--model-dir", type=Path, required=True)
     ap.add_argument("--options", required=True)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{args.rank}[%(process)d] %(levelname)s "
                                                    "%(name)s: %(message)s")
+    from handlers.engine.device import device_defaults
     from handlers.engine.loading import load_model_and_tokenizer
     from handlers.engine.runner import ModelRunner
 
     options = json.loads(args.options)
-    _init(args.rank, args.world_size, args.init_method)
-    group = TensorParallelGroup(args.rank, args.world_size)
+    device = torch.device(args.device)
+    control = _init(args.rank, args.world_size, args.init_method, device.type == "cuda")
+    group = TensorParallelGroup(args.rank, args.world_size, control=control)
     try:
-        model, _, config = load_model_and_tokenizer(args.model_dir, options)
+        model, _, config = load_model_and_tokenizer(args.model_dir, options, dtype_for=device)
+        config = device_defaults(config, options, device)
         kv_heads = shard_model(model, args.rank, args.world_size)
+        model.to(device)
         num_blocks = group.broadcast_int(0)
         runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
                              populate_kv=config.kv_cache_populate,

@@ -236,7 +236,7 @@ class ModelRunner:
         n = len(inputs.input_ids)
         # one copy of the step's integers to the device: ids, positions, slots, kept rows
         flat = on_device(torch.tensor(inputs.input_ids + inputs.positions + inputs.slots + inputs.keep,
-                                      dtype=torch.long), self.device)
+                                      dtype=torch.long, device="cpu"), self.device)
         ids, positions, slots, keep = flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:]
         self.context.meta = StepMetadata(self.pool, slots, spans, self.block_size, self.kernels)
         try:

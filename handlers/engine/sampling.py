@@ -67,7 +67,7 @@ class RequestSampler:
         """Pick a token from one row of logits [V] given the sequence's tokens so far."""
         scores = logits.unsqueeze(0)
         if self.processors:
-            ids = torch.tensor([token_ids], dtype=torch.long)
+            ids = torch.tensor([token_ids], dtype=torch.long, device=logits.device)
             scores = self.processors(ids, scores.clone())  # type: ignore[arg-type]
         if self.greedy:
             return int(scores.argmax(-1))

@@ -30,13 +30,15 @@ def _interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
 
 
+@pytest.mark.parametrize("matrix_units", [True, False], ids=["dot", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "window", "softcap", "with_sinks", "head_dim"), [
     (4, 4, 0, None, False, 16), (8, 2, 0, None, False, 16), (4, 1, 0, None, False, 16), (4, 2, 5, None, False, 16),
     (4, 2, 0, 3.0, False, 16), (4, 2, 7, None, True, 16), (6, 3, 0, 2.0, True, 16), (6, 2, 0, None, False, 24),
 ])
 def test_triton_decode_equals_reference(dtype: torch.dtype, heads: int, kv_heads: int, window: int,
-                                        softcap: float | None, with_sinks: bool, head_dim: int) -> None:
+                                        softcap: float | None, with_sinks: bool, head_dim: int,
+                                        matrix_units: bool) -> None:
     torch.manual_seed(0)
     d, bs = head_dim, 4
     pool = KVPool(1, 64 * bs, kv_heads, d, dtype)
@@ -47,7 +49,7 @@ def test_triton_decode_equals_reference(dtype: torch.dtype, heads: int, kv_heads
     lengths = [1, 13, 30]
     order = [2, 0, 1]  # query row of each sequence
     spans = tuple(SeqSpan(order[i], n - 1, 1, t) for i, (n, t) in enumerate(zip(lengths, tables, strict=True)))
-    kernels = TritonPagedKernels()
+    kernels = TritonPagedKernels(matrix_units)
     meta = StepMetadata(pool, torch.zeros(3, dtype=torch.long), spans, bs, kernels)  # type: ignore[arg-type]
     q = torch.randn(1, 3, heads, d).to(dtype).transpose(1, 2)  # [1, H, T, D], as transformers passes it
     sinks = torch.randn(heads) if with_sinks else None
@@ -55,6 +57,7 @@ def test_triton_decode_equals_reference(dtype: torch.dtype, heads: int, kv_heads
     assert plan is not None and plan.rest == ()
     out = torch.full((1, 3, heads, d), float("nan"), dtype=dtype)
     assert kernels.decode(q, pool.keys[0], pool.values[0], out, plan.meta, plan.tables, bs, d ** -0.5, softcap, sinks)
+    assert kernels.matrix_units == matrix_units  # the chosen kernel ran (no fallback)
     for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
         lo = max(0, n - window) if window else 0
         slots = [table[p // bs] * bs + p % bs for p in range(lo, n)]

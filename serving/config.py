@@ -520,6 +520,8 @@ class ServerConfig:
     disable_token_authorization: bool = False
     inference_auth: str = "auto"  # auto: required when the inference address is not loopback
     key_file: Path | None = None  # None: key_file.json in the working directory, removed at shutdown
+    # where remote and GGUF models are cached as local folders (serving.sources); None: ~/.cache/rollserve/models
+    model_cache_dir: Path | None = None
     management_token: str | None = field(default=None, repr=False)
     inference_token: str | None = field(default=None, repr=False)
     enable_model_api: bool = False
@@ -608,6 +610,7 @@ _SERVER_KEYS: dict[str, tuple[Parser, str | None]] = {
     "disable_token_authorization": (boolean, "false"),
     "inference_auth": (choice(("auto", "true", "false")), "auto"),
     "key_file": (text, None),
+    "model_cache_dir": (text, None),
     "enable_model_api": (boolean, "false"),
     "management_allowed_hosts": (names, ""),
     "management_allowed_origins": (names, ""),
@@ -687,6 +690,7 @@ def load_server_config(path: Path | None, *, env: Mapping[str, str] = _EMPTY,
         disable_token_authorization=values["disable_token_authorization"],
         inference_auth=values["inference_auth"],
         key_file=Path(values["key_file"]) if values.get("key_file") else None,
+        model_cache_dir=Path(values["model_cache_dir"]) if values.get("model_cache_dir") else None,
         enable_model_api=values["enable_model_api"],
         management_allowed_hosts=values["management_allowed_hosts"],
         management_allowed_origins=values["management_allowed_origins"],

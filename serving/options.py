@@ -83,7 +83,9 @@ _BOTH = (ENGINE, HUGGINGFACE)
 OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     # Read by the frontend for every model (and by the handlers named).
     _spec("entryPoint", text, None, (SERVING,), "the handler; default model.py if present, else huggingface"),
-    _spec("model_id", text, None, (SERVING, *_BOTH), "another local folder holding the weights"),
+    _spec("model_id", text, None, (SERVING, *_BOTH),
+          "where the weights are: another local folder, a .gguf file, s3://bucket/prefix or a hub id org/name[@rev]"),
+    _spec("gguf_file", text, None, (SERVING,), "which .gguf file of option.model_id's folder to load"),
     _spec("dtype", choice(DTYPES, DTYPE_ALIASES), "fp32", (SERVING, *_BOTH), "weights and KV cache dtype"),
     _spec("trust_remote_code", boolean, "false", (SERVING, *_BOTH), "run the model folder's own code"),
     _spec("predict_timeout", number(0, exclusive=True), "120", (SERVING,), "seconds one request may take"),

@@ -24,6 +24,9 @@ from serving import knobs
 from serving.batching.ports import BatchObserver
 from serving.config import ModelConfig, ServerConfig, load_model_config, validate_model_name
 from serving.devices import DevicePlan, plan_devices, visible_devices
+from serving.sources.cache import default_root
+from serving.sources.errors import SourceError
+from serving.sources.resolve import needs_resolving, resolve
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
 from serving.errors import ConfigError, Forbidden, InvalidRequest, ModelNotFound, Overloaded
 from serving.live_requests import LiveRequests
@@ -149,6 +152,10 @@ class ModelRegistry:
             if key in overrides:
                 self.check_num_workers(int(overrides[key]), "min_worker" if key == "minWorkers" else "max_worker",
                                        minimum=0 if key == "minWorkers" else 1)
+        try:
+            overrides = await self.resolve_source(name, model_dir, overrides)
+        except SourceError as exc:
+            raise InvalidRequest(f"model {name!r}: {self._without_paths(str(exc), name, model_dir)}") from None
         ep = self.build(name, model_dir, overrides)
         if isinstance(ep, FailedEndpoint):
             raise InvalidRequest(f"model {name!r} has an invalid configuration: {ep.reason}")
@@ -199,14 +206,45 @@ class ModelRegistry:
         return value
 
     async def start_all(self, models: Mapping[str, Path]) -> None:
-        for name, path in models.items():
+        """Resolve, build and start every model, each on its own (a model that downloads delays no other)."""
+
+        async def one(name: str, path: Path) -> None:
             try:
-                self.endpoints[name] = self.build(validate_model_name(name), path)
+                name = validate_model_name(name)
             except ConfigError as exc:
                 log.error("model %s: %s", name, exc)
                 if self.startup_models is not None:
                     self.startup_models.discard(name)
-        await asyncio.gather(*(ep.start() for ep in self.endpoints.values()))
+                return
+            try:
+                overrides = await self.resolve_source(name, path, {})
+            except SourceError as exc:
+                log.error("model %s: %s", name, exc)
+                self.endpoints[name] = FailedEndpoint(name, self._without_paths(str(exc), name, path))
+                return
+            ep = self.endpoints[name] = self.build(name, path, overrides)
+            await ep.start()
+
+        await asyncio.gather(*(one(name, path) for name, path in models.items()))
+
+    async def resolve_source(self, name: str, model_dir: Path, overrides: Mapping[str, str]) -> Mapping[str, str]:
+        """``overrides``, with ``option.model_id`` pointing at a local folder when the model's names a remote or
+        GGUF source (``serving.sources.resolve``; fetched or converted in a thread, cached). Raises
+        ``SourceError``; a configuration error is left for ``build`` to report."""
+        try:
+            cfg = load_model_config(model_dir, name=name, env=self._env, overrides=overrides, server=self._server)
+        except ConfigError:
+            return overrides
+        if not needs_resolving(model_dir, cfg.model_id):
+            return overrides
+        assert cfg.model_id is not None
+        root = self._server.model_cache_dir or default_root()
+        local = await asyncio.to_thread(
+            resolve, model_dir, cfg.model_id, gguf_file=cfg.options.get("gguf_file") or None,
+            allow_unsafe=str(cfg.options.get("allow_unsafe_weights", "false")).lower() == "true", env=self._env,
+            root=root, progress=lambda line: log.info("model %s: %s", name, line))
+        log.info("model %s: option.model_id=%s is served from %s", name, cfg.model_id, local)
+        return {**overrides, "option.model_id": str(local)}
 
     async def stop_all(self, drain_timeout_s: float) -> None:
         await asyncio.gather(*(ep.drain(drain_timeout_s) for ep in self.endpoints.values()),

@@ -1,0 +1,66 @@
+"""The local cache of resolved model sources: one folder per source, published whole or not at all.
+
+Design note: a fetch or conversion fills a private temporary folder beside its final place and is renamed into
+place only when it finished, with a ``.complete`` marker inside, so a failed or interrupted one never leaves a
+half-filled folder that a later start would take for a model (the temporary folder is removed on failure; one
+left by a killed process is swept by the next fill of the same entry). Two servers filling the same entry at
+once both finish; the first rename wins and the other's copy is dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+MARKER = ".complete"
+
+
+def default_root() -> Path:
+    """``~/.cache/rollserve/models`` (``XDG_CACHE_HOME`` honoured)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "rollserve" / "models"
+
+
+def cached(entry: Path) -> bool:
+    return (entry / MARKER).is_file()
+
+
+def publish(entry: Path, fill: Callable[[Path], None]) -> Path:
+    """``entry``, filled by ``fill(folder)`` unless a complete copy is there already."""
+    if cached(entry):
+        return entry
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    for stale in entry.parent.glob(f".{entry.name}.tmp-*"):
+        if not _owner_alive(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        (tmp / MARKER).write_text("")
+        if entry.exists() and not cached(entry):
+            shutil.rmtree(entry)  # an incomplete entry of an older layout: never served
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not cached(entry):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return entry
+
+
+def _owner_alive(tmp: Path) -> bool:
+    """Whether the process that made ``tmp`` (``.<entry>.tmp-<pid>-<id>``) still runs."""
+    try:
+        pid = int(tmp.name.rsplit(".tmp-", 1)[1].split("-", 1)[0])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True

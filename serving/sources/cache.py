@@ -9,6 +9,7 @@ once both finish; the first rename wins and the other's copy is dropped.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import uuid
@@ -22,6 +23,15 @@ def default_root() -> Path:
     """``~/.cache/rollserve/models`` (``XDG_CACHE_HOME`` honoured)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "rollserve" / "models"
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def cached(entry: Path) -> bool:

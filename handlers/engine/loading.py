@@ -33,7 +33,7 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str], device
 
     device = device or torch.device("cpu")
     dtype_for = dtype_for or device
-    config = replace(EngineConfig.from_options(options), device=str(dtype_for))
+    config = EngineConfig.from_options(options)
     torch.set_num_threads(config.num_threads or auto_threads(_int_option(options, "maxWorkers", 1),
                                                               config.tensor_parallel_degree))
     keep_freed_memory()

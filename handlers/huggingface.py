@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
 from handlers.base import Context, Handler, Input, Output
 from handlers.engine.cpu import auto_threads, keep_freed_memory
+from handlers.engine.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
 from handlers.validation import check_length, check_prompt_ids, check_sampling
 from serving.errors import InvalidRequest, ServingError
 from serving.options import option_value
@@ -42,6 +43,7 @@ class _Item:
     index: int  # position in the handled batch
     request: Input
     prompt_ids: list[int]
+    matcher: Any = None  # structured output: the grammar's matcher (handlers.engine.grammar)
 
 
 def _group_key(p: SamplingParams, index: int) -> Hashable:
@@ -70,6 +72,7 @@ class HuggingFaceHandler(Handler):
         self.eos_token_ids: frozenset[int] = frozenset()
         self.pad_token_id = 0
         self.vocab_size = 0
+        self._grammars: GrammarCompiler | None = None  # built with the first constrained request
 
     def initialize(self, ctx: Context) -> None:
         self.model_name = ctx.model_name
@@ -131,7 +134,7 @@ class HuggingFaceHandler(Handler):
         groups: dict[Hashable, list[_Item]] = {}
         for index, request in enumerate(inputs):
             try:
-                item = _Item(index, request, self._prepare(request))
+                item = _Item(index, request, self._prepare(request), self._matcher(request.params))
             except ServingError as exc:
                 outputs[index] = Output.failure(request.request_id, exc.message, exc.kind)
                 continue
@@ -164,11 +167,26 @@ class HuggingFaceHandler(Handler):
         check_length(len(ids), request.params.max_new_tokens, self.max_model_len)
         return ids
 
+    def _matcher(self, params: SamplingParams) -> Any:
+        """A fresh matcher of the request's grammar (None without one). Raises ``InvalidRequest`` when the grammar
+        cannot be built for this tokenizer."""
+        if params.grammar is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, int(self.model.config.vocab_size), self.eos_token_ids)
+        try:
+            return self._grammars.matcher(params.grammar).result()
+        except GrammarError as exc:
+            raise InvalidRequest(f"the constraint cannot be compiled for this model: {exc}") from None
+
     def _generate(self, items: list[_Item]) -> list[Output]:
         p = items[0].request.params  # shaping parameters are the same for the whole group
         input_ids, attention_mask = self._left_pad([i.prompt_ids for i in items])
         want_logits = any(i.request.params.details or i.request.params.logprobs > 0 for i in items)
         kwargs = self._generate_kwargs(p, max(i.request.params.max_new_tokens for i in items))
+        if any(i.matcher is not None for i in items) and self._grammars is not None:
+            kwargs["logits_processor"] = LogitsProcessorList([GrammarLogitsProcessor(
+                self._grammars.executor, [i.matcher for i in items], int(self.model.config.vocab_size))])
         if not p.greedy and p.seed is not None:
             torch.manual_seed(p.seed)
         with torch.inference_mode():

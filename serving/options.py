@@ -101,6 +101,10 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("strict_parameters", boolean, "true", (SERVING,), "refuse unknown request parameters"),
     _spec("output_formatter", any_text, None, (SERVING,), "sse: streams as server-sent events"),
     _spec("tgi_compat", boolean, "false", (SERVING,), "TGI-shaped answers and stream events"),
+    _spec("enable_auto_tool_choice", boolean, "false", (SERVING,),
+          "tool_choice auto: the model decides, its calls parsed by tool_call_parser"),
+    _spec("tool_call_parser", choice(("hermes", "llama3_json", "mistral")), "hermes", (SERVING,),
+          "how tool calls look in the model's text: hermes, llama3_json or mistral"),
     _spec("handler", any_text, None, (LOADER,), "the handler class of a custom entry point's module"),
     # The rolling engine (handlers.engine.config.EngineConfig) and the dynamic huggingface handler.
     _spec("max_prefill_tokens_while_decoding", integer(0), "256", (ENGINE,),

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from serving import structured
 from serving.errors import InvalidRequest
 from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, Only, RequestSchema, StrictModel, kind_of, type_error
 from serving.types import SamplingParams
@@ -67,6 +68,14 @@ StopTokenIds = Annotated[list[TokenId], Cap("max_stop_token_ids"), Field(
 Logprobs = Annotated[int, Field(ge=0), Cap("max_logprobs"), INTEGER]
 
 
+class Grammar(StrictModel):
+    """TGI's ``grammar`` parameter."""
+
+    type: Literal["json", "regex", "json_schema"]
+    value: Any = Field(description="the JSON schema (json), the pattern (regex), or {\"name\", \"schema\"} "
+                       "(json_schema)")
+
+
 class LmiParameters(StrictModel):
     """Generation parameters: LMI's and TGI's ``parameters``, the Open Inference Protocol's
     ``sampling_parameters`` and the typed gRPC ``SamplingParameters``. Every field may be null (its default)."""
@@ -99,7 +108,12 @@ class LmiParameters(StrictModel):
     best_of: Annotated[int, Only((1,), "is not supported: only 1 or null is accepted"), INTEGER] | None = None
     frequency_penalty: Annotated[float, Only((0.0,), "is not supported (use repetition_penalty): only 0 or null "
                                              "is accepted")] | None = None
-    grammar: None = Field(None, description="not supported: only null is accepted")
+    grammar: Grammar | None = Field(None, description="TGI's constraint: {\"type\": \"json\", \"value\": SCHEMA} or "
+                                    "{\"type\": \"regex\", \"value\": PATTERN}")
+    guided_json: dict[str, Any] | str | None = Field(None, description="the answer is JSON valid under this schema")
+    guided_regex: str | None = Field(None, description="the answer matches this regular expression")
+    guided_choice: list[str] | None = Field(None, description="the answer is one of these strings")
+    guided_grammar: str | None = Field(None, description="the answer follows this grammar (Lark, or GBNF)")
     adapter_id: None = Field(None, description="not supported: only null is accepted")
 
 
@@ -138,6 +152,10 @@ def lmi_sampling_params(p: LmiParameters, limits: Limits) -> SamplingParams:
         "stop": (p.stop, p.stop_sequences), "stop_token_ids": p.stop_token_ids,
         "ignore_eos": p.ignore_eos if p.ignore_eos is not None else p.ignore_eos_token, "details": p.details,
         "return_full_text": p.return_full_text, "logprobs": p.logprobs if p.logprobs is not None else p.top_n_tokens,
+        "grammar": structured.one_of(
+            ("grammar", structured.from_response_format(p.grammar.model_dump(), "grammar")
+             if p.grammar is not None else None),
+            ("guided_*", structured.from_guided(p.model_dump()))),
     }, limits)
 
 

@@ -383,6 +383,8 @@ def explain(kind: str, name: str, node: Mapping[str, Any], value: Any, ctx: Mapp
         return f"{name} contains invalid Unicode (a lone surrogate)"
     if kind == "finite_number":
         return f"{name} must be finite, got {value!r}"
+    if kind == "string_pattern_mismatch":
+        return f"{name} must match {ctx['pattern']}, got {show(value)}"
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         return f"{name} must be {bounds(node, ctx)}, got {show(value)}"
     if kind in ("too_long", "string_too_long"):

@@ -49,6 +49,7 @@ class SamplingParams:
     details: bool = False
     return_full_text: bool = False
     logprobs: int = 0  # number of top logprobs per token to return; 0 = only the chosen token's when asked
+    grammar: str | None = None  # structured output: llguidance's serialized grammar (serving.structured)
 
     @property
     def greedy(self) -> bool:

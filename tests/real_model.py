@@ -59,6 +59,17 @@ def smollm2_gguf() -> Path:
     return target
 
 
+def smollm2_folder() -> Path:
+    """The GGUF file converted (once per machine, as the server converts it) into a transformers folder in the
+    test-model cache: for tests that load the real model in process or serve it from a local folder."""
+    from serving.sources.resolve import resolve
+
+    gguf = smollm2_gguf()
+    return resolve(gguf.parent, str(gguf), gguf_file=None, allow_unsafe=False, env={}, root=CACHE / "converted",
+                   progress=lambda _msg: None)
+
+
 if __name__ == "__main__":
     print(smollm2_wheel())
     print(smollm2_gguf())
+    print(smollm2_folder())

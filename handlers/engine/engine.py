@@ -7,6 +7,7 @@ Python; the runner and sampler hold the torch work. Everything runs on the worke
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import random
 import time
@@ -20,6 +21,7 @@ import torch
 from handlers.engine.config import EngineConfig
 from handlers.engine.detokenizer import IncrementalDetokenizer
 from handlers.engine.device import device_budget, device_defaults, engine_device
+from handlers.engine.grammar import GrammarCompiler, masks
 from handlers.engine.families import (
     ADMITTED_BY_LIST,
     UnsupportedModel,
@@ -44,6 +46,7 @@ from handlers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.self_check import reference_logits, verify
 from handlers.engine.sequence import Sequence
 from handlers.engine.speculative import NgramDrafter, accepted_prefix
+from serving.errors import InvalidRequest
 from serving.step_cost import StepCost
 from serving.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
 
@@ -59,6 +62,7 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     eos_ids: frozenset[int]
     drafter: NgramDrafter | None = None  # speculative decoding's guesses (plain greedy requests only)
+    matcher: Any = None  # structured output: the grammar's llguidance matcher (handlers.engine.grammar)
     sent_first: bool = False
 
 
@@ -126,8 +130,12 @@ class LLMEngine:
                     num_blocks, config.block_size, num_blocks * config.block_size * per_token / 2**20,
                     num_blocks * config.block_size / self.max_model_len, self.max_model_len)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.vocab_size = int(model_cfg.vocab_size)  # the logits' width
         self._seed_source = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
+        # structured output: requests whose grammar is being compiled wait here, outside the scheduler
+        self._grammars: GrammarCompiler | None = None
+        self._compiling: dict[str, tuple[_Request, concurrent.futures.Future[Any]]] = {}
         self._counters = {"num_steps_total": 0, "num_prefill_tokens_total": 0, "prompt_tokens_total": 0,
                           "generation_tokens_total": 0, "num_requests_finished_total": 0,
                           "num_requests_aborted_total": 0, "spec_draft_tokens_total": 0,
@@ -172,29 +180,60 @@ class LLMEngine:
         if self.tp_group is not None:
             self.tp_group.shutdown()
             self.tp_group = None
+        if self._grammars is not None:
+            self._grammars.close()
 
     # --------------------------------------------------------------- requests
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ``serving.errors.InvalidRequest`` if it can never run."""
         seq = Sequence(request_id, list(prompt_token_ids), params)
-        self.scheduler.add(seq)
+        if request_id in self._compiling:
+            raise InvalidRequest(f"request id {request_id!r} is already in the engine")
+        self.scheduler.check(seq)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         sampler = RequestSampler(params, self._seed_source)
         drafter = None
         if self.scheduler.drafter is not None and sampler.plain_greedy:
             drafter = NgramDrafter(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-        self._requests[request_id] = _Request(
-            seq, sampler, IncrementalDetokenizer(self._backend_tokenizer, seq.prompt_token_ids, params.stop), eos,
-            drafter)
+        req = _Request(seq, sampler, IncrementalDetokenizer(self._backend_tokenizer, seq.prompt_token_ids, params.stop),
+                       eos, drafter)
+        if params.grammar is None:
+            self.scheduler.add(seq)
+            self._requests[request_id] = req
+            return
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._compiling[request_id] = (req, self._grammars.matcher(params.grammar))
 
     def abort(self, request_id: str) -> None:
         """Drop a request now (waiting or running); its blocks are free before the next step."""
-        if self._requests.pop(request_id, None) is not None:
+        if self._requests.pop(request_id, None) is not None or self._compiling.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
             self._counters["num_requests_aborted_total"] += 1
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._compiling)
+
+    def _admit_compiled(self) -> list[TokenDelta]:
+        """Queue the requests whose grammar is built; a grammar that failed fails its request alone. With
+        nothing else to run, wait briefly for a build instead of spinning."""
+        if not self.scheduler.has_work():
+            concurrent.futures.wait([f for _, f in self._compiling.values()], timeout=0.02,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        failed = []
+        for rid, (req, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            exc = future.exception()
+            if exc is not None:
+                failed.append(TokenDelta(rid, finish_reason=FinishReason.ERROR,
+                                         error=f"the constraint cannot be compiled for this model: {exc}"))
+                continue
+            req.matcher = future.result()
+            self.scheduler.add(req.seq)
+            self._requests[rid] = req
+        return failed
 
     def configure(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         """Change the running batch's size and the step's token budget from the next step on (None keeps a
@@ -215,9 +254,10 @@ class LLMEngine:
         """Run one iteration; returns a delta for every token produced (one per request, or several for a
         request whose guessed tokens were confirmed: ``_verify``)."""
         t0 = time.perf_counter()
+        failed = self._admit_compiled() if self._compiling else []
         plan = self.scheduler.schedule()
         if not plan.chunks:
-            return []
+            return failed
         logits = self.runner.execute(plan.chunks)
         self.scheduler.commit(plan)
         self._counters["num_steps_total"] += 1
@@ -227,10 +267,19 @@ class LLMEngine:
         if any(c.draft for c in sampled):
             deltas = self._verify(sampled, reqs, logits)
         else:
-            tokens = sample_batch(logits, [c.seq.token_ids for c in sampled], [r.sampler for r in reqs])
+            tokens = sample_batch(logits, [c.seq.token_ids for c in sampled], [r.sampler for r in reqs],
+                                  self._allowed(reqs))
             deltas = [self._advance(r, t) for r, t in zip(reqs, tokens, strict=True)]
         self.step_cost.add(plan.num_batched_tokens, time.perf_counter() - t0)
-        return deltas
+        return failed + deltas
+
+    def _allowed(self, reqs: list[_Request]) -> dict[int, torch.Tensor] | None:
+        """The grammar masks of the constrained rows among ``reqs`` (row index -> allowed tokens), or None."""
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not rows or self._grammars is None:
+            return None
+        allowed = masks(self._grammars.executor, [reqs[i].matcher for i in rows], self.vocab_size)
+        return dict(zip(rows, allowed, strict=True))
 
     # -------------------------------------------------------- speculative decoding
     def _draft(self, seq: Sequence) -> list[int]:
@@ -253,7 +302,8 @@ class LLMEngine:
             row += 1 + len(c.draft)
         plain = [i for i, c in enumerate(sampled) if not c.draft]
         plain_tokens = iter(sample_batch(logits[[first[i] for i in plain]], [sampled[i].seq.token_ids for i in plain],
-                                         [reqs[i].sampler for i in plain]) if plain else ())
+                                         [reqs[i].sampler for i in plain], self._allowed([reqs[i] for i in plain]))
+                            if plain else ())
         verify_rows = [first[i] + j for i, c in enumerate(sampled) if c.draft for j in range(1 + len(c.draft))]
         chosen = logits[verify_rows].argmax(-1).tolist()
         deltas = []
@@ -295,9 +345,15 @@ class LLMEngine:
         detok = req.detokenizer.push(token, stop_token=stop_token)
         text = detok.released
         finish: FinishReason | None = None
+        complete = False
+        if req.matcher is not None and not stop_token:
+            if not req.matcher.consume_token(token):  # the mask allowed it: only an llguidance fault gets here
+                logger.error("request %s: the grammar refused token %d it allowed: %s", seq.request_id, token,
+                             req.matcher.get_error())
+            complete = req.matcher.is_stopped()  # a grammar that cannot grow ends the answer, as a stop sequence
         if token in req.eos_ids:
             finish = FinishReason.EOS
-        elif token in seq.params.stop_token_ids or detok.stopped:
+        elif token in seq.params.stop_token_ids or detok.stopped or complete:
             finish = FinishReason.STOP
         elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
             finish = FinishReason.LENGTH

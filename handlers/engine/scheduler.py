@@ -127,6 +127,13 @@ class Scheduler:
     # --------------------------------------------------------------- requests
     def add(self, seq: Sequence) -> None:
         """Queue a sequence. Raises ``InvalidRequest`` if it could never run."""
+        self.check(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
+
+    def check(self, seq: Sequence) -> None:
+        """Raise ``InvalidRequest`` if ``seq`` could never run (``add`` calls it)."""
         cfg = self.config
         if seq.request_id in self._by_id:
             raise InvalidRequest(f"request id {seq.request_id!r} is already in the engine")
@@ -142,9 +149,6 @@ class Scheduler:
             raise InvalidRequest(
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_new_tokens ({seq.params.max_new_tokens}) = "
                 f"{total} tokens can never fit in the KV cache of {capacity} tokens")
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
-        self._by_id[seq.request_id] = seq
 
     def get(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)

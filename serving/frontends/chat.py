@@ -47,29 +47,45 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Validated messages (``schemas.ChatMessage``) -> ``[{"role", "content"[, "name"]}]`` with text content
-    (text parts joined; null content is empty), what chat templates read."""
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Validated messages (``schemas.ChatMessage``) -> ``[{"role", "content"[, "name", "tool_calls",
+    "tool_call_id"]}]`` with text content (text parts joined; null content is empty), what chat templates read.
+    A call's arguments are given as an object when they parse (templates such as Qwen's and Llama's serialize
+    them with ``tojson``), as vLLM passes them."""
     out = []
     for m in messages:
         content = m.content
         text = "" if content is None else content if isinstance(content, str) else "".join(p.text for p in content)
-        item = {"role": m.role, "content": text}
+        item: dict[str, Any] = {"role": m.role, "content": text}
         if m.name is not None:
             item["name"] = m.name
+        if m.tool_calls:
+            item["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
         out.append(item)
     return out
 
 
-def render_chat(template: str | None, messages: list[dict[str, str]], *, model: str,
-                special_tokens: dict[str, str] | None = None, add_generation_prompt: bool = True) -> str:
-    """Render checked ``messages`` with the model's chat ``template``. Raises ``InvalidRequest`` when the
-    model has none or the template refuses the conversation."""
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def render_chat(template: str | None, messages: list[dict[str, Any]], *, model: str,
+                special_tokens: dict[str, str] | None = None, add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """Render checked ``messages`` (and ``tools``, OpenAI's shape) with the model's chat ``template``. Raises
+    ``InvalidRequest`` when the model has none or the template refuses the conversation."""
     if not template:
         raise InvalidRequest(f"model {model!r} has no chat template: use /v1/completions with a prompt")
     try:
         compiled = _compile(template)
-        text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                **(special_tokens or {}))
     except _TemplateError as exc:
         raise InvalidRequest(f"the chat template of model {model!r} rejected the messages: {exc}") from None

@@ -43,7 +43,7 @@ FINISH_REASON = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.EOS:
                  FinishReason.STOP: pb.FINISH_REASON_STOP_SEQUENCE, FinishReason.ABORT: pb.FINISH_REASON_ABORT,
                  FinishReason.ERROR: pb.FINISH_REASON_ERROR}
 _OPTIONAL_PARAMS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
-                    "ignore_eos", "logprobs")
+                    "ignore_eos", "logprobs", "guided_json", "guided_regex", "guided_grammar")
 
 
 def sampling_values(params: Any) -> dict[str, Any]:
@@ -53,6 +53,8 @@ def sampling_values(params: Any) -> dict[str, Any]:
         values["stop"] = list(params.stop)
     if params.stop_token_ids:
         values["stop_token_ids"] = list(params.stop_token_ids)
+    if params.guided_choice:
+        values["guided_choice"] = list(params.guided_choice)
     return values
 
 

@@ -37,6 +37,7 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.openai_schema import ParsedRequest, parse_chat, parse_completion
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
+from serving.frontends.tools import ToolStream, fold
 from serving.schema import type_error
 from serving.types import GenerationResult, TokenDelta, TokenInfo
 
@@ -50,6 +51,11 @@ def _strict(ep: Any) -> bool:
     config = getattr(ep, "config", None)
     value = str(config.options.get("strict_parameters", "true")) if config is not None else "true"
     return value.lower() != "false"
+
+
+def _options(ep: Any) -> dict[str, str]:
+    config = getattr(ep, "config", None)
+    return {k: str(v) for k, v in config.options.items()} if config is not None else {}
 
 
 def require_streaming(ep: Any) -> None:
@@ -114,9 +120,11 @@ class OpenAIRoutes:
 
     async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool) -> Response:
         text = self.texts.get(ep)
-        parse = parse_chat if chat else parse_completion
-        parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse, body, ep.name, text, rid,
-                                self.ctx.limits, _strict(ep))
+        args = (body, ep.name, text, rid, self.ctx.limits, _strict(ep))
+        if chat:
+            parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse_chat, *args, _options(ep))
+        else:
+            parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse_completion, *args)
         if parsed.stream:
             require_streaming(ep)
         streams = _submit(ep, parsed)
@@ -166,7 +174,12 @@ class Answer:
                 body = choice.prompt_text + body
             entry: dict[str, Any] = {"index": choice.index, "logprobs": self._logprobs(list(result.tokens)),
                                      "finish_reason": result.finish_reason.openai}
-            if self.chat:
+            if self.chat and self.parsed.tools is not None:
+                reader = ToolStream(self.parsed.tools)
+                content, calls = fold(self.parsed.tools, reader.feed(body) + reader.finish())
+                entry["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                entry["finish_reason"] = _finish(result.finish_reason.openai, reader)
+            elif self.chat:
                 entry["message"] = {"role": "assistant", "content": body}
             else:
                 entry["text"] = body
@@ -213,6 +226,8 @@ class Answer:
         ``timings``, the usage chunk when asked, ``[DONE]``. An error ends the stream with an error event."""
         choices = self.parsed.choices
         offsets = [0] * len(choices)
+        plan = self.parsed.tools
+        readers = [ToolStream(plan) for _ in choices] if plan is not None else None
         try:
             if self.chat:
                 for c in choices:
@@ -222,6 +237,10 @@ class Answer:
                 for c in choices:
                     yield self._frame([self._completion_choice(c.index, c.prompt_text, [], None, 0)])
             async for k, delta in _merge(streams):
+                if readers is not None:
+                    for frame in self._tool_frames(k, delta, streams[k], readers[k]):
+                        yield frame
+                    continue
                 frame = self._delta_frame(k, delta, streams[k], offsets)
                 if frame is not None:
                     yield frame
@@ -253,6 +272,20 @@ class Answer:
         extra = {"timings": timings_json(stream.timings())} if finish is not None else {}
         return self._frame([choice], **extra)
 
+    def _tool_frames(self, k: int, delta: TokenDelta, stream: ResultStream, reader: ToolStream) -> list[str]:
+        """A chat-with-tools delta: the tool reader's deltas, each a frame; the finish frame after them."""
+        index = self.parsed.choices[k].index
+        parts = reader.feed(delta.text)
+        if delta.finish_reason is not None:
+            parts += reader.finish()
+        frames = [self._frame([{"index": index, "delta": part, "logprobs": None, "finish_reason": None}])
+                  for part in parts]
+        if delta.finish_reason is not None:
+            finish = _finish(delta.finish_reason.openai, reader)
+            frames.append(self._frame([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}],
+                                      timings=timings_json(stream.timings())))
+        return frames
+
     def _completion_choice(self, index: int, text: str, tokens: list[TokenInfo], finish: str | None,
                            offset: int) -> dict[str, Any]:
         lp = self._completion_logprobs(tokens, offset) if self.parsed.logprobs is not None else None
@@ -263,6 +296,11 @@ class Answer:
         obj = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                **extra}
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _finish(reason: str, reader: ToolStream) -> str:
+    """``tool_calls`` when the answer made calls and was not cut short (OpenAI's reasons)."""
+    return "tool_calls" if reason == "stop" and reader.finish_as_tool_calls else reason
 
 
 async def _merge(streams: list[ResultStream]) -> AsyncIterator[tuple[int, TokenDelta]]:

@@ -11,13 +11,17 @@ message for the same bad value. This module adds what a schema cannot say (see `
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
+from serving import structured
 from serving.errors import InvalidRequest
 from serving.frontends.chat import render_chat, template_messages
 from serving.frontends.prompts import ModelText
-from serving.frontends.schemas import CHAT, COMPLETION, ChatRequest, CompletionRequest, OpenAIRequest
+from serving.frontends import tools
+from serving.frontends.schemas import CHAT, COMPLETION, ChatRequest, CompletionRequest, NamedToolChoice, OpenAIRequest
+from serving.frontends.tools import ToolPlan
 from serving.params import Limits, check_sequences, sampling_params
 from serving.types import GenerationRequest, SamplingParams
 
@@ -43,6 +47,7 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None  # None = not asked; k = chosen token plus k alternatives
     echo: bool
+    tools: ToolPlan | None = None  # chat with tools: how to read the answer (serving.frontends.tools)
 
 
 def _include_usage(body: OpenAIRequest, stream: bool) -> bool:
@@ -53,17 +58,28 @@ def _include_usage(body: OpenAIRequest, stream: bool) -> bool:
     return bool(body.stream_options.include_usage)
 
 
-def sampling(body: OpenAIRequest, max_new_tokens: int | None, logprobs: int | None, limits: Limits
-             ) -> SamplingParams:
+def sampling(body: OpenAIRequest, max_new_tokens: int | None, logprobs: int | None, limits: Limits,
+             tool_grammar: str | None = None) -> SamplingParams:
     """OpenAI sampling fields -> SamplingParams (temperature 0 = greedy; OpenAI's default is 1.0)."""
     params = sampling_params({
         "max_new_tokens": max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
         "stop": (body.stop,), "ignore_eos": body.ignore_eos, "top_k": body.top_k,
-        "repetition_penalty": body.repetition_penalty, "stop_token_ids": body.stop_token_ids}, limits)
+        "repetition_penalty": body.repetition_penalty, "stop_token_ids": body.stop_token_ids,
+        "grammar": structured.one_of(("tool_choice", tool_grammar), ("response_format", constraint(body)))}, limits)
     params = replace(params, do_sample=params.temperature != 0.0)
     if logprobs is not None:
         params = replace(params, details=True, logprobs=logprobs)
     return params
+
+
+def constraint(body: OpenAIRequest) -> str | None:
+    """The request's structured-output grammar, from whichever of OpenAI's and vLLM's fields carries it."""
+    fmt = body.response_format
+    return structured.one_of(
+        ("response_format", structured.from_response_format(fmt.model_dump()) if fmt is not None else None),
+        ("guided_*", structured.from_guided(body.model_dump())),
+        ("structured_outputs", structured.from_structured_outputs(body.structured_outputs)
+         if body.structured_outputs is not None else None))
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -113,9 +129,14 @@ def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: L
     return ParsedRequest(choices, stream, include_usage, logprobs, echo)
 
 
-def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits, strict: bool) -> ParsedRequest:
-    """A ``/v1/chat/completions`` body -> ``n`` choices over the chat-template-rendered prompt."""
+def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits, strict: bool,
+               options: Mapping[str, str] | None = None) -> ParsedRequest:
+    """A ``/v1/chat/completions`` body -> ``n`` choices over the chat-template-rendered prompt; ``options`` are
+    the model's (tool calling's)."""
     req: ChatRequest = CHAT.validate(body, limits, strict=strict)
+    plan = tools.plan([t.model_dump() for t in req.tools or ()],
+                      req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice,
+                      req.parallel_tool_calls, dict(options or {}))
     stream = bool(req.stream)
     n = req.n or 1
     if req.top_logprobs is not None and not req.logprobs:
@@ -126,18 +147,25 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
     if req.max_completion_tokens is not None:  # OpenAI's newer name wins
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
     include_usage = _include_usage(req, stream)
-    prompt = render_chat(text.chat_template, template_messages(req.messages), model=model,
-                         special_tokens=text.special_tokens)
+    messages = template_messages(req.messages)
+    template_tools = None
+    if plan is not None:
+        if text.chat_template and "tools" in text.chat_template:
+            template_tools = plan.template_tools
+        else:
+            messages = tools.add_tools_prompt(messages, plan)
+    prompt = render_chat(text.chat_template, messages, model=model, special_tokens=text.special_tokens,
+                         tools=template_tools)
     ids = text.encode(prompt)
     num_prompt = len(ids) if ids is not None else None
     text.check_length(num_prompt, max_tokens, field)
     if max_tokens is None:  # vLLM's default: the rest of the context (capped)
         max_tokens = text.room(num_prompt, limits.max_new_tokens)
-    base = sampling(req, max_tokens, logprobs, limits)
+    base = sampling(req, max_tokens, logprobs, limits, plan.grammar() if plan is not None else None)
     choices = []
     for j in range(n):
         params = base if base.seed is None or n == 1 else replace(base, seed=base.seed + j)
         request = GenerationRequest(request_id=rid if n == 1 else f"{rid}-{j}", model=model, prompt=prompt,
                                     params=params, stream=stream)
         choices.append(Choice(j, 0, prompt, request))
-    return ParsedRequest(choices, stream, include_usage, logprobs, False)
+    return ParsedRequest(choices, stream, include_usage, logprobs, False, plan)

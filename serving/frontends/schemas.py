@@ -76,6 +76,16 @@ class StreamOptions(StrictModel):
 NOT_SUPPORTED_PENALTY = "is not supported (use repetition_penalty): only 0 or null is accepted"
 
 
+class ResponseFormat(OpenModel):
+    """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}``,
+    or TGI's ``{"type": "json" | "regex", "value": ...}``."""
+
+    type: Literal["text", "json_object", "json_schema", "json", "regex"]
+    json_schema: dict[str, Any] | None = Field(None, description="with type json_schema: {\"name\", \"schema\", "
+                                               "\"strict\"}; the schema is always enforced")
+    value: Any = Field(None, description="TGI's shape: the schema (type json) or the pattern (type regex)")
+
+
 class OpenAIRequest(StrictModel):
     """Fields both OpenAI routes take (OpenAI's and vLLM's names)."""
 
@@ -103,6 +113,17 @@ class OpenAIRequest(StrictModel):
     min_p: Annotated[float, Only((0.0,), "is not supported by this server's samplers: only 0 or null is "
                                  "accepted")] | None = Field(None, description="vLLM's; not supported: only 0 or null")
     stop_token_ids: StopTokenIds | None = None
+    response_format: ResponseFormat | None = Field(None, description="structured output: json_object, json_schema "
+                                                   "(OpenAI) or TGI's json / regex")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's: the answer is JSON valid under this "
+                                                     "schema")
+    guided_regex: str | None = Field(None, description="vLLM's: the answer matches this regular expression")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: the answer is one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM's: the answer follows this Lark or GBNF grammar")
+    structured_outputs: dict[str, Any] | None = Field(None, description="vLLM's newer form of the guided fields: "
+                                                      "one of json, regex, choice, grammar, json_object")
+    guided_decoding_backend: Text | None = Field(None, description="vLLM's; accepted: constraints always run on "
+                                                 "llguidance")
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -133,17 +154,57 @@ class TextPart(OpenModel):
     text: Text
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, description="letters, digits, _ . - "
+                                    "(checked with the tools)"), TEXT]
+
+
+class FunctionCall(OpenModel):
+    name: FunctionName
+    arguments: Text = Field(description="the arguments as JSON text")
+
+
+class ToolCall(OpenModel):
+    """An assistant message's earlier call, passed to the chat template."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenModel):
-    """One message; other keys (``tool_calls``, ``tool_call_id``, ``refusal``, ...) are accepted and ignored."""
+    """One message; other keys (``refusal``, ...) are accepted and ignored."""
 
     role: Role
     content: Annotated[Text | list[TextPart], BY_SHAPE] | None = Field(
         None, description="text, or a list of text parts (joined); null or absent: empty")
     name: Text | None = Field(None, description="passed to the chat template")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's calls (passed to the chat "
+                                              "template, arguments as an object)")
+    tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
 
 
-class ResponseFormat(OpenModel):
-    type: Annotated[str, Only(("text",), "must be 'text' (structured output is not supported)")]
+MAX_TOOLS = 128
+
+
+class FunctionDef(OpenModel):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
+    strict: bool | None = Field(None, description="accepted: forced calls always follow the schema")
+
+
+class Tool(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(StrictModel):
+    name: FunctionName
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatRequest(OpenAIRequest):
@@ -156,12 +217,14 @@ class ChatRequest(OpenAIRequest):
     logprobs: bool | None = Field(None, description="the log-probability of each token")
     top_logprobs: Logprobs | None = Field(None, description="with logprobs: true, the k most likely alternatives "
                                           "of each token")
-    response_format: ResponseFormat | None = Field(None, description="only {\"type\": \"text\"}")
-    tools: Annotated[list[Any], Empty("(function calling) are not supported: only [] or null is accepted")
-                     ] | None = Field(None, description="not supported: only [] or null")
-    tool_choice: Annotated[str, Only(("none", "auto"), "must be 'none' or 'auto' (tools are not supported)")
-                           ] | None = None
-    parallel_tool_calls: bool | None = Field(None, description="accepted (tools are not supported)")
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="functions the model may call (OpenAI's shape)")
+    tool_choice: Annotated[Annotated[str, Only(("none", "auto", "required"), "must be 'none', 'auto', 'required' or "
+                                               "{\"type\": \"function\", \"function\": {\"name\": ...}}")]
+                           | NamedToolChoice, BY_SHAPE] | None = Field(
+        None, description="none, auto (needs option.enable_auto_tool_choice), required, or {\"type\": "
+        "\"function\", \"function\": {\"name\": ...}}; default auto with tools, none without")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (tool_choice required)")
 
 
 LMI = RequestSchema(LmiRequest, params_at=("parameters",))

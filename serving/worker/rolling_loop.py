@@ -171,6 +171,12 @@ class RollingLoop:
         self.num_unexplained_failures = 0
         self.unverified_blame = False
         self.step += 1
+        refused = [d for d in deltas if d.error is not None]  # a request the engine refused after admitting it
+        for d in refused:
+            self._forget(d.request_id)
+            self._reject(d.request_id, ErrorKind.INVALID.value, d.error or "")
+        if refused:
+            deltas = [d for d in deltas if d.error is None]
         for d in deltas:
             self.fresh.pop(d.request_id, None)
             if d.request_id == self.on_probation:

@@ -89,7 +89,17 @@ def cross_field_rules(body: dict[str, Any]) -> dict[str, Any]:
         body["best_of"] = body.get("n") or 1  # "best_of: only equal to n"
     if body.get("top_logprobs") is not None:
         body["logprobs"] = True  # "top_logprobs: with logprobs: true"
+    # A constraint's content is a schema, a pattern or a grammar (llguidance checks it, tests/unit/test_structured.py
+    # covers it), and tool_choice depends on the tools and the model's options (tests/unit/test_tools.py).
+    params = body.get("parameters")
+    for fields in (body, params if isinstance(params, dict) else {}):
+        for name in (*CONSTRAINT_FIELDS, "tools", "tool_choice"):
+            fields.pop(name, None)
     return body
+
+
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs", "grammar")
 
 
 # --- the decisions the issue names ---------------------------------------------------------------------
@@ -176,8 +186,7 @@ MESSAGES: list[tuple[Any, Any, str]] = [
      "parameter 'stop' must be a string or a list of strings, got an object"),
     (LMI, {"inputs": "x", "parameters": {"watermark": True}},
      "parameter 'watermark' is not supported: only false or null is accepted, got True"),
-    (LMI, {"inputs": "x", "parameters": {"grammar": {"type": "json"}}},
-     "parameter 'grammar' is not supported: only null is accepted, got {'type': 'json'}"),
+    (LMI, {"inputs": "x", "parameters": {"grammar": {"type": "json"}}}, "missing field parameter 'grammar.value'"),
     (TGI, {"inputs": ["x"]}, "'inputs' must be a string, got a list"),
     (COMPLETION, {"prompt": []}, "'prompt' must not be empty"),
     (COMPLETION, {"prompt": 5}, "'prompt' must be a string, a list of strings, a list of integers or a list of lists"
@@ -202,12 +211,11 @@ MESSAGES: list[tuple[Any, Any, str]] = [
      "'messages[0].content[0].type' must be 'text' (only text parts are supported), got 'image_url'"),
     (CHAT, {"messages": [{"role": "user", "content": 3}]},
      "'messages[0].content' must be a string or a list of objects, got an integer"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]},
-     "'tools' (function calling) are not supported: only [] or null is accepted, got [{'type': 'function'}]"),
-    (CHAT, {"messages": MSG, "tool_choice": "required"},
-     "'tool_choice' must be 'none' or 'auto' (tools are not supported), got 'required'"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}},
-     "'response_format.type' must be 'text' (structured output is not supported), got 'json_object'"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, "missing field 'tools[0].function'"),
+    (CHAT, {"messages": MSG, "tool_choice": "sometimes"}, "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+     "{\"name\": ...}}, got 'sometimes'"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, "'response_format.type' must be one of 'text', 'json_object', 'json_schema', 'json' or 'regex', got "
+     "'xml'"),
 ]
 
 

@@ -24,7 +24,7 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class SamplingParameters(_message.Message):
-    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
+    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,10 @@ class SamplingParameters(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_JSON_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_REGEX_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     do_sample: bool
     temperature: float
@@ -47,7 +51,11 @@ class SamplingParameters(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    guided_json: str
+    guided_regex: str
+    guided_choice: _containers.RepeatedScalarFieldContainer[str]
+    guided_grammar: str
+    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., guided_json: _Optional[str] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Iterable[str]] = ..., guided_grammar: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "prompt", "prompt_token_ids", "parameters", "request_id", "return_full_text")

@@ -1,0 +1,125 @@
+"""Constrained decoding in the engine: grammars compiled against the model's tokenizer, per-row token masks.
+
+Design note: a request's ``SamplingParams.grammar`` (llguidance's serialized grammar, built and checked by
+``serving.structured``) becomes an ``LLMatcher`` beside its sequence. Building a matcher can take from a
+millisecond to about a second for a large schema, so ``GrammarCompiler`` builds it on its own thread (llguidance
+releases the GIL) while the step loop goes on; the engine holds the request back until its matcher is ready,
+so a slow schema delays only its own request. Built matchers are kept by the grammar's SHA-256 digest and each
+request gets a copy of a fresh one (``deep_copy``), so the same schema is compiled once.
+
+Every step, ``masks`` computes the allowed tokens of all constrained rows in one llguidance call (threads,
+GIL released) into a bitmask and unpacks it to a boolean [rows, V] tensor the sampler applies before its
+processors: constrained and free rows share the step. A matcher advances with each token its request emits;
+tokens are never taken back (constrained rows do not speculate), so preemption, which recomputes the KV of
+the tokens but keeps them, leaves the grammar state right.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance.hf import from_tokenizer
+
+logger = logging.getLogger(__name__)
+
+CACHED_GRAMMARS = 64
+
+
+class GrammarError(Exception):
+    """The grammar cannot be compiled against this model's tokenizer (its message says why)."""
+
+
+class GrammarCompiler:
+    """Builds matchers for one model's tokenizer off the step loop, each grammar once."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll_tokenizer: LLTokenizer | None = None  # built on first use (about 0.3 s for a 50k vocabulary)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._built: OrderedDict[str, Future[LLMatcher]] = OrderedDict()
+        self.executor = LLExecutor()
+
+    def matcher(self, grammar: str) -> Future[LLMatcher]:
+        """A future of a fresh matcher of ``grammar`` (done at once when the grammar was built before)."""
+        key = hashlib.sha256(grammar.encode("utf-8", "surrogatepass")).hexdigest()
+        template = self._built.get(key)
+        if template is None:
+            template = self._pool.submit(self._build, grammar)
+            self._built[key] = template
+            while len(self._built) > CACHED_GRAMMARS:
+                self._built.popitem(last=False)
+        else:
+            self._built.move_to_end(key)
+        copy: Future[LLMatcher] = Future()
+
+        def done(built: Future[LLMatcher]) -> None:
+            exc = built.exception()
+            if exc is not None:
+                copy.set_exception(exc)
+            else:
+                copy.set_result(built.result().deep_copy())
+
+        template.add_done_callback(done)
+        return copy
+
+    def _build(self, grammar: str) -> LLMatcher:
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos)
+        matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return matcher
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def masks(executor: LLExecutor, matchers: Sequence[LLMatcher], vocab_size: int) -> torch.Tensor:
+    """Allowed next tokens of each matcher: a boolean [len(matchers), vocab_size] tensor."""
+    words = (vocab_size + 31) // 32
+    bits = torch.empty((len(matchers), words), dtype=torch.int32)
+    executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits.data_ptr(), words * 4,
+                                     len(matchers))
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = (bits.unsqueeze(-1) >> shifts) & 1  # bit j of word w is token 32 w + j
+    return allowed.reshape(len(matchers), words * 32)[:, :vocab_size].bool()
+
+
+class GrammarLogitsProcessor:
+    """transformers' logits-processor protocol over one ``generate`` call's rows (the dynamic handler): each call
+    first advances every row's matcher with the token the previous call chose, then masks the constrained rows.
+    ``matchers[i]`` is row i's matcher, None for a free row."""
+
+    def __init__(self, executor: LLExecutor, matchers: Sequence[LLMatcher | None], vocab_size: int) -> None:
+        self.executor = executor
+        self.matchers = list(matchers)
+        self.rows = [i for i, m in enumerate(self.matchers) if m is not None]
+        self.vocab_size = vocab_size
+        self.started = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        live = [self.matchers[i] for i in self.rows]
+        if self.started:
+            last = input_ids[self.rows, -1].tolist()
+            for m, token in zip(live, last, strict=True):
+                if not m.is_stopped():  # a finished row is fed padding from here on
+                    m.consume_token(token)
+        self.started = True
+        if not self.rows:
+            return scores
+        allowed = masks(self.executor, live, self.vocab_size).to(scores.device)
+        width = min(scores.shape[-1], self.vocab_size)
+        rows = scores[self.rows]
+        rows[:, :width] = rows[:, :width].masked_fill(~allowed[:, :width], float("-inf"))
+        rows[:, width:] = float("-inf")
+        scores[self.rows] = rows
+        return scores

@@ -121,7 +121,8 @@ class HuggingFaceHandler(Handler):
         if eos is None and self.eos_token_ids:
             eos = min(self.eos_token_ids)
         return {"max_model_len": self.max_model_len, "eos_token_id": eos,
-                "chat_template": self.tokenizer.chat_template or None, "vocab_size": self.vocab_size}
+                "chat_template": self.tokenizer.chat_template or None, "vocab_size": self.vocab_size,
+                "structured_output": True}
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         """Render chat ``messages`` to a prompt (with the assistant turn opened). Raises ``InvalidRequest``."""

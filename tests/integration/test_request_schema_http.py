@@ -63,7 +63,7 @@ ROUTES = [
 IDS = [r.name for r in ROUTES]
 # names other APIs (OpenAI, vLLM, TGI, transformers' generate) use that no route documents
 FOREIGN = ("zzz_no_such_field", "functions", "function_call", "length_penalty", "num_beams", "min_tokens",
-           "use_beam_search", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs", "guided_json",
+           "use_beam_search", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs",
            "store", "metadata", "service_tier", "modalities", "prediction", "reasoning_effort", "max_time",
            "no_repeat_ngram_size", "num_return_sequences", "min_length", "max_length", "bad_words_ids", "options",
            "top_a", "tfs", "presence", "temp", "maxTokens")
@@ -91,6 +91,10 @@ def fields_of(doc: Document, node: Any) -> set[str]:
     return set(doc.properties(node))
 
 
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs", "grammar", "tools", "tool_choice")
+
+
 def cross_field_rules(route: Route, body: dict[str, Any]) -> dict[str, Any]:
     """The rules the document states in words (see serving/frontends/schemas.py), and the model to use."""
     body = dict(body)
@@ -103,6 +107,12 @@ def cross_field_rules(route: Route, body: dict[str, Any]) -> dict[str, Any]:
             body["best_of"] = body.get("n") or 1  # "best_of: only equal to n"
         if body.get("top_logprobs") is not None:
             body["logprobs"] = True  # "top_logprobs: with logprobs: true"
+    # a constraint's content is a schema, pattern or grammar, and tools depend on the model's options: their own
+    # tests send them (tests/integration/test_structured_http.py)
+    params = body.get("parameters")
+    for fields in (body, params if isinstance(params, dict) else {}):
+        for name in CONSTRAINT_FIELDS:
+            fields.pop(name, None)
     if route.schema == "LmiRequest" and body.get("stream") and isinstance(body.get("inputs"), list):
         body["inputs"] = body["inputs"][0]  # "stream: a token stream ... of a single prompt"
     return body

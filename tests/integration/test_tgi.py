@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import asyncio
 
 import httpx
@@ -46,9 +48,15 @@ def test_generate_raw_and_info(api_server: ServerProcess) -> None:
     body = r.json()
     assert body["details"]["generated_tokens"] == int(r.headers["x-generated-tokens"])
     assert all(len(top) == 2 for top in body["details"]["top_tokens"])
+    # a constraint holds whatever the weights (structured output): random weights, text of the pattern only
     r = httpx.post(f"{api_server.url}/generate?model_name=tiny", json={
-        "inputs": "Hello", "parameters": {"grammar": {"type": "regex", "value": "a+"}}}, timeout=60)
-    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+        "inputs": "Hello", "parameters": {"grammar": {"type": "regex", "value": "(ab|c)+"}, "max_new_tokens": 6}},
+        timeout=60)
+    assert r.status_code == 200, r.text
+    assert re.fullmatch(r"(ab|c)*a?", r.json()["generated_text"]), r.text  # cut by max_new_tokens anywhere
+    r = httpx.post(f"{api_server.url}/generate?model_name=tiny", json={
+        "inputs": "Hello", "parameters": {"grammar": {"type": "regex", "value": "(a"}}}, timeout=60)
+    assert r.status_code == 422 and "'grammar.value' cannot be used as a constraint" in r.json()["error"], r.text
     # truncate keeps the last tokens: a long prompt truncated fits and answers
     r = httpx.post(f"{api_server.url}/generate?model_name=tiny", json={
         "inputs": "word " * 3000, "parameters": {"max_new_tokens": 2, "truncate": 10, "details": True}},

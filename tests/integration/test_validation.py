@@ -79,7 +79,14 @@ CASES: list[tuple[str, str, Any, int, str]] = [
     ("chat-no-template", CH, {"model": "echo", "messages": [{"role": "user", "content": "x"}]}, 400,
      "no chat template"),
     ("chat-tools", CH, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400,
-     "tools"),
+     "missing field 'tools.0..function'"),
+    ("chat-tools-auto", CH, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "enable_auto_tool_choice"),
+    ("chat-bad-schema", CH, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}}, 400,
+     "'response_format.json_schema.schema' cannot be used as a constraint: Invalid type: objec"),
+    ("echo-constraint", C, {"model": "echo", "prompt": "x", "guided_regex": "a+"}, 400,
+     "does not apply structured-output"),
     ("tgi-wrong-type", G, {"inputs": ["x"]}, 422, "inputs.*string"),
     ("tgi-unsupported", G, {"inputs": "x", "parameters": {"watermark": True}}, 422, "watermark"),
     ("tgi-prompt-too-long", G, {"inputs": LONG, "parameters": {"max_new_tokens": 2}}, 422, r"\d{4} tokens.*2048"),

@@ -21,7 +21,6 @@ import torch
 from handlers.engine.config import EngineConfig
 from handlers.engine.detokenizer import IncrementalDetokenizer
 from handlers.engine.device import device_budget, device_defaults, engine_device
-from handlers.engine.grammar import GrammarCompiler, masks
 from handlers.engine.families import (
     ADMITTED_BY_LIST,
     UnsupportedModel,
@@ -29,6 +28,7 @@ from handlers.engine.families import (
     load_config_dict,
     needs_self_check,
 )
+from handlers.engine.grammar import GrammarCompiler, masks
 from handlers.engine.loading import load_model_and_tokenizer
 from handlers.engine.memory import (
     MemoryBudget,
@@ -193,7 +193,7 @@ class LLMEngine:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         sampler = RequestSampler(params, self._seed_source)
         drafter = None
-        if self.scheduler.drafter is not None and sampler.plain_greedy:
+        if self.scheduler.drafter is not None and sampler.plain_greedy and params.grammar is None:
             drafter = NgramDrafter(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         req = _Request(seq, sampler, IncrementalDetokenizer(self._backend_tokenizer, seq.prompt_token_ids, params.stop),
                        eos, drafter)

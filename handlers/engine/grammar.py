@@ -30,6 +30,7 @@ from llguidance.hf import from_tokenizer
 logger = logging.getLogger(__name__)
 
 CACHED_GRAMMARS = 64
+_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(Exception):
@@ -89,8 +90,7 @@ def masks(executor: LLExecutor, matchers: Sequence[LLMatcher], vocab_size: int) 
     bits = torch.empty((len(matchers), words), dtype=torch.int32)
     executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits.data_ptr(), words * 4,
                                      len(matchers))
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = (bits.unsqueeze(-1) >> shifts) & 1  # bit j of word w is token 32 w + j
+    allowed = (bits.unsqueeze(-1) >> _SHIFTS) & 1  # bit j of word w is token 32 w + j
     return allowed.reshape(len(matchers), words * 32)[:, :vocab_size].bool()
 
 

@@ -6,8 +6,9 @@ request's ``seed``, else from the engine's seed source), so a seeded request sam
 matter what it is batched with. Plain greedy rows skip all of that: one ``argmax`` for the whole group.
 On a GPU the greedy argmax runs on the device; the rows that sample or report log-probabilities are copied
 to the host in one transfer and go through the same CPU code (so a seeded request draws the same tokens on
-any device, from its CPU generator). A constrained row (structured output) gets its grammar's mask of allowed
-tokens applied first, before any processor, as vLLM does; its log-probabilities stay the model's own.
+any device, from its CPU generator). The constrained rows (structured output) get their grammars' masks of
+allowed tokens applied first, in one batched operation before any processor, as vLLM does; a greedy constrained
+row then shares the batched argmax. Log-probabilities stay the model's own (taken before the mask).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ class RequestSampler:
 
     def __init__(self, params: SamplingParams, seed_source: random.Random) -> None:
         self.params = params
-        self.constrained = params.grammar is not None
         self.greedy = params.greedy
         self.wants_logprobs = params.details or params.logprobs > 0
         self.processors = LogitsProcessorList()
@@ -62,15 +62,12 @@ class RequestSampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no processor nor constraint: can share one batched argmax."""
-        return self.greedy and not self.processors and not self.constrained
+        """Greedy with no processor: can share one batched argmax."""
+        return self.greedy and not self.processors
 
-    def choose(self, logits: torch.Tensor, token_ids: Seq[int], allowed: torch.Tensor | None = None) -> int:
-        """Pick a token from one row of logits [V] given the sequence's tokens so far; ``allowed`` [V] (bool) is
-        the constraint's mask."""
+    def choose(self, logits: torch.Tensor, token_ids: Seq[int]) -> int:
+        """Pick a token from one row of logits [V] given the sequence's tokens so far."""
         scores = logits.unsqueeze(0)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed[:scores.shape[-1]], float("-inf"))
         if self.processors:
             ids = torch.tensor([token_ids], dtype=torch.long, device=logits.device)
             scores = self.processors(ids, scores.clone())  # type: ignore[arg-type]
@@ -88,7 +85,15 @@ class RequestSampler:
 def sample_batch(logits: torch.Tensor, token_ids: Seq[Seq[int]], samplers: Seq[RequestSampler],
                  allowed: dict[int, torch.Tensor] | None = None) -> list[SampledToken]:
     """Choose one token per row of ``logits`` [S, V]; row i belongs to ``samplers[i]``; ``allowed`` maps the
-    constrained rows to their masks."""
+    constrained rows to their masks [V] (bool)."""
+    raw: dict[int, torch.Tensor] = {}
+    if allowed:
+        rows = list(allowed)
+        raw = {i: logits[i].clone() for i in rows if samplers[i].wants_logprobs}
+        mask = torch.stack([allowed[i] for i in rows]).to(logits.device)
+        masked = logits[rows]  # a copy, masked in place; the model's logits are inference tensors: not written
+        masked.masked_fill_(~mask[:, :logits.shape[-1]], float("-inf"))
+        logits = logits.index_put((torch.tensor(rows, device=logits.device),), masked)
     chosen = [0] * len(samplers)
     greedy_rows = [i for i, s in enumerate(samplers) if s.plain_greedy]
     if greedy_rows:
@@ -104,8 +109,8 @@ def sample_batch(logits: torch.Tensor, token_ids: Seq[Seq[int]], samplers: Seq[R
         host = dict(zip(host_rows, logits[host_rows].cpu(), strict=True))
     for i, s in enumerate(samplers):
         if not s.plain_greedy:
-            chosen[i] = s.choose(host[i], token_ids[i], allowed.get(i) if allowed else None)
-    return [sampled_token(host[i], chosen[i], s) if i in host else SampledToken(chosen[i])
+            chosen[i] = s.choose(host[i], token_ids[i])
+    return [sampled_token(raw.get(i, host[i]), chosen[i], s) if i in host else SampledToken(chosen[i])
             for i, s in enumerate(samplers)]
 
 

@@ -7,6 +7,8 @@ OpenAI fields we cannot honour are accepted only at their neutral value (``prese
 ``logit_bias: {}``, ``min_p: 0``, ...) and refused with a message saying so otherwise: never silently
 ignored. The sampling fields share their types with LMI's parameters, so OpenAI, LMI and TGI give the same
 message for the same bad value. This module adds what a schema cannot say (see ``schemas``' design note).
+A constraint (``response_format``, vLLM's guided fields) becomes the request's grammar (``serving.structured``);
+``tools`` and ``tool_choice`` become a ``ToolPlan`` (``serving.frontends.tools``) the answer is read with.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import Any, cast
 
 from serving import structured
 from serving.errors import InvalidRequest
+from serving.frontends import tools
 from serving.frontends.chat import render_chat, template_messages
 from serving.frontends.prompts import ModelText
-from serving.frontends import tools
 from serving.frontends.schemas import CHAT, COMPLETION, ChatRequest, CompletionRequest, NamedToolChoice, OpenAIRequest
 from serving.frontends.tools import ToolPlan
 from serving.params import Limits, check_sequences, sampling_params

@@ -6,9 +6,10 @@ Design note: a thin translation onto ``GenerationRequest``; the body is a ``sche
 expect TGI's status codes and error types, so this module has its own mapping table: validation errors
 are 422 ``"validation"``, a full queue is 429 ``"overloaded"``, model failures are ``"generation"``; the
 body keeps the server-wide ``{"error", "error_type", "request_id"}`` shape (which is TGI's own shape plus
-the request id). ``null`` parameters mean "default", as in TGI. Parameters TGI has but rollserve cannot
-honour (``grammar``, ``adapter_id``, ``watermark``, ``typical_p``, ``best_of`` > 1, ``frequency_penalty``) are
-refused at any non-neutral value. Streaming needs a rolling-batch model (422 naming ``option.rolling_batch``).
+the request id). ``null`` parameters mean "default", as in TGI; ``grammar`` constrains the answer
+(``serving.structured``). Parameters TGI has but rollserve cannot honour (``adapter_id``, ``watermark``,
+``typical_p``, ``best_of`` > 1, ``frequency_penalty``) are refused at any non-neutral value. Streaming needs a
+rolling-batch model (422 naming ``option.rolling_batch``).
 """
 
 from __future__ import annotations

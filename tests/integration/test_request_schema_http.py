@@ -110,9 +110,9 @@ def cross_field_rules(route: Route, body: dict[str, Any]) -> dict[str, Any]:
     # a constraint's content is a schema, pattern or grammar, and tools depend on the model's options: their own
     # tests send them (tests/integration/test_structured_http.py)
     params = body.get("parameters")
-    for fields in (body, params if isinstance(params, dict) else {}):
+    for level in (body, params if isinstance(params, dict) else {}):
         for name in CONSTRAINT_FIELDS:
-            fields.pop(name, None)
+            level.pop(name, None)
     if route.schema == "LmiRequest" and body.get("stream") and isinstance(body.get("inputs"), list):
         body["inputs"] = body["inputs"][0]  # "stream: a token stream ... of a single prompt"
     return body

@@ -20,11 +20,12 @@ import pytest
 
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as pb_grpc
+from serving.frontends.tools import parse
 from tests.integration.harness import ServerProcess
 from tests.real_model import smollm2_folder
 
 ROLLING = {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "16", "option.max_model_len": "2048",
-           "option.kv_cache_populate": "lazy"}
+           "option.kv_cache_populate": "lazy", "option.enable_auto_tool_choice": "true"}
 DYNAMIC = {"option.max_model_len": "2048", "batch_size": "4", "max_batch_delay": "50"}
 CITY = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30},
@@ -149,9 +150,9 @@ def test_lmi_tgi_and_grpc_constraints(server: ServerProcess) -> None:
     assert r.status_code == 200 and re.fullmatch(r"19[0-9]{2}", r.json()["generated_text"]), r.text
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        reply = stub.Generate(pb.GenerateRequest(model="smollm2", prompt="Pick a season:", parameters=pb.SamplingParameters(
-            max_new_tokens=8, guided_choice=["spring", "summer", "autumn", "winter"])),
-            metadata=server.grpc_inference_metadata, timeout=300)
+        seasons = pb.SamplingParameters(max_new_tokens=8, guided_choice=["spring", "summer", "autumn", "winter"])
+        reply = stub.Generate(pb.GenerateRequest(model="smollm2", prompt="Pick a season:", parameters=seasons),
+                              metadata=server.grpc_inference_metadata, timeout=300)
         assert reply.text in ("spring", "summer", "autumn", "winter")
         with pytest.raises(grpc.RpcError) as err:
             stub.Generate(pb.GenerateRequest(model="smollm2", prompt="x", parameters=pb.SamplingParameters(
@@ -192,6 +193,18 @@ def test_forced_tool_calls_validate_streamed_and_not(client: openai.OpenAI, choi
         assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
         assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
             (t.function.name, t.function.arguments) for t in message.tool_calls]  # greedy: the same calls
+
+
+def test_auto_answers_are_the_parsed_free_answer(client: openai.OpenAI) -> None:
+    """tool_choice auto is the free answer (tool_choice none renders the same prompt) read by the hermes parser."""
+    for question in ASKS:
+        free = ask(client, question, max_tokens=80, tools=[WEATHER, FLIGHT], tool_choice="none").choices[0]
+        auto = ask(client, question, max_tokens=80, tools=[WEATHER, FLIGHT], tool_choice="auto").choices[0]
+        content, calls = parse(free.message.content, "hermes")
+        assert [(c.function.name, c.function.arguments) for c in auto.message.tool_calls or ()] == [
+            (c["name"], c["arguments"]) for c in calls]
+        assert (auto.message.content or "").strip() == (content or "").strip()
+        assert auto.finish_reason == ("tool_calls" if calls else free.finish_reason)
 
 
 def test_tool_history_reaches_the_template(client: openai.OpenAI, tmp_path: Path) -> None:

@@ -92,9 +92,9 @@ def cross_field_rules(body: dict[str, Any]) -> dict[str, Any]:
     # A constraint's content is a schema, a pattern or a grammar (llguidance checks it, tests/unit/test_structured.py
     # covers it), and tool_choice depends on the tools and the model's options (tests/unit/test_tools.py).
     params = body.get("parameters")
-    for fields in (body, params if isinstance(params, dict) else {}):
+    for level in (body, params if isinstance(params, dict) else {}):
         for name in (*CONSTRAINT_FIELDS, "tools", "tool_choice"):
-            fields.pop(name, None)
+            level.pop(name, None)
     return body
 
 
@@ -212,10 +212,11 @@ MESSAGES: list[tuple[Any, Any, str]] = [
     (CHAT, {"messages": [{"role": "user", "content": 3}]},
      "'messages[0].content' must be a string or a list of objects, got an integer"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, "missing field 'tools[0].function'"),
-    (CHAT, {"messages": MSG, "tool_choice": "sometimes"}, "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
-     "{\"name\": ...}}, got 'sometimes'"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, "'response_format.type' must be one of 'text', 'json_object', 'json_schema', 'json' or 'regex', got "
-     "'xml'"),
+    (CHAT, {"messages": MSG, "tool_choice": "sometimes"},
+     "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, "
+     "got 'sometimes'"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}},
+     "'response_format.type' must be one of 'text', 'json_object', 'json_schema', 'json' or 'regex', got 'xml'"),
 ]
 
 

@@ -96,14 +96,16 @@ def test_every_api_spelling_gives_the_same_grammar() -> None:
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"guided_json": SCHEMA, "guided_regex": "a"}, "only one constraint per request: got 'guided_json', 'guided_regex'"),
+    ({"guided_json": SCHEMA, "guided_regex": "a"},
+     "only one constraint per request: got 'guided_json', 'guided_regex'"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"},
      "only one constraint per request: got 'response_format', 'guided_*'"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}},
      "only one constraint per request: got structured_outputs.regex, structured_outputs.choice"),
     ({"structured_outputs": {"pattern": "a"}}, "'structured_outputs' has unknown fields ['pattern']"),
     ({"response_format": {"type": "json_schema"}}, "'response_format.json_schema' must be an object"),
-    ({"response_format": {"type": "regex"}}, "'response_format.value' must be a non-empty string (a regular expression)"),
+    ({"response_format": {"type": "regex"}},
+     "'response_format.value' must be a non-empty string (a regular expression)"),
     ({"guided_json": {"type": "objec"}}, "'guided_json' cannot be used as a constraint"),
 ])
 def test_conflicting_or_bad_fields_are_a_400(fields: dict[str, Any], message: str) -> None:

@@ -159,7 +159,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_auto_parsers_read_each_format_and_leave_the_rest_as_content(
         parser: str, text: str, content: str | None, calls: list[tuple[str, str]]) -> None:
     parsed_content, parsed = parse(text, parser)

@@ -47,6 +47,7 @@ from serving.params import Limits
 from serving.registry import ModelRegistry
 
 log = logging.getLogger("serving.server")
+KEEP_ALIVE_S = 75  # idle keep-alive connections are closed after this (see _serve_http)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -168,8 +169,12 @@ class Server:
     async def _serve_http(self, app: Any, sock: socket.socket) -> None:
         # h11 on purpose: its incomplete-event limit bounds a request's head (httptools, uvicorn's "auto" pick
         # when installed, accepted a 4 MB header here); the default asyncio loop (grpc.aio shares it).
+        # keep-alive longer than client pools keep idle connections (httpx and the openai SDK 5 s, aiohttp 15 s) and
+        # than load balancers' idle timeouts (60 s): the client closes an idle connection first, so it never sends a
+        # request on one the server is closing (uvicorn's 5 s default races httpx's 5 s: "Server disconnected").
         cfg = uvicorn.Config(app, http="h11", lifespan="off", log_config=None, access_log=False,
-                             timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024)
+                             timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024,
+                             timeout_keep_alive=KEEP_ALIVE_S)
         server = _Uvicorn(cfg)
         self._servers.append(server)
         await server.serve(sockets=[sock])

@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 from handlers.base import Context, Handler, Input, Output
 from handlers.engine.cpu import auto_threads, keep_freed_memory
 from handlers.engine.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
-from handlers.validation import check_length, check_prompt_ids, check_sampling
+from handlers.engine.sampling import OutputPenalties
+from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
 from serving.errors import InvalidRequest, ServingError
 from serving.options import option_value
 from serving.types import FinishReason, SamplingParams, TokenInfo
@@ -50,9 +51,10 @@ def _group_key(p: SamplingParams, index: int) -> Hashable:
     """Parameters that shape one ``generate`` call; sampling-only ones are dropped for greedy requests.
     A seeded sampling request runs alone (keyed by its position ``index``): batch-mates would draw from its
     seeded generator, and a seed promises the answer the request gets alone."""
-    sampling = None if p.greedy else (p.temperature, p.top_k, p.top_p, p.seed)
+    sampling = None if p.greedy else (p.temperature, p.top_k, p.top_p, p.seed, p.min_p, p.typical_p)
     alone = index if sampling is not None and p.seed is not None else None
-    return (sampling, alone, p.repetition_penalty, p.stop, p.stop_token_ids, p.ignore_eos)
+    return (sampling, alone, p.repetition_penalty, p.stop, p.stop_token_ids, p.ignore_eos, p.presence_penalty,
+            p.frequency_penalty, p.logit_bias, p.min_tokens)
 
 
 class HuggingFaceHandler(Handler):
@@ -165,6 +167,7 @@ class HuggingFaceHandler(Handler):
         else:
             ids = list(self.tokenizer(request.prompt)["input_ids"])
         check_prompt_ids(ids, self.vocab_size)
+        check_token_ids(request.params, self.vocab_size)
         check_length(len(ids), request.params.max_new_tokens, self.max_model_len)
         return ids
 
@@ -184,10 +187,10 @@ class HuggingFaceHandler(Handler):
         p = items[0].request.params  # shaping parameters are the same for the whole group
         input_ids, attention_mask = self._left_pad([i.prompt_ids for i in items])
         want_logits = any(i.request.params.details or i.request.params.logprobs > 0 for i in items)
-        kwargs = self._generate_kwargs(p, max(i.request.params.max_new_tokens for i in items))
+        kwargs = self._generate_kwargs(p, max(i.request.params.max_new_tokens for i in items), input_ids.shape[1])
         if any(i.matcher is not None for i in items) and self._grammars is not None:
-            kwargs["logits_processor"] = LogitsProcessorList([GrammarLogitsProcessor(
-                self._grammars.executor, [i.matcher for i in items], int(self.model.config.vocab_size))])
+            kwargs.setdefault("logits_processor", LogitsProcessorList()).append(GrammarLogitsProcessor(
+                self._grammars.executor, [i.matcher for i in items], int(self.model.config.vocab_size)))
         if not p.greedy and p.seed is not None:
             torch.manual_seed(p.seed)
         with torch.inference_mode():
@@ -200,7 +203,7 @@ class HuggingFaceHandler(Handler):
             results.append(self._finish(item, new_ids[row], logits))
         return results
 
-    def _generate_kwargs(self, p: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    def _generate_kwargs(self, p: SamplingParams, max_new_tokens: int, prompt_width: int = 0) -> dict[str, Any]:
         stop_ids = set(p.stop_token_ids)
         # ignore_eos as vLLM: EOS may be generated and does not end the row (stop token ids still do).
         ends = stop_ids if p.ignore_eos else self.eos_token_ids | stop_ids
@@ -212,7 +215,15 @@ class HuggingFaceHandler(Handler):
         if p.greedy:
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         else:
-            kwargs.update(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+            kwargs.update(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                          min_p=p.min_p or None, typical_p=p.typical_p)
+        if p.logit_bias:
+            kwargs["sequence_bias"] = {(t,): b for t, b in p.logit_bias}
+        if p.min_tokens:
+            kwargs["min_new_tokens"] = p.min_tokens  # EOS and stop token ids held back until then
+        if p.presence_penalty or p.frequency_penalty:  # the generated tokens begin after the (padded) prompt
+            kwargs["logits_processor"] = LogitsProcessorList([OutputPenalties(
+                prompt_width, p.presence_penalty, p.frequency_penalty)])
         if p.stop:
             kwargs.update(stop_strings=list(p.stop), tokenizer=self.tokenizer)
         return kwargs

@@ -14,7 +14,7 @@ from typing import Any
 
 from handlers.base import Context, Input, RollingHandler
 from handlers.engine.engine import LLMEngine
-from handlers.validation import check_prompt_ids, check_sampling, check_stop_token_ids
+from handlers.validation import check_prompt_ids, check_sampling, check_token_ids
 from serving.types import TokenDelta
 
 
@@ -42,7 +42,7 @@ class HuggingFaceRollingHandler(RollingHandler):
         """Check, tokenize (unless token ids were given) and queue. Raises ``InvalidRequest`` for bad sampling
         values, an empty prompt, token ids outside the vocabulary, or a prompt that can never fit."""
         check_sampling(request.params)
-        check_stop_token_ids(request.params.stop_token_ids, self.vocab_size)
+        check_token_ids(request.params, self.vocab_size)
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         else:

@@ -30,6 +30,13 @@ def check_sampling(params: SamplingParams) -> None:
         raise InvalidRequest(f"logprobs must be >= 0, got {params.logprobs}")
     if any(not s for s in params.stop):
         raise InvalidRequest("stop sequences must be non-empty strings")
+    if not (-2 <= params.presence_penalty <= 2 and -2 <= params.frequency_penalty <= 2):
+        raise InvalidRequest("presence_penalty and frequency_penalty must be in [-2, 2]")
+    if not 0 <= params.min_p <= 1 or not 0 < params.typical_p <= 1:
+        raise InvalidRequest(f"min_p must be in [0, 1] and typical_p in (0, 1], got {params.min_p}, {params.typical_p}")
+    if params.min_tokens < 0 or params.min_tokens > params.max_new_tokens:
+        raise InvalidRequest(f"min_tokens must be in [0, max_new_tokens={params.max_new_tokens}], got "
+                             f"{params.min_tokens}")
 
 
 def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
@@ -56,3 +63,11 @@ def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> None
     bad = [t for t in stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequest(f"stop_token_ids entry {bad[0]} is outside the vocabulary (size {vocab_size})")
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Reject stop token ids or logit_bias keys outside the vocabulary. Raises ``InvalidRequest``."""
+    check_stop_token_ids(params.stop_token_ids, vocab_size)
+    bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"logit_bias key {bad[0]} is outside the vocabulary (size {vocab_size})")

@@ -66,6 +66,13 @@ Stop = Annotated[StopText | Annotated[list[StopText], Cap("max_stop_sequences")]
 StopTokenIds = Annotated[list[TokenId], Cap("max_stop_token_ids"), Field(
     description="token ids that end generation (ids of the model's vocabulary)")]
 Logprobs = Annotated[int, Field(ge=0), Cap("max_logprobs"), INTEGER]
+Penalty = Annotated[float, Field(ge=-2, le=2, description="vLLM's: subtracted from a token's logit once it has been "
+                                 "generated (presence) or once per time it was (frequency); 0 = off")]
+MinP = Annotated[float, Field(ge=0, le=1, description="drop tokens less likely than min_p x the likeliest (0 = off)")]
+TypicalP = Annotated[float, Field(gt=0, le=1, description="typical sampling's mass (1 = off)")]
+MinTokens = Annotated[int, Field(ge=0), Cap("max_new_tokens"), INTEGER]
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(
+    max_length=1024, description="token id (a string of digits) -> a bias of -100..100 added to its logit")]
 
 
 class Grammar(StrictModel):
@@ -104,10 +111,13 @@ class LmiParameters(StrictModel):
     truncate: Annotated[int, Field(ge=1, le=MAX_TOKEN_ID), INTEGER] | None = Field(
         None, description="TGI routes: keep only the last N prompt tokens; accepted and ignored by the LMI routes")
     watermark: Annotated[bool, Only((False,), "is not supported: only false or null is accepted")] | None = None
-    typical_p: Annotated[float, Only((1.0,), "is not supported: only 1.0 or null is accepted")] | None = None
+    typical_p: TypicalP | None = None
     best_of: Annotated[int, Only((1,), "is not supported: only 1 or null is accepted"), INTEGER] | None = None
-    frequency_penalty: Annotated[float, Only((0.0,), "is not supported (use repetition_penalty): only 0 or null "
-                                             "is accepted")] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    min_p: MinP | None = None
+    min_tokens: MinTokens | None = Field(None, description="no end-of-sequence or stop token before this many tokens")
+    logit_bias: LogitBias | None = None
     grammar: Grammar | None = Field(None, description="TGI's constraint: {\"type\": \"json\", \"value\": SCHEMA} or "
                                     "{\"type\": \"regex\", \"value\": PATTERN}")
     guided_json: dict[str, Any] | str | None = Field(None, description="the answer is JSON valid under this schema")
@@ -141,7 +151,19 @@ def sampling_params(values: Mapping[str, Any], limits: Limits) -> SamplingParams
         kw["temperature"] = MIN_TEMPERATURE
     if kw.get("top_k") == -1:
         kw["top_k"] = 0
+    if "logit_bias" in kw:
+        kw["logit_bias"] = logit_bias(kw["logit_bias"])
     return SamplingParams(**kw)
+
+
+def logit_bias(biases: Mapping[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as strings of digits) -> sorted (id, bias) pairs."""
+    out = []
+    for key, bias in biases.items():
+        if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+            raise InvalidRequest(f"'logit_bias' keys must be token ids (strings of digits), got {key!r}")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
 
 
 def lmi_sampling_params(p: LmiParameters, limits: Limits) -> SamplingParams:
@@ -152,6 +174,8 @@ def lmi_sampling_params(p: LmiParameters, limits: Limits) -> SamplingParams:
         "stop": (p.stop, p.stop_sequences), "stop_token_ids": p.stop_token_ids,
         "ignore_eos": p.ignore_eos if p.ignore_eos is not None else p.ignore_eos_token, "details": p.details,
         "return_full_text": p.return_full_text, "logprobs": p.logprobs if p.logprobs is not None else p.top_n_tokens,
+        "typical_p": p.typical_p, "frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty,
+        "min_p": p.min_p, "min_tokens": p.min_tokens, "logit_bias": p.logit_bias,
         "grammar": structured.one_of(
             ("grammar", structured.from_response_format(p.grammar.model_dump(), "grammar")
              if p.grammar is not None else None),

@@ -50,6 +50,14 @@ class SamplingParams:
     return_full_text: bool = False
     logprobs: int = 0  # number of top logprobs per token to return; 0 = only the chosen token's when asked
     grammar: str | None = None  # structured output: llguidance's serialized grammar (serving.structured)
+    # vLLM's definitions: penalties on the generated tokens' counts, min_p relative to the top probability,
+    # typical_p (transformers'), additive logit biases by token id, no EOS / stop token before min_tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -59,6 +67,7 @@ class SamplingParams:
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(b) for b in self.logit_bias]
         return d
 
     @classmethod
@@ -69,6 +78,8 @@ class SamplingParams:
             kw["stop"] = tuple(kw["stop"])
         if "stop_token_ids" in kw:
             kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
+        if "logit_bias" in kw:
+            kw["logit_bias"] = tuple((int(t), float(b)) for t, b in kw["logit_bias"])
         return cls(**kw)
 
 

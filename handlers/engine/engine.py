@@ -191,7 +191,8 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in the engine")
         self.scheduler.check(seq)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        sampler = RequestSampler(params, self._seed_source)
+        sampler = RequestSampler(params, self._seed_source, seq.num_prompt_tokens,
+                                 eos | frozenset(params.stop_token_ids))
         drafter = None
         if self.scheduler.drafter is not None and sampler.plain_greedy and params.grammar is None:
             drafter = NgramDrafter(self.config.prompt_lookup_min, self.config.prompt_lookup_max)

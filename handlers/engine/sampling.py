@@ -1,9 +1,10 @@
 """Choosing the next token of each sequence from its logits.
 
-Design note: per-request behaviour goes through transformers' logits processors and warpers
-(repetition penalty, temperature, top-k, top-p) and a per-request ``torch.Generator`` (seeded from the
-request's ``seed``, else from the engine's seed source), so a seeded request samples the same tokens no
-matter what it is batched with. Plain greedy rows skip all of that: one ``argmax`` for the whole group.
+Design note: per-request behaviour goes through logits processors, which act on greedy rows too (logit bias,
+min_tokens, presence/frequency penalties, transformers' repetition penalty), then warpers, which only shape
+sampling (temperature, min_p, typical_p, top-k, top-p, in vLLM's order), and a per-request ``torch.Generator``
+(seeded from the request's ``seed``, else from the engine's seed source), so a seeded request samples the same
+tokens no matter what it is batched with. Plain greedy rows skip all of that: one ``argmax`` for the whole group.
 On a GPU the greedy argmax runs on the device; the rows that sample or report log-probabilities are copied
 to the host in one transfer and go through the same CPU code (so a seeded request draws the same tokens on
 any device, from its CPU generator). The constrained rows (structured output) get their grammars' masks of
@@ -20,10 +21,12 @@ from dataclasses import dataclass
 import torch
 from transformers import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 from serving.types import SamplingParams
@@ -41,11 +44,20 @@ class SampledToken:
 class RequestSampler:
     """Sampling state of one request: its processors and its random generator."""
 
-    def __init__(self, params: SamplingParams, seed_source: random.Random) -> None:
+    def __init__(self, params: SamplingParams, seed_source: random.Random, prompt_len: int = 0,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
+        """``prompt_len``: where the generated tokens begin (penalties count those); ``stop_ids``: the tokens
+        ``min_tokens`` holds back (EOS and stop token ids)."""
         self.params = params
         self.greedy = params.greedy
         self.wants_logprobs = params.details or params.logprobs > 0
         self.processors = LogitsProcessorList()
+        if params.logit_bias:
+            self.processors.append(LogitBias(params.logit_bias))
+        if params.min_tokens > 0 and stop_ids:
+            self.processors.append(MinTokens(prompt_len, params.min_tokens, stop_ids))
+        if params.presence_penalty or params.frequency_penalty:
+            self.processors.append(OutputPenalties(prompt_len, params.presence_penalty, params.frequency_penalty))
         if params.repetition_penalty != 1.0:
             self.processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
         self.warpers = LogitsProcessorList()
@@ -53,6 +65,10 @@ class RequestSampler:
         if not self.greedy:
             if params.temperature != 1.0:
                 self.warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.min_p > 0:
+                self.warpers.append(MinPLogitsWarper(params.min_p))
+            if params.typical_p < 1.0:
+                self.warpers.append(TypicalLogitsWarper(params.typical_p))
             if params.top_k > 0:
                 self.warpers.append(TopKLogitsWarper(params.top_k))
             if params.top_p < 1.0:
@@ -80,6 +96,52 @@ class RequestSampler:
             # the softmax to NaN: take their limit, the greedy choice, instead of failing the whole step.
             return int(torch.nan_to_num(scores, nan=float("-inf")).argmax(-1))
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class LogitBias:
+    """OpenAI's ``logit_bias``: a bias added to each listed token's logit (ids past the vocabulary ignored)."""
+
+    def __init__(self, biases: Seq[tuple[int, float]]) -> None:
+        self.ids = torch.tensor([t for t, _ in biases], dtype=torch.long)
+        self.values = torch.tensor([b for _, b in biases])
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        inside = self.ids < scores.shape[-1]
+        scores[:, self.ids[inside].to(scores.device)] += self.values[inside].to(scores.device, scores.dtype)
+        return scores
+
+
+class MinTokens:
+    """vLLM's ``min_tokens``: no EOS or stop token id until that many tokens were generated."""
+
+    def __init__(self, prompt_len: int, min_tokens: int, stop_ids: frozenset[int]) -> None:
+        self.prompt_len = prompt_len
+        self.min_tokens = min_tokens
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[-1] - self.prompt_len < self.min_tokens:
+            ids = self.stop_ids[self.stop_ids < scores.shape[-1]].to(scores.device)
+            scores[:, ids] = float("-inf")
+        return scores
+
+
+class OutputPenalties:
+    """vLLM's presence and frequency penalties: over the generated tokens only, ``presence`` subtracted once from
+    each token that occurred, ``frequency`` once per occurrence."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len = prompt_len
+        self.presence = presence
+        self.frequency = frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = input_ids[:, self.prompt_len:]
+        if out.numel() == 0:
+            return scores
+        out = out.to(scores.device)
+        counts = torch.zeros_like(scores).scatter_add_(-1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
 def sample_batch(logits: torch.Tensor, token_ids: Seq[Seq[int]], samplers: Seq[RequestSampler],

@@ -43,7 +43,8 @@ FINISH_REASON = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.EOS:
                  FinishReason.STOP: pb.FINISH_REASON_STOP_SEQUENCE, FinishReason.ABORT: pb.FINISH_REASON_ABORT,
                  FinishReason.ERROR: pb.FINISH_REASON_ERROR}
 _OPTIONAL_PARAMS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
-                    "ignore_eos", "logprobs", "guided_json", "guided_regex", "guided_grammar")
+                    "ignore_eos", "logprobs", "guided_json", "guided_regex", "guided_grammar", "presence_penalty",
+                    "frequency_penalty", "min_p", "typical_p", "min_tokens")
 
 
 def sampling_values(params: Any) -> dict[str, Any]:
@@ -55,6 +56,8 @@ def sampling_values(params: Any) -> dict[str, Any]:
         values["stop_token_ids"] = list(params.stop_token_ids)
     if params.guided_choice:
         values["guided_choice"] = list(params.guided_choice)
+    if params.logit_bias:
+        values["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
     return values
 
 

@@ -3,10 +3,10 @@
 Design note: the bodies are validated by the route's model (``schemas.CompletionRequest``,
 ``schemas.ChatRequest``), the same definition ``/openapi.json`` documents: every field the route understands
 is there, an unknown field is a 400 naming it (``option.strict_parameters=false`` on a model relaxes that),
-OpenAI fields we cannot honour are accepted only at their neutral value (``presence_penalty: 0``,
-``logit_bias: {}``, ``min_p: 0``, ...) and refused with a message saying so otherwise: never silently
-ignored. The sampling fields share their types with LMI's parameters, so OpenAI, LMI and TGI give the same
-message for the same bad value. This module adds what a schema cannot say (see ``schemas``' design note).
+OpenAI fields we cannot honour are accepted only at their neutral value (``suffix: ""``, ``best_of`` = ``n``)
+and refused with a message saying so otherwise: never silently ignored. The sampling fields share their types
+with LMI's parameters, so OpenAI, LMI and TGI give the same message for the same bad value. This module adds
+what a schema cannot say (see ``schemas``' design note).
 A constraint (``response_format``, vLLM's guided fields) becomes the request's grammar (``serving.structured``);
 ``tools`` and ``tool_choice`` become a ``ToolPlan`` (``serving.frontends.tools``) the answer is read with.
 """
@@ -67,6 +67,8 @@ def sampling(body: OpenAIRequest, max_new_tokens: int | None, logprobs: int | No
         "max_new_tokens": max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
         "stop": (body.stop,), "ignore_eos": body.ignore_eos, "top_k": body.top_k,
         "repetition_penalty": body.repetition_penalty, "stop_token_ids": body.stop_token_ids,
+        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty, "min_p": body.min_p,
+        "min_tokens": body.min_tokens, "logit_bias": body.logit_bias,
         "grammar": structured.one_of(("tool_choice", tool_grammar), ("response_format", constraint(body)))}, limits)
     params = replace(params, do_sample=params.temperature != 0.0)
     if logprobs is not None:

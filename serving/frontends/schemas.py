@@ -17,8 +17,12 @@ from pydantic import ConfigDict, Field
 
 from serving.params import (
     LmiParameters,
+    LogitBias,
     Logprobs,
     MaxNewTokens,
+    MinP,
+    MinTokens,
+    Penalty,
     RepetitionPenalty,
     Seed,
     Stop,
@@ -28,7 +32,7 @@ from serving.params import (
     TopK,
     TopP,
 )
-from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, Empty, Only, RequestSchema, StrictModel
+from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, Only, RequestSchema, StrictModel
 
 MAX_PROMPTS = 256  # entries of a list of prompts (/v1/completions)
 MAX_MESSAGES = 4096
@@ -73,9 +77,6 @@ class StreamOptions(StrictModel):
                                                 "chunk only)")
 
 
-NOT_SUPPORTED_PENALTY = "is not supported (use repetition_penalty): only 0 or null is accepted"
-
-
 class ResponseFormat(OpenModel):
     """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}``,
     or TGI's ``{"type": "json" | "regex", "value": ...}``."""
@@ -101,17 +102,15 @@ class OpenAIRequest(StrictModel):
     stop: Stop | None = None
     seed: Seed | None = Field(None, description="reproducible sampling; choice j of n uses seed + j")
     user: Annotated[str, Field(max_length=256), TEXT] | None = Field(None, description="an end-user id (ignored)")
-    presence_penalty: Annotated[float, Only((0.0,), NOT_SUPPORTED_PENALTY)] | None = Field(
-        None, description="not supported: only 0 or null")
-    frequency_penalty: Annotated[float, Only((0.0,), NOT_SUPPORTED_PENALTY)] | None = Field(
-        None, description="not supported: only 0 or null")
-    logit_bias: Annotated[dict[str, Any], Empty("is not supported: only {} or null is accepted")] | None = Field(
-        None, description="not supported: only {} or null")
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
     ignore_eos: bool | None = Field(None, description="vLLM's: keep generating after the end-of-sequence token")
     top_k: TopK | None = None
     repetition_penalty: RepetitionPenalty | None = None
-    min_p: Annotated[float, Only((0.0,), "is not supported by this server's samplers: only 0 or null is "
-                                 "accepted")] | None = Field(None, description="vLLM's; not supported: only 0 or null")
+    min_p: MinP | None = None
+    min_tokens: MinTokens | None = Field(None, description="vLLM's: no end-of-sequence or stop token before this "
+                                         "many tokens")
     stop_token_ids: StopTokenIds | None = None
     response_format: ResponseFormat | None = Field(None, description="structured output: json_object, json_schema "
                                                    "(OpenAI) or TGI's json / regex")

@@ -144,8 +144,8 @@ def test_sdk_errors(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="echo", messages=MSGS)  # type: ignore[arg-type]
     assert "chat template" in str(e3.value.body)
     with pytest.raises(openai.BadRequestError) as e4:
-        client.completions.create(model="tiny", prompt="x", extra_body={"min_p": 0.1})
-    assert "min_p" in str(e4.value.body)
+        client.completions.create(model="tiny", prompt="x", extra_body={"min_p": 1.5})
+    assert "'min_p' must be >= 0 and <= 1, got 1.5" in str(e4.value.body)
     # the vLLM extensions are accepted at their neutral values
     c = client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0,
                                   extra_body={"min_p": 0, "top_k": -1, "repetition_penalty": 1.0,

@@ -92,7 +92,9 @@ def fields_of(doc: Document, node: Any) -> set[str]:
 
 
 CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs", "grammar", "tools", "tool_choice")
+                     "structured_outputs", "grammar", "tools", "tool_choice",
+                     # token ids of the model's vocabulary; at most max_tokens (test_structured_http.py)
+                     "logit_bias", "min_tokens")
 
 
 def cross_field_rules(route: Route, body: dict[str, Any]) -> dict[str, Any]:

@@ -217,3 +217,36 @@ def test_tool_history_reaches_the_template(client: openai.OpenAI, tmp_path: Path
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 31, "sky": "sunny"}'}])
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
     assert r.usage.prompt_tokens > 200  # the tools' system prompt and the history were rendered
+
+
+def test_the_sampling_set_means_the_same_on_every_api(server: ServerProcess, client: openai.OpenAI) -> None:
+    """logit_bias, the penalties and min_tokens through LMI, TGI, OpenAI and typed gRPC: one answer for one set."""
+    headers, prompt = server.inference_headers, "Write the word hello five times:"
+
+    def lmi(**params: Any) -> tuple[str, list[int]]:
+        r = httpx.post(f"{server.url}/predictions/smollm2", headers=headers, timeout=300, json={
+            "inputs": prompt, "parameters": {"max_new_tokens": 12, "ignore_eos": True, "details": True, **params}})
+        assert r.status_code == 200, r.text
+        return r.json()["generated_text"], [t["id"] for t in r.json()["details"]["tokens"]]
+
+    plain_text, plain = lmi()
+    banned = plain[1]
+    sets: list[dict[str, Any]] = [{"logit_bias": {str(banned): -100}}, {"frequency_penalty": 1.5},
+                                  {"presence_penalty": 2.0, "min_tokens": 5}]
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for params in sets:
+            text, ids = lmi(**params)
+            assert text != plain_text, params
+            assert "logit_bias" not in params or banned not in ids
+            tgi = httpx.post(f"{server.url}/generate?model_name=smollm2", headers=headers, timeout=300, json={
+                "inputs": prompt, "parameters": {"max_new_tokens": 12, "ignore_eos": True, **params}})
+            assert tgi.status_code == 200 and tgi.json()["generated_text"] == text, tgi.text
+            oai = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True, **params})
+            assert oai.choices[0].text == text
+            grpc_params = {**params, "logit_bias": {int(k): float(v) for k, v in params.get("logit_bias", {}).items()}}
+            message = pb.SamplingParameters(max_new_tokens=12, ignore_eos=True, **grpc_params)
+            reply = stub.Generate(pb.GenerateRequest(model="smollm2", prompt=prompt, parameters=message),
+                                  metadata=server.grpc_inference_metadata, timeout=300)
+            assert reply.text == text and [t.id for t in reply.tokens] == ids

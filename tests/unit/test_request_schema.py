@@ -99,7 +99,9 @@ def cross_field_rules(body: dict[str, Any]) -> dict[str, Any]:
 
 
 CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs", "grammar")
+                     "structured_outputs", "grammar",
+                     # token ids of the model's vocabulary; at most max_tokens (tests/engine/test_sampling_set.py)
+                     "logit_bias", "min_tokens")
 
 
 # --- the decisions the issue names ---------------------------------------------------------------------
@@ -196,10 +198,9 @@ MESSAGES: list[tuple[Any, Any, str]] = [
     (COMPLETION, {"prompt": [[1], []]}, "'prompt[1]' must not be empty"),
     (COMPLETION, {"prompt": ["a"] * 257}, "'prompt' has 257 entries; at most 256"),
     (COMPLETION, {"prompt": "x", "n": 9}, "'n' must be >= 1 and <= 8, got 9"),
-    (COMPLETION, {"prompt": "x", "presence_penalty": 0.5},
-     "'presence_penalty' is not supported (use repetition_penalty): only 0 or null is accepted, got 0.5"),
-    (COMPLETION, {"prompt": "x", "logit_bias": {"50256": -100}},
-     "'logit_bias' is not supported: only {} or null is accepted, got {'50256': -100}"),
+    (COMPLETION, {"prompt": "x", "presence_penalty": 2.5}, "'presence_penalty' must be >= -2 and <= 2, got 2.5"),
+    (COMPLETION, {"prompt": "x", "logit_bias": {"50256": -101}},
+     "'logit_bias.50256' must be >= -100, got -101"),
     (COMPLETION, {"prompt": "x", "stream_options": {"include_usage": True, "x": 1}},
      "unknown fields in 'stream_options': x"),
     (COMPLETION, {"prompt": "x", "user": "u" * 257}, "'user' has 257 characters; at most 256"),

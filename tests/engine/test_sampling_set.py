@@ -1,0 +1,129 @@
+"""The sampling set against vLLM's definitions, on fixed logits: each parameter computed here the plain way (a
+reference written from the definitions) and by the engine's sampler (``handlers.engine.sampling``), then end to end
+in the rolling engine and the dynamic handler on the real model."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from handlers.base import Context, Input
+from handlers.engine.engine import LLMEngine
+from handlers.engine.sampling import RequestSampler
+from handlers.huggingface import HuggingFaceHandler
+from serving.types import SamplingParams
+from tests.real_model import smollm2_folder
+
+V = 12
+LOGITS = torch.tensor([2.0, 1.5, 1.4, 0.3, -0.2, 3.1, 0.0, -1.0, 2.9, 0.8, 0.1, -3.0])
+PROMPT = [5, 5, 8, 1]  # the prompt's tokens: penalties never count them
+OUTPUT = [8, 8, 2, 8, 0]  # generated so far: token 8 three times, 2 and 0 once
+
+
+def reference(params: SamplingParams, prompt: list[int], output: list[int], stop_ids: set[int]) -> list[float]:
+    """The processed logits, element by element, as vLLM defines each parameter."""
+    out = LOGITS.tolist()
+    for t, b in params.logit_bias:
+        out[t] += b
+    if len(output) < params.min_tokens:
+        for t in stop_ids:
+            out[t] = -math.inf
+    for t in range(V):
+        n = output.count(t)
+        out[t] -= params.frequency_penalty * n + (params.presence_penalty if n else 0.0)
+    return out
+
+
+def processed(params: SamplingParams, stop_ids: frozenset[int] = frozenset()) -> list[float]:
+    sampler = RequestSampler(params, random.Random(0), len(PROMPT), stop_ids)
+    ids = torch.tensor([PROMPT + OUTPUT])
+    return sampler.processors(ids, LOGITS.clone().unsqueeze(0))[0].tolist()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(presence_penalty=1.5), SamplingParams(frequency_penalty=0.7),
+    SamplingParams(presence_penalty=-0.5, frequency_penalty=-1.2),
+    SamplingParams(logit_bias=((3, 4.0), (5, -100.0))), SamplingParams(min_tokens=6),
+    SamplingParams(min_tokens=5), SamplingParams(min_tokens=9, frequency_penalty=0.4, logit_bias=((11, 7.0),)),
+], ids=["presence", "frequency", "negative", "logit_bias", "min_tokens-held", "min_tokens-reached", "together"])
+def test_processors_equal_the_definitions(params: SamplingParams) -> None:
+    stop = {5, 2}
+    want = reference(params, PROMPT, OUTPUT, stop)
+    got = processed(params, frozenset(stop))
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-6)  # float32 against Python floats
+    sampler = RequestSampler(params, random.Random(0), len(PROMPT), frozenset(stop))
+    assert sampler.choose(LOGITS.clone(), PROMPT + OUTPUT) == max(range(V), key=lambda t: want[t])  # greedy
+
+
+def test_min_p_keeps_the_tokens_within_min_p_of_the_likeliest() -> None:
+    for min_p, temperature in ((0.2, 1.0), (0.5, 0.7), (0.05, 1.3)):
+        sampler = RequestSampler(SamplingParams(do_sample=True, min_p=min_p, temperature=temperature),
+                                 random.Random(0))
+        warped = sampler.warpers(None, LOGITS.clone().unsqueeze(0))[0]
+        probs = torch.softmax(LOGITS / temperature, -1)
+        kept = {t for t in range(V) if probs[t] >= min_p * probs.max()}
+        assert {t for t in range(V) if math.isfinite(warped[t])} == kept
+        draws = {sampler.choose(LOGITS.clone(), PROMPT) for _ in range(300)}
+        assert draws <= kept and len(draws) == len(kept)  # only kept tokens, each of them drawn
+
+
+def test_typical_p_keeps_the_typical_set() -> None:
+    mass = 0.6
+    sampler = RequestSampler(SamplingParams(do_sample=True, typical_p=mass), random.Random(0))
+    warped = sampler.warpers(None, LOGITS.clone().unsqueeze(0))[0]
+    logp = torch.log_softmax(LOGITS, -1)
+    entropy = -(logp.exp() * logp).sum()
+    order = sorted(range(V), key=lambda t: abs(-logp[t] - entropy).item())  # most typical first
+    kept, total = set(), 0.0
+    for t in order:  # the smallest typical set whose mass reaches typical_p (transformers' definition)
+        kept.add(t)
+        total += logp[t].exp().item()
+        if total >= mass:
+            break
+    assert {t for t in range(V) if math.isfinite(warped[t])} == kept
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    return smollm2_folder()
+
+
+def test_the_engine_and_the_dynamic_handler_apply_them(folder: Path) -> None:
+    engine = LLMEngine.from_options(folder, {"max_model_len": "512"})
+    handler = HuggingFaceHandler()
+    handler.initialize(Context("m", folder, {}))
+    prompt = "Write the word hello five times:"
+    ids = list(engine.tokenizer(prompt)["input_ids"])
+
+    def rolling(params: SamplingParams, prompt_ids: list[int] = ids) -> list[int]:
+        engine.add("r", prompt_ids, params)
+        got: list[int] = []
+        while engine.has_work():
+            got += [t.id for d in engine.step() for t in d.tokens]
+        return got
+
+    def dynamic(params: SamplingParams, text: str = prompt) -> list[int]:
+        return [t.id for t in handler.handle([Input("d", text, params)])[0].tokens]
+
+    plain = rolling(SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert len(set(plain)) < len(plain)  # the model repeats itself: penalties have something to act on
+    for params in (SamplingParams(max_new_tokens=12, ignore_eos=True, frequency_penalty=1.5),
+                   SamplingParams(max_new_tokens=12, ignore_eos=True, presence_penalty=2.0),
+                   SamplingParams(max_new_tokens=12, ignore_eos=True, logit_bias=((plain[1], -100.0),))):
+        got = rolling(params)
+        assert got != plain and got == dynamic(params), params
+        if params.logit_bias:
+            assert plain[1] not in got
+    # min_tokens holds EOS back: the answer to a short question goes on past its natural end
+    eos = sorted(engine.eos_token_ids)[0]
+    question = handler.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    question_ids = list(engine.tokenizer(question)["input_ids"])
+    short = rolling(SamplingParams(max_new_tokens=40), question_ids)
+    assert short[-1] == eos and len(short) < 30
+    longer = rolling(SamplingParams(max_new_tokens=40, min_tokens=30), question_ids)
+    assert len(longer) >= 30 and eos not in longer[:30]
+    assert dynamic(SamplingParams(max_new_tokens=40, min_tokens=30), question)[:30] == longer[:30]

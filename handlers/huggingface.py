@@ -249,15 +249,16 @@ class HuggingFaceHandler(Handler):
             if token in self.eos_token_ids and not p.ignore_eos:
                 finish, ids = FinishReason.EOS, ids[:k + 1]
                 break
-        texts = self._token_texts(ids)
+        skip = p.skip_special_tokens
+        texts = self._token_texts(ids, skip)
         # As vLLM (and the rolling engine): a stop token ends the text without adding its own.
         text_ids = ids[:-1] if finish is not FinishReason.LENGTH else ids
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
         stop_at = _find_stop(text, p.stop)
         if stop_at is not None:
             start, end = stop_at
             ids, texts = ids[:_tokens_covering(texts, end)], texts[:_tokens_covering(texts, end)]
-            finish, text = FinishReason.STOP, text[:start]
+            finish, text = FinishReason.STOP, text[:end] if p.include_stop_str_in_output else text[:start]
         tokens = tuple(TokenInfo(id=t, text=s, **self._logprobs(p, logits, k, t))
                        for k, (t, s) in enumerate(zip(ids, texts, strict=True)))
         if p.return_full_text:
@@ -266,13 +267,13 @@ class HuggingFaceHandler(Handler):
         return Output(request_id=item.request.request_id, text=text, finish_reason=finish, tokens=tokens,
                       prompt_tokens=len(item.prompt_ids))
 
-    def _token_texts(self, ids: list[int]) -> list[str]:
+    def _token_texts(self, ids: list[int], skip_special_tokens: bool = True) -> list[str]:
         """Text piece of each token; pieces concatenate to the decoded text. A token that ends inside a
         multi-byte character gets "" and its bytes appear with the token that completes the character."""
         texts: list[str] = []
         done = ""
         for k in range(len(ids)):
-            current = self.tokenizer.decode(ids[:k + 1], skip_special_tokens=True,
+            current = self.tokenizer.decode(ids[:k + 1], skip_special_tokens=skip_special_tokens,
                                             clean_up_tokenization_spaces=False)
             if (current.endswith("\ufffd") and k + 1 < len(ids)) or not current.startswith(done):
                 texts.append("")

@@ -118,6 +118,8 @@ class LmiParameters(StrictModel):
     min_p: MinP | None = None
     min_tokens: MinTokens | None = Field(None, description="no end-of-sequence or stop token before this many tokens")
     logit_bias: LogitBias | None = None
+    include_stop_str_in_output: bool | None = Field(None, description="keep the stop string that ended the answer")
+    skip_special_tokens: bool | None = Field(None, description="false: keep special tokens' text (default true)")
     grammar: Grammar | None = Field(None, description="TGI's constraint: {\"type\": \"json\", \"value\": SCHEMA} or "
                                     "{\"type\": \"regex\", \"value\": PATTERN}")
     guided_json: dict[str, Any] | str | None = Field(None, description="the answer is JSON valid under this schema")
@@ -176,6 +178,7 @@ def lmi_sampling_params(p: LmiParameters, limits: Limits) -> SamplingParams:
         "return_full_text": p.return_full_text, "logprobs": p.logprobs if p.logprobs is not None else p.top_n_tokens,
         "typical_p": p.typical_p, "frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty,
         "min_p": p.min_p, "min_tokens": p.min_tokens, "logit_bias": p.logit_bias,
+        "include_stop_str_in_output": p.include_stop_str_in_output, "skip_special_tokens": p.skip_special_tokens,
         "grammar": structured.one_of(
             ("grammar", structured.from_response_format(p.grammar.model_dump(), "grammar")
              if p.grammar is not None else None),

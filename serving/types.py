@@ -58,6 +58,8 @@ class SamplingParams:
     typical_p: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # vLLM's: the answer keeps the stop string that ended it
+    skip_special_tokens: bool = True  # False: special tokens' text (chat markers, tool-call tags) is kept
 
     @property
     def greedy(self) -> bool:

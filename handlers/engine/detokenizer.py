@@ -41,9 +41,11 @@ class IncrementalDetokenizer:
     """Per-request streaming decoder; runs on the engine thread."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
+        """``include_stop``: the stop string that ends the request is released with the text before it."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._include_stop = include_stop
         self._stop = tuple(s for s in stop if s)
         self._held = ""
         # Window: ids[:_read] decode to _prefix, text already accounted for (at first the prompt's, which is
@@ -106,10 +108,11 @@ class IncrementalDetokenizer:
         if not self._stop:
             return DetokenizedStep(piece, piece, False)
         text = self._held + piece
-        hit = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
-        if hit >= 0:
+        hits = [(i, s) for s in self._stop if (i := text.find(s)) >= 0]
+        if hits:
+            hit, stop = min(hits, key=lambda h: h[0])  # the earliest; of two at one place, the first listed
             self._held = ""
-            return DetokenizedStep(piece, text[:hit], True)
+            return DetokenizedStep(piece, text[:hit + len(stop)] if self._include_stop else text[:hit], True)
         keep = self._hold_length(text)
         self._held = text[len(text) - keep:] if keep else ""
         return DetokenizedStep(piece, text[:len(text) - keep], False)

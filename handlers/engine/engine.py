@@ -196,8 +196,9 @@ class LLMEngine:
         drafter = None
         if self.scheduler.drafter is not None and sampler.plain_greedy and params.grammar is None:
             drafter = NgramDrafter(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-        req = _Request(seq, sampler, IncrementalDetokenizer(self._backend_tokenizer, seq.prompt_token_ids, params.stop),
-                       eos, drafter)
+        detokenizer = IncrementalDetokenizer(self._backend_tokenizer, seq.prompt_token_ids, params.stop,
+                                             params.skip_special_tokens, params.include_stop_str_in_output)
+        req = _Request(seq, sampler, detokenizer, eos, drafter)
         if params.grammar is None:
             self.scheduler.add(seq)
             self._requests[request_id] = req

@@ -44,7 +44,8 @@ FINISH_REASON = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.EOS:
                  FinishReason.ERROR: pb.FINISH_REASON_ERROR}
 _OPTIONAL_PARAMS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
                     "ignore_eos", "logprobs", "guided_json", "guided_regex", "guided_grammar", "presence_penalty",
-                    "frequency_penalty", "min_p", "typical_p", "min_tokens")
+                    "frequency_penalty", "min_p", "typical_p", "min_tokens", "include_stop_str_in_output",
+                    "skip_special_tokens")
 
 
 def sampling_values(params: Any) -> dict[str, Any]:

@@ -69,6 +69,7 @@ def sampling(body: OpenAIRequest, max_new_tokens: int | None, logprobs: int | No
         "repetition_penalty": body.repetition_penalty, "stop_token_ids": body.stop_token_ids,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty, "min_p": body.min_p,
         "min_tokens": body.min_tokens, "logit_bias": body.logit_bias,
+        "include_stop_str_in_output": body.include_stop_str_in_output, "skip_special_tokens": body.skip_special_tokens,
         "grammar": structured.one_of(("tool_choice", tool_grammar), ("response_format", constraint(body)))}, limits)
     params = replace(params, do_sample=params.temperature != 0.0)
     if logprobs is not None:

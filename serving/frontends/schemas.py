@@ -111,6 +111,9 @@ class OpenAIRequest(StrictModel):
     min_p: MinP | None = None
     min_tokens: MinTokens | None = Field(None, description="vLLM's: no end-of-sequence or stop token before this "
                                          "many tokens")
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM's: keep the stop string that ended the "
+                                                    "answer")
+    skip_special_tokens: bool | None = Field(None, description="vLLM's: false keeps special tokens' text")
     stop_token_ids: StopTokenIds | None = None
     response_format: ResponseFormat | None = Field(None, description="structured output: json_object, json_schema "
                                                    "(OpenAI) or TGI's json / regex")

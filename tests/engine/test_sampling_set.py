@@ -127,3 +127,33 @@ def test_the_engine_and_the_dynamic_handler_apply_them(folder: Path) -> None:
     longer = rolling(SamplingParams(max_new_tokens=40, min_tokens=30), question_ids)
     assert len(longer) >= 30 and eos not in longer[:30]
     assert dynamic(SamplingParams(max_new_tokens=40, min_tokens=30), question)[:30] == longer[:30]
+
+
+def test_stop_strings_kept_on_request_and_special_tokens_shown(folder: Path) -> None:
+    """include_stop_str_in_output keeps the stop string; skip_special_tokens=false keeps chat markers' text: in the
+    rolling engine and in the dynamic handler alike."""
+    engine = LLMEngine.from_options(folder, {"max_model_len": "512"})
+    handler = HuggingFaceHandler()
+    handler.initialize(Context("m", folder, {}))
+    question = handler.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = list(engine.tokenizer(question)["input_ids"])
+
+    def rolling(params: SamplingParams) -> str:
+        engine.add("r", ids, params)
+        text = ""
+        while engine.has_work():
+            text += "".join(d.text for d in engine.step())
+        return text
+
+    def both(params: SamplingParams) -> str:
+        text = rolling(params)
+        assert handler.handle([Input("d", question, params)])[0].text == text, params
+        return text
+
+    assert both(SamplingParams(max_new_tokens=20, stop=("Paris", "France"))) == "The capital of "
+    assert both(SamplingParams(max_new_tokens=20, stop=("Paris", "France"), include_stop_str_in_output=True)) == (
+        "The capital of France")
+    plain = both(SamplingParams(max_new_tokens=14, ignore_eos=True))
+    shown = both(SamplingParams(max_new_tokens=14, ignore_eos=True, skip_special_tokens=False))
+    assert "<|im_end|>" in shown and "<|im_end|>" not in plain
+    assert shown.replace("<|im_end|>", "").replace("<|im_start|>", "") == plain

@@ -63,7 +63,7 @@ ROUTES = [
 IDS = [r.name for r in ROUTES]
 # names other APIs (OpenAI, vLLM, TGI, transformers' generate) use that no route documents
 FOREIGN = ("zzz_no_such_field", "functions", "function_call", "length_penalty", "num_beams", "min_tokens",
-           "use_beam_search", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs",
+           "use_beam_search", "prompt_logprobs",
            "store", "metadata", "service_tier", "modalities", "prediction", "reasoning_effort", "max_time",
            "no_repeat_ngram_size", "num_return_sequences", "min_length", "max_length", "bad_words_ids", "options",
            "top_a", "tfs", "presence", "temp", "maxTokens")

@@ -232,13 +232,15 @@ def test_the_sampling_set_means_the_same_on_every_api(server: ServerProcess, cli
     plain_text, plain = lmi()
     banned = plain[1]
     sets: list[dict[str, Any]] = [{"logit_bias": {str(banned): -100}}, {"frequency_penalty": 1.5},
-                                  {"presence_penalty": 2.0, "min_tokens": 5}]
+                                  {"presence_penalty": 2.0, "min_tokens": 5},
+                                  {"stop": ["hello"], "include_stop_str_in_output": True, "skip_special_tokens": False}]
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for params in sets:
             text, ids = lmi(**params)
             assert text != plain_text, params
             assert "logit_bias" not in params or banned not in ids
+            assert "stop" not in params or text.endswith("hello")
             tgi = httpx.post(f"{server.url}/generate?model_name=smollm2", headers=headers, timeout=300, json={
                 "inputs": prompt, "parameters": {"max_new_tokens": 12, "ignore_eos": True, **params}})
             assert tgi.status_code == 200 and tgi.json()["generated_text"] == text, tgi.text

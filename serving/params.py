@@ -182,7 +182,7 @@ def lmi_sampling_params(p: LmiParameters, limits: Limits) -> SamplingParams:
         "grammar": structured.one_of(
             ("grammar", structured.from_response_format(p.grammar.model_dump(), "grammar")
              if p.grammar is not None else None),
-            ("guided_*", structured.from_guided(p.model_dump()))),
+            ("guided_*", structured.from_guided({k: getattr(p, k) for k in structured.GUIDED_FIELDS}))),
     }, limits)
 
 

@@ -59,6 +59,7 @@ class Output:
     prompt_tokens: int = 0
     payload: Any = None
     error: str | None = None
+    prompt_logprobs: tuple[TokenInfo, ...] | None = None  # SamplingParams.prompt_logprobs: one per prompt token
     error_kind: ErrorKind = ErrorKind.HANDLER
 
     @classmethod

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 from handlers.base import Context, Handler, Input, Output
 from handlers.engine.cpu import auto_threads, keep_freed_memory
 from handlers.engine.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
-from handlers.engine.sampling import OutputPenalties
+from handlers.engine.sampling import OutputPenalties, scored_tokens
 from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
 from serving.errors import InvalidRequest, ServingError
 from serving.options import option_value
@@ -124,7 +124,7 @@ class HuggingFaceHandler(Handler):
             eos = min(self.eos_token_ids)
         return {"max_model_len": self.max_model_len, "eos_token_id": eos,
                 "chat_template": self.tokenizer.chat_template or None, "vocab_size": self.vocab_size,
-                "structured_output": True}
+                "structured_output": True, "prompt_logprobs": True}
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         """Render chat ``messages`` to a prompt (with the assistant turn opened). Raises ``InvalidRequest``."""
@@ -265,7 +265,16 @@ class HuggingFaceHandler(Handler):
             prompt = item.request.prompt or self.tokenizer.decode(item.prompt_ids, skip_special_tokens=True)
             text = prompt + text
         return Output(request_id=item.request.request_id, text=text, finish_reason=finish, tokens=tokens,
-                      prompt_tokens=len(item.prompt_ids))
+                      prompt_tokens=len(item.prompt_ids), prompt_logprobs=self._prompt_scores(item.prompt_ids, p))
+
+    def _prompt_scores(self, ids: list[int], p: SamplingParams) -> tuple[TokenInfo, ...] | None:
+        """Each prompt token's log-probability given those before it (one forward of the prompt alone)."""
+        if p.prompt_logprobs is None:
+            return None
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([ids], device=self.model.device)).logits[0, :-1]
+        texts = self.tokenizer.batch_decode([[t] for t in ids])
+        return (TokenInfo(ids[0], texts[0]), *scored_tokens(logits, ids[1:], texts[1:], p.prompt_logprobs))
 
     def _token_texts(self, ids: list[int], skip_special_tokens: bool = True) -> list[str]:
         """Text piece of each token; pieces concatenate to the decoded text. A token that ends inside a

@@ -91,6 +91,7 @@ class HuggingFaceRollingHandler(RollingHandler):
             # how the architecture was admitted: the verified list, or the load-time self-check's summary
             "admitted": engine.admitted,
             "structured_output": True,  # grammars are applied (handlers.engine.grammar)
+            "prompt_logprobs": True,
         }
 
 

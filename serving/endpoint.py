@@ -142,10 +142,13 @@ class ModelEndpoint:
         if self.state is not ModelState.READY:
             detail = f": {self.reason}" if self.reason else ""
             raise Unavailable(f"model {self.name!r} is {self.state.value}{detail}", retry_after_s=5)
+        # a custom handler would ignore these: refuse rather than answer without them
         if request.params.grammar is not None and not self.info.get("structured_output"):
-            # a custom handler would ignore the constraint: refuse rather than answer unconstrained
             raise InvalidRequest(f"model {self.name!r} does not apply structured-output constraints (its handler "
                                  "is not one of the built-in text handlers)")
+        if request.params.prompt_logprobs is not None and not self.info.get("prompt_logprobs"):
+            raise InvalidRequest(f"model {self.name!r} does not compute prompt log-probabilities (its handler is not "
+                                 "one of the built-in text handlers)")
         client_id = request.client_id or request.request_id
         internal = self._live.claim(client_id, self)
         try:

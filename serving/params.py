@@ -106,8 +106,10 @@ class LmiParameters(StrictModel):
     logprobs: Logprobs | None = Field(None, description="with details: the k most likely alternatives of each "
                                       "token")
     top_n_tokens: Logprobs | None = Field(None, description="TGI's name for logprobs")
-    decoder_input_details: bool | None = Field(None, description="TGI routes: details list the prompt's tokens "
-                                               "(prefill); accepted and ignored by the LMI routes")
+    decoder_input_details: bool | None = Field(None, description="with details: details.prefill lists the prompt's "
+                                               "tokens with their log-probabilities (the first has none)")
+    prompt_logprobs: Logprobs | None = Field(None, description="vLLM's: each prompt token's log-probability given "
+                                             "those before it, with the k most likely alternatives (0: none)")
     truncate: Annotated[int, Field(ge=1, le=MAX_TOKEN_ID), INTEGER] | None = Field(
         None, description="TGI routes: keep only the last N prompt tokens; accepted and ignored by the LMI routes")
     watermark: Annotated[bool, Only((False,), "is not supported: only false or null is accepted")] | None = None
@@ -179,6 +181,8 @@ def lmi_sampling_params(p: LmiParameters, limits: Limits) -> SamplingParams:
         "typical_p": p.typical_p, "frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty,
         "min_p": p.min_p, "min_tokens": p.min_tokens, "logit_bias": p.logit_bias,
         "include_stop_str_in_output": p.include_stop_str_in_output, "skip_special_tokens": p.skip_special_tokens,
+        "prompt_logprobs": p.prompt_logprobs if p.prompt_logprobs is not None else (
+            0 if p.decoder_input_details and p.details else None),
         "grammar": structured.one_of(
             ("grammar", structured.from_response_format(p.grammar.model_dump(), "grammar")
              if p.grammar is not None else None),

@@ -60,6 +60,9 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # vLLM's: the answer keeps the stop string that ended it
     skip_special_tokens: bool = True  # False: special tokens' text (chat markers, tool-call tags) is kept
+    # vLLM's prompt_logprobs: each prompt token's log-probability given the tokens before it (None: not
+    # computed; k > 0: with the k most likely alternatives at each position)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -150,7 +153,8 @@ class TokenDelta:
     """What one engine step produced for one request.
 
     ``text`` is the newly *released* text (stop-sequence hold-back may delay text to a later delta).
-    ``finish_reason`` is set on the last delta of a request. ``prompt_tokens`` is set on the first.
+    ``finish_reason`` is set on the last delta of a request. ``prompt_tokens`` is set on the first, and so is
+    ``prompt_logprobs`` when the request asked for them (one entry per prompt token; the first has no logprob).
     """
 
     request_id: str
@@ -159,29 +163,42 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     prompt_tokens: int | None = None
     error: str | None = None
+    prompt_logprobs: tuple[TokenInfo, ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "id": self.request_id,
-            "tk": [[t.id, t.text, t.logprob, [list(p) for p in t.top_logprobs]] for t in self.tokens],
+            "tk": tokens_to_wire(self.tokens),
             "tx": self.text,
             "fr": self.finish_reason.value if self.finish_reason else None,
             "pt": self.prompt_tokens,
             "er": self.error,
         }
+        if self.prompt_logprobs is not None:
+            wire["pl"] = tokens_to_wire(self.prompt_logprobs)
+        return wire
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> TokenDelta:
         return cls(
             request_id=d["id"],
-            tokens=tuple(
-                TokenInfo(t[0], t[1], t[2], tuple((int(a), float(b)) for a, b in t[3])) for t in d["tk"]
-            ),
+            tokens=tokens_from_wire(d["tk"]),
             text=d["tx"],
             finish_reason=FinishReason(d["fr"]) if d["fr"] else None,
             prompt_tokens=d["pt"],
             error=d["er"],
+            prompt_logprobs=tokens_from_wire(d["pl"]) if d.get("pl") is not None else None,
         )
+
+
+def tokens_to_wire(tokens: tuple[TokenInfo, ...]) -> list[list[Any]]:
+    return [[t.id, t.text, t.logprob, [list(p) for p in t.top_logprobs]] for t in tokens]
+
+
+def tokens_from_wire(rows: list[list[Any]]) -> tuple[TokenInfo, ...]:
+    """The inverse of ``tokens_to_wire`` (a row's alternatives may be missing: older dynamic handlers)."""
+    return tuple(TokenInfo(int(t[0]), str(t[1]), t[2], tuple((int(a), float(b)) for a, b in (t[3:4] or [()])[0]))
+                 for t in rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +228,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     timings: RequestTimings = field(default_factory=RequestTimings)
     payload: Any = None  # custom handlers may return arbitrary JSON instead of text
+    prompt_logprobs: tuple[TokenInfo, ...] | None = None  # when asked: see ``TokenDelta``
 
     @property
     def generated_tokens(self) -> int:

@@ -41,7 +41,7 @@ from handlers.engine.memory import (
 from handlers.engine.paged_attention import KVPool
 from handlers.engine.parallel import TensorParallelGroup, shard_model, start_group
 from handlers.engine.runner import ModelRunner, kv_geometry
-from handlers.engine.sampling import RequestSampler, SampledToken, sample_batch, sampled_token
+from handlers.engine.sampling import RequestSampler, SampledToken, sample_batch, sampled_token, scored_tokens
 from handlers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.self_check import reference_logits, verify
 from handlers.engine.sequence import Sequence
@@ -63,6 +63,7 @@ class _Request:
     eos_ids: frozenset[int]
     drafter: NgramDrafter | None = None  # speculative decoding's guesses (plain greedy requests only)
     matcher: Any = None  # structured output: the grammar's llguidance matcher (handlers.engine.grammar)
+    prompt_scores: list[TokenInfo | None] | None = None  # prompt_logprobs: one entry per prompt position
     sent_first: bool = False
 
 
@@ -199,6 +200,10 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self._backend_tokenizer, seq.prompt_token_ids, params.stop,
                                              params.skip_special_tokens, params.include_stop_str_in_output)
         req = _Request(seq, sampler, detokenizer, eos, drafter)
+        if params.prompt_logprobs is not None:
+            req.prompt_scores = [None] * seq.num_prompt_tokens
+            first = seq.prompt_token_ids[0]
+            req.prompt_scores[0] = TokenInfo(first, self.tokenizer.decode([first]))  # nothing before it: no score
         if params.grammar is None:
             self.scheduler.add(seq)
             self._requests[request_id] = req
@@ -261,6 +266,8 @@ class LLMEngine:
         if not plan.chunks:
             return failed
         logits = self.runner.execute(plan.chunks)
+        if any(c.num_prompt_rows for c in plan.chunks):
+            logits = self._score_prompts(plan.chunks, logits)
         self.scheduler.commit(plan)
         self._counters["num_steps_total"] += 1
         self._counters["num_prefill_tokens_total"] += sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
@@ -274,6 +281,26 @@ class LLMEngine:
             deltas = [self._advance(r, t) for r, t in zip(reqs, tokens, strict=True)]
         self.step_cost.add(plan.num_batched_tokens, time.perf_counter() - t0)
         return failed + deltas
+
+    def _score_prompts(self, chunks: tuple[ScheduledChunk, ...], logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt tokens' log-probabilities from the chunks' prompt rows; returns the sampled rows."""
+        sampled_rows: list[int] = []
+        row = 0
+        for c in chunks:
+            n = c.num_prompt_rows
+            if n:
+                req = self._requests[c.seq.request_id]
+                targets = c.seq.token_ids[c.start + 1:c.start + 1 + n]
+                texts = self.tokenizer.batch_decode([[t] for t in targets])
+                assert req.prompt_scores is not None
+                # a chunk recomputed after preemption writes the same values again
+                req.prompt_scores[c.start + 1:c.start + 1 + n] = scored_tokens(
+                    logits[row:row + n], targets, texts, c.seq.params.prompt_logprobs or 0)
+                row += n
+            if c.samples:
+                sampled_rows.extend(range(row, row + 1 + len(c.draft)))
+                row += 1 + len(c.draft)
+        return logits[sampled_rows]
 
     def _allowed(self, reqs: list[_Request]) -> dict[int, torch.Tensor] | None:
         """The grammar masks of the constrained rows among ``reqs`` (row index -> allowed tokens), or None."""
@@ -362,9 +389,12 @@ class LLMEngine:
         if finish is not None and not detok.stopped:
             text += req.detokenizer.flush()
         prompt_tokens = None
+        prompt_scores = None
         if not req.sent_first:
             req.sent_first = True
             prompt_tokens = seq.num_prompt_tokens
+            if req.prompt_scores is not None:
+                prompt_scores = tuple(t for t in req.prompt_scores if t is not None)
             self._counters["prompt_tokens_total"] += prompt_tokens
         if finish is not None:
             seq.finish_reason = finish
@@ -372,7 +402,7 @@ class LLMEngine:
             del self._requests[seq.request_id]
             self._counters["num_requests_finished_total"] += 1
         info = TokenInfo(token, detok.piece, sampled.logprob, sampled.top_logprobs)
-        return TokenDelta(seq.request_id, (info,), text, finish, prompt_tokens)
+        return TokenDelta(seq.request_id, (info,), text, finish, prompt_tokens, prompt_logprobs=prompt_scores)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

@@ -198,8 +198,8 @@ class ModelRunner:
         self.sliding_window = windows.pop() if len(windows) == 1 else 0
 
     def execute(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
-        """Run the chunks as one flat batch; returns logits [sampled rows, vocab] in chunk order: one row per
-        sampled chunk, 1 + len(draft) for a chunk with guesses."""
+        """Run the chunks as one flat batch; returns logits [kept rows, vocab] in chunk order: a chunk's prompt
+        rows first (``ScheduledChunk.num_prompt_rows``), then one row if it samples, 1 + len(draft) with guesses."""
         inputs = self.prepare(chunks)
         if self.group is not None:
             self.group.broadcast_step(inputs)
@@ -223,6 +223,7 @@ class ModelRunner:
             table = seq.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
             seqs.append((q0, c.start, end - c.start, table[:-(-end // bs)]))
+            keep.extend(range(q0, q0 + c.num_prompt_rows))
             if c.samples:  # a decode with guesses samples after its token and after each guess
                 keep.extend(range(len(input_ids) - 1 - len(c.draft), len(input_ids)))
         return StepInputs(input_ids, positions, slots, seqs, keep)

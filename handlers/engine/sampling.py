@@ -29,7 +29,7 @@ from transformers import (
     TypicalLogitsWarper,
 )
 
-from serving.types import SamplingParams
+from serving.types import SamplingParams, TokenInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,3 +186,15 @@ def sampled_token(logits: torch.Tensor, token: int, sampler: RequestSampler) -> 
         values, ids = logprobs.topk(sampler.params.logprobs)
         top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
     return SampledToken(token, float(logprobs[token]), top)
+
+
+def scored_tokens(logits: torch.Tensor, targets: Seq[int], texts: Seq[str], k: int) -> list[TokenInfo]:
+    """Prompt log-probabilities: row j of ``logits`` [n, V] scores ``targets[j]`` (text ``texts[j]``), with the
+    ``k`` most likely alternatives when k > 0. The model's raw distribution, as vLLM reports prompt tokens."""
+    scores = torch.log_softmax(logits.float(), dim=-1)
+    chosen = scores.gather(1, torch.tensor(list(targets), device=scores.device)[:, None])[:, 0].tolist()
+    top: list[tuple[tuple[int, float], ...]] = [()] * len(chosen)
+    if k:
+        values, ids = scores.topk(k)
+        top = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return [TokenInfo(t, s, lp, alt) for t, s, lp, alt in zip(targets, texts, chosen, top, strict=True)]

@@ -59,6 +59,14 @@ class ScheduledChunk:
         """True when this chunk reaches the end of the sequence's tokens, so its last logits are sampled."""
         return self.start + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def num_prompt_rows(self) -> int:
+        """Rows of this chunk whose logits score a prompt token (``prompt_logprobs``): positions before the
+        prompt's last, each predicting the token after it. They come first in the chunk."""
+        if self.seq.params.prompt_logprobs is None:
+            return 0
+        return max(0, min(self.start + self.num_tokens, self.seq.num_prompt_tokens - 1) - self.start)
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
@@ -334,8 +342,10 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
         """Start (or restart) ``seq`` with a first chunk of at most ``budget`` tokens, if its blocks fit."""
         alloc = self.allocator
-        # At least the last token is always computed so that its logits can be sampled.
-        cached, keys = alloc.match_prefix(seq.token_ids, seq.num_tokens - 1)
+        # At least the last token is always computed so that its logits can be sampled; a request that wants
+        # its prompt's log-probabilities computes the whole prompt (a cached block holds KV, not logits).
+        reusable = 0 if seq.params.prompt_logprobs is not None else seq.num_tokens - 1
+        cached, keys = alloc.match_prefix(seq.token_ids, reusable)
         num_cached_tokens = len(cached) * self.config.block_size
         n = min(seq.num_tokens - num_cached_tokens, budget)
         total_blocks = -(-(num_cached_tokens + n) // self.config.block_size)

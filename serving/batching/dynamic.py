@@ -34,7 +34,7 @@ from serving.errors import (
     error_from_kind,
 )
 from serving.ipc.messages import Batch, BatchResult
-from serving.types import FinishReason, GenerationRequest, TokenDelta, TokenInfo
+from serving.types import FinishReason, GenerationRequest, TokenDelta, tokens_from_wire
 
 log = logging.getLogger(__name__)
 
@@ -346,9 +346,8 @@ def _deliver(stream: ResultStream, out: dict[str, Any]) -> None:
         stream.fail(error_from_kind(out.get("error_kind") or "handler_error", out["error"]))
         return
     stream.set_payload(out.get("payload"))
-    tokens = tuple(TokenInfo(int(t[0]), str(t[1]), t[2],
-                             tuple((int(i), float(lp)) for i, lp in (t[3] if len(t) > 3 else ())))
-                   for t in out.get("tokens") or ())
-    stream.push(TokenDelta(request_id=stream.request_id, tokens=tokens, text=out.get("text") or "",
-                           finish_reason=FinishReason(out.get("finish_reason") or "length"),
-                           prompt_tokens=int(out.get("prompt_tokens") or 0)))
+    prompt = out.get("prompt_logprobs")
+    stream.push(TokenDelta(request_id=stream.request_id, tokens=tokens_from_wire(out.get("tokens") or []),
+                           text=out.get("text") or "", finish_reason=FinishReason(out.get("finish_reason") or "length"),
+                           prompt_tokens=int(out.get("prompt_tokens") or 0),
+                           prompt_logprobs=tokens_from_wire(prompt) if prompt is not None else None))

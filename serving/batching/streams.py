@@ -40,6 +40,7 @@ class ResultStream:
         self.last_token: float | None = None
         self.token_gaps_s: list[float] = []  # gap before each token-bearing delta after the first (ITL)
         self.prompt_tokens = 0
+        self.prompt_logprobs: tuple[TokenInfo, ...] | None = None
         self.num_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.error: ServingError | None = None
@@ -76,6 +77,8 @@ class ResultStream:
         self.mark_dispatched()
         if delta.prompt_tokens is not None:
             self.prompt_tokens = delta.prompt_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.tokens:
             if self.first_token is None:
                 self.first_token = now
@@ -140,7 +143,8 @@ class ResultStream:
             parts.append(delta.text)
         return GenerationResult(request_id=self.request_id, text="".join(parts),
                                 finish_reason=self.finish_reason or FinishReason.LENGTH, tokens=tuple(tokens),
-                                prompt_tokens=self.prompt_tokens, timings=self.timings(), payload=self.payload)
+                                prompt_tokens=self.prompt_tokens, timings=self.timings(), payload=self.payload,
+                                prompt_logprobs=self.prompt_logprobs)
 
     def timings(self) -> RequestTimings:
         end = self.finished if self.finished is not None else self._clock()

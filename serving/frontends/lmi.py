@@ -109,15 +109,20 @@ def lmi_answer(result: GenerationResult, params_details: bool, prompt: str, full
     text = prompt + result.text if full_text else result.text
     out: dict[str, Any] = {"generated_text": text}
     if params_details:
-        out["details"] = details_of(result.finish_reason.value, result.tokens, prompt, result.prompt_tokens)
+        out["details"] = details_of(result.finish_reason.value, result.tokens, prompt, result.prompt_tokens,
+                                    result.prompt_logprobs)
     return out
 
 
 def details_of(finish_reason: str, tokens: tuple[TokenInfo, ...] | list[TokenInfo], prompt: str,
-               prompt_tokens: int) -> dict[str, Any]:
-    return {"finish_reason": finish_reason, "generated_tokens": len(tokens), "inputs": prompt,
-            "prompt_tokens": prompt_tokens,
-            "tokens": [{"id": t.id, "text": t.text, "log_prob": t.logprob} for t in tokens]}
+               prompt_tokens: int, prompt_logprobs: tuple[TokenInfo, ...] | None = None) -> dict[str, Any]:
+    """LMI's details; ``prefill`` (the prompt's tokens, TGI's name) when prompt log-probabilities were asked."""
+    details: dict[str, Any] = {"finish_reason": finish_reason, "generated_tokens": len(tokens), "inputs": prompt,
+                               "prompt_tokens": prompt_tokens,
+                               "tokens": [{"id": t.id, "text": t.text, "log_prob": t.logprob} for t in tokens]}
+    if prompt_logprobs is not None:
+        details["prefill"] = [{"id": t.id, "text": t.text, "log_prob": t.logprob} for t in prompt_logprobs]
+    return details
 
 
 class LmiRoutes:
@@ -238,5 +243,6 @@ def _final(req: GenerationRequest, stream: ResultStream, parts: list[str], token
     if req.params.return_full_text:
         text = req.prompt + text
     fr = stream.finish_reason.value if stream.finish_reason else "length"
-    return {"generated_text": text, "details": details_of(fr, tokens, req.prompt, stream.prompt_tokens),
+    return {"generated_text": text, "details": details_of(fr, tokens, req.prompt, stream.prompt_tokens,
+                                                          stream.prompt_logprobs),
             "timings": timings_json(stream.timings())}

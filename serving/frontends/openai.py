@@ -16,6 +16,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -39,7 +40,7 @@ from serving.frontends.openai_schema import ParsedRequest, parse_chat, parse_com
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.frontends.tools import ToolStream, fold
 from serving.schema import type_error
-from serving.types import GenerationResult, TokenDelta, TokenInfo
+from serving.types import FinishReason, GenerationResult, TokenDelta, TokenInfo
 
 
 def routes(ctx: HttpContext) -> list[Route]:
@@ -169,11 +170,12 @@ class Answer:
     def whole(self, results: list[GenerationResult]) -> dict[str, Any]:
         choices = []
         for choice, result in zip(self.parsed.choices, results, strict=True):
-            body = result.text
+            body, tokens = ("", []) if self.parsed.echo_only else (result.text, list(result.tokens))
+            prompt = result.prompt_logprobs if self.parsed.echo else None
             if self.parsed.echo:
                 body = choice.prompt_text + body
-            entry: dict[str, Any] = {"index": choice.index, "logprobs": self._logprobs(list(result.tokens)),
-                                     "finish_reason": result.finish_reason.openai}
+            entry: dict[str, Any] = {"index": choice.index, "logprobs": self._logprobs(tokens, prompt),
+                                     "finish_reason": self._finish_reason(result.finish_reason)}
             if self.chat and self.parsed.tools is not None:
                 reader = ToolStream(self.parsed.tools)
                 content, calls = fold(self.parsed.tools, reader.feed(body) + reader.finish())
@@ -183,9 +185,17 @@ class Answer:
                 entry["message"] = {"role": "assistant", "content": body}
             else:
                 entry["text"] = body
+                if self.parsed.prompt_logprobs is not None:
+                    entry["prompt_logprobs"] = self._prompt_logprobs(result.prompt_logprobs)
             choices.append(entry)
-        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage(results)}
+        answer = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                  "choices": choices, "usage": self._usage(results)}
+        if self.chat and self.parsed.prompt_logprobs is not None:  # vLLM: one prompt, on the answer
+            answer["prompt_logprobs"] = self._prompt_logprobs(results[0].prompt_logprobs)
+        return answer
+
+    def _finish_reason(self, reason: FinishReason) -> str:
+        return "length" if self.parsed.echo_only else reason.openai
 
     def _usage(self, results: list[Any]) -> dict[str, int]:
         prompt: dict[int, int] = {}
@@ -193,16 +203,18 @@ class Answer:
         for choice, r in zip(self.parsed.choices, results, strict=True):
             prompt[choice.prompt_index] = r.prompt_tokens
             completion += r.generated_tokens if isinstance(r, GenerationResult) else r.num_tokens
+        if self.parsed.echo_only:
+            completion = 0  # the one token generated is not part of the answer
         total_prompt = sum(prompt.values())
         return {"prompt_tokens": total_prompt, "completion_tokens": completion,
                 "total_tokens": total_prompt + completion}
 
-    def _logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any] | None:
+    def _logprobs(self, tokens: list[TokenInfo], prompt: tuple[TokenInfo, ...] | None = None) -> dict[str, Any] | None:
         if self.parsed.logprobs is None:
             return None
         if self.chat:
             return {"content": [self._chat_token(t) for t in tokens]}
-        return self._completion_logprobs(tokens, 0)
+        return self._completion_logprobs(tokens, 0, prompt)
 
     def _chat_token(self, t: TokenInfo) -> dict[str, Any]:
         def one(text: str, lp: float | None) -> dict[str, Any]:
@@ -211,14 +223,37 @@ class Answer:
         entry["top_logprobs"] = [one(self.text.token_text(i), lp) for i, lp in t.top_logprobs]
         return entry
 
-    def _completion_logprobs(self, tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
+    def _completion_logprobs(self, tokens: list[TokenInfo], offset: int,
+                             prompt: tuple[TokenInfo, ...] | None = None) -> dict[str, Any]:
+        """OpenAI's completion logprobs; with the echoed ``prompt``'s tokens first: its first token has no
+        log-probability (null), each other one lists its alternatives plus itself (as vLLM)."""
+        everything = list(prompt or ()) + tokens
         offsets = []
-        for t in tokens:
+        for t in everything:
             offsets.append(offset)
             offset += len(t.text)
-        return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{self.text.token_text(i): lp for i, lp in t.top_logprobs} for t in tokens],
-                "text_offset": offsets}
+        top: list[dict[str, float] | None] = []
+        for k, t in enumerate(prompt or ()):
+            top.append(None if k == 0 else {**self._top(t), t.text: t.logprob or 0.0})
+        top.extend(self._top(t) for t in tokens)
+        return {"tokens": [t.text for t in everything], "token_logprobs": [t.logprob for t in everything],
+                "top_logprobs": top, "text_offset": offsets}
+
+    def _top(self, t: TokenInfo) -> dict[str, float]:
+        return {self.text.token_text(i): lp for i, lp in t.top_logprobs}
+
+    def _prompt_logprobs(self, prompt: tuple[TokenInfo, ...] | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token null (the first) or {token id: {logprob, rank,
+        decoded_token}} holding the k most likely tokens and the prompt's own (its rank null when not among them)."""
+        if prompt is None:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for t in prompt[1:]:
+            entry = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": self.text.token_text(i)}
+                     for r, (i, lp) in enumerate(t.top_logprobs)}
+            entry.setdefault(str(t.id), {"logprob": t.logprob, "rank": None, "decoded_token": t.text})
+            out.append(entry)
+        return out
 
     # --- streamed answers ---
     async def events(self, streams: list[ResultStream]) -> AsyncIterator[str]:
@@ -233,10 +268,15 @@ class Answer:
                 for c in choices:
                     yield self._frame([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}])
-            elif self.parsed.echo:
-                for c in choices:
-                    yield self._frame([self._completion_choice(c.index, c.prompt_text, [], None, 0)])
+            echoed = [not self.parsed.echo] * len(choices)
             async for k, delta in _merge(streams):
+                if not echoed[k]:  # the prompt (with its scores, which come with the first delta), then the answer
+                    echoed[k] = True
+                    offsets[k] = len(choices[k].prompt_text)
+                    yield self._frame([self._completion_choice(choices[k].index, choices[k].prompt_text, [], None, 0,
+                                                               delta.prompt_logprobs or ())])
+                if self.parsed.echo_only:
+                    delta = replace(delta, tokens=(), text="")
                 if readers is not None:
                     for frame in self._tool_frames(k, delta, streams[k], readers[k]):
                         yield frame
@@ -258,7 +298,7 @@ class Answer:
 
     def _delta_frame(self, k: int, delta: TokenDelta, stream: ResultStream, offsets: list[int]) -> str | None:
         index = self.parsed.choices[k].index
-        finish = delta.finish_reason.openai if delta.finish_reason is not None else None
+        finish = self._finish_reason(delta.finish_reason) if delta.finish_reason is not None else None
         if not delta.text and finish is None and (self.parsed.logprobs is None or not delta.tokens):
             return None
         tokens = list(delta.tokens)
@@ -287,8 +327,8 @@ class Answer:
         return frames
 
     def _completion_choice(self, index: int, text: str, tokens: list[TokenInfo], finish: str | None,
-                           offset: int) -> dict[str, Any]:
-        lp = self._completion_logprobs(tokens, offset) if self.parsed.logprobs is not None else None
+                           offset: int, prompt: tuple[TokenInfo, ...] = ()) -> dict[str, Any]:
+        lp = self._completion_logprobs(tokens, offset, prompt) if self.parsed.logprobs is not None else None
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
     def _frame(self, choices: list[dict[str, Any]], **extra: Any) -> str:

@@ -50,6 +50,8 @@ class ParsedRequest:
     logprobs: int | None  # None = not asked; k = chosen token plus k alternatives
     echo: bool
     tools: ToolPlan | None = None  # chat with tools: how to read the answer (serving.frontends.tools)
+    prompt_logprobs: int | None = None  # vLLM's field: the answer carries ``prompt_logprobs``
+    echo_only: bool = False  # max_tokens 0 with echo: one token is generated (vLLM does the same) and left out
 
 
 def _include_usage(body: OpenAIRequest, stream: bool) -> bool:
@@ -71,7 +73,7 @@ def sampling(body: OpenAIRequest, max_new_tokens: int | None, logprobs: int | No
         "min_tokens": body.min_tokens, "logit_bias": body.logit_bias,
         "include_stop_str_in_output": body.include_stop_str_in_output, "skip_special_tokens": body.skip_special_tokens,
         "grammar": structured.one_of(("tool_choice", tool_grammar), ("response_format", constraint(body)))}, limits)
-    params = replace(params, do_sample=params.temperature != 0.0)
+    params = replace(params, do_sample=params.temperature != 0.0, prompt_logprobs=body.prompt_logprobs)
     if logprobs is not None:
         params = replace(params, details=True, logprobs=logprobs)
     return params
@@ -107,9 +109,15 @@ def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: L
     include_usage = _include_usage(req, stream)
     logprobs = req.logprobs
     echo = bool(req.echo)
+    echo_only = req.max_tokens == 0
+    if echo_only and not echo:
+        raise InvalidRequest("'max_tokens' may be 0 only with 'echo': true (the answer is then the prompt alone)")
     prompts = _prompts(req.prompt)
     check_sequences(len(prompts) * n, limits, "'prompt' x 'n'")
-    base = sampling(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, logprobs, limits)
+    max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else max(req.max_tokens, 1)
+    base = sampling(req, max_tokens, logprobs, limits)
+    if echo and logprobs is not None:  # the echoed prompt's tokens are scored too (vLLM's behaviour)
+        base = replace(base, prompt_logprobs=max(logprobs, base.prompt_logprobs or 0))
     choices: list[Choice] = []
     for p_index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
@@ -131,7 +139,7 @@ def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: L
                 prompt_token_ids=None if isinstance(prompt, str) else tuple(prompt), params=params,
                 stream=stream)
             choices.append(Choice(index, p_index, prompt_text, request))
-    return ParsedRequest(choices, stream, include_usage, logprobs, echo)
+    return ParsedRequest(choices, stream, include_usage, logprobs, echo, None, req.prompt_logprobs, echo_only)
 
 
 def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits, strict: bool,
@@ -173,4 +181,4 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
         request = GenerationRequest(request_id=rid if n == 1 else f"{rid}-{j}", model=model, prompt=prompt,
                                     params=params, stream=stream)
         choices.append(Choice(j, 0, prompt, request))
-    return ParsedRequest(choices, stream, include_usage, logprobs, False, plan)
+    return ParsedRequest(choices, stream, include_usage, logprobs, False, plan, req.prompt_logprobs)

@@ -126,6 +126,8 @@ class OpenAIRequest(StrictModel):
                                                       "one of json, regex, choice, grammar, json_object")
     guided_decoding_backend: Text | None = Field(None, description="vLLM's; accepted: constraints always run on "
                                                  "llguidance")
+    prompt_logprobs: Logprobs | None = Field(None, description="vLLM's: each prompt token's log-probability given "
+                                             "those before it, with the k most likely alternatives (0: none)")
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -138,8 +140,11 @@ class CompletionRequest(OpenAIRequest):
                       | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)], BY_SHAPE, Field(
                           description="a prompt, a list of prompts, a prompt of token ids (of the model's "
                           "vocabulary) or a list of those; n choices each")]
+    max_tokens: Annotated[int, Field(ge=0), Cap("max_new_tokens"), INTEGER] | None = Field(
+        None, description="the most tokens to generate per choice (default 16); 0 only with echo: the prompt alone, "
+        "scored with logprobs")
     logprobs: Logprobs | None = Field(None, description="the log-probability of each token and of its k most "
-                                      "likely alternatives")
+                                      "likely alternatives; with echo, the prompt's tokens too (the first: null)")
     echo: bool | None = Field(None, description="prepend the prompt to each choice's text")
     suffix: Annotated[str, Only(("",), "(insertion) is not supported: only \"\" or null is accepted")] | None = (
         Field(None, description="not supported: only \"\" or null"))

@@ -138,7 +138,7 @@ class TgiRoutes:
         except ConnectionAbortedError:
             return Response(status_code=499, headers={REQUEST_ID_HEADER: rid})  # logged; the client left
         result = results[0]
-        answer = whole_answer(req, result, text, body.get("parameters") or {})
+        answer = whole_answer(req, result, text)
         # TGI's compat route answers a one-element list (what the text-generation client reads)
         return JSONResponse([answer] if stream is None else answer,
                             headers={REQUEST_ID_HEADER: rid, **timing_headers(result.timings)})
@@ -174,15 +174,11 @@ def _top(t: TokenInfo, text: ModelText) -> list[dict[str, Any]]:
             for i, lp in t.top_logprobs]
 
 
-def whole_answer(req: GenerationRequest, result: GenerationResult, text: ModelText, raw_params: Any
-                 ) -> dict[str, Any]:
+def whole_answer(req: GenerationRequest, result: GenerationResult, text: ModelText) -> dict[str, Any]:
     out_text = req.prompt + result.text if req.params.return_full_text else result.text
     answer: dict[str, Any] = {"generated_text": out_text}
     if req.params.details:
-        prefill: list[dict[str, Any]] = []
-        if isinstance(raw_params, dict) and raw_params.get("decoder_input_details"):
-            ids = list(req.prompt_token_ids) if req.prompt_token_ids else (text.encode(req.prompt) or [])
-            prefill = [{"id": i, "text": text.token_text(i), "logprob": None} for i in ids]
+        prefill = [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in result.prompt_logprobs or ()]
         answer["details"] = {
             "finish_reason": result.finish_reason.value, "generated_tokens": result.generated_tokens,
             "seed": req.params.seed if req.params.do_sample else None, "prefill": prefill,

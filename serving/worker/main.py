@@ -39,7 +39,7 @@ from serving.ipc.messages import (
 )
 from serving.logs import setup_logging
 from serving.redact import scrub_paths
-from serving.types import GenerationRequest
+from serving.types import GenerationRequest, tokens_to_wire
 from serving.worker.rolling_loop import RollingLoop, WorkerUnhealthy
 
 log = logging.getLogger("serving.worker")
@@ -86,8 +86,9 @@ def output_to_wire(out: Any) -> dict[str, Any]:
         "request_id": out.request_id,
         "text": out.text,
         "finish_reason": out.finish_reason.value,
-        "tokens": [[t.id, t.text, t.logprob, [list(p) for p in t.top_logprobs]] for t in out.tokens],
+        "tokens": tokens_to_wire(out.tokens),
         "prompt_tokens": out.prompt_tokens,
+        "prompt_logprobs": tokens_to_wire(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
         "payload": out.payload,
         "error": out.error,
         "error_kind": out.error_kind.value if out.error else None,

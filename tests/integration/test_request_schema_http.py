@@ -109,6 +109,8 @@ def cross_field_rules(route: Route, body: dict[str, Any]) -> dict[str, Any]:
             body["best_of"] = body.get("n") or 1  # "best_of: only equal to n"
         if body.get("top_logprobs") is not None:
             body["logprobs"] = True  # "top_logprobs: with logprobs: true"
+        if body.get("max_tokens") == 0 and route.schema == "CompletionRequest":
+            body["echo"] = True  # "0 only with echo"
     # a constraint's content is a schema, pattern or grammar, and tools depend on the model's options: their own
     # tests send them (tests/integration/test_structured_http.py)
     params = body.get("parameters")

@@ -89,6 +89,8 @@ def cross_field_rules(body: dict[str, Any]) -> dict[str, Any]:
         body["best_of"] = body.get("n") or 1  # "best_of: only equal to n"
     if body.get("top_logprobs") is not None:
         body["logprobs"] = True  # "top_logprobs: with logprobs: true"
+    if body.get("max_tokens") == 0 and "prompt" in body:
+        body["echo"] = True  # "0 only with echo"
     # A constraint's content is a schema, a pattern or a grammar (llguidance checks it, tests/unit/test_structured.py
     # covers it), and tool_choice depends on the tools and the model's options (tests/unit/test_tools.py).
     params = body.get("parameters")

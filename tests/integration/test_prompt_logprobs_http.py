@@ -1,0 +1,165 @@
+"""Prompt log-probabilities over HTTP on the real SmolLM2-135M-Instruct: lm-evaluation-harness's ``local-completions``
+loglikelihood requests (echo + logprobs) against the server give transformers' own per-item loglikelihoods; OpenAI's
+echo with max_tokens 0, vLLM's ``prompt_logprobs`` (completions and chat), LMI's and TGI's ``decoder_input_details``
+all score the prompt with the same values, on the rolling engine and on dynamic batching."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.integration.harness import ServerProcess
+from tests.real_model import smollm2_folder
+
+ROLLING = {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "8", "option.max_model_len": "1024",
+           "option.kv_cache_populate": "lazy", "option.max_rolling_batch_prefill_tokens": "64"}
+DYNAMIC = {"option.max_model_len": "1024", "batch_size": "4", "max_batch_delay": "20"}
+QUESTIONS = [  # a loglikelihood task: which continuation the model finds likelier
+    {"question": "The capital of France is", "choices": ["Paris", "London", "a large river"], "answer": 0},
+    {"question": "Two plus two equals", "choices": ["four", "seven"], "answer": 0},
+    {"question": "The sun rises in the", "choices": ["east", "west", "morning after a long night"], "answer": 0},
+    {"question": "Water freezes at zero degrees", "choices": ["Celsius", "Fahrenheit"], "answer": 0},
+    {"question": "A cat says", "choices": ["meow", "moo", "hello there, how are you today?"], "answer": 0},
+]
+TASK = """task: rollserve_capitals
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    return smollm2_folder()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, folder: Path) -> Iterator[ServerProcess]:
+    srv = ServerProcess.start(tmp_path_factory.mktemp("prompt-logprobs"), models={"smollm2": ROLLING, "dyn": DYNAMIC},
+                              sources={"smollm2": folder, "dyn": folder}, timeout_s=600)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(folder: Path) -> Any:
+    """``scores(ids)``: transformers' fp32 log-probability of each token after the first, given those before."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def scores(ids: list[int]) -> list[float]:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        return logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    return scores
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder: Path) -> Any:
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers=server.inference_headers, timeout=300)
+
+
+def test_lm_eval_loglikelihoods_equal_transformers(server: ServerProcess, folder: Path, reference: Any,
+                                                   tokenizer: Any, tmp_path: Path) -> None:
+    data = tmp_path / "capitals.jsonl"
+    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "capitals.yaml").write_text(TASK.format(data=data))
+    out = tmp_path / "out"
+    env = {**os.environ, "OPENAI_API_KEY": server.tokens["inference"], "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+         f"model=smollm2,base_url={server.url}/v1/completions,tokenizer={folder},num_concurrent=2,max_retries=1",
+         "--tasks", "rollserve_capitals", "--include_path", str(tasks), "--log_samples", "--output_path", str(out)],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    samples = [json.loads(line) for f in out.rglob("samples_rollserve_capitals_*.jsonl")
+               for line in f.read_text().splitlines()]
+    assert len(samples) == len(QUESTIONS)
+    checked = 0
+    for sample in samples:
+        for args, resp in zip(sample["arguments"].values(), sample["resps"], strict=True):
+            context, continuation = args["arg_0"], args["arg_1"]  # lm_eval's target delimiter: one space
+            whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+            n_context = len(tokenizer(context, add_special_tokens=False)["input_ids"])
+            want = sum(reference(whole)[n_context - 1:])
+            assert float(resp[0][0]) == pytest.approx(want, abs=1e-4), (context, continuation)
+            checked += 1
+    assert checked == sum(len(q["choices"]) for q in QUESTIONS)
+
+
+def test_echo_with_no_new_tokens_scores_the_prompt(server: ServerProcess, reference: Any, tokenizer: Any) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog because it wanted to see the other side."
+    ids = tokenizer(prompt)["input_ids"]
+    want = reference(ids)
+    for model in ("smollm2", "dyn"):
+        r = post(server, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 0, "echo": True,
+                                             "logprobs": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == prompt and choice["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == 0
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+        for k, top in enumerate(lp["top_logprobs"][1:]):
+            assert lp["tokens"][k + 1] in top and len(top) in (2, 3)  # two alternatives plus the prompt's own
+        # echo with generated tokens: the prompt's, then the answer's
+        r = post(server, "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 3, "echo": True,
+                                             "logprobs": 0, "temperature": 0, "ignore_eos": True})
+        lp = r.json()["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 3
+        assert lp["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=1e-4)
+    r = post(server, "/v1/completions", {"model": "smollm2", "prompt": prompt, "max_tokens": 0})
+    assert r.status_code == 400 and "'max_tokens' may be 0 only with 'echo'" in r.text
+
+
+def test_prompt_logprobs_on_every_api(server: ServerProcess, reference: Any, tokenizer: Any) -> None:
+    prompt = "Rivers flow into the sea, and the sea is salty."
+    ids = tokenizer(prompt)["input_ids"]
+    want = reference(ids)
+    for model in ("smollm2", "dyn"):
+        r = post(server, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 2,
+                                             "prompt_logprobs": 1})
+        scored = r.json()["choices"][0]["prompt_logprobs"]
+        assert scored[0] is None and len(scored) == len(ids)
+        for k, entry in enumerate(scored[1:]):
+            assert entry[str(ids[k + 1])]["logprob"] == pytest.approx(want[k], abs=1e-4)
+            assert len(entry) in (1, 2) and any(v["rank"] == 1 for v in entry.values())
+        r = post(server, "/v1/chat/completions", {"model": model, "max_tokens": 2, "prompt_logprobs": 0,
+                                                  "messages": [{"role": "user", "content": prompt}]})
+        chat = r.json()["prompt_logprobs"]
+        assert chat[0] is None and all(len(e) == 1 for e in chat[1:]) and len(chat) > len(ids)
+        for route, key in ((f"/generate?model_name={model}", "logprob"), (f"/predictions/{model}", "log_prob")):
+            r = post(server, route, {"inputs": prompt, "parameters": {"max_new_tokens": 2, "details": True,
+                                                                      "decoder_input_details": True}})
+            assert r.status_code == 200, r.text
+            answer = r.json()
+            prefill = (answer[0] if isinstance(answer, list) else answer)["details"]["prefill"]
+            assert [t["id"] for t in prefill] == ids and prefill[0][key] is None
+            assert [t[key] for t in prefill[1:]] == pytest.approx(want, abs=1e-4)

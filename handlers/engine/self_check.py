@@ -151,7 +151,7 @@ def verify(runner: ModelRunner, probe: Probe, arch: str) -> str:
         ids = seq.prompt + seq.decode
         table = [runner.num_blocks - 1 - b for b in range(-(-len(ids) // bs))]  # reversed: slots are not positions
 
-        def step(start: int, n: int) -> StepInputs:
+        def step(start: int, n: int, ids: list[int] = ids, table: list[int] = table) -> StepInputs:
             positions = list(range(start, start + n))
             return StepInputs(ids[start:start + n], positions, [table[p // bs] * bs + p % bs for p in positions],
                               [(0, start, n, table[:-(-(start + n) // bs)])], [n - 1])

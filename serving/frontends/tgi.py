@@ -96,7 +96,8 @@ class TgiRoutes:
         batching = getattr(config, "batching", None)
         limits = self.ctx.limits
         body = {"model_id": ep.name, "model_sha": None, "model_dtype": str(config.options.get("dtype", "fp32"))
-                if config is not None else None, "model_device_type": _device_type(ep), "model_pipeline_tag": "text-generation",
+                if config is not None else None, "model_device_type": _device_type(ep),
+                "model_pipeline_tag": "text-generation",
                 "max_concurrent_requests": getattr(batching, "job_queue_size", None), "max_best_of": 1,
                 "max_stop_sequences": limits.max_stop_sequences, "max_input_tokens": (max_len - 1) if max_len else None,
                 "max_input_length": (max_len - 1) if max_len else None, "max_total_tokens": max_len,

@@ -132,14 +132,16 @@ def test_a_missing_repository_says_not_found_or_not_authorised(hub: str, tmp_pat
 
 def test_a_private_repository_needs_hf_token(hub_root: Path, tmp_path: Path) -> None:
     with hub_server(hub_root, token="hf_secret") as private:
-        with pytest.raises(SourceError, match=r"^hub repository org/tiny: not found or not authorised \(set HF_TOKEN\)$"):
+        with pytest.raises(SourceError,
+                           match=r"^hub repository org/tiny: not found or not authorised \(set HF_TOKEN\)$"):
             fetch(private, "org/tiny", None, tmp_path / "without")
         fetch(private, "org/tiny", None, tmp_path / "with", token="hf_secret")
     assert tree(tmp_path / "with") == LOADABLE
 
 
 def test_pickle_only_weights_are_refused_unless_allowed(hub: str, tmp_path: Path) -> None:
-    with pytest.raises(SourceError, match=r"^hub repository org/pickled has only pickle weights \(pytorch_model\.bin\)"):
+    with pytest.raises(SourceError,
+                       match=r"^hub repository org/pickled has only pickle weights \(pytorch_model\.bin\)"):
         fetch(hub, "org/pickled", None, tmp_path / "refused")
     assert not (tmp_path / "refused").exists() or tree(tmp_path / "refused") == {}
     fetch(hub, "org/pickled", None, tmp_path / "allowed", allow_unsafe=True)

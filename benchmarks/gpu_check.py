@@ -236,7 +236,7 @@ def http_server(tmp: Path) -> None:
         req = urllib.request.Request(f"http://127.0.0.1:{mport}/models/llama1b",
                                      headers={"Authorization": f"Bearer {token}"})
         with urllib.request.urlopen(req, timeout=10) as r:
-            described = json.loads(r.read())
+            described = json.loads(r.read())[0]["models"][0]
         emit(f"- GET /models/llama1b workers: {json.dumps(described.get('workers'))}")
     except Exception as exc:  # noqa: BLE001
         emit(f"- error: {type(exc).__name__}: {str(exc)[:500]}")

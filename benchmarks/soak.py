@@ -168,7 +168,7 @@ async def sample_rss(mgmt: str, headers: dict[str, str], frontend: int, until: f
             now = time.monotonic() - t_start
             pids = {"frontend": frontend}
             for model in ("stream", "dyn"):
-                d = (await client.get(f"{mgmt}/models/{model}")).json()
+                d = (await client.get(f"{mgmt}/models/{model}")).json()[0]["models"][0]
                 engines = (d.get("batcher") or {}).get("engines") or {}
                 for w in d.get("workers", []):
                     name = f"worker {model} pid {w['pid']}"

@@ -33,7 +33,7 @@ from starlette.routing import Route
 from serving.auth import Scope, build_authority
 from serving.config import ServerConfig
 from serving.frontends import openapi, tgi
-from serving.frontends.apps import build_app
+from serving.frontends.apps import ModelReads, build_app
 from serving.frontends.grpc import GrpcFrontend
 from serving.frontends.http_guard import ApiGuard
 from serving.frontends.httpio import HttpContext, ServerState
@@ -105,11 +105,15 @@ class Server:
                 *tgi.routes(self.http),
                 openapi.route(lambda: openapi.inference_document(self.limits, sorted(self.registry.endpoints)))]
 
-    def _management_app(self, metrics_route: Any) -> Any:
-        app = build_app(ManagementRoutes(self.http, self.registry, self.config.drain_timeout_s,
-                                         metrics_route).routes() + HealthRoutes(self.health).routes()
-                        + [openapi.route(lambda: openapi.management_document(
-                            self.limits, sorted(self.registry.endpoints)))])
+    def _management_app(self, metrics_route: Any, reads_only: bool = False) -> Any:
+        """The management API's app; ``reads_only``: its model reads alone (served on the inference address)."""
+        routes = ManagementRoutes(self.http, self.registry, self.config.drain_timeout_s, metrics_route)
+        if reads_only:
+            app = build_app(routes.read_routes())
+        else:
+            app = build_app(routes.routes() + HealthRoutes(self.health).routes()
+                            + [openapi.route(lambda: openapi.management_document(
+                                self.limits, sorted(self.registry.endpoints)))])
         c = self.config
         return ApiGuard(app, self.authority, Scope.MANAGEMENT, browser_checks=True,
                         allowed_hosts=c.management_allowed_hosts, allowed_origins=c.management_allowed_origins)
@@ -119,13 +123,15 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         metrics_route = self.metrics.route
-        inference = self.metrics.instrument(ApiGuard(build_app(self._inference_routes()), self.authority,
-                                                     Scope.INFERENCE))
+        inference: Any = ApiGuard(build_app(self._inference_routes()), self.authority, Scope.INFERENCE)
+        management_hp = self.config.management_host_port()
+        if management_hp is not None:  # DJL serves both APIs on one port: its clients read models there
+            inference = ModelReads(inference, self._management_app(metrics_route, reads_only=True))
+        inference = self.metrics.instrument(inference)
         host, port = self.config.inference_host_port()
         if self.config.sagemaker_port is not None:
             port = self.config.sagemaker_port
         listeners = [("inference", inference, host, port)]
-        management_hp = self.config.management_host_port()
         if management_hp is not None:
             listeners.append(("management", self._management_app(metrics_route), *management_hp))
         else:

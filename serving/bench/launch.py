@@ -172,12 +172,14 @@ class LocalServer(ServerAddresses):
         raise RuntimeError(f"model {self.name} not ready in time:\n{self.proc.tail()}")
 
     def describe(self) -> dict[str, Any]:
-        """``GET /models/{name}`` on the management API."""
+        """The model object of ``GET /models/{name}`` on the management API (``serving.frontends.djl``)."""
         import httpx
+
+        from serving.frontends.djl import model_entry
 
         resp = httpx.get(f"{self.mgmt}/models/{self.name}", headers=self.mgmt_headers, timeout=30)
         resp.raise_for_status()
-        return dict(resp.json())
+        return model_entry(resp.json())
 
     def put(self, knobs: dict[str, Any]) -> dict[str, Any]:
         """``PUT /models/{name}?knob=value...``: changes the live model. Raises ``RuntimeError`` with the

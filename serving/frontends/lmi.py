@@ -3,14 +3,16 @@
 Design note: a thin translation. The LMI body ``{"inputs", "parameters", "stream"}`` becomes one
 ``GenerationRequest`` per input string; answers are LMI's ``{"generated_text", "details"}`` (a list for a
 list input), streams are jsonlines token objects (or SSE with ``option.output_formatter=sse``; TGI shapes
-with ``option.tgi_compat``). Streaming needs a rolling-batch model: a dynamic-batching model answers
-``stream`` with a 400 naming ``option.rolling_batch`` (as DJL does), never a silent whole answer.
+with ``option.tgi_compat``). As DJL: a rolling-batch model with ``option.output_formatter=jsonlines`` streams
+without being asked, and a dynamic-batching model answers ``stream`` whole (it has no tokens to stream).
+``POST /models/{model}/invoke`` is DJL's other name of ``/predictions/{model}``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -32,6 +34,7 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.prompts import ModelTexts, off_loop
 from serving.frontends.schemas import LMI
+from serving.frontends.tgi import whole_answer as tgi_answer
 from serving.params import check_wire_value, lmi_sampling_params, parse_lmi_parameters
 from serving.schema import kind_of, type_error
 from serving.types import GenerationRequest, GenerationResult, SamplingParams, TokenInfo
@@ -70,13 +73,17 @@ def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx
         params = lmi_sampling_params(req.parameters, ctx.limits) if req.parameters else SamplingParams()
         was_list = isinstance(req.inputs, list)
         prompts = list(req.inputs) if isinstance(req.inputs, list) else [req.inputs]
-        stream = bool(req.stream)
+        stream = _streams(ep, bool(req.stream), was_list)
+        # every streamed token carries its log-probability (DJL's token objects always have one); tgi_compat
+        # answers always carry TGI's details
+        if stream or _tgi_compat(ep):
+            params = replace(params, details=True)
         payload = None
     else:
         stream_value = body.get("stream")
         if stream_value is not None and not isinstance(stream_value, bool):
             raise type_error("stream", "a boolean", stream_value)
-        stream = bool(stream_value)
+        stream = _streams(ep, bool(stream_value), False)
         params = parse_lmi_parameters(body.get("parameters"), ctx.limits, strict=False)
         check_wire_value("body", body)  # a custom handler's raw payload crosses to the worker as is
         inputs = body.get("inputs")
@@ -87,6 +94,18 @@ def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx
                               params=params, stream=stream, payload=payload, attributes=attributes)
             for i, p in enumerate(prompts)]
     return reqs, was_list, stream
+
+
+def _tgi_compat(ep: Any) -> bool:
+    return model_option(ep, "tgi_compat").lower() == "true"
+
+
+def _streams(ep: Any, asked: bool, was_list: bool) -> bool:
+    """Whether the answer streams, as DJL decides: a rolling-batch model streams when asked, and always with
+    ``option.output_formatter=jsonlines`` (for one prompt); dynamic batching answers whole even when asked."""
+    if not ep.rolling:
+        return False
+    return asked or (not was_list and model_option(ep, "output_formatter") == "jsonlines")
 
 
 def _not_an_object(body: Any) -> InvalidRequest:
@@ -143,6 +162,7 @@ class LmiRoutes:
 
     def routes(self) -> list[Route]:
         return [Route("/predictions/{model_name}", self.predictions, methods=["POST"]),
+                Route("/models/{model_name}/invoke", self.predictions, methods=["POST"]),  # DJL's other name
                 Route("/invocations", self.invocations, methods=["POST"])]
 
     async def predictions(self, request: Request) -> Response:
@@ -167,9 +187,6 @@ class LmiRoutes:
                 self.texts.get(ep)  # on the loop: the cache is not thread-safe
                 await off_loop(self.ctx.tokenize_pool, body_size(request), self.check_lengths, ep, reqs)
             if stream:
-                if not ep.rolling:
-                    raise InvalidRequest("'stream' needs a rolling-batch model (set option.rolling_batch=auto); "
-                                         f"model {ep.name!r} uses dynamic batching")
                 if len(reqs) != 1:
                     raise InvalidRequest("'stream' takes a single string in 'inputs'")
                 return self._stream(ep, reqs[0], submit_all(ep, reqs)[0], rid)
@@ -186,14 +203,16 @@ class LmiRoutes:
         headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings)}
         if not is_text_model(ep) and results[0].payload is not None:
             return JSONResponse(results[0].payload, headers=headers)
+        if _tgi_compat(ep):  # TGI's answer shape (a list), details included, as DJL's tgi_compat
+            text = self.texts.get(ep)
+            return JSONResponse([tgi_answer(q, r, text) for q, r in zip(reqs, results, strict=True)],
+                                headers=headers)
         answers = [lmi_answer(r, q.params.details, q.prompt, q.params.return_full_text)
                    for q, r in zip(reqs, results, strict=True)]
-        if model_option(ep, "tgi_compat").lower() == "true":
-            return JSONResponse(answers, headers=headers)
         return JSONResponse(answers if was_list else answers[0], headers=headers)
 
     def _stream(self, ep: Any, req: GenerationRequest, stream: ResultStream, rid: str) -> Response:
-        tgi = model_option(ep, "tgi_compat").lower() == "true"
+        tgi = _tgi_compat(ep)
         sse = tgi or model_option(ep, "output_formatter") == "sse"
         media = "text/event-stream" if sse else "application/jsonlines"
         return StreamingResponse(lmi_events(req, stream, sse, tgi), media_type=media,

@@ -1,6 +1,7 @@
 """Management API (DJL/TorchServe shape) on its own address.
 
-``GET /models``, ``GET /models/{name}``, ``POST /models?url=&model_name=&batch_size=&max_batch_delay=&
+``GET /models``, ``GET /models/{name}`` (DJL's shape: ``serving.frontends.djl``),
+``POST /models?url=&model_name=&batch_size=&max_batch_delay=&
 min_worker=&max_worker=&synchronous=``, ``PUT /models/{name}?batch_size=&max_batch_delay=&
 max_rolling_batch_size=&max_rolling_batch_prefill_tokens=&job_queue_size=&min_worker=&max_worker=``,
 ``DELETE /models/{name}``, ``DELETE /requests/{request_id}``, ``GET /ping``. Registration only accepts a
@@ -21,12 +22,14 @@ from starlette.routing import Route
 
 from serving import knobs
 from serving.errors import InvalidRequest, ModelNotFound, ServingError
+from serving.frontends.djl import describe_model
 from serving.frontends.httpio import REQUEST_ID_HEADER, HttpContext, error_response, request_id
 
 
 class Registry(Protocol):
     endpoints: dict[str, Any]
     live: Any  # serving.live_requests.LiveRequests
+    startup_models: set[str] | None
 
     def get(self, name: str) -> Any: ...
     def resolve_url(self, url: str) -> Any: ...
@@ -50,6 +53,11 @@ def _int_param(request: Request, name: str) -> int | None:
     return int(v)
 
 
+def _folder(ep: Any) -> str:
+    config = getattr(ep, "config", None)
+    return str(config.model_dir.name) if config is not None else ep.name
+
+
 class ManagementRoutes:
     def __init__(self, ctx: HttpContext, registry: Registry, drain_timeout_s: float,
                  metrics_route: Callable[[Request], Any] | None = None) -> None:
@@ -58,10 +66,13 @@ class ManagementRoutes:
         self.drain_timeout_s = drain_timeout_s
         self.metrics_route = metrics_route
 
+    def read_routes(self) -> list[Route]:
+        return [Route("/models", self.list_models, methods=["GET"]),
+                Route("/models/{name}", self.describe, methods=["GET"])]
+
     def routes(self) -> list[Route]:
-        routes = [Route("/models", self.list_models, methods=["GET"]),
+        routes = [*self.read_routes(),
                   Route("/models", self.register, methods=["POST"]),
-                  Route("/models/{name}", self.describe, methods=["GET"]),
                   Route("/models/{name}", self.update, methods=["PUT"]),
                   Route("/models/{name}", self.unregister, methods=["DELETE"]),
                   Route("/requests/{request_id}", self.cancel_request, methods=["DELETE"])]
@@ -79,13 +90,14 @@ class ManagementRoutes:
 
     async def list_models(self, request: Request) -> Response:
         async def run() -> tuple[Any, int]:
-            return {"models": [{"modelName": n, "status": ep.state.value}
+            return {"models": [{"modelName": n, "modelUrl": _folder(ep), "status": ep.state.value}
                                for n, ep in sorted(self.registry.endpoints.items())]}, 200
         return await self._guard(request, run)
 
     async def describe(self, request: Request) -> Response:
         async def run() -> tuple[Any, int]:
-            return self.registry.get(request.path_params["name"]).describe(), 200
+            ep = self.registry.get(request.path_params["name"])
+            return describe_model(ep, ep.name in (self.registry.startup_models or ())), 200
         return await self._guard(request, run)
 
     async def register(self, request: Request) -> Response:

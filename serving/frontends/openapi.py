@@ -123,6 +123,15 @@ def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, 
                                                        "an OpenAI chat request)", lmi_body, lmi_or_chat_ok)
                                                ["post"], "parameters": [
                                                    {**_path_param("model_name"), "schema": _model_schema(models)}]}},
+        "/models/{model_name}/invoke": {"post": {**_post("DJL's name of /predictions/{model_name}", lmi_body,
+                                                         lmi_or_chat_ok)["post"], "parameters": [
+            {**_path_param("model_name"), "schema": _model_schema(models)}]}},
+        "/models": {"get": {"summary": "the management API's model list (DJL serves both APIs on one port): "
+                                       "needs the management token", "responses": _responses(
+                                           _json_ok("ok", {"type": "object"}), ("401", "500"))}},
+        "/models/{name}": {"get": {"summary": "the management API's description of a model (DJL's shape): needs "
+                                              "the management token", "parameters": [_path_param("name")],
+                                   "responses": _responses(_json_ok("ok", {"type": "array"}), ("401", "404", "500"))}},
         "/invocations": _post("SageMaker/LMI generation (a body with `messages` is an OpenAI chat request); "
                               "X-Amzn-SageMaker-Custom-Attributes reaches the handler", lmi_body, lmi_or_chat_ok,
                               params=model_q),
@@ -157,8 +166,10 @@ def management_document(limits: Limits, models: Sequence[str] = ()) -> dict[str,
                         *[_query(k, ints) for k in ("batch_size", "max_batch_delay", "min_worker", "max_worker",
                                                     "job_queue_size")],
                         _query("synchronous", {"type": "string"})], "responses": _responses(obj, mgmt)}},
-        "/models/{name}": {"get": {"summary": "describe a model", "parameters": [_path_param("name")],
-                                   "responses": _responses(obj, mgmt)},
+        "/models/{name}": {"get": {"summary": "describe a model (DJL's shape: a list of one workflow whose models[0] "
+                                              "has workerGroups[].workers[] and rollserve's fields)",
+                                   "parameters": [_path_param("name")],
+                                   "responses": _responses(_json_ok("ok", {"type": "array"}), mgmt)},
                            "put": {"summary": "change knobs of the live model without a reload (min_worker and "
                                               "max_worker need enable_model_api)", "parameters": [
                                _path_param("name"),

@@ -57,7 +57,8 @@ class LmiRequest(StrictModel):
                       BY_SHAPE, Field(description="the prompt, or a list of prompts (a list of answers)")]
     parameters: LmiParameters | None = None
     stream: bool | None = Field(None, description="a token stream (jsonlines; SSE with option.output_formatter=sse)"
-                                " of a single prompt; needs a rolling-batch model")
+                                " of a single prompt on a rolling-batch model (always with "
+                                "option.output_formatter=jsonlines); dynamic batching answers whole")
     model: Text | None = Field(None, description="ignored: the route decides the model")
 
 

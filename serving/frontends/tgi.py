@@ -160,6 +160,8 @@ class TgiRoutes:
             ids = list(token_ids)
         text.check_length(len(ids) if ids is not None else None, params.max_new_tokens, "max_new_tokens")
         want = bool(req.stream) if stream is None else stream
+        if want:  # every streamed token carries its log-probability, as TGI's own server sends it
+            params = replace(params, details=True)
         request = GenerationRequest(request_id=rid, model=ep.name, prompt=req.inputs, params=params,
                                     prompt_token_ids=token_ids, stream=want)
         return request, want

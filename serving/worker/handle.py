@@ -45,6 +45,7 @@ class WorkerHandle:
         self.pid: int | None = None
         self.alive = False
         self.ready_at: float | None = None  # time.monotonic() when the worker answered Ready
+        self.started_at = time.time()  # wall clock, for DJL's describe (``startTime``)
         self._env = env
         self._proc: asyncio.subprocess.Process | None = None
         self._writer: asyncio.StreamWriter | None = None

@@ -205,5 +205,5 @@ class WorkerPool:
     def describe(self) -> list[dict[str, Any]]:
         return [{"id": wid, "pid": h.pid, "in_flight": self._batcher.worker_load(h),
                  "status": "STOPPED" if not h.alive else "RETIRING" if wid in self._retiring else "READY",
-                 "devices": [f"gpu{d}" for d in self.devices.of(wid) or ()] or ["cpu"]}
+                 "devices": [f"gpu{d}" for d in self.devices.of(wid) or ()] or ["cpu"], "started_at": h.started_at}
                 for wid, h in sorted(self.workers.items())]

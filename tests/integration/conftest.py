@@ -86,7 +86,7 @@ def hostile_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
         config={"ping_requires": "any", "enable_model_api": "true", "max_models": "7", "max_workers_per_model": "2",
                 "grpc_max_stream_requests": "4", "grpc_max_concurrent_rpcs": "6"}, timeout_s=300)
     deadline = time.monotonic() + 300  # ping_requires=any: wait for every model that can load
-    while any(server.describe(m)["status"] != "READY" for m in ("dyn", "roll", "custom", "poison", "slowecho")):
+    while any(server.describe(m)["state"] != "READY" for m in ("dyn", "roll", "custom", "poison", "slowecho")):
         assert time.monotonic() < deadline, server.log()[-3000:]
         time.sleep(0.2)
     yield server

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from serving.bench.launch import ServerAddresses, read_tokens
+from serving.frontends.djl import model_entry
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "model_store" / "tiny-llama"
@@ -138,7 +139,8 @@ class ServerProcess(ServerAddresses):
         return [int(p) for p in _children(self.proc.pid)]
 
     def describe(self, model: str) -> dict[str, Any]:
-        return httpx.get(f"{self.mgmt}/models/{model}", headers=self.mgmt_headers, timeout=10).json()
+        """The model object of ``GET /models/{model}`` (DJL's shape; rollserve's state is ``state``)."""
+        return model_entry(httpx.get(f"{self.mgmt}/models/{model}", headers=self.mgmt_headers, timeout=10).json())
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, wait, and assert no process of the group survives. Returns the exit code."""

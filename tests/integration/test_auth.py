@@ -162,7 +162,7 @@ def test_model_api_on_and_management_off(tmp_path_factory: pytest.TempPathFactor
         (bad / "model.py").write_text("def initialize(ctx):\n    raise RuntimeError('no')\n\n\n"
                                       "def handle(inputs):\n    return []\n")
         r = httpx.post(f"{on.mgmt}/models", params={"url": "bad"}, headers=on.mgmt_headers, timeout=120)
-        assert r.status_code == 503 and on.describe("bad")["status"] == "FAILED", r.text
+        assert r.status_code == 503 and on.describe("bad")["state"] == "FAILED", r.text
         assert httpx.get(f"{on.url}/ping", timeout=5).status_code == 200
         assert httpx.get(f"{on.url}/health/ready", timeout=5).status_code == 200
     finally:

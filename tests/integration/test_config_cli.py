@@ -28,7 +28,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "bad-queue": {**ECHO, "job_queue_size": "0"},
     }, wait_ready=False)  # /ping stays 503 with failed models: wait for the good one instead
     deadline = time.monotonic() + 60
-    while httpx.get(f"{s.mgmt}/models/good", headers=s.mgmt_headers, timeout=5).json().get("status") != "READY":
+    while s.describe("good").get("state") != "READY":
         assert time.monotonic() < deadline, s.log()
         time.sleep(0.1)
     yield s
@@ -42,7 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def test_bad_model_config_is_failed_with_where_and_what(server: ServerProcess, model: str, line: int, key: str,
                                                         value: str) -> None:
     info = server.describe(model)
-    assert info["status"] == "FAILED"
+    assert info["state"] == "FAILED"
     reason = info["reason"]
     assert f"serving.properties:{line}" in reason and key in reason and value in reason, reason
     assert "expected an integer >= 1" in reason
@@ -215,7 +215,7 @@ def test_a_model_that_cannot_fit_is_failed_with_the_figures(tmp_path: Path) -> N
                             wait_ready=False)
     try:
         deadline = time.monotonic() + 60
-        while (info := s.describe("huge"))["status"] != "FAILED":
+        while (info := s.describe("huge"))["state"] != "FAILED":
             assert time.monotonic() < deadline, s.log()
             time.sleep(0.1)
         reason = info["reason"]

@@ -17,7 +17,7 @@ def test_shipped_model_store_serves_and_streams(tmp_path: Path) -> None:
     server = ServerProcess.start(tmp_path, config={"model_store": str(REPO / "model_store")})
     try:
         info = server.describe("tiny-llama")
-        assert info["status"] == "READY" and info["batching"] == "rolling"
+        assert info["state"] == "READY" and info["batching"] == "rolling"
         with httpx.stream("POST", f"{server.url}/predictions/tiny-llama", timeout=60,
                           json={"inputs": "Hello", "parameters": {"max_new_tokens": 5}, "stream": True}) as r:
             assert r.status_code == 200

@@ -46,7 +46,7 @@ def run_client(*args: str, env: dict[str, str] | None = None) -> str:
 
 
 def test_example_model_folders_load_and_answer(server: ServerProcess) -> None:
-    assert {m: server.describe(m)["status"] for m in MODELS} == dict.fromkeys(MODELS, "READY")
+    assert {m: server.describe(m)["state"] for m in MODELS} == dict.fromkeys(MODELS, "READY")
     r = httpx.post(f"{server.url}/predictions/custom", json={"inputs": "Hello", "shout": True}, timeout=60)
     assert (r.status_code, r.json()) == (200, {"reply": "HI THERE, HELLO", "length": 15})
     r = httpx.post(f"{server.url}/predictions/echo", json={"inputs": "echo me"}, timeout=60)

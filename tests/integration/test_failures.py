@@ -62,7 +62,7 @@ def test_a_worker_dying_on_a_request_twice_is_502(server: ServerProcess) -> None
     body = r.json()
     assert body["error_type"] == "worker_failed" and "retried once already" in body["error"], body
     assert server.describe("crashy")["worker_restarts"] == 2  # the first death was retried, the second not
-    wait_for(lambda: server.describe("crashy")["status"] == "READY" and server.describe("crashy")["workers"],
+    wait_for(lambda: server.describe("crashy")["state"] == "READY" and server.describe("crashy")["workers"],
              "the restarted worker")
     r = httpx.post(f"{server.url}/predictions/crashy", json={"inputs": "fine"}, timeout=60)
     assert (r.status_code, r.json()) == (200, {"generated_text": "fine"})

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from handlers.synthetic_model import _WORDS, FAMILIES, build_model
+from serving.frontends.djl import model_entry
 from tests.engine.test_families import EXACT, REFUSED, generate_reference
 from tests.integration.harness import ServerProcess
 
@@ -78,7 +79,7 @@ def test_refused_families_fail_with_the_reason(tmp_path: Path, family_models: di
     try:
         for family, feature in REFUSED.items():
             desc = _wait_settled(server, family)
-            assert desc["status"] == "FAILED", desc
+            assert desc["state"] == "FAILED", desc
             assert feature in str(desc), desc
     finally:
         server.stop()
@@ -90,7 +91,7 @@ def _wait_settled(server: ServerProcess, model: str, timeout_s: float = 240) -> 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         r = httpx.get(f"{server.mgmt}/models/{model}", headers=server.mgmt_headers, timeout=10)
-        if r.status_code == 200 and r.json().get("status") in ("FAILED", "READY"):
-            return dict(r.json())
+        if r.status_code == 200 and model_entry(r.json()).get("state") in ("FAILED", "READY"):
+            return model_entry(r.json())
         time.sleep(0.2)
     raise AssertionError(f"{model} did not settle:\n{server.log()[-3000:]}")

@@ -52,5 +52,5 @@ def test_schemathesis_finds_no_server_error(server: ServerProcess, api: str, tmp
     r = httpx.post(f"{server.url}/predictions/roll", json=lmi_body(max_new_tokens=4), headers=server.inference_headers,
                    timeout=60)
     assert r.status_code == 200, r.text
-    assert server.describe("roll")["status"] == "READY"
+    assert server.describe("roll")["state"] == "READY"
     assert_no_leaks(server, "roll", timeout_s=120)

@@ -127,7 +127,7 @@ def test_a_worker_whose_step_keeps_failing_is_replaced(hostile_server: ServerPro
         time.sleep(0.1)
     assert "engine steps in a row failed" in s.log()
     deadline = time.monotonic() + 60
-    while s.describe("poison")["status"] != "READY" or not s.describe("poison")["workers"]:
+    while s.describe("poison")["state"] != "READY" or not s.describe("poison")["workers"]:
         assert time.monotonic() < deadline
         time.sleep(0.1)
     twelve_afterwards(s, "poison")
@@ -186,7 +186,7 @@ def test_no_internal_path_reaches_a_client(hostile_server: ServerProcess) -> Non
     s = hostile_server
     workdir = str(s.workdir)
     broken = s.describe("broken")
-    assert broken["status"] == "FAILED" and "FileNotFoundError" in broken["reason"]
+    assert broken["state"] == "FAILED" and "FileNotFoundError" in broken["reason"]
     assert workdir not in broken["reason"] and not ABSOLUTE_PATH.search(broken["reason"]), broken["reason"]
     assert "broken/weights/model.bin" in broken["reason"]
     message = error_of(post(s, "/predictions/broken", lmi_body()), 503, "FAILED")

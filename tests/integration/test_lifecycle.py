@@ -181,7 +181,7 @@ def test_model_failing_to_load_is_failed_and_server_stays_idle(tmp_path: Path) -
     s = ServerProcess.start(tmp_path, models={"good": ECHO, "broken": {"option.entryPoint": "model.py"}},
                             files={"broken": {"model.py": BAD_MODEL_PY}}, wait_ready=False)
     try:
-        info = wait_for(lambda: (d := s.describe("broken"))["status"] == "FAILED" and d, 30, "broken FAILED")
+        info = wait_for(lambda: (d := s.describe("broken"))["state"] == "FAILED" and d, 30, "broken FAILED")
         assert "weights are corrupt" in info["reason"]
         assert info["workers"] == []
         assert "failed to load (3/3)" in s.log()  # bounded retries
@@ -247,7 +247,7 @@ def test_register_scale_unregister(mgmt_server: ServerProcess) -> None:
                    headers=s.mgmt_headers, timeout=60)
     assert r.status_code == 200, r.text
     info = s.describe("m2")
-    assert info["status"] == "READY" and info["batch_size"] == 2 and len(info["workers"]) == 1
+    assert info["state"] == "READY" and info["batch_size"] == 2 and len(info["workers"]) == 1
     r = httpx.post(f"{s.url}/predictions/m2", json={"inputs": "hi m2"}, timeout=10)
     assert r.status_code == 200 and r.json() == {"generated_text": "hi m2"}
     # duplicate name
@@ -269,7 +269,7 @@ def test_register_scale_unregister(mgmt_server: ServerProcess) -> None:
     assert r.status_code == 404 and r.json()["error_type"] == "not_found"
     # the unregistered model's workers are gone; the base model's remains
     wait_for(lambda: len(s.worker_pids()) == 1, 10, "m2's workers to exit")
-    assert s.describe("base")["status"] == "READY"
+    assert s.describe("base")["state"] == "READY"
 
 
 def test_register_with_an_invalid_override_is_400_and_registers_nothing(tmp_path: Path) -> None:

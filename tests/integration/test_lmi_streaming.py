@@ -56,11 +56,6 @@ def test_jsonlines_stream_matches_whole(api_server: ServerProcess) -> None:
     assert int(h["x-generated-tokens"]) == answer["details"]["generated_tokens"]
 
 
-def test_dynamic_model_rejects_stream(api_server: ServerProcess) -> None:
-    r = httpx.post(f"{api_server.url}/predictions/tiny", json={**BODY, "stream": True}, timeout=30)
-    assert r.status_code == 400 and "option.rolling_batch" in r.json()["error"]
-
-
 def test_list_inputs_on_dynamic_model(api_server: ServerProcess) -> None:
     r = httpx.post(f"{api_server.url}/predictions/tiny", json={"inputs": ["a b", "c d"], "parameters": {
         "max_new_tokens": 2}}, timeout=60)

@@ -51,7 +51,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     }, files={"slowroll": {"model.py": POISON_HANDLER}, "flaky": {"model.py": FLAKY_HANDLER}},
         config={"enable_model_api": "true", "drain_timeout": "1", "ping_requires": "any"})
     deadline = time.monotonic() + 120  # ping_requires=any: ready at the first model, so wait for all
-    while any(s.describe(m)["status"] != "READY" for m in ("slow", "slowroll", "flaky", "echo", "spare")):
+    while any(s.describe(m)["state"] != "READY" for m in ("slow", "slowroll", "flaky", "echo", "spare")):
         assert time.monotonic() < deadline and "FAILED" not in str(s.describe("flaky")), s.log()[-3000:]
         time.sleep(0.1)
     yield s
@@ -92,7 +92,7 @@ def test_a_model_that_turns_failed_fails_its_queued_requests(server: ServerProce
         responses = [slow.result(), *[q.result() for q in queued]]
     for r in responses:
         error_of(r, 503, "flaky", "FAILED")
-    assert s.describe("flaky")["status"] == "FAILED"
+    assert s.describe("flaky")["state"] == "FAILED"
     assert "the weights changed under the server" in s.describe("flaky")["reason"]
     twelve_afterwards(s, "echo")  # the other models are fine
 

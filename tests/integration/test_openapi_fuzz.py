@@ -14,6 +14,7 @@ import pytest
 from tests.integration.harness import ServerProcess
 
 INFERENCE_ROUTES = {"/ping", "/health/live", "/health/ready", "/predictions/{model_name}",
+                    "/models/{model_name}/invoke", "/models", "/models/{name}",
                     "/invocations", "/v1/models", "/v1/completions",
                     "/v1/chat/completions", "/generate", "/generate_stream", "/", "/info", "/openapi.json"}
 MANAGEMENT_ROUTES = {"/models", "/models/{name}", "/requests/{request_id}", "/ping", "/health/live",

@@ -43,7 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, bloom_dir: Path) -> Iterato
     }, sources={"bloom-auto": bloom_dir, "bloom-scheduler": bloom_dir, "bloom-vllm": bloom_dir,
                 "llama-auto": DEFAULT_MODEL}, wait_ready=False, timeout_s=240)
     deadline = time.monotonic() + 240
-    while any(s.describe(m).get("status") != "READY" for m in ("bloom-auto", "llama-auto")):
+    while any(s.describe(m).get("state") != "READY" for m in ("bloom-auto", "llama-auto")):
         assert s.proc.poll() is None and time.monotonic() < deadline, s.log()
         time.sleep(0.2)
     yield s
@@ -53,7 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, bloom_dir: Path) -> Iterato
 def test_auto_on_an_unsupported_architecture_serves_with_dynamic_batching(server: ServerProcess,
                                                                          bloom_dir: Path) -> None:
     info = server.describe("bloom-auto")
-    assert info["status"] == "READY" and info["batching"] == "dynamic"
+    assert info["state"] == "READY" and info["batching"] == "dynamic"
     assert info["rolling_batch"] == {"requested": "auto", "effective": "disable", "reason": FALLBACK}
     r = httpx.post(f"{server.url}/predictions/bloom-auto",
                    json={"inputs": "hello world", "parameters": {"max_new_tokens": 5, "do_sample": False,
@@ -70,7 +70,7 @@ def test_auto_on_an_unsupported_architecture_serves_with_dynamic_batching(server
 def test_explicit_rolling_engine_on_an_unsupported_architecture_is_failed(server: ServerProcess, model: str,
                                                                          requested: str) -> None:
     info = server.describe(model)
-    assert info["status"] == "FAILED"
+    assert info["state"] == "FAILED"
     assert info["reason"] == f"{model}/{refusal(requested)}"  # the folder by model name, not by server path
     assert f"model {model}: invalid configuration: " in server.log() and refusal(requested) in server.log()
     r = httpx.post(f"{server.url}/predictions/{model}", json={"inputs": "x"}, timeout=10)
@@ -79,7 +79,7 @@ def test_explicit_rolling_engine_on_an_unsupported_architecture_is_failed(server
 
 def test_auto_on_a_supported_architecture_is_rolling(server: ServerProcess) -> None:
     info = server.describe("llama-auto")
-    assert info["status"] == "READY" and info["batching"] == "rolling"
+    assert info["state"] == "READY" and info["batching"] == "rolling"
     assert info["rolling_batch"] == {
         "requested": "auto", "effective": "scheduler",
         "reason": "option.rolling_batch=auto: rolling engine; LlamaForCausalLM (model_type=llama) is supported"}

@@ -87,7 +87,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, unlisted: dict[str, Path]) 
     }, sources={"olmo3": unlisted["olmo3"], "glm4-broken": unlisted["glm4"], "llama": DEFAULT_MODEL},
         env={"PYTHONPATH": path, "ROLLSERVE_TEST_BREAK_ATTENTION": "glm4"}, wait_ready=False, timeout_s=240)
     deadline = time.monotonic() + 240
-    while any(s.describe(m).get("status") not in ("READY", "FAILED") for m in ("olmo3", "glm4-broken", "llama")):
+    while any(s.describe(m).get("state") not in ("READY", "FAILED") for m in ("olmo3", "glm4-broken", "llama")):
         assert s.proc.poll() is None and time.monotonic() < deadline, s.log()
         time.sleep(0.2)
     yield s
@@ -96,7 +96,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, unlisted: dict[str, Path]) 
 
 def test_unlisted_architecture_is_admitted_by_the_self_check(server: ServerProcess, unlisted: dict[str, Path]) -> None:
     info: dict[str, Any] = server.describe("olmo3")
-    assert info["status"] == "READY" and info["batching"] == "rolling", info
+    assert info["state"] == "READY" and info["batching"] == "rolling", info
     assert info["rolling_batch"]["effective"] == "scheduler"
     assert PENDING.format("Olmo3ForCausalLM (model_type=olmo3)") in info["rolling_batch"]["reason"]
     assert info["admitted"].startswith("load-time self-check (3 prompts, 4 decode steps each, crossing the "
@@ -121,12 +121,12 @@ def test_unlisted_architecture_is_admitted_by_the_self_check(server: ServerProce
 
 def test_listed_architecture_is_admitted_by_the_list(server: ServerProcess) -> None:
     info = server.describe("llama")
-    assert info["status"] == "READY" and info["admitted"] == "verified list"
+    assert info["state"] == "READY" and info["admitted"] == "verified list"
 
 
 def test_a_failed_self_check_fails_the_model_with_the_first_difference(server: ServerProcess) -> None:
     info = server.describe("glm4-broken")
-    assert info["status"] == "FAILED", info
+    assert info["state"] == "FAILED", info
     assert ("Glm4ForCausalLM (model_type=glm4) is not on the verified list and failed the load-time self-check: "
             "prompt 1 (5 tokens) decode step 1 logits differ by ") in info["reason"], info["reason"]
     r = httpx.post(f"{server.url}/predictions/glm4-broken", json={"inputs": "x"}, timeout=10)

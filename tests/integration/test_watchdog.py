@@ -66,7 +66,7 @@ def wait_replaced(server: ServerProcess, model: str, old_pid: int) -> None:
     deadline = time.monotonic() + 180
     while True:
         d = server.describe(model)
-        if d["status"] == "READY" and d["workers"] and d["workers"][0]["pid"] != old_pid:
+        if d["state"] == "READY" and d["workers"] and d["workers"][0]["pid"] != old_pid:
             return
         assert time.monotonic() < deadline, d
         time.sleep(0.1)

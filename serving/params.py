@@ -195,14 +195,15 @@ def build_sampling_params(values: Mapping[str, Any], limits: Limits) -> Sampling
     return lmi_sampling_params(PARAMETERS.validate(dict(values), limits), limits)
 
 
-def parse_lmi_parameters(params: Any, limits: Limits, *, strict: bool = True) -> SamplingParams:
-    """The LMI/TGI ``parameters`` object -> SamplingParams. Unknown names -> 400 listing them (dropped when
-    not ``strict``)."""
+def parse_lmi_parameters(params: Any, limits: Limits, *, strict: bool = True,
+                         ignored: list[str] | None = None) -> SamplingParams:
+    """The LMI/TGI ``parameters`` object -> SamplingParams. Unknown names -> 400 listing them (dropped into
+    ``ignored`` when not ``strict``)."""
     if params is None:
         return SamplingParams()
     if not isinstance(params, dict):
         raise type_error("parameters", "an object", params)
-    return lmi_sampling_params(PARAMETERS.validate(params, limits, strict=strict), limits)
+    return lmi_sampling_params(PARAMETERS.validate(params, limits, strict=strict, ignored=ignored), limits)
 
 
 def check_text(name: str, v: Any, *, allow_empty: bool = False, max_chars: int = 1_000_000) -> str:

@@ -263,9 +263,9 @@ class RequestSchema(Generic[M]):
         self.params_at = params_at
         self._schemas: dict[Any, dict[str, Any]] = {}
 
-    def validate(self, value: Any, limits: Any, *, strict: bool = True) -> M:
+    def validate(self, value: Any, limits: Any, *, strict: bool = True, ignored: list[str] | None = None) -> M:
         """``value`` as a ``model`` instance, or ``InvalidRequest`` naming the first problem. Not ``strict``:
-        unknown fields are dropped instead of refused."""
+        unknown fields are dropped instead of refused, their paths added to ``ignored``."""
         try:
             return self.model.model_validate(value, context=limits)
         except ValidationError as exc:
@@ -273,9 +273,14 @@ class RequestSchema(Generic[M]):
         unknown = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
         if unknown and not strict:
             try:
-                return self.model.model_validate(_without(value, unknown), context=limits)
+                valid = self.model.model_validate(_without(value, unknown), context=limits)
             except ValidationError as exc:
                 errors = exc.errors(include_url=False)
+            else:
+                if ignored is not None:
+                    schema = self.schema(limits)
+                    ignored.extend(sorted(".".join(map(str, _locate(schema, loc)[0])) for loc in unknown))
+                return valid
         raise InvalidRequest(self.message(errors, limits)) from None
 
     def schema(self, limits: Any) -> dict[str, Any]:

@@ -157,10 +157,10 @@ def is_text_model(ep: Any) -> bool:
 
 
 def strict_parameters(ep: Any) -> bool:
-    """Unknown parameters are refused for text models unless ``option.strict_parameters=false``."""
+    """Unknown parameters are refused for text models with ``option.strict_parameters=true`` (else dropped)."""
     config = getattr(ep, "config", None)
-    option = str(config.options.get("strict_parameters", "true")) if config is not None else "true"
-    return is_text_model(ep) and option.lower() != "false"
+    option = str(config.options.get("strict_parameters", "false")) if config is not None else "false"
+    return is_text_model(ep) and option.lower() == "true"
 
 
 def require_streaming(ep: Any) -> None:

@@ -109,7 +109,10 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         ep = self.registry.get(request.model_name)
         inputs = decode_inputs(request)
         limits = self.ctx.limits
-        params = parse_lmi_parameters(inputs.parameters, limits, strict=strict_parameters(ep))
+        ignored: list[str] = []
+        params = parse_lmi_parameters(inputs.parameters, limits, strict=strict_parameters(ep), ignored=ignored)
+        if ignored and is_text_model(ep):
+            log.warning("model %s: ignored unknown sampling parameters: %s", ep.name, ", ".join(ignored))
         check_sequences(len(inputs.prompts), limits, "'text_input'")
         prompts = [check_text("text_input", p, max_chars=limits.max_prompt_chars) for p in inputs.prompts]
         if not is_text_model(ep):

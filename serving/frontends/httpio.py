@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -43,6 +44,24 @@ STATUS: dict[ErrorKind, int] = {
     ErrorKind.INTERNAL: 500,
 }
 REQUEST_ID_HEADER = "X-Request-Id"
+IGNORED_HEADER = "X-Ignored-Parameters"  # unknown request fields dropped (option.strict_parameters=false)
+
+
+def strict_parameters(ep: Any) -> bool:
+    """Whether unknown request fields are a 400 on ``ep`` (``option.strict_parameters``; default: ignored, as
+    DJL and vLLM do)."""
+    config = getattr(ep, "config", None)
+    return config is not None and str(config.options.get("strict_parameters", "false")).lower() == "true"
+
+
+def ignored_headers(names: Sequence[str], rid: str, model: str) -> dict[str, str]:
+    """The ``X-Ignored-Parameters`` header of a request whose unknown fields were dropped (logged once)."""
+    if not names:
+        return {}
+    log.warning("request %s model %s: ignored unknown fields: %s", rid, model, ", ".join(names),
+                extra={"request_id": rid, "model": model})
+    value = "".join(c if c.isascii() and c.isprintable() else "?" for c in ", ".join(names))
+    return {IGNORED_HEADER: value[:1024]}
 
 
 class Lookup(Protocol):

@@ -27,8 +27,10 @@ from serving.frontends.httpio import (
     body_size,
     collect_or_cancel,
     error_response,
+    ignored_headers,
     read_json,
     request_id,
+    strict_parameters,
     timing_headers,
     timings_json,
 )
@@ -61,15 +63,15 @@ def attributes_of(request: Request) -> dict[str, str]:
     return {"custom_attributes": value}
 
 
-def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx: HttpContext
-                   ) -> tuple[list[GenerationRequest], bool, bool]:
+def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx: HttpContext,
+                   ignored: list[str] | None = None) -> tuple[list[GenerationRequest], bool, bool]:
     """LMI body -> (requests, was_list, stream). A text model's body is a ``schemas.LmiRequest``; a custom
-    handler's is its own (only ``parameters`` and ``stream`` are checked, and that it can cross to a worker)."""
+    handler's is its own (only ``parameters`` and ``stream`` are checked, and that it can cross to a worker).
+    Unknown fields dropped (not ``option.strict_parameters``) are added to ``ignored``."""
     if not isinstance(body, dict):
         raise _not_an_object(body)
     if is_text_model(ep):
-        strict = model_option(ep, "strict_parameters", "true").lower() != "false"
-        req = LMI.validate(body, ctx.limits, strict=strict)
+        req = LMI.validate(body, ctx.limits, strict=strict_parameters(ep), ignored=ignored)
         params = lmi_sampling_params(req.parameters, ctx.limits) if req.parameters else SamplingParams()
         was_list = isinstance(req.inputs, list)
         prompts = list(req.inputs) if isinstance(req.inputs, list) else [req.inputs]
@@ -182,25 +184,27 @@ class LmiRoutes:
             chat = self.ctx.state.extra.get("chat_handler")
             if isinstance(body, dict) and "messages" in body and chat is not None:
                 return await chat(request, body, ep, rid)  # LMI: a body with messages is OpenAI chat
-            reqs, was_list, stream = build_requests(body, ep, rid, attributes_of(request), self.ctx)
+            ignored: list[str] = []
+            reqs, was_list, stream = build_requests(body, ep, rid, attributes_of(request), self.ctx, ignored)
+            extra = ignored_headers(ignored, rid, ep.name)
             if is_text_model(ep):
                 self.texts.get(ep)  # on the loop: the cache is not thread-safe
                 await off_loop(self.ctx.tokenize_pool, body_size(request), self.check_lengths, ep, reqs)
             if stream:
                 if len(reqs) != 1:
                     raise InvalidRequest("'stream' takes a single string in 'inputs'")
-                return self._stream(ep, reqs[0], submit_all(ep, reqs)[0], rid)
+                return self._stream(ep, reqs[0], submit_all(ep, reqs)[0], rid, extra)
             streams = submit_all(ep, reqs)
             results = await collect_or_cancel(request, streams)
         except ServingError as exc:
             return error_response(exc, rid)
         except ConnectionAbortedError:
             return Response(status_code=499, headers={REQUEST_ID_HEADER: rid})  # logged; the client left
-        return self._whole(ep, reqs, results, was_list, rid)
+        return self._whole(ep, reqs, results, was_list, rid, extra)
 
     def _whole(self, ep: Any, reqs: list[GenerationRequest], results: list[GenerationResult], was_list: bool,
-               rid: str) -> Response:
-        headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings)}
+               rid: str, extra: dict[str, str]) -> Response:
+        headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings), **extra}
         if not is_text_model(ep) and results[0].payload is not None:
             return JSONResponse(results[0].payload, headers=headers)
         if _tgi_compat(ep):  # TGI's answer shape (a list), details included, as DJL's tgi_compat
@@ -211,12 +215,13 @@ class LmiRoutes:
                    for q, r in zip(reqs, results, strict=True)]
         return JSONResponse(answers if was_list else answers[0], headers=headers)
 
-    def _stream(self, ep: Any, req: GenerationRequest, stream: ResultStream, rid: str) -> Response:
+    def _stream(self, ep: Any, req: GenerationRequest, stream: ResultStream, rid: str, extra: dict[str, str]
+                ) -> Response:
         tgi = _tgi_compat(ep)
         sse = tgi or model_option(ep, "output_formatter") == "sse"
         media = "text/event-stream" if sse else "application/jsonlines"
         return StreamingResponse(lmi_events(req, stream, sse, tgi), media_type=media,
-                                 headers={REQUEST_ID_HEADER: rid})
+                                 headers={REQUEST_ID_HEADER: rid, **extra})
 
 
 async def lmi_events(req: GenerationRequest, stream: ResultStream, sse: bool, tgi: bool = False

@@ -31,8 +31,10 @@ from serving.frontends.httpio import (
     body_size,
     collect_or_cancel,
     error_response,
+    ignored_headers,
     read_json,
     request_id,
+    strict_parameters,
     timing_headers,
     timings_json,
 )
@@ -46,12 +48,6 @@ from serving.types import FinishReason, GenerationResult, TokenDelta, TokenInfo
 def routes(ctx: HttpContext) -> list[Route]:
     """The OpenAI routes bound to ``ctx`` (called once by the composition root)."""
     return OpenAIRoutes(ctx).routes()
-
-
-def _strict(ep: Any) -> bool:
-    config = getattr(ep, "config", None)
-    value = str(config.options.get("strict_parameters", "true")) if config is not None else "true"
-    return value.lower() != "false"
 
 
 def _options(ep: Any) -> dict[str, str]:
@@ -121,7 +117,7 @@ class OpenAIRoutes:
 
     async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool) -> Response:
         text = self.texts.get(ep)
-        args = (body, ep.name, text, rid, self.ctx.limits, _strict(ep))
+        args = (body, ep.name, text, rid, self.ctx.limits, strict_parameters(ep))
         if chat:
             parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse_chat, *args, _options(ep))
         else:
@@ -131,14 +127,15 @@ class OpenAIRoutes:
         streams = _submit(ep, parsed)
         kind = "chat.completion" if chat else "text_completion"
         answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{rid}", kind, ep.name, parsed, text)
+        extra = ignored_headers(parsed.ignored, rid, ep.name)
         if parsed.stream:
             return StreamingResponse(answer.events(streams), media_type="text/event-stream",
-                                     headers={REQUEST_ID_HEADER: rid, "Cache-Control": "no-cache"})
+                                     headers={REQUEST_ID_HEADER: rid, "Cache-Control": "no-cache", **extra})
         try:
             results = await collect_or_cancel(request, streams)
         except ConnectionAbortedError:
             return Response(status_code=499, headers={REQUEST_ID_HEADER: rid})  # logged; the client left
-        headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings)}
+        headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings), **extra}
         return JSONResponse(answer.whole(results), headers=headers)
 
 

@@ -2,7 +2,8 @@
 
 Design note: the bodies are validated by the route's model (``schemas.CompletionRequest``,
 ``schemas.ChatRequest``), the same definition ``/openapi.json`` documents: every field the route understands
-is there, an unknown field is a 400 naming it (``option.strict_parameters=false`` on a model relaxes that),
+is there, an unknown field is dropped and named in ``X-Ignored-Parameters`` (a 400 naming it with
+``option.strict_parameters=true``),
 OpenAI fields we cannot honour are accepted only at their neutral value (``suffix: ""``, ``best_of`` = ``n``)
 and refused with a message saying so otherwise: never silently ignored. The sampling fields share their types
 with LMI's parameters, so OpenAI, LMI and TGI give the same message for the same bad value. This module adds
@@ -52,6 +53,7 @@ class ParsedRequest:
     tools: ToolPlan | None = None  # chat with tools: how to read the answer (serving.frontends.tools)
     prompt_logprobs: int | None = None  # vLLM's field: the answer carries ``prompt_logprobs``
     echo_only: bool = False  # max_tokens 0 with echo: one token is generated (vLLM does the same) and left out
+    ignored: tuple[str, ...] = ()  # unknown fields dropped (not option.strict_parameters)
 
 
 def _include_usage(body: OpenAIRequest, stream: bool) -> bool:
@@ -101,7 +103,8 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
 def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: Limits, strict: bool
                      ) -> ParsedRequest:
     """A ``/v1/completions`` body -> choices (prompt-major, ``n`` per prompt)."""
-    req: CompletionRequest = COMPLETION.validate(body, limits, strict=strict)
+    ignored: list[str] = []
+    req: CompletionRequest = COMPLETION.validate(body, limits, strict=strict, ignored=ignored)
     stream = bool(req.stream)
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
@@ -139,14 +142,16 @@ def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: L
                 prompt_token_ids=None if isinstance(prompt, str) else tuple(prompt), params=params,
                 stream=stream)
             choices.append(Choice(index, p_index, prompt_text, request))
-    return ParsedRequest(choices, stream, include_usage, logprobs, echo, None, req.prompt_logprobs, echo_only)
+    return ParsedRequest(choices, stream, include_usage, logprobs, echo, None, req.prompt_logprobs, echo_only,
+                         tuple(ignored))
 
 
 def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits, strict: bool,
                options: Mapping[str, str] | None = None) -> ParsedRequest:
     """A ``/v1/chat/completions`` body -> ``n`` choices over the chat-template-rendered prompt; ``options`` are
     the model's (tool calling's)."""
-    req: ChatRequest = CHAT.validate(body, limits, strict=strict)
+    ignored: list[str] = []
+    req: ChatRequest = CHAT.validate(body, limits, strict=strict, ignored=ignored)
     plan = tools.plan([t.model_dump() for t in req.tools or ()],
                       req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice,
                       req.parallel_tool_calls, dict(options or {}))
@@ -181,4 +186,5 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
         request = GenerationRequest(request_id=rid if n == 1 else f"{rid}-{j}", model=model, prompt=prompt,
                                     params=params, stream=stream)
         choices.append(Choice(j, 0, prompt, request))
-    return ParsedRequest(choices, stream, include_usage, logprobs, False, plan, req.prompt_logprobs)
+    return ParsedRequest(choices, stream, include_usage, logprobs, False, plan, req.prompt_logprobs,
+                         ignored=tuple(ignored))

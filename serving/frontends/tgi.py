@@ -31,8 +31,10 @@ from serving.frontends.httpio import (
     HttpContext,
     body_size,
     collect_or_cancel,
+    ignored_headers,
     read_json,
     request_id,
+    strict_parameters,
     timing_headers,
     timings_json,
 )
@@ -124,15 +126,17 @@ class TgiRoutes:
             ep = self._endpoint(request)
             body = await read_json(request, self.ctx.max_request_size)
             text = self.texts.get(ep)
+            ignored: list[str] = []
             req, want_stream = await off_loop(self.ctx.tokenize_pool, body_size(request), self._build, body, ep, rid,
-                                              text, stream)
+                                              text, stream, ignored)
+            extra = ignored_headers(ignored, rid, ep.name)
             if want_stream and not ep.rolling:
                 raise InvalidRequest("streaming needs a rolling-batch model (set option.rolling_batch=auto); "
                                      f"model {ep.name!r} uses dynamic batching")
             result_stream = ep.submit(req)
             if want_stream:
                 return StreamingResponse(tgi_events(req, result_stream, text), media_type="text/event-stream",
-                                         headers={REQUEST_ID_HEADER: rid, "Cache-Control": "no-cache"})
+                                         headers={REQUEST_ID_HEADER: rid, "Cache-Control": "no-cache", **extra})
             results = await collect_or_cancel(request, [result_stream])
         except ServingError as exc:
             return tgi_error(exc, rid)
@@ -142,11 +146,11 @@ class TgiRoutes:
         answer = whole_answer(req, result, text)
         # TGI's compat route answers a one-element list (what the text-generation client reads)
         return JSONResponse([answer] if stream is None else answer,
-                            headers={REQUEST_ID_HEADER: rid, **timing_headers(result.timings)})
+                            headers={REQUEST_ID_HEADER: rid, **timing_headers(result.timings), **extra})
 
-    def _build(self, body: Any, ep: Any, rid: str, text: ModelText, stream: bool | None
+    def _build(self, body: Any, ep: Any, rid: str, text: ModelText, stream: bool | None, ignored: list[str]
                ) -> tuple[GenerationRequest, bool]:
-        req = TGI.validate(body, self.ctx.limits)
+        req = TGI.validate(body, self.ctx.limits, strict=strict_parameters(ep), ignored=ignored)
         p = req.parameters
         params = lmi_sampling_params(p, self.ctx.limits) if p is not None else SamplingParams()
         # TGI samples whenever a sampling warper is set, even without do_sample

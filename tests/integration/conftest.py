@@ -1,10 +1,11 @@
 """Shared servers for the frontend integration tests (one start per test session: loading the torch
 models takes most of a test's time on a 2-core machine).
 
-``api_server``: ``tiny`` (the default model, dynamic batching), ``tiny-rb`` (the same weights, rolling
-batching, small batch) and ``echo`` (torch-free). ``echo_server``: torch-free models only (``echo``,
-``slow`` (0.5 s per request, one at a time) and ``attrs``, a custom handler that reflects its request
-attributes), with the inference API bound to ``SAGEMAKER_BIND_TO_PORT``, as SageMaker starts a container.
+``api_server``: ``tiny`` (the default model, dynamic batching, unknown request fields refused), ``tiny-rb`` (the
+same weights, rolling batching, small batch, unknown fields ignored as by default) and ``echo`` (torch-free).
+``echo_server``: torch-free models only (``echo``, ``slow`` (0.5 s per request, one at a time) and ``attrs``, a
+custom handler that reflects its request attributes), with the inference API bound to ``SAGEMAKER_BIND_TO_PORT``,
+as SageMaker starts a container.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def handle(inputs):
 @pytest.fixture(scope="session")
 def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     server = ServerProcess.start(tmp_path_factory.mktemp("api"), models={
-        "tiny": {"option.entryPoint": "huggingface", "batch_size": "4", "max_batch_delay": "10"},
+        "tiny": {"option.entryPoint": "huggingface", "batch_size": "4", "max_batch_delay": "10",
+                 "option.strict_parameters": "true"},
         "tiny-rb": {"option.entryPoint": "huggingface", "option.rolling_batch": "auto",
                     "option.max_rolling_batch_size": "8"},
         "echo": {"option.entryPoint": "echo"},

@@ -25,7 +25,8 @@ NUM_TOKENS = 6
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     s = ServerProcess.start(tmp_path_factory.mktemp("grpc-triton"),
-                            models={"roll": {"option.rolling_batch": "auto"}, "echo": {"option.entryPoint": "echo"}},
+                            models={"roll": {"option.rolling_batch": "auto", "option.strict_parameters": "true"},
+                                    "echo": {"option.entryPoint": "echo"}},
                             config={"enable_model_api": "true"})
     yield s
     s.stop()

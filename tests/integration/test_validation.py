@@ -116,6 +116,25 @@ def test_bad_input(api_server: ServerProcess, log_start: int, name: str, path: s
     assert re.search(pattern, err["error"]), err["error"]
 
 
+@pytest.mark.parametrize(("path", "body", "names"), [
+    ("/predictions/tiny-rb", lmi({"foo": 1, "bar": 2, "max_new_tokens": 2}), "parameters.bar, parameters.foo"),
+    ("/predictions/tiny-rb", {**lmi({"max_new_tokens": 2}), "extra": 1}, "extra"),
+    (C, {**oai(foo=1), "model": "tiny-rb"}, "foo"),
+    (CH, {"model": "tiny-rb", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "colour": "red"},
+     "colour"),
+    ("/generate?model_name=tiny-rb", {"inputs": "Hello", "parameters": {"max_new_tokens": 2, "best_of_n": 3}},
+     "parameters.best_of_n"),
+])
+def test_unknown_fields_are_ignored_and_named_by_default(api_server: ServerProcess, path: str, body: Any,
+                                                         names: str) -> None:
+    """As DJL and vLLM: an unknown field is dropped (a log line, X-Ignored-Parameters) unless the model sets
+    option.strict_parameters=true (``tiny`` does: the cases above)."""
+    r = httpx.post(api_server.url + path, json=body, headers={"X-Request-Id": "lenient-1"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ignored-parameters"] == names
+    assert f"request lenient-1 model tiny-rb: ignored unknown fields: {names}" in api_server.log()
+
+
 def test_413_decided_from_content_length(api_server: ServerProcess) -> None:
     """A declared body above max_request_size is refused before a byte of it is sent."""
     u = urlparse(api_server.url)

@@ -58,7 +58,7 @@ def run_lmi(body: Any) -> object:
 
 
 def run_tgi(body: Any) -> object:
-    return tgi.TgiRoutes(CTX)._build(body, TEXT_MODEL, "r", FakeText(), None)  # type: ignore[arg-type]
+    return tgi.TgiRoutes(CTX)._build(body, TEXT_MODEL, "r", FakeText(), None, [])  # type: ignore[arg-type]
 
 
 def run_completion(body: Any) -> object:

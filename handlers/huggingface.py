@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 from handlers.base import Context, Handler, Input, Output
 from handlers.engine.cpu import auto_threads, keep_freed_memory
 from handlers.engine.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
-from handlers.engine.sampling import OutputPenalties, scored_tokens
+from handlers.engine.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
 from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
 from serving.errors import InvalidRequest, ServingError
 from serving.options import option_value
@@ -54,7 +54,8 @@ def _group_key(p: SamplingParams, index: int) -> Hashable:
     sampling = None if p.greedy else (p.temperature, p.top_k, p.top_p, p.seed, p.min_p, p.typical_p)
     alone = index if sampling is not None and p.seed is not None else None
     return (sampling, alone, p.repetition_penalty, p.stop, p.stop_token_ids, p.ignore_eos, p.presence_penalty,
-            p.frequency_penalty, p.logit_bias, p.min_tokens)
+            p.frequency_penalty, p.logit_bias, p.min_tokens, p.bad_words, p.num_beams, p.length_penalty,
+            p.early_stopping)
 
 
 class HuggingFaceHandler(Handler):
@@ -124,7 +125,7 @@ class HuggingFaceHandler(Handler):
             eos = min(self.eos_token_ids)
         return {"max_model_len": self.max_model_len, "eos_token_id": eos,
                 "chat_template": self.tokenizer.chat_template or None, "vocab_size": self.vocab_size,
-                "structured_output": True, "prompt_logprobs": True}
+                "structured_output": True, "prompt_logprobs": True, "beam_search": True}
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         """Render chat ``messages`` to a prompt (with the assistant turn opened). Raises ``InvalidRequest``."""
@@ -176,6 +177,8 @@ class HuggingFaceHandler(Handler):
         cannot be built for this tokenizer."""
         if params.grammar is None:
             return None
+        if params.num_beams > 1:  # the grammar's state follows one answer, beams fork it
+            raise InvalidRequest("parameter 'num_beams' > 1 cannot be combined with a structured-output constraint")
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, int(self.model.config.vocab_size), self.eos_token_ids)
         try:
@@ -193,15 +196,27 @@ class HuggingFaceHandler(Handler):
                 self._grammars.executor, [i.matcher for i in items], int(self.model.config.vocab_size)))
         if not p.greedy and p.seed is not None:
             torch.manual_seed(p.seed)
+        beams = p.num_beams > 1  # generate's logits are per beam then: the chosen answer is scored again below
         with torch.inference_mode():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                      return_dict_in_generate=True, output_logits=want_logits, **kwargs)
+                                      return_dict_in_generate=True, output_logits=want_logits and not beams, **kwargs)
         new_ids = out.sequences[:, input_ids.shape[1]:].tolist()  # [B, steps]
         results = []
         for row, item in enumerate(items):
-            logits = [step[row] for step in out.logits] if want_logits else None
+            if not want_logits:
+                logits = None
+            elif beams:
+                logits = list(self._rescored(item.prompt_ids, new_ids[row]))
+            else:
+                logits = [step[row] for step in out.logits]
             results.append(self._finish(item, new_ids[row], logits))
         return results
+
+    def _rescored(self, prompt: list[int], generated: list[int]) -> torch.Tensor:
+        """The model's logits before each generated token [len(generated), V]: one forward of the whole text."""
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + generated], device=self.model.device)
+            return self.model(ids).logits[0, len(prompt) - 1:len(prompt) + len(generated) - 1]
 
     def _generate_kwargs(self, p: SamplingParams, max_new_tokens: int, prompt_width: int = 0) -> dict[str, Any]:
         stop_ids = set(p.stop_token_ids)
@@ -210,8 +225,10 @@ class HuggingFaceHandler(Handler):
         kwargs: dict[str, Any] = {
             "max_new_tokens": max_new_tokens, "pad_token_id": self.pad_token_id,
             "eos_token_id": sorted(ends) or None,
-            "repetition_penalty": p.repetition_penalty, "num_beams": 1,
+            "repetition_penalty": p.repetition_penalty, "num_beams": p.num_beams,
         }
+        if p.num_beams > 1:
+            kwargs.update(length_penalty=p.length_penalty, early_stopping=p.early_stopping, num_return_sequences=1)
         if p.greedy:
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         else:
@@ -221,9 +238,13 @@ class HuggingFaceHandler(Handler):
             kwargs["sequence_bias"] = {(t,): b for t, b in p.logit_bias}
         if p.min_tokens:
             kwargs["min_new_tokens"] = p.min_tokens  # EOS and stop token ids held back until then
-        if p.presence_penalty or p.frequency_penalty:  # the generated tokens begin after the (padded) prompt
-            kwargs["logits_processor"] = LogitsProcessorList([OutputPenalties(
-                prompt_width, p.presence_penalty, p.frequency_penalty)])
+        processors = LogitsProcessorList()  # the generated tokens begin after the (padded) prompt
+        if p.presence_penalty or p.frequency_penalty:
+            processors.append(OutputPenalties(prompt_width, p.presence_penalty, p.frequency_penalty))
+        if p.bad_words:
+            processors.append(BadWords(prompt_width, bad_words_ids(self.tokenizer, p.bad_words)))
+        if processors:
+            kwargs["logits_processor"] = processors
         if p.stop:
             kwargs.update(stop_strings=list(p.stop), tokenizer=self.tokenizer)
         return kwargs

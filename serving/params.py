@@ -28,6 +28,7 @@ from serving.types import SamplingParams
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k: what every tokenizer and the wire can carry
 MAX_SEED = 2**63 - 1
+MAX_BEAMS = 16
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1  # what msgpack (the worker channel) can carry
 MAX_PAYLOAD_DEPTH = 64
 MIN_TEMPERATURE = 0.01
@@ -58,7 +59,10 @@ TopP = Annotated[float, Field(gt=0, le=1, description="nucleus sampling: the sma
                               "probabilities add up to top_p (1 = off)")]
 RepetitionPenalty = Annotated[float, Field(ge=0.01, le=100, description="> 1 discourages repeating tokens "
                                            "(1 = off)")]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description="makes sampling reproducible"), INTEGER]
+Seed = Annotated[Annotated[int, Field(ge=0, le=MAX_SEED), INTEGER]
+                 | Annotated[str, Field(pattern=r"^[0-9]{1,18}$")], BY_SHAPE,
+                 Field(description="makes sampling reproducible; an integer, or one written as a string of digits "
+                       "(as DJL's clients send it)")]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID), INTEGER]
 StopText = Annotated[str, Field(min_length=1), Cap("max_stop_length"), TEXT]
 Stop = Annotated[StopText | Annotated[list[StopText], Cap("max_stop_sequences")], BY_SHAPE, Field(
@@ -71,6 +75,8 @@ Penalty = Annotated[float, Field(ge=-2, le=2, description="vLLM's: subtracted fr
 MinP = Annotated[float, Field(ge=0, le=1, description="drop tokens less likely than min_p x the likeliest (0 = off)")]
 TypicalP = Annotated[float, Field(gt=0, le=1, description="typical sampling's mass (1 = off)")]
 MinTokens = Annotated[int, Field(ge=0), Cap("max_new_tokens"), INTEGER]
+BadWords = Annotated[list[StopText], Cap("max_stop_sequences"), Field(
+    description="vLLM's: words never generated (each at most max_stop_length characters)")]
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(
     max_length=1024, description="token id (a string of digits) -> a bias of -100..100 added to its logit")]
 
@@ -119,6 +125,12 @@ class LmiParameters(StrictModel):
     presence_penalty: Penalty | None = None
     min_p: MinP | None = None
     min_tokens: MinTokens | None = Field(None, description="no end-of-sequence or stop token before this many tokens")
+    bad_words: BadWords | None = None
+    num_beams: Annotated[int, Field(ge=1, le=MAX_BEAMS), INTEGER] | None = Field(
+        None, description="beam search with this many beams (dynamic batching; the rolling engine refuses > 1)")
+    length_penalty: Annotated[float, Field(ge=-10, le=10)] | None = Field(
+        None, description="beam search: the score is the log-probability sum over length ** length_penalty")
+    early_stopping: bool | None = Field(None, description="beam search: stop once num_beams answers are complete")
     logit_bias: LogitBias | None = None
     include_stop_str_in_output: bool | None = Field(None, description="keep the stop string that ended the answer")
     skip_special_tokens: bool | None = Field(None, description="false: keep special tokens' text (default true)")
@@ -155,6 +167,8 @@ def sampling_params(values: Mapping[str, Any], limits: Limits) -> SamplingParams
         kw["temperature"] = MIN_TEMPERATURE
     if kw.get("top_k") == -1:
         kw["top_k"] = 0
+    if isinstance(kw.get("seed"), str):
+        kw["seed"] = int(kw["seed"])
     if "logit_bias" in kw:
         kw["logit_bias"] = logit_bias(kw["logit_bias"])
     return SamplingParams(**kw)
@@ -180,6 +194,8 @@ def lmi_sampling_params(p: LmiParameters, limits: Limits) -> SamplingParams:
         "return_full_text": p.return_full_text, "logprobs": p.logprobs if p.logprobs is not None else p.top_n_tokens,
         "typical_p": p.typical_p, "frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty,
         "min_p": p.min_p, "min_tokens": p.min_tokens, "logit_bias": p.logit_bias,
+        "bad_words": tuple(p.bad_words) if p.bad_words else None, "num_beams": p.num_beams,
+        "length_penalty": p.length_penalty, "early_stopping": p.early_stopping,
         "include_stop_str_in_output": p.include_stop_str_in_output, "skip_special_tokens": p.skip_special_tokens,
         "prompt_logprobs": p.prompt_logprobs if p.prompt_logprobs is not None else (
             0 if p.decoder_input_details and p.details else None),

@@ -63,6 +63,11 @@ class SamplingParams:
     # vLLM's prompt_logprobs: each prompt token's log-probability given the tokens before it (None: not
     # computed; k > 0: with the k most likely alternatives at each position)
     prompt_logprobs: int | None = None
+    bad_words: tuple[str, ...] = ()  # vLLM's: words never generated (handlers.engine.sampling.BadWords)
+    # beam search (transformers' generate: dynamic batching only); greedy and sampling ignore them at 1 beam
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +78,7 @@ class SamplingParams:
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [list(b) for b in self.logit_bias]
+        d["bad_words"] = list(self.bad_words)
         return d
 
     @classmethod
@@ -85,6 +91,8 @@ class SamplingParams:
             kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
         if "logit_bias" in kw:
             kw["logit_bias"] = tuple((int(t), float(b)) for t, b in kw["logit_bias"])
+        if "bad_words" in kw:
+            kw["bad_words"] = tuple(kw["bad_words"])
         return cls(**kw)
 
 

@@ -11,6 +11,7 @@ rules the document states in words (each rule quotes its field's description).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +100,8 @@ class Document:
             hi = node.get("exclusiveMaximum", node.get("maximum", 1e6))
             return st.floats(lo, hi, exclude_min="exclusiveMinimum" in node, exclude_max="exclusiveMaximum" in node,
                              allow_nan=False, allow_infinity=False)
+        if kind == "string" and "pattern" in node:
+            return st.from_regex(node["pattern"], fullmatch=True)
         if kind == "string":
             least = node.get("minLength", 0)
             return st.text(st.characters(exclude_categories=("Cs",)), min_size=least,
@@ -138,6 +141,8 @@ class Document:
             return node.get("minimum", node.get("maximum", 1.0))
         if kind == "boolean":
             return False
+        if kind == "string" and "pattern" in node:
+            return next(c for c in ("0", "x", "a") if re.fullmatch(node["pattern"], c))
         if kind == "string":
             return "x" * max(1, node.get("minLength", 1)) if node.get("maxLength", 1) else ""
         if kind == "array":
@@ -155,7 +160,8 @@ class Document:
         if depth > 6:
             return
         if any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "maxLength",
-                                   "minLength", "maxItems", "minItems", "const", "enum", "maxProperties")):
+                                   "minLength", "maxItems", "minItems", "const", "enum", "maxProperties",
+                                   "pattern")):
             yield path, node
         for branch in node.get("oneOf", ()):
             yield from self.constrained(branch, path, depth + 1)
@@ -182,6 +188,9 @@ class Document:
                 options.append(st.floats(node["minimum"] - 1e9, node["minimum"], exclude_max=True))
             if "exclusiveMinimum" in node:
                 options.append(st.floats(node["exclusiveMinimum"] - 1e9, node["exclusiveMinimum"]))
+        if kind == "string" and "pattern" in node:
+            options.append(st.sampled_from(["", "y", "-1", "0x"]).filter(
+                lambda v: not re.fullmatch(node["pattern"], v)))
         if kind == "string":
             if 0 < node.get("minLength", 0):
                 options.append(st.just(""))

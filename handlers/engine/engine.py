@@ -41,7 +41,14 @@ from handlers.engine.memory import (
 from handlers.engine.paged_attention import KVPool
 from handlers.engine.parallel import TensorParallelGroup, shard_model, start_group
 from handlers.engine.runner import ModelRunner, kv_geometry
-from handlers.engine.sampling import RequestSampler, SampledToken, sample_batch, sampled_token, scored_tokens
+from handlers.engine.sampling import (
+    RequestSampler,
+    SampledToken,
+    bad_words_ids,
+    sample_batch,
+    sampled_token,
+    scored_tokens,
+)
 from handlers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.self_check import reference_logits, verify
 from handlers.engine.sequence import Sequence
@@ -192,8 +199,8 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in the engine")
         self.scheduler.check(seq)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        sampler = RequestSampler(params, self._seed_source, seq.num_prompt_tokens,
-                                 eos | frozenset(params.stop_token_ids))
+        sampler = RequestSampler(params, self._seed_source, seq.num_prompt_tokens, eos | frozenset(
+            params.stop_token_ids), bad_words_ids(self.tokenizer, params.bad_words))
         drafter = None
         if self.scheduler.drafter is not None and sampler.plain_greedy and params.grammar is None:
             drafter = NgramDrafter(self.config.prompt_lookup_min, self.config.prompt_lookup_max)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import (
@@ -45,9 +46,9 @@ class RequestSampler:
     """Sampling state of one request: its processors and its random generator."""
 
     def __init__(self, params: SamplingParams, seed_source: random.Random, prompt_len: int = 0,
-                 stop_ids: frozenset[int] = frozenset()) -> None:
+                 stop_ids: frozenset[int] = frozenset(), bad_words: Seq[Seq[int]] = ()) -> None:
         """``prompt_len``: where the generated tokens begin (penalties count those); ``stop_ids``: the tokens
-        ``min_tokens`` holds back (EOS and stop token ids)."""
+        ``min_tokens`` holds back (EOS and stop token ids); ``bad_words``: ``bad_words_ids`` of the request's."""
         self.params = params
         self.greedy = params.greedy
         self.wants_logprobs = params.details or params.logprobs > 0
@@ -58,6 +59,8 @@ class RequestSampler:
             self.processors.append(MinTokens(prompt_len, params.min_tokens, stop_ids))
         if params.presence_penalty or params.frequency_penalty:
             self.processors.append(OutputPenalties(prompt_len, params.presence_penalty, params.frequency_penalty))
+        if bad_words:
+            self.processors.append(BadWords(prompt_len, bad_words))
         if params.repetition_penalty != 1.0:
             self.processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
         self.warpers = LogitsProcessorList()
@@ -123,6 +126,35 @@ class MinTokens:
         if input_ids.shape[-1] - self.prompt_len < self.min_tokens:
             ids = self.stop_ids[self.stop_ids < scores.shape[-1]].to(scores.device)
             scores[:, ids] = float("-inf")
+        return scores
+
+
+def bad_words_ids(tokenizer: Any, words: Seq[str]) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token sequences: each word as written (stripped on the left), and with a leading
+    space when that makes a distinct word token of the same length (so a word is banned at the start of the text
+    and in the middle of it)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = list(tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"])
+        spaced = list(tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
+        out.extend(ids for ids in (plain, spaced if spaced and plain and spaced[0] != plain[0]
+                                   and len(spaced) == len(plain) else []) if ids)
+    return out
+
+
+class BadWords:
+    """vLLM's ``bad_words``: a word's last token is banned when the generated tokens end with the rest of it."""
+
+    def __init__(self, prompt_len: int, sequences: Seq[Seq[int]]) -> None:
+        self.prompt_len = prompt_len
+        self.sequences = [list(s) for s in sequences]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for row, ids in enumerate(input_ids[:, self.prompt_len:].tolist()):
+            for seq in self.sequences:
+                prefix = seq[:-1]
+                if seq[-1] < scores.shape[-1] and (not prefix or ids[len(ids) - len(prefix):] == prefix):
+                    scores[row, seq[-1]] = float("-inf")
         return scores
 
 

@@ -73,6 +73,7 @@ def sampling(body: OpenAIRequest, max_new_tokens: int | None, logprobs: int | No
         "repetition_penalty": body.repetition_penalty, "stop_token_ids": body.stop_token_ids,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty, "min_p": body.min_p,
         "min_tokens": body.min_tokens, "logit_bias": body.logit_bias,
+        "bad_words": tuple(body.bad_words) if body.bad_words else None,
         "include_stop_str_in_output": body.include_stop_str_in_output, "skip_special_tokens": body.skip_special_tokens,
         "grammar": structured.one_of(("tool_choice", tool_grammar), ("response_format", constraint(body)))}, limits)
     params = replace(params, do_sample=params.temperature != 0.0, prompt_logprobs=body.prompt_logprobs)
@@ -100,6 +101,15 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     return list(cast("list[str | list[int]]", prompt))  # prompts: strings or lists of token ids
 
 
+def _truncated(ids: list[int] | None, keep: int | None, model: str) -> list[int] | None:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens, or None when it is not cut."""
+    if keep is None:
+        return None
+    if ids is None:
+        raise InvalidRequest(f"'truncate_prompt_tokens' needs a tokenizer.json for model {model!r}")
+    return list(ids[-keep:]) if len(ids) > keep else None
+
+
 def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: Limits, strict: bool
                      ) -> ParsedRequest:
     """A ``/v1/completions`` body -> choices (prompt-major, ``n`` per prompt)."""
@@ -123,11 +133,13 @@ def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: L
         base = replace(base, prompt_logprobs=max(logprobs, base.prompt_logprobs or 0))
     choices: list[Choice] = []
     for p_index, prompt in enumerate(prompts):
+        ids = text.encode(prompt) if isinstance(prompt, str) else prompt
+        cut = _truncated(ids, req.truncate_prompt_tokens, model)
+        if cut is not None:
+            prompt = ids = cut
         if isinstance(prompt, str):
-            ids = text.encode(prompt)
             prompt_text = prompt
         else:
-            ids = prompt
             decoded = text.decode(prompt) if echo else ""
             if decoded is None:
                 raise InvalidRequest(f"'echo' with token-id prompts needs a tokenizer.json for model {model!r}")
@@ -175,6 +187,9 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
     prompt = render_chat(text.chat_template, messages, model=model, special_tokens=text.special_tokens,
                          tools=template_tools)
     ids = text.encode(prompt)
+    cut = _truncated(ids, req.truncate_prompt_tokens, model)
+    if cut is not None:
+        ids = cut
     num_prompt = len(ids) if ids is not None else None
     text.check_length(num_prompt, max_tokens, field)
     if max_tokens is None:  # vLLM's default: the rest of the context (capped)
@@ -184,7 +199,8 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
     for j in range(n):
         params = base if base.seed is None or n == 1 else replace(base, seed=base.seed + j)
         request = GenerationRequest(request_id=rid if n == 1 else f"{rid}-{j}", model=model, prompt=prompt,
-                                    params=params, stream=stream)
+                                    params=params, stream=stream,
+                                    prompt_token_ids=tuple(cut) if cut is not None else None)
         choices.append(Choice(j, 0, prompt, request))
     return ParsedRequest(choices, stream, include_usage, logprobs, False, plan, req.prompt_logprobs,
                          ignored=tuple(ignored))

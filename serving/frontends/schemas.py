@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field
 
 from serving.params import (
+    MAX_TOKEN_ID,
+    BadWords,
     LmiParameters,
     LogitBias,
     Logprobs,
@@ -110,6 +112,7 @@ class OpenAIRequest(StrictModel):
     top_k: TopK | None = None
     repetition_penalty: RepetitionPenalty | None = None
     min_p: MinP | None = None
+    bad_words: BadWords | None = None
     min_tokens: MinTokens | None = Field(None, description="vLLM's: no end-of-sequence or stop token before this "
                                          "many tokens")
     include_stop_str_in_output: bool | None = Field(None, description="vLLM's: keep the stop string that ended the "
@@ -129,6 +132,8 @@ class OpenAIRequest(StrictModel):
                                                  "llguidance")
     prompt_logprobs: Logprobs | None = Field(None, description="vLLM's: each prompt token's log-probability given "
                                              "those before it, with the k most likely alternatives (0: none)")
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=MAX_TOKEN_ID), INTEGER] | None = Field(
+        None, description="vLLM's: keep only the last N tokens of the prompt")
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]

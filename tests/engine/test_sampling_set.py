@@ -157,3 +157,41 @@ def test_stop_strings_kept_on_request_and_special_tokens_shown(folder: Path) -> 
     shown = both(SamplingParams(max_new_tokens=14, ignore_eos=True, skip_special_tokens=False))
     assert "<|im_end|>" in shown and "<|im_end|>" not in plain
     assert shown.replace("<|im_end|>", "").replace("<|im_start|>", "") == plain
+
+
+def test_bad_words_and_beam_search(folder: Path) -> None:
+    """bad_words keeps a word out of the answer in the rolling engine and the dynamic handler alike; beam search
+    (dynamic batching) answers what transformers' own beam search does."""
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine.from_options(folder, {"max_model_len": "512"})
+    handler = HuggingFaceHandler()
+    handler.initialize(Context("m", folder, {}))
+    question = handler.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = list(engine.tokenizer(question)["input_ids"])
+
+    def rolling(params: SamplingParams) -> str:
+        engine.add("r", ids, params)
+        text = ""
+        while engine.has_work():
+            text += "".join(d.text for d in engine.step())
+        return text
+
+    plain = rolling(SamplingParams(max_new_tokens=12))
+    assert "Paris" in plain
+    banned = SamplingParams(max_new_tokens=12, bad_words=("Paris",))
+    without = rolling(banned)
+    assert "Paris" not in without and without == handler.handle([Input("d", question, banned)])[0].text
+    beams = SamplingParams(max_new_tokens=12, num_beams=3, length_penalty=0.5, early_stopping=True, details=True)
+    got = handler.handle([Input("b", question, beams)])[0]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=12, num_beams=3, length_penalty=0.5,
+                              early_stopping=True, do_sample=False)[0, len(ids):].tolist()
+    n = len(got.tokens)
+    assert [t.id for t in got.tokens] == want[:n] and (n == len(want) or want[n - 1] in engine.eos_token_ids)
+    # each token's log-probability is the model's own given the answer so far
+    with torch.no_grad():
+        full = torch.log_softmax(model(torch.tensor([ids + [t.id for t in got.tokens]])).logits[0].float(), -1)
+    for k, t in enumerate(got.tokens):
+        assert t.logprob == pytest.approx(float(full[len(ids) - 1 + k, t.id]), abs=1e-4)

@@ -163,3 +163,35 @@ def test_prompt_logprobs_on_every_api(server: ServerProcess, reference: Any, tok
             prefill = (answer[0] if isinstance(answer, list) else answer)["details"]["prefill"]
             assert [t["id"] for t in prefill] == ids and prefill[0][key] is None
             assert [t[key] for t in prefill[1:]] == pytest.approx(want, abs=1e-4)
+
+
+def test_seed_as_string_truncation_bad_words_and_beams(server: ServerProcess, tokenizer: Any) -> None:
+    """DJL's and vLLM's request shapes: a seed written as digits is the same seed; truncate_prompt_tokens keeps the
+    prompt's last tokens; bad_words on OpenAI; num_beams runs on dynamic batching and is refused by name on the
+    rolling engine."""
+    sampled = {"max_new_tokens": 8, "do_sample": True, "temperature": 1.0}
+    for model in ("smollm2", "dyn"):
+        as_int = post(server, f"/predictions/{model}", {"inputs": "Once upon a time", "parameters": {**sampled,
+                                                                                                   "seed": 7}})
+        as_text = post(server, f"/predictions/{model}", {"inputs": "Once upon a time", "parameters": {**sampled,
+                                                                                                    "seed": "7"}})
+        assert as_int.status_code == as_text.status_code == 200 and as_int.json() == as_text.json()
+    r = post(server, "/predictions/dyn", {"inputs": "x", "parameters": {"seed": "-1"}})
+    assert r.status_code == 400 and "parameter 'seed'" in r.text
+    prompt = "Ignore this part entirely. The capital of France is"
+    tail = tokenizer(prompt)["input_ids"][-5:]
+    for model in ("smollm2", "dyn"):
+        cut = post(server, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                               "truncate_prompt_tokens": 5})
+        alone = post(server, "/v1/completions", {"model": model, "prompt": tail, "max_tokens": 4, "temperature": 0})
+        assert cut.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+        assert cut.json()["usage"]["prompt_tokens"] == 5
+        ask = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+               "max_tokens": 12, "temperature": 0}
+        assert "Paris" in post(server, "/v1/chat/completions", ask).json()["choices"][0]["message"]["content"]
+        banned = post(server, "/v1/chat/completions", {**ask, "bad_words": ["Paris"]}).json()
+        assert "Paris" not in banned["choices"][0]["message"]["content"]
+    beams = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 6, "num_beams": 3}}
+    assert post(server, "/predictions/dyn", beams).status_code == 200
+    r = post(server, "/predictions/smollm2", beams)
+    assert r.status_code == 400 and "'num_beams' > 1" in r.json()["error"]

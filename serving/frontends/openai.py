@@ -38,7 +38,7 @@ from serving.frontends.httpio import (
     timing_headers,
     timings_json,
 )
-from serving.frontends.openai_schema import ParsedRequest, parse_chat, parse_completion
+from serving.frontends.openai_schema import Choice, ParsedRequest, parse_chat, parse_completion
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.frontends.tools import ToolStream, fold
 from serving.schema import type_error
@@ -164,9 +164,27 @@ class Answer:
         self.created = int(time.time())
 
     # --- whole answers ---
+    def _kept(self, results: list[GenerationResult]) -> tuple[list[Choice], list[GenerationResult]]:
+        """The choices the answer shows: all of them, or with best_of > n each prompt's n candidates of the highest
+        cumulative log-probability, renumbered in that order (vLLM's best_of)."""
+        keep = self.parsed.keep_best
+        if keep is None:
+            return self.parsed.choices, results
+        by_prompt: dict[int, list[tuple[Choice, GenerationResult]]] = {}
+        for choice, result in zip(self.parsed.choices, results, strict=True):
+            by_prompt.setdefault(choice.prompt_index, []).append((choice, result))
+        kept_choices, kept_results = [], []
+        for p_index, candidates in sorted(by_prompt.items()):
+            ranked = sorted(candidates, key=lambda cr: -sum(t.logprob or 0.0 for t in cr[1].tokens))
+            for rank, (choice, result) in enumerate(ranked[:keep]):
+                kept_choices.append(replace(choice, index=p_index * keep + rank))
+                kept_results.append(result)
+        return kept_choices, kept_results
+
     def whole(self, results: list[GenerationResult]) -> dict[str, Any]:
         choices = []
-        for choice, result in zip(self.parsed.choices, results, strict=True):
+        shown, results = self._kept(results)
+        for choice, result in zip(shown, results, strict=True):
             body, tokens = ("", []) if self.parsed.echo_only else (result.text, list(result.tokens))
             prompt = result.prompt_logprobs if self.parsed.echo else None
             if self.parsed.echo:
@@ -186,7 +204,7 @@ class Answer:
                     entry["prompt_logprobs"] = self._prompt_logprobs(result.prompt_logprobs)
             choices.append(entry)
         answer = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                  "choices": choices, "usage": self._usage(results)}
+                  "choices": choices, "usage": self._usage(results, shown)}
         if self.chat and self.parsed.prompt_logprobs is not None:  # vLLM: one prompt, on the answer
             answer["prompt_logprobs"] = self._prompt_logprobs(results[0].prompt_logprobs)
         return answer
@@ -194,10 +212,10 @@ class Answer:
     def _finish_reason(self, reason: FinishReason) -> str:
         return "length" if self.parsed.echo_only else reason.openai
 
-    def _usage(self, results: list[Any]) -> dict[str, int]:
+    def _usage(self, results: list[Any], choices: list[Choice] | None = None) -> dict[str, int]:
         prompt: dict[int, int] = {}
         completion = 0
-        for choice, r in zip(self.parsed.choices, results, strict=True):
+        for choice, r in zip(choices or self.parsed.choices, results, strict=True):
             prompt[choice.prompt_index] = r.prompt_tokens
             completion += r.generated_tokens if isinstance(r, GenerationResult) else r.num_tokens
         if self.parsed.echo_only:

@@ -4,7 +4,7 @@ Design note: the bodies are validated by the route's model (``schemas.Completion
 ``schemas.ChatRequest``), the same definition ``/openapi.json`` documents: every field the route understands
 is there, an unknown field is dropped and named in ``X-Ignored-Parameters`` (a 400 naming it with
 ``option.strict_parameters=true``),
-OpenAI fields we cannot honour are accepted only at their neutral value (``suffix: ""``, ``best_of`` = ``n``)
+OpenAI fields we cannot honour are accepted only at their neutral value (``suffix: ""``)
 and refused with a message saying so otherwise: never silently ignored. The sampling fields share their types
 with LMI's parameters, so OpenAI, LMI and TGI give the same message for the same bad value. This module adds
 what a schema cannot say (see ``schemas``' design note).
@@ -54,6 +54,8 @@ class ParsedRequest:
     prompt_logprobs: int | None = None  # vLLM's field: the answer carries ``prompt_logprobs``
     echo_only: bool = False  # max_tokens 0 with echo: one token is generated (vLLM does the same) and left out
     ignored: tuple[str, ...] = ()  # unknown fields dropped (not option.strict_parameters)
+    keep_best: int | None = None  # best_of > n: the answer keeps the n candidates of each prompt with the highest
+    # cumulative log-probability (vLLM's best_of)
 
 
 def _include_usage(body: OpenAIRequest, stream: bool) -> bool:
@@ -117,8 +119,11 @@ def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: L
     req: CompletionRequest = COMPLETION.validate(body, limits, strict=strict, ignored=ignored)
     stream = bool(req.stream)
     n = req.n or 1
-    if req.best_of is not None and req.best_of != n:
-        raise InvalidRequest(f"'best_of' must equal 'n' ({n}): best-of sampling is not supported, got {req.best_of}")
+    best_of = req.best_of or n
+    if best_of < n:
+        raise InvalidRequest(f"'best_of' must be >= 'n' ({n}), got {best_of}")
+    if best_of > n and stream:
+        raise InvalidRequest("'best_of' > 'n' cannot stream: the best answers are known only at the end")
     include_usage = _include_usage(req, stream)
     logprobs = req.logprobs
     echo = bool(req.echo)
@@ -126,9 +131,11 @@ def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: L
     if echo_only and not echo:
         raise InvalidRequest("'max_tokens' may be 0 only with 'echo': true (the answer is then the prompt alone)")
     prompts = _prompts(req.prompt)
-    check_sequences(len(prompts) * n, limits, "'prompt' x 'n'")
+    check_sequences(len(prompts) * best_of, limits, "'prompt' x 'best_of'" if best_of > n else "'prompt' x 'n'")
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else max(req.max_tokens, 1)
     base = sampling(req, max_tokens, logprobs, limits)
+    if best_of > n:  # candidates are ranked by their tokens' log-probabilities
+        base = replace(base, details=True)
     if echo and logprobs is not None:  # the echoed prompt's tokens are scored too (vLLM's behaviour)
         base = replace(base, prompt_logprobs=max(logprobs, base.prompt_logprobs or 0))
     choices: list[Choice] = []
@@ -145,17 +152,17 @@ def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: L
                 raise InvalidRequest(f"'echo' with token-id prompts needs a tokenizer.json for model {model!r}")
             prompt_text = decoded
         text.check_length(len(ids) if ids is not None else None, base.max_new_tokens, "max_tokens")
-        for j in range(n):
-            index = p_index * n + j
-            params = base if base.seed is None or n == 1 else replace(base, seed=base.seed + j)
-            req_id = rid if len(prompts) * n == 1 else f"{rid}-{index}"
+        for j in range(best_of):
+            index = p_index * best_of + j  # with best_of > n, the answer renumbers the n it keeps
+            params = base if base.seed is None or best_of == 1 else replace(base, seed=base.seed + j)
+            req_id = rid if len(prompts) * best_of == 1 else f"{rid}-{index}"
             request = GenerationRequest(
                 request_id=req_id, model=model, prompt=prompt if isinstance(prompt, str) else "",
                 prompt_token_ids=None if isinstance(prompt, str) else tuple(prompt), params=params,
                 stream=stream)
             choices.append(Choice(index, p_index, prompt_text, request))
     return ParsedRequest(choices, stream, include_usage, logprobs, echo, None, req.prompt_logprobs, echo_only,
-                         tuple(ignored))
+                         tuple(ignored), n if best_of > n else None)
 
 
 def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits, strict: bool,

@@ -3,7 +3,7 @@ schema in ``/openapi.json`` (see ``serving.schema`` for the rules and the messag
 
 Design note: the routes' modules (``lmi``, ``tgi``, ``openai_schema``) validate with the ``RequestSchema``s at
 the bottom and then apply the rules a JSON schema cannot say, each named in a field's description:
-``stream_options`` only with ``stream: true``, ``best_of`` equal to ``n``, ``top_logprobs`` only with
+``stream_options`` only with ``stream: true``, ``best_of`` at least ``n`` (and not streamed), ``top_logprobs`` only with
 ``logprobs: true``, prompts x ``n`` at most ``max_sequences_per_request``, the prompt plus the new tokens
 within the model's context, token ids within its vocabulary, and a chat template that accepts the messages.
 """
@@ -155,7 +155,8 @@ class CompletionRequest(OpenAIRequest):
     suffix: Annotated[str, Only(("",), "(insertion) is not supported: only \"\" or null is accepted")] | None = (
         Field(None, description="not supported: only \"\" or null"))
     best_of: Annotated[int, Field(ge=1), Cap("max_n"), INTEGER] | None = Field(
-        None, description="only equal to n (best-of sampling is not supported)")
+        None, description="candidates per prompt, at least n; the n with the highest cumulative log-probability are "
+        "answered (not with stream)")
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]

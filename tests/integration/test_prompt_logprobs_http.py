@@ -195,3 +195,19 @@ def test_seed_as_string_truncation_bad_words_and_beams(server: ServerProcess, to
     assert post(server, "/predictions/dyn", beams).status_code == 200
     r = post(server, "/predictions/smollm2", beams)
     assert r.status_code == 400 and "'num_beams' > 1" in r.json()["error"]
+
+
+def test_best_of_keeps_the_likeliest_candidates(server: ServerProcess) -> None:
+    """best_of 5, n 2: the two answers are the two of the five seeded candidates (seed + j each, the same as n 5)
+    with the highest cumulative log-probability, in that order."""
+    body = {"model": "smollm2", "prompt": "My favourite animal is", "max_tokens": 6, "temperature": 1.0, "seed": 3,
+            "logprobs": 0}
+    every = post(server, "/v1/completions", {**body, "n": 5}).json()["choices"]
+    ranked = sorted(every, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    assert len({c["text"] for c in every}) > 2  # the candidates differ: the choice means something
+    best = post(server, "/v1/completions", {**body, "n": 2, "best_of": 5}).json()
+    assert [c["text"] for c in best["choices"]] == [c["text"] for c in ranked[:2]]
+    assert [c["index"] for c in best["choices"]] == [0, 1]
+    assert best["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in best["choices"])
+    r = post(server, "/v1/completions", {**body, "n": 2, "best_of": 5, "stream": True})
+    assert r.status_code == 400 and "'best_of' > 'n' cannot stream" in r.json()["error"]

@@ -106,7 +106,7 @@ def cross_field_rules(route: Route, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("stream_options") is not None:
             body["stream"] = True  # "stream_options: only with stream: true"
         if body.get("best_of") is not None:
-            body["best_of"] = body.get("n") or 1  # "best_of: only equal to n"
+            body["best_of"] = body.get("n") or 1  # "best_of: at least n" (more: a test's worth of work)
         if body.get("top_logprobs") is not None:
             body["logprobs"] = True  # "top_logprobs: with logprobs: true"
         if body.get("max_tokens") == 0 and route.schema == "CompletionRequest":

@@ -86,7 +86,10 @@ def cross_field_rules(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("stream_options") is not None:
         body["stream"] = True  # "stream_options: only with stream: true"
     if body.get("best_of") is not None:
-        body["best_of"] = body.get("n") or 1  # "best_of: only equal to n"
+        body["best_of"] = max(body["best_of"], body.get("n") or 1)  # "best_of: at least n"
+        if body["best_of"] > (body.get("n") or 1):  # "not with stream"
+            body.pop("stream", None)
+            body.pop("stream_options", None)
     if body.get("top_logprobs") is not None:
         body["logprobs"] = True  # "top_logprobs: with logprobs: true"
     if body.get("max_tokens") == 0 and "prompt" in body:

@@ -70,16 +70,17 @@ class IncrementalDetokenizer:
                 self._advance_window()
         return self._release(piece)
 
-    def flush(self) -> str:
+    def flush(self) -> tuple[str, str]:
         """Release what is left at the end of a request that did not stop on a stop string: text held back
         for stop strings and tokens still waiting for the rest of a character (their U+FFFD, as decoding the
-        generated tokens gives)."""
+        generated tokens gives). Returns (the released text, the part of it no token's piece had yet: the
+        last token's piece gets it)."""
         pending = ""
         if len(self._ids) > self._read:
             pending = self._new_text(self._decode(self._ids))
             self._advance_window()
         held, self._held = self._held + pending, ""
-        return held
+        return held, pending
 
     # --------------------------------------------------------------- internals
     def _decode(self, ids: list[int]) -> str:

@@ -393,8 +393,11 @@ class LLMEngine:
             finish = FinishReason.STOP
         elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
             finish = FinishReason.LENGTH
+        piece = detok.piece
         if finish is not None and not detok.stopped:
-            text += req.detokenizer.flush()
+            released, unpieced = req.detokenizer.flush()
+            text += released
+            piece += unpieced  # a character the last tokens left unfinished: its U+FFFD is the last token's text
         prompt_tokens = None
         prompt_scores = None
         if not req.sent_first:
@@ -408,7 +411,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
             del self._requests[seq.request_id]
             self._counters["num_requests_finished_total"] += 1
-        info = TokenInfo(token, detok.piece, sampled.logprob, sampled.top_logprobs)
+        info = TokenInfo(token, piece, sampled.logprob, sampled.top_logprobs)
         return TokenDelta(seq.request_id, (info,), text, finish, prompt_tokens, prompt_logprobs=prompt_scores)
 
     # ------------------------------------------------------------------ stats

@@ -106,7 +106,20 @@ def test_stop_string_hold_back(tokenizer: Tokenizer) -> None:
     # Text that only looked like a stop start is released when disambiguated or at the end.
     detok = IncrementalDetokenizer(tokenizer, [1], stop=("two three x",))
     released = "".join(detok.push(i).released for i in ids)
-    assert released + detok.flush() == "one two three four five"
+    assert released + detok.flush()[0] == "one two three four five"
+
+
+def test_an_unfinished_character_at_the_end_is_the_last_tokens_text(tokenizer: Tokenizer) -> None:
+    """A request cut inside a character (max_tokens): the U+FFFD that decoding gives is released by flush and
+    belongs to the last token's piece, so the pieces add up to the text (tgi_compat's generated_text)."""
+    ids = tokenizer.encode("ok 東京 𝄞 ğ", add_special_tokens=False).ids
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer, [1])
+    pieces = [detok.push(i) for i in ids[:cut]]
+    released, unpieced = detok.flush()
+    text = "".join(p.released for p in pieces) + released
+    assert text == tokenizer.decode(ids[:cut]) and text.endswith("\ufffd")
+    assert "".join(p.piece for p in pieces) + unpieced == text and unpieced.endswith("\ufffd")
 
 
 def test_rolling_handler(model_dirs: dict[str, Path]) -> None:

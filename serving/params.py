@@ -120,7 +120,9 @@ class LmiParameters(StrictModel):
         None, description="TGI routes: keep only the last N prompt tokens; accepted and ignored by the LMI routes")
     watermark: Annotated[bool, Only((False,), "is not supported: only false or null is accepted")] | None = None
     typical_p: TypicalP | None = None
-    best_of: Annotated[int, Only((1,), "is not supported: only 1 or null is accepted"), INTEGER] | None = None
+    best_of: Annotated[int, Field(ge=1), Cap("max_n"), INTEGER] | None = Field(
+        None, description="TGI routes: sample this many candidates, answer the likeliest (the others in "
+        "details.best_of_sequences); needs sampling, not with stream; LMI routes: only 1")
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     min_p: MinP | None = None
@@ -211,6 +213,14 @@ def build_sampling_params(values: Mapping[str, Any], limits: Limits) -> Sampling
     return lmi_sampling_params(PARAMETERS.validate(dict(values), limits), limits)
 
 
+def single_candidate(p: LmiParameters) -> LmiParameters:
+    """``p``, refusing ``best_of`` > 1 where only the TGI routes sample candidates (LMI, gRPC)."""
+    if (p.best_of or 1) > 1:
+        raise InvalidRequest(f"parameter 'best_of' > 1 (got {p.best_of}) is answered by the TGI routes (/generate) "
+                             "and OpenAI's completions; here only 1")
+    return p
+
+
 def parse_lmi_parameters(params: Any, limits: Limits, *, strict: bool = True,
                          ignored: list[str] | None = None) -> SamplingParams:
     """The LMI/TGI ``parameters`` object -> SamplingParams. Unknown names -> 400 listing them (dropped into
@@ -219,7 +229,8 @@ def parse_lmi_parameters(params: Any, limits: Limits, *, strict: bool = True,
         return SamplingParams()
     if not isinstance(params, dict):
         raise type_error("parameters", "an object", params)
-    return lmi_sampling_params(PARAMETERS.validate(params, limits, strict=strict, ignored=ignored), limits)
+    return lmi_sampling_params(single_candidate(PARAMETERS.validate(params, limits, strict=strict, ignored=ignored)),
+                               limits)
 
 
 def check_text(name: str, v: Any, *, allow_empty: bool = False, max_chars: int = 1_000_000) -> str:

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 from serving.batching.streams import ResultStream
 from serving.errors import ErrorKind, InvalidRequest, PayloadTooLarge, ServingError
 from serving.params import Limits
-from serving.types import GenerationResult, RequestTimings
+from serving.types import GenerationRequest, GenerationResult, RequestTimings
 
 log = logging.getLogger("serving.http")
 
@@ -202,3 +202,16 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def submit_all(ep: Any, reqs: Sequence[GenerationRequest]) -> list[ResultStream]:
+    """Submit every request, or none: a refusal cancels those already queued."""
+    streams: list[ResultStream] = []
+    try:
+        for r in reqs:
+            streams.append(ep.submit(r))
+    except ServingError:
+        for s in streams:
+            s.cancel()
+        raise
+    return streams

@@ -31,13 +31,14 @@ from serving.frontends.httpio import (
     read_json,
     request_id,
     strict_parameters,
+    submit_all,
     timing_headers,
     timings_json,
 )
 from serving.frontends.prompts import ModelTexts, off_loop
 from serving.frontends.schemas import LMI
 from serving.frontends.tgi import whole_answer as tgi_answer
-from serving.params import check_wire_value, lmi_sampling_params, parse_lmi_parameters
+from serving.params import check_wire_value, lmi_sampling_params, parse_lmi_parameters, single_candidate
 from serving.schema import kind_of, type_error
 from serving.types import GenerationRequest, GenerationResult, SamplingParams, TokenInfo
 
@@ -72,7 +73,8 @@ def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx
         raise _not_an_object(body)
     if is_text_model(ep):
         req = LMI.validate(body, ctx.limits, strict=strict_parameters(ep), ignored=ignored)
-        params = lmi_sampling_params(req.parameters, ctx.limits) if req.parameters else SamplingParams()
+        params = lmi_sampling_params(single_candidate(req.parameters), ctx.limits) if req.parameters else (
+            SamplingParams())
         was_list = isinstance(req.inputs, list)
         prompts = list(req.inputs) if isinstance(req.inputs, list) else [req.inputs]
         stream = _streams(ep, bool(req.stream), was_list)
@@ -113,17 +115,6 @@ def _streams(ep: Any, asked: bool, was_list: bool) -> bool:
 def _not_an_object(body: Any) -> InvalidRequest:
     return InvalidRequest(f"request body must be a JSON object, got {kind_of(body)}")
 
-
-def submit_all(ep: Any, reqs: list[GenerationRequest]) -> list[ResultStream]:
-    streams: list[ResultStream] = []
-    try:
-        for r in reqs:
-            streams.append(ep.submit(r))
-    except ServingError:
-        for s in streams:
-            s.cancel()
-        raise
-    return streams
 
 
 def lmi_answer(result: GenerationResult, params_details: bool, prompt: str, full_text: bool) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from serving.frontends.httpio import (
     read_json,
     request_id,
     strict_parameters,
+    submit_all,
     timing_headers,
     timings_json,
 )
@@ -124,7 +125,7 @@ class OpenAIRoutes:
             parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse_completion, *args)
         if parsed.stream:
             require_streaming(ep)
-        streams = _submit(ep, parsed)
+        streams = submit_all(ep, [c.request for c in parsed.choices])
         kind = "chat.completion" if chat else "text_completion"
         answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{rid}", kind, ep.name, parsed, text)
         extra = ignored_headers(parsed.ignored, rid, ep.name)
@@ -138,17 +139,6 @@ class OpenAIRoutes:
         headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings), **extra}
         return JSONResponse(answer.whole(results), headers=headers)
 
-
-def _submit(ep: Any, parsed: ParsedRequest) -> list[ResultStream]:
-    streams: list[ResultStream] = []
-    try:
-        for choice in parsed.choices:
-            streams.append(ep.submit(choice.request))
-    except ServingError:
-        for s in streams:
-            s.cancel()
-        raise
-    return streams
 
 
 class Answer:

@@ -8,8 +8,9 @@ are 422 ``"validation"``, a full queue is 429 ``"overloaded"``, model failures a
 body keeps the server-wide ``{"error", "error_type", "request_id"}`` shape (which is TGI's own shape plus
 the request id). ``null`` parameters mean "default", as in TGI; ``grammar`` constrains the answer
 (``serving.structured``). Parameters TGI has but rollserve cannot honour (``adapter_id``, ``watermark``,
-``typical_p``, ``best_of`` > 1, ``frequency_penalty``) are refused at any non-neutral value. Streaming needs a
-rolling-batch model (422 naming ``option.rolling_batch``).
+``watermark``) are refused at any non-neutral value; ``best_of`` > 1 samples that many candidates and answers the
+likeliest (the others in ``details.best_of_sequences``). Streaming needs a rolling-batch model (422 naming
+``option.rolling_batch``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from serving.frontends.httpio import (
     read_json,
     request_id,
     strict_parameters,
+    submit_all,
     timing_headers,
     timings_json,
 )
@@ -100,7 +102,7 @@ class TgiRoutes:
         body = {"model_id": ep.name, "model_sha": None, "model_dtype": str(config.options.get("dtype", "fp32"))
                 if config is not None else None, "model_device_type": _device_type(ep),
                 "model_pipeline_tag": "text-generation",
-                "max_concurrent_requests": getattr(batching, "job_queue_size", None), "max_best_of": 1,
+                "max_concurrent_requests": getattr(batching, "job_queue_size", None), "max_best_of": limits.max_n,
                 "max_stop_sequences": limits.max_stop_sequences, "max_input_tokens": (max_len - 1) if max_len else None,
                 "max_input_length": (max_len - 1) if max_len else None, "max_total_tokens": max_len,
                 "max_new_tokens": limits.max_new_tokens, "max_client_batch_size": 1,
@@ -127,29 +129,35 @@ class TgiRoutes:
             body = await read_json(request, self.ctx.max_request_size)
             text = self.texts.get(ep)
             ignored: list[str] = []
-            req, want_stream = await off_loop(self.ctx.tokenize_pool, body_size(request), self._build, body, ep, rid,
-                                              text, stream, ignored)
+            req, want_stream, best_of = await off_loop(self.ctx.tokenize_pool, body_size(request), self._build,
+                                                       body, ep, rid, text, stream, ignored)
             extra = ignored_headers(ignored, rid, ep.name)
             if want_stream and not ep.rolling:
                 raise InvalidRequest("streaming needs a rolling-batch model (set option.rolling_batch=auto); "
                                      f"model {ep.name!r} uses dynamic batching")
-            result_stream = ep.submit(req)
             if want_stream:
+                result_stream = ep.submit(req)
                 return StreamingResponse(tgi_events(req, result_stream, text), media_type="text/event-stream",
                                          headers={REQUEST_ID_HEADER: rid, "Cache-Control": "no-cache", **extra})
-            results = await collect_or_cancel(request, [result_stream])
+            candidates = _candidates(req, best_of)
+            results = await collect_or_cancel(request, submit_all(ep, candidates))
         except ServingError as exc:
             return tgi_error(exc, rid)
         except ConnectionAbortedError:
             return Response(status_code=499, headers={REQUEST_ID_HEADER: rid})  # logged; the client left
-        result = results[0]
+        order = sorted(range(len(results)), key=lambda k: -sum(t.logprob or 0.0 for t in results[k].tokens))
+        result = results[order[0]]
         answer = whole_answer(req, result, text)
+        if best_of > 1 and req.params.details:  # TGI: the other candidates, best first
+            answer["details"]["best_of_sequences"] = [
+                {"generated_text": seq["generated_text"], **seq["details"]}
+                for seq in (whole_answer(candidates[k], results[k], text) for k in order[1:])]
         # TGI's compat route answers a one-element list (what the text-generation client reads)
         return JSONResponse([answer] if stream is None else answer,
                             headers={REQUEST_ID_HEADER: rid, **timing_headers(result.timings), **extra})
 
     def _build(self, body: Any, ep: Any, rid: str, text: ModelText, stream: bool | None, ignored: list[str]
-               ) -> tuple[GenerationRequest, bool]:
+               ) -> tuple[GenerationRequest, bool, int]:
         req = TGI.validate(body, self.ctx.limits, strict=strict_parameters(ep), ignored=ignored)
         p = req.parameters
         params = lmi_sampling_params(p, self.ctx.limits) if p is not None else SamplingParams()
@@ -166,9 +174,26 @@ class TgiRoutes:
         want = bool(req.stream) if stream is None else stream
         if want:  # every streamed token carries its log-probability, as TGI's own server sends it
             params = replace(params, details=True)
+        best_of = (p.best_of if p is not None else None) or 1
+        if best_of > 1 and not params.do_sample:
+            raise InvalidRequest("parameter 'best_of' > 1 needs sampling (do_sample, or a sampling parameter): "
+                                 "greedy candidates would all be the same")
+        if best_of > 1 and want:
+            raise InvalidRequest("parameter 'best_of' > 1 cannot stream: the best candidate is known only at the end")
         request = GenerationRequest(request_id=rid, model=ep.name, prompt=req.inputs, params=params,
                                     prompt_token_ids=token_ids, stream=want)
-        return request, want
+        return request, want, best_of
+
+
+def _candidates(req: GenerationRequest, best_of: int) -> list[GenerationRequest]:
+    """TGI's best_of: that many sampled candidates (ranked by their tokens' log-probabilities; a seed gives
+    candidate j seed + j)."""
+    if best_of == 1:
+        return [req]
+    p = replace(req.params, details=True)
+    return [replace(req, request_id=f"{req.request_id}-{j}",
+                    params=p if p.seed is None else replace(p, seed=p.seed + j)) for j in range(best_of)]
+
 
 
 def _token(t: TokenInfo, text: ModelText, piece: str | None = None) -> dict[str, Any]:

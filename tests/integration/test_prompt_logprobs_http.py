@@ -211,3 +211,25 @@ def test_best_of_keeps_the_likeliest_candidates(server: ServerProcess) -> None:
     assert best["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in best["choices"])
     r = post(server, "/v1/completions", {**body, "n": 2, "best_of": 5, "stream": True})
     assert r.status_code == 400 and "'best_of' > 'n' cannot stream" in r.json()["error"]
+
+
+def test_tgi_best_of_answers_the_likeliest_candidate(server: ServerProcess) -> None:
+    """TGI's best_of: the answer is the likeliest of the sampled candidates, the others in
+    details.best_of_sequences (likeliest first); greedy, streamed and LMI requests are refused by name."""
+    params = {"max_new_tokens": 6, "do_sample": True, "temperature": 1.0, "seed": 11, "details": True}
+    for model in ("smollm2", "dyn"):
+        route = f"/generate?model_name={model}"
+        alone = [post(server, route, {"inputs": "My favourite animal is", "parameters": {**params, "seed": 11 + j}})
+                 .json() for j in range(4)]
+        score = [sum(t["logprob"] for t in a["details"]["tokens"]) for a in alone]
+        r = post(server, route, {"inputs": "My favourite animal is", "parameters": {**params, "best_of": 4}})
+        assert r.status_code == 200, r.text
+        best = r.json()
+        ranked = sorted(range(4), key=lambda j: -score[j])
+        assert best["generated_text"] == alone[ranked[0]]["generated_text"]
+        assert [s["generated_text"] for s in best["details"]["best_of_sequences"]] == [
+            alone[j]["generated_text"] for j in ranked[1:]]
+    greedy = post(server, "/generate?model_name=dyn", {"inputs": "x", "parameters": {"best_of": 2}})
+    assert greedy.status_code == 422 and "'best_of' > 1 needs sampling" in greedy.json()["error"]
+    lmi = post(server, "/predictions/dyn", {"inputs": "x", "parameters": {**params, "best_of": 2}})
+    assert lmi.status_code == 400 and "'best_of' > 1" in lmi.json()["error"]

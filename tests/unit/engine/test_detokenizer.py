@@ -30,7 +30,7 @@ def words(tokenizer: Tokenizer, text: str) -> list[int]:
 def run(tokenizer: Tokenizer, prompt: list[int], generated: list[int], **kw: object) -> list[str]:
     detok = IncrementalDetokenizer(tokenizer, prompt, **kw)  # type: ignore[arg-type]
     out = [detok.push(t).released for t in generated]
-    out.append(detok.flush())
+    out.append(detok.flush()[0])
     return out
 
 
@@ -130,4 +130,4 @@ def test_stop_token_text_is_not_emitted(tokenizer: Tokenizer) -> None:
     step = detok.push(stop_token, stop_token=True)
     assert [s.released for s in first] == [""] * len(first)  # "one" could start "one tw"
     assert step.piece == " two" and step.released == "" and not step.stopped
-    assert detok.flush() == "one"
+    assert detok.flush()[0] == "one"

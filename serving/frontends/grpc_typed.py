@@ -45,7 +45,7 @@ FINISH_REASON = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.EOS:
 _OPTIONAL_PARAMS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
                     "ignore_eos", "logprobs", "guided_json", "guided_regex", "guided_grammar", "presence_penalty",
                     "frequency_penalty", "min_p", "typical_p", "min_tokens", "include_stop_str_in_output",
-                    "skip_special_tokens")
+                    "skip_special_tokens", "num_beams", "length_penalty", "early_stopping")
 
 
 def sampling_values(params: Any) -> dict[str, Any]:
@@ -59,6 +59,8 @@ def sampling_values(params: Any) -> dict[str, Any]:
         values["guided_choice"] = list(params.guided_choice)
     if params.logit_bias:
         values["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+    if params.bad_words:
+        values["bad_words"] = list(params.bad_words)
     return values
 
 

@@ -220,7 +220,8 @@ def test_tool_history_reaches_the_template(client: openai.OpenAI, tmp_path: Path
 
 
 def test_the_sampling_set_means_the_same_on_every_api(server: ServerProcess, client: openai.OpenAI) -> None:
-    """logit_bias, the penalties and min_tokens through LMI, TGI, OpenAI and typed gRPC: one answer for one set."""
+    """logit_bias, the penalties, min_tokens, stop strings and bad_words through LMI, TGI, OpenAI and typed gRPC: one
+    answer for one set."""
     headers, prompt = server.inference_headers, "Write the word hello five times:"
 
     def lmi(**params: Any) -> tuple[str, list[int]]:
@@ -233,7 +234,8 @@ def test_the_sampling_set_means_the_same_on_every_api(server: ServerProcess, cli
     banned = plain[1]
     sets: list[dict[str, Any]] = [{"logit_bias": {str(banned): -100}}, {"frequency_penalty": 1.5},
                                   {"presence_penalty": 2.0, "min_tokens": 5},
-                                  {"stop": ["hello"], "include_stop_str_in_output": True, "skip_special_tokens": False}]
+                                  {"stop": ["hello"], "include_stop_str_in_output": True, "skip_special_tokens": False},
+                                  {"bad_words": ["hello"]}]
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for params in sets:

@@ -24,7 +24,7 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class SamplingParameters(_message.Message):
-    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "presence_penalty", "frequency_penalty", "min_p", "typical_p", "min_tokens", "logit_bias", "include_stop_str_in_output", "skip_special_tokens")
+    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "presence_penalty", "frequency_penalty", "min_p", "typical_p", "min_tokens", "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "bad_words", "num_beams", "length_penalty", "early_stopping")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,10 @@ class SamplingParameters(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     do_sample: bool
     temperature: float
@@ -78,7 +82,11 @@ class SamplingParameters(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     include_stop_str_in_output: bool
     skip_special_tokens: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., guided_json: _Optional[str] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Iterable[str]] = ..., guided_grammar: _Optional[str] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    bad_words: _containers.RepeatedScalarFieldContainer[str]
+    num_beams: int
+    length_penalty: float
+    early_stopping: bool
+    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., guided_json: _Optional[str] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Iterable[str]] = ..., guided_grammar: _Optional[str] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "prompt", "prompt_token_ids", "parameters", "request_id", "return_full_text")

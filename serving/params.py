@@ -121,8 +121,8 @@ class LmiParameters(StrictModel):
     watermark: Annotated[bool, Only((False,), "is not supported: only false or null is accepted")] | None = None
     typical_p: TypicalP | None = None
     best_of: Annotated[int, Field(ge=1), Cap("max_n"), INTEGER] | None = Field(
-        None, description="TGI routes: sample this many candidates, answer the likeliest (the others in "
-        "details.best_of_sequences); needs sampling, not with stream; LMI routes: only 1")
+        None, description="sample this many candidates, answer the likeliest (the others in "
+        "details.best_of_sequences); needs sampling, not with stream; gRPC: only 1")
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     min_p: MinP | None = None
@@ -214,11 +214,20 @@ def build_sampling_params(values: Mapping[str, Any], limits: Limits) -> Sampling
 
 
 def single_candidate(p: LmiParameters) -> LmiParameters:
-    """``p``, refusing ``best_of`` > 1 where only the TGI routes sample candidates (LMI, gRPC)."""
+    """``p``, refusing ``best_of`` > 1 where no route samples candidates (gRPC, custom handlers)."""
     if (p.best_of or 1) > 1:
-        raise InvalidRequest(f"parameter 'best_of' > 1 (got {p.best_of}) is answered by the TGI routes (/generate) "
-                             "and OpenAI's completions; here only 1")
+        raise InvalidRequest(f"parameter 'best_of' > 1 (got {p.best_of}) is answered by the HTTP routes of the "
+                             "built-in text handlers (LMI, TGI, OpenAI completions); here only 1")
     return p
+
+
+def check_best_of(best_of: int, params: SamplingParams, stream: bool) -> None:
+    """TGI's and DJL's ``best_of`` > 1: sampled candidates, answered whole."""
+    if best_of > 1 and not params.do_sample:
+        raise InvalidRequest("parameter 'best_of' > 1 needs sampling (do_sample, or a sampling parameter): greedy "
+                             "candidates would all be the same")
+    if best_of > 1 and stream:
+        raise InvalidRequest("parameter 'best_of' > 1 cannot stream: the best candidate is known only at the end")
 
 
 def parse_lmi_parameters(params: Any, limits: Limits, *, strict: bool = True,

@@ -14,7 +14,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -215,3 +215,18 @@ def submit_all(ep: Any, reqs: Sequence[GenerationRequest]) -> list[ResultStream]
             s.cancel()
         raise
     return streams
+
+
+def candidates(req: GenerationRequest, best_of: int) -> list[GenerationRequest]:
+    """``best_of`` sampled candidates of ``req`` (ranked by their tokens' log-probabilities, so computed; a seed
+    gives candidate j seed + j), or ``req`` alone."""
+    if best_of == 1:
+        return [req]
+    p = replace(req.params, details=True)
+    return [replace(req, request_id=f"{req.request_id}-{j}",
+                    params=p if p.seed is None else replace(p, seed=p.seed + j)) for j in range(best_of)]
+
+
+def likeliest_first(results: Sequence[GenerationResult]) -> list[int]:
+    """Indices of ``results`` by cumulative log-probability, highest first."""
+    return sorted(range(len(results)), key=lambda k: -sum(t.logprob or 0.0 for t in results[k].tokens))

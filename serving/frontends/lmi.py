@@ -25,9 +25,11 @@ from serving.frontends.httpio import (
     REQUEST_ID_HEADER,
     HttpContext,
     body_size,
+    candidates,
     collect_or_cancel,
     error_response,
     ignored_headers,
+    likeliest_first,
     read_json,
     request_id,
     strict_parameters,
@@ -38,7 +40,7 @@ from serving.frontends.httpio import (
 from serving.frontends.prompts import ModelTexts, off_loop
 from serving.frontends.schemas import LMI
 from serving.frontends.tgi import whole_answer as tgi_answer
-from serving.params import check_wire_value, lmi_sampling_params, parse_lmi_parameters, single_candidate
+from serving.params import check_best_of, check_wire_value, lmi_sampling_params, parse_lmi_parameters
 from serving.schema import kind_of, type_error
 from serving.types import GenerationRequest, GenerationResult, SamplingParams, TokenInfo
 
@@ -65,19 +67,20 @@ def attributes_of(request: Request) -> dict[str, str]:
 
 
 def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx: HttpContext,
-                   ignored: list[str] | None = None) -> tuple[list[GenerationRequest], bool, bool]:
-    """LMI body -> (requests, was_list, stream). A text model's body is a ``schemas.LmiRequest``; a custom
+                   ignored: list[str] | None = None) -> tuple[list[GenerationRequest], bool, bool, int]:
+    """LMI body -> (requests, was_list, stream, best_of). A text model's body is a ``schemas.LmiRequest``; a custom
     handler's is its own (only ``parameters`` and ``stream`` are checked, and that it can cross to a worker).
     Unknown fields dropped (not ``option.strict_parameters``) are added to ``ignored``."""
     if not isinstance(body, dict):
         raise _not_an_object(body)
     if is_text_model(ep):
         req = LMI.validate(body, ctx.limits, strict=strict_parameters(ep), ignored=ignored)
-        params = lmi_sampling_params(single_candidate(req.parameters), ctx.limits) if req.parameters else (
-            SamplingParams())
+        params = lmi_sampling_params(req.parameters, ctx.limits) if req.parameters else SamplingParams()
+        best_of = (req.parameters.best_of if req.parameters else None) or 1
         was_list = isinstance(req.inputs, list)
         prompts = list(req.inputs) if isinstance(req.inputs, list) else [req.inputs]
-        stream = _streams(ep, bool(req.stream), was_list)
+        stream = _streams(ep, bool(req.stream), was_list) and best_of == 1
+        check_best_of(best_of, params, bool(req.stream))
         # every streamed token carries its log-probability (DJL's token objects always have one); tgi_compat
         # answers always carry TGI's details
         if stream or _tgi_compat(ep):
@@ -94,10 +97,11 @@ def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx
         prompts = [inputs if isinstance(inputs, str) else ""]
         was_list = False
         payload = body
+        best_of = 1  # parse_lmi_parameters refuses more
     reqs = [GenerationRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", model=ep.name, prompt=p,
                               params=params, stream=stream, payload=payload, attributes=attributes)
             for i, p in enumerate(prompts)]
-    return reqs, was_list, stream
+    return reqs, was_list, stream, best_of
 
 
 def _tgi_compat(ep: Any) -> bool:
@@ -176,7 +180,8 @@ class LmiRoutes:
             if isinstance(body, dict) and "messages" in body and chat is not None:
                 return await chat(request, body, ep, rid)  # LMI: a body with messages is OpenAI chat
             ignored: list[str] = []
-            reqs, was_list, stream = build_requests(body, ep, rid, attributes_of(request), self.ctx, ignored)
+            reqs, was_list, stream, best_of = build_requests(body, ep, rid, attributes_of(request), self.ctx,
+                                                             ignored)
             extra = ignored_headers(ignored, rid, ep.name)
             if is_text_model(ep):
                 self.texts.get(ep)  # on the loop: the cache is not thread-safe
@@ -185,13 +190,33 @@ class LmiRoutes:
                 if len(reqs) != 1:
                     raise InvalidRequest("'stream' takes a single string in 'inputs'")
                 return self._stream(ep, reqs[0], submit_all(ep, reqs)[0], rid, extra)
-            streams = submit_all(ep, reqs)
-            results = await collect_or_cancel(request, streams)
+            tries = [c for r in reqs for c in candidates(r, best_of)]
+            results = await collect_or_cancel(request, submit_all(ep, tries))
         except ServingError as exc:
             return error_response(exc, rid)
         except ConnectionAbortedError:
             return Response(status_code=499, headers={REQUEST_ID_HEADER: rid})  # logged; the client left
+        if best_of > 1:
+            return self._best_of(ep, tries, results, best_of, was_list, rid, extra)
         return self._whole(ep, reqs, results, was_list, rid, extra)
+
+    def _best_of(self, ep: Any, tries: list[GenerationRequest], results: list[GenerationResult], best_of: int,
+                 was_list: bool, rid: str, extra: dict[str, str]) -> Response:
+        """DJL's best_of answer per prompt: the likeliest candidate, the others in details.best_of_sequences."""
+        answers = []
+        tgi = _tgi_compat(ep)
+        text = self.texts.get(ep)
+        for start in range(0, len(tries), best_of):
+            group, outs = tries[start:start + best_of], results[start:start + best_of]
+            order = likeliest_first(outs)
+            shaped = [tgi_answer(group[k], outs[k], text) if tgi else
+                      lmi_answer(outs[k], True, group[k].prompt, group[k].params.return_full_text) for k in order]
+            best = shaped[0]
+            best["details"]["best_of_sequences"] = [{"generated_text": a["generated_text"], **a["details"]}
+                                                    for a in shaped[1:]]
+            answers.append(best)
+        headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings), **extra}
+        return JSONResponse(answers if was_list or tgi else answers[0], headers=headers)
 
     def _whole(self, ep: Any, reqs: list[GenerationRequest], results: list[GenerationResult], was_list: bool,
                rid: str, extra: dict[str, str]) -> Response:

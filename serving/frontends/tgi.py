@@ -31,8 +31,10 @@ from serving.frontends.httpio import (
     STATUS,
     HttpContext,
     body_size,
+    candidates,
     collect_or_cancel,
     ignored_headers,
+    likeliest_first,
     read_json,
     request_id,
     strict_parameters,
@@ -42,7 +44,7 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.frontends.schemas import TGI
-from serving.params import lmi_sampling_params
+from serving.params import check_best_of, lmi_sampling_params
 from serving.types import GenerationRequest, GenerationResult, SamplingParams, TokenInfo
 
 VERSION = "rollserve-0.1.0"
@@ -139,19 +141,19 @@ class TgiRoutes:
                 result_stream = ep.submit(req)
                 return StreamingResponse(tgi_events(req, result_stream, text), media_type="text/event-stream",
                                          headers={REQUEST_ID_HEADER: rid, "Cache-Control": "no-cache", **extra})
-            candidates = _candidates(req, best_of)
-            results = await collect_or_cancel(request, submit_all(ep, candidates))
+            tries = candidates(req, best_of)
+            results = await collect_or_cancel(request, submit_all(ep, tries))
         except ServingError as exc:
             return tgi_error(exc, rid)
         except ConnectionAbortedError:
             return Response(status_code=499, headers={REQUEST_ID_HEADER: rid})  # logged; the client left
-        order = sorted(range(len(results)), key=lambda k: -sum(t.logprob or 0.0 for t in results[k].tokens))
+        order = likeliest_first(results)
         result = results[order[0]]
         answer = whole_answer(req, result, text)
         if best_of > 1 and req.params.details:  # TGI: the other candidates, best first
             answer["details"]["best_of_sequences"] = [
                 {"generated_text": seq["generated_text"], **seq["details"]}
-                for seq in (whole_answer(candidates[k], results[k], text) for k in order[1:])]
+                for seq in (whole_answer(tries[k], results[k], text) for k in order[1:])]
         # TGI's compat route answers a one-element list (what the text-generation client reads)
         return JSONResponse([answer] if stream is None else answer,
                             headers={REQUEST_ID_HEADER: rid, **timing_headers(result.timings), **extra})
@@ -175,24 +177,11 @@ class TgiRoutes:
         if want:  # every streamed token carries its log-probability, as TGI's own server sends it
             params = replace(params, details=True)
         best_of = (p.best_of if p is not None else None) or 1
-        if best_of > 1 and not params.do_sample:
-            raise InvalidRequest("parameter 'best_of' > 1 needs sampling (do_sample, or a sampling parameter): "
-                                 "greedy candidates would all be the same")
-        if best_of > 1 and want:
-            raise InvalidRequest("parameter 'best_of' > 1 cannot stream: the best candidate is known only at the end")
+        check_best_of(best_of, params, want)
         request = GenerationRequest(request_id=rid, model=ep.name, prompt=req.inputs, params=params,
                                     prompt_token_ids=token_ids, stream=want)
         return request, want, best_of
 
-
-def _candidates(req: GenerationRequest, best_of: int) -> list[GenerationRequest]:
-    """TGI's best_of: that many sampled candidates (ranked by their tokens' log-probabilities; a seed gives
-    candidate j seed + j)."""
-    if best_of == 1:
-        return [req]
-    p = replace(req.params, details=True)
-    return [replace(req, request_id=f"{req.request_id}-{j}",
-                    params=p if p.seed is None else replace(p, seed=p.seed + j)) for j in range(best_of)]
 
 
 

@@ -214,8 +214,9 @@ def test_best_of_keeps_the_likeliest_candidates(server: ServerProcess) -> None:
 
 
 def test_tgi_best_of_answers_the_likeliest_candidate(server: ServerProcess) -> None:
-    """TGI's best_of: the answer is the likeliest of the sampled candidates, the others in
-    details.best_of_sequences (likeliest first); greedy, streamed and LMI requests are refused by name."""
+    """TGI's (and DJL's) best_of: the answer is the likeliest of the sampled candidates, the others in
+    details.best_of_sequences (likeliest first), on the TGI and LMI routes; greedy and streamed requests are refused
+    by name."""
     params = {"max_new_tokens": 6, "do_sample": True, "temperature": 1.0, "seed": 11, "details": True}
     for model in ("smollm2", "dyn"):
         route = f"/generate?model_name={model}"
@@ -229,7 +230,13 @@ def test_tgi_best_of_answers_the_likeliest_candidate(server: ServerProcess) -> N
         assert best["generated_text"] == alone[ranked[0]]["generated_text"]
         assert [s["generated_text"] for s in best["details"]["best_of_sequences"]] == [
             alone[j]["generated_text"] for j in ranked[1:]]
+        lmi = post(server, f"/predictions/{model}", {"inputs": "My favourite animal is",
+                                                     "parameters": {**params, "best_of": 4}}).json()
+        assert lmi["generated_text"] == best["generated_text"]
+        assert [s["generated_text"] for s in lmi["details"]["best_of_sequences"]] == [
+            s["generated_text"] for s in best["details"]["best_of_sequences"]]
     greedy = post(server, "/generate?model_name=dyn", {"inputs": "x", "parameters": {"best_of": 2}})
     assert greedy.status_code == 422 and "'best_of' > 1 needs sampling" in greedy.json()["error"]
-    lmi = post(server, "/predictions/dyn", {"inputs": "x", "parameters": {**params, "best_of": 2}})
-    assert lmi.status_code == 400 and "'best_of' > 1" in lmi.json()["error"]
+    streamed = post(server, "/predictions/smollm2", {"inputs": "x", "stream": True,
+                                                     "parameters": {**params, "best_of": 2}})
+    assert streamed.status_code == 400 and "'best_of' > 1 cannot stream" in streamed.json()["error"]

@@ -115,7 +115,7 @@ def cross_field_rules(route: Route, body: dict[str, Any]) -> dict[str, Any]:
     # tests send them (tests/integration/test_structured_http.py)
     params = body.get("parameters")
     if isinstance(params, dict) and params.get("best_of") is not None:
-        params["best_of"] = 1  # "LMI routes: only 1" (TGI's candidates: tests/integration/test_prompt_logprobs_http.py)
+        params["best_of"] = 1  # "needs sampling" (candidates: tests/integration/test_prompt_logprobs_http.py)
     for level in (body, params if isinstance(params, dict) else {}):
         for name in CONSTRAINT_FIELDS:
             level.pop(name, None)

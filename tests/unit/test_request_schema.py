@@ -99,7 +99,7 @@ def cross_field_rules(body: dict[str, Any]) -> dict[str, Any]:
     # covers it), and tool_choice depends on the tools and the model's options (tests/unit/test_tools.py).
     params = body.get("parameters")
     if isinstance(params, dict) and params.get("best_of") is not None:
-        params["best_of"] = 1  # "LMI routes: only 1" (TGI's candidates: tests/integration/test_prompt_logprobs_http.py)
+        params["best_of"] = 1  # "needs sampling" (candidates: tests/integration/test_prompt_logprobs_http.py)
     for level in (body, params if isinstance(params, dict) else {}):
         for name in (*CONSTRAINT_FIELDS, "tools", "tool_choice"):
             level.pop(name, None)

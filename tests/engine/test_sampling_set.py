@@ -59,6 +59,22 @@ def test_processors_equal_the_definitions(params: SamplingParams) -> None:
     assert sampler.choose(LOGITS.clone(), PROMPT + OUTPUT) == max(range(V), key=lambda t: want[t])  # greedy
 
 
+def test_bad_words_ban_a_words_last_token_after_the_rest_of_it() -> None:
+    """vLLM's bad_words on fixed logits: a one-token word is banned everywhere; a longer word's last token only
+    when the generated tokens end with the word's other tokens (the prompt never counts)."""
+    words = [[3], [8, 2, 9], [0, 4]]  # OUTPUT ends with 0: [0, 4] is armed, [8, 2, 9] is not (it ends 8, 0)
+    sampler = RequestSampler(SamplingParams(), random.Random(0), len(PROMPT), bad_words=words)
+    got = sampler.processors(torch.tensor([PROMPT + OUTPUT]), LOGITS.clone().unsqueeze(0))[0]
+    want = LOGITS.clone()
+    want[3] = want[4] = -math.inf
+    assert got.tolist() == want.tolist()
+    armed = RequestSampler(SamplingParams(), random.Random(0), len(PROMPT), bad_words=[[8, 2, 9], [1, 5]])
+    got = armed.processors(torch.tensor([PROMPT + [8, 2]]), LOGITS.clone().unsqueeze(0))[0]
+    want = LOGITS.clone()
+    want[9] = -math.inf  # [1, 5]: the prompt's 1 does not arm it
+    assert got.tolist() == want.tolist()
+
+
 def test_min_p_keeps_the_tokens_within_min_p_of_the_likeliest() -> None:
     for min_p, temperature in ((0.2, 1.0), (0.5, 0.7), (0.05, 1.3)):
         sampler = RequestSampler(SamplingParams(do_sample=True, min_p=min_p, temperature=temperature),

@@ -449,7 +449,7 @@ def _choose_rolling_batch(requested: str, setting: _Setting, entry_point: str, m
         if admission(config) == ADMITTED_BY_LIST:
             return "scheduler", f"{asked}: rolling engine; {named} is supported"
         # Off the verified list: the worker's self-check decides at load, and a difference FAILS the model
-        # (it is not switched to dynamic batching behind the user's back: README, "Model families").
+        # (it is not switched to dynamic batching behind the user's back: docs/configuration.md, "Model families").
         return "scheduler", (f"{asked}: rolling engine, pending load-time self-check; {named} is not on the "
                              "verified list: the worker compares the engine's logits with transformers' forward "
                              "when it loads and fails the model on a difference (option.rolling_batch=disable "

@@ -1,6 +1,6 @@
-"""Generate README's model support matrix from the family tests' results.
+"""Generate the model support matrix of docs/configuration.md from the family tests' results.
 
-    python -m tests.support_matrix            # run the family tests, rewrite the table in README.md
+    python -m tests.support_matrix            # run the family tests, rewrite the table in docs/configuration.md
     python -m tests.support_matrix --junit F  # build the table from an existing junit XML file instead
 
 Each cell is the outcome of one test (tests/engine/test_families.py, tests/integration/test_families_http.py):
@@ -19,7 +19,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+README = REPO / "docs" / "configuration.md"
 START, END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
 TESTS = ["tests/engine/test_families.py", "tests/integration/test_families_http.py"]
 
@@ -96,7 +96,7 @@ def rewrite_readme(table: str) -> None:
     text = README.read_text(encoding="utf-8")
     pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
     if not pattern.search(text):
-        raise SystemExit(f"README.md has no {START} ... {END} section")
+        raise SystemExit(f"{README} has no {START} ... {END} section")
     README.write_text(pattern.sub(lambda _: f"{START}\n{table}\n{END}", text), encoding="utf-8")
 
 

@@ -310,8 +310,8 @@ def test_values_out_of_their_documented_range_are_refused_naming_the_field(
 
 
 def test_readme_lists_every_documented_request_field() -> None:
-    """README's "Request fields" table names every field of every request schema (and no other)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    """docs/api.md's "Request fields" table names every field of every request schema (and no other)."""
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text(encoding="utf-8")
     section = readme.split("### Request fields", 1)[1].split("\n## ", 1)[0]
     table = "\n".join(line for line in section.splitlines() if line.startswith("| "))
     named = set(re.findall(r"`([a-z_]+)`", table))
@@ -319,7 +319,7 @@ def test_readme_lists_every_documented_request_field() -> None:
     for name in ("LmiRequest", "LmiParameters", "TgiRequest", "CompletionRequest", "ChatRequest", "StreamOptions",
                  "ChatMessage"):
         documented |= set(DOC.properties(DOC.components[name]))
-    assert documented - named == set(), "not in README: " + ", ".join(sorted(documented - named))
+    assert documented - named == set(), "not in docs/api.md: " + ", ".join(sorted(documented - named))
     # the caps' settings and the gRPC tensor that carries the parameters may be named too
     other = named - documented - {f.name for f in fields(Limits)} - {"sampling_parameters"}
-    assert other == set(), "README names what no schema documents: " + ", ".join(sorted(other))
+    assert other == set(), "docs/api.md names what no schema documents: " + ", ".join(sorted(other))

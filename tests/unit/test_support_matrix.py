@@ -1,4 +1,4 @@
-"""README's support matrix is built from test outcomes only."""
+"""The support matrix (docs/configuration.md) is built from test outcomes only."""
 
 from __future__ import annotations
 

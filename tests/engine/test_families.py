@@ -217,8 +217,8 @@ def test_dynamic_batching_equals_generate(family_root: Path, family: str) -> Non
 @pytest.mark.parametrize("family", EXACT)
 def test_bf16_against_generate_bf16(family_root: Path, family: str, record_property: Any) -> None:
     """bf16: oneDNN's and transformers' bf16 kernels round differently, so greedy paths may part at a near-tie;
-    the first divergence is recorded (docs/configuration.md's matrix shows it). What must hold: teacher-forced on the same
-    tokens, the engine's next-token choice agrees with transformers' bf16 model at >= 90% of positions (a
+    the first divergence is recorded (docs/configuration.md's matrix shows it). What must hold: teacher-forced on
+    the same tokens, the engine's next-token choice agrees with transformers' bf16 model at >= 90% of positions (a
     broken path agrees at ~1/vocab)."""
     from transformers import AutoModelForCausalLM
 

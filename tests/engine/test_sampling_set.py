@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -145,25 +147,42 @@ def test_the_engine_and_the_dynamic_handler_apply_them(folder: Path) -> None:
     assert dynamic(SamplingParams(max_new_tokens=40, min_tokens=30), question)[:30] == longer[:30]
 
 
-def test_stop_strings_kept_on_request_and_special_tokens_shown(folder: Path) -> None:
-    """include_stop_str_in_output keeps the stop string; skip_special_tokens=false keeps chat markers' text: in the
-    rolling engine and in the dynamic handler alike."""
+@dataclass
+class Capital:
+    """The real model in the rolling engine and the dynamic handler, and one chat question to both."""
+
+    engine: LLMEngine
+    handler: HuggingFaceHandler
+    question: str
+    ids: list[int]
+
+    def rolling(self, params: SamplingParams) -> str:
+        self.engine.add("r", self.ids, params)
+        text = ""
+        while self.engine.has_work():
+            text += "".join(d.text for d in self.engine.step())
+        return text
+
+    def dynamic(self, params: SamplingParams) -> Any:
+        return self.handler.handle([Input("d", self.question, params)])[0]
+
+
+@pytest.fixture(scope="module")
+def capital(folder: Path) -> Capital:
     engine = LLMEngine.from_options(folder, {"max_model_len": "512"})
     handler = HuggingFaceHandler()
     handler.initialize(Context("m", folder, {}))
     question = handler.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    ids = list(engine.tokenizer(question)["input_ids"])
+    return Capital(engine, handler, question, list(engine.tokenizer(question)["input_ids"]))
 
-    def rolling(params: SamplingParams) -> str:
-        engine.add("r", ids, params)
-        text = ""
-        while engine.has_work():
-            text += "".join(d.text for d in engine.step())
-        return text
+
+def test_stop_strings_kept_on_request_and_special_tokens_shown(capital: Capital) -> None:
+    """include_stop_str_in_output keeps the stop string; skip_special_tokens=false keeps chat markers' text: in the
+    rolling engine and in the dynamic handler alike."""
 
     def both(params: SamplingParams) -> str:
-        text = rolling(params)
-        assert handler.handle([Input("d", question, params)])[0].text == text, params
+        text = capital.rolling(params)
+        assert capital.dynamic(params).text == text, params
         return text
 
     assert both(SamplingParams(max_new_tokens=20, stop=("Paris", "France"))) == "The capital of "
@@ -175,31 +194,19 @@ def test_stop_strings_kept_on_request_and_special_tokens_shown(folder: Path) -> 
     assert shown.replace("<|im_end|>", "").replace("<|im_start|>", "") == plain
 
 
-def test_bad_words_and_beam_search(folder: Path) -> None:
+def test_bad_words_and_beam_search(capital: Capital, folder: Path) -> None:
     """bad_words keeps a word out of the answer in the rolling engine and the dynamic handler alike; beam search
     (dynamic batching) answers what transformers' own beam search does."""
     from transformers import AutoModelForCausalLM
 
-    engine = LLMEngine.from_options(folder, {"max_model_len": "512"})
-    handler = HuggingFaceHandler()
-    handler.initialize(Context("m", folder, {}))
-    question = handler.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    ids = list(engine.tokenizer(question)["input_ids"])
-
-    def rolling(params: SamplingParams) -> str:
-        engine.add("r", ids, params)
-        text = ""
-        while engine.has_work():
-            text += "".join(d.text for d in engine.step())
-        return text
-
-    plain = rolling(SamplingParams(max_new_tokens=12))
+    engine, ids = capital.engine, capital.ids
+    plain = capital.rolling(SamplingParams(max_new_tokens=12))
     assert "Paris" in plain
     banned = SamplingParams(max_new_tokens=12, bad_words=("Paris",))
-    without = rolling(banned)
-    assert "Paris" not in without and without == handler.handle([Input("d", question, banned)])[0].text
+    without = capital.rolling(banned)
+    assert "Paris" not in without and without == capital.dynamic(banned).text
     beams = SamplingParams(max_new_tokens=12, num_beams=3, length_penalty=0.5, early_stopping=True, details=True)
-    got = handler.handle([Input("b", question, beams)])[0]
+    got = capital.dynamic(beams)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         want = model.generate(torch.tensor([ids]), max_new_tokens=12, num_beams=3, length_penalty=0.5,

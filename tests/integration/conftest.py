@@ -3,6 +3,8 @@ models takes most of a test's time on a 2-core machine).
 
 ``api_server``: ``tiny`` (the default model, dynamic batching, unknown request fields refused), ``tiny-rb`` (the
 same weights, rolling batching, small batch, unknown fields ignored as by default) and ``echo`` (torch-free).
+``smollm2_server``: the real SmolLM2-135M-Instruct (``tests/real_model.py``) as ``smollm2`` (rolling batching,
+auto tool choice) and ``dyn`` (dynamic batching).
 ``echo_server``: torch-free models only (``echo``, ``slow`` (0.5 s per request, one at a time) and ``attrs``, a
 custom handler that reflects its request attributes), with the inference API bound to ``SAGEMAKER_BIND_TO_PORT``,
 as SageMaker starts a container.
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.integration.harness import ServerProcess
+from tests.real_model import smollm2_folder
 
 ATTRS_HANDLER = '''
 from handlers.base import Output
@@ -26,6 +29,20 @@ def handle(inputs):
     return [Output(request_id=i.request_id, payload={"attributes": dict(i.attributes), "prompt": i.prompt})
             for i in inputs]
 '''
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    folder = smollm2_folder()
+    rolling = {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "16", "option.max_model_len": "2048",
+               "option.kv_cache_populate": "lazy", "option.enable_auto_tool_choice": "true"}
+    dynamic = {"option.max_model_len": "2048", "batch_size": "4", "max_batch_delay": "50"}
+    srv = ServerProcess.start(tmp_path_factory.mktemp("smollm2"), models={"smollm2": rolling, "dyn": dynamic},
+                              sources={"smollm2": folder, "dyn": folder}, timeout_s=600)
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.integration.harness import ServerProcess
 from tests.real_model import smollm2_folder
 
-ROLLING = {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "8", "option.max_model_len": "1024",
-           "option.kv_cache_populate": "lazy", "option.max_rolling_batch_prefill_tokens": "64"}
-DYNAMIC = {"option.max_model_len": "1024", "batch_size": "4", "max_batch_delay": "20"}
 QUESTIONS = [  # a loglikelihood task: which continuation the model finds likelier
     {"question": "The capital of France is", "choices": ["Paris", "London", "a large river"], "answer": 0},
     {"question": "Two plus two equals", "choices": ["four", "seven"], "answer": 0},
@@ -52,13 +48,8 @@ def folder() -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, folder: Path) -> Iterator[ServerProcess]:
-    srv = ServerProcess.start(tmp_path_factory.mktemp("prompt-logprobs"), models={"smollm2": ROLLING, "dyn": DYNAMIC},
-                              sources={"smollm2": folder, "dyn": folder}, timeout_s=600)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(smollm2_server: ServerProcess) -> ServerProcess:
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

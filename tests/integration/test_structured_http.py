@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,11 +21,7 @@ from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as pb_grpc
 from serving.frontends.tools import parse
 from tests.integration.harness import ServerProcess
-from tests.real_model import smollm2_folder
 
-ROLLING = {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "16", "option.max_model_len": "2048",
-           "option.kv_cache_populate": "lazy", "option.enable_auto_tool_choice": "true"}
-DYNAMIC = {"option.max_model_len": "2048", "batch_size": "4", "max_batch_delay": "50"}
 CITY = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30},
     "population_millions": {"type": "number", "minimum": 0, "maximum": 40},
@@ -54,14 +49,8 @@ ASKS = ["What is the weather in Madrid?", "Book a flight from Boston to Denver f
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    folder = smollm2_folder()
-    srv = ServerProcess.start(tmp_path_factory.mktemp("structured"), models={"smollm2": ROLLING, "dyn": DYNAMIC},
-                              sources={"smollm2": folder, "dyn": folder}, timeout_s=600)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(smollm2_server: ServerProcess) -> ServerProcess:
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

@@ -125,7 +125,7 @@ def test_errors_are_json_without_internals(server: ServerProcess) -> None:
     assert_error(httpx.post(f"{url}/predictions/{MODEL}", content=b"\xff\xfe", timeout=10), 400, "invalid_request")
     assert_error(httpx.post(f"{url}/predictions/{MODEL}", json={"inputs": "x", "parameters": {"max_new_tokens": -1}},
                             timeout=10), 400, "invalid_request")
-    assert_error(httpx.post(f"{url}/predictions/{MODEL}", json={"inputs": "x", "stream": True}, timeout=10),
+    assert_error(httpx.post(f"{url}/predictions/{MODEL}", json={"inputs": "x", "stream": "yes"}, timeout=10),
                  400, "invalid_request")
     assert_error(httpx.get(f"{url}/no/such/route", timeout=10), 404, "not_found")
     assert_error(httpx.get(f"{url}/predictions/{MODEL}", timeout=10), 405, "method_not_allowed")

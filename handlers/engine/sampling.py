@@ -224,7 +224,8 @@ def scored_tokens(logits: torch.Tensor, targets: Seq[int], texts: Seq[str], k: i
     """Prompt log-probabilities: row j of ``logits`` [n, V] scores ``targets[j]`` (text ``texts[j]``), with the
     ``k`` most likely alternatives when k > 0. The model's raw distribution, as vLLM reports prompt tokens."""
     scores = torch.log_softmax(logits.float(), dim=-1)
-    chosen = scores.gather(1, torch.tensor(list(targets), device=scores.device)[:, None])[:, 0].tolist()
+    ids = torch.tensor(list(targets), dtype=torch.long, device=scores.device)  # long even when empty
+    chosen = scores.gather(1, ids[:, None])[:, 0].tolist()
     top: list[tuple[tuple[int, float], ...]] = [()] * len(chosen)
     if k:
         values, ids = scores.topk(k)

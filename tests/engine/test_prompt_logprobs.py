@@ -86,3 +86,19 @@ def test_prompt_logprobs_survive_preemption(model_dirs: dict[str, Path]) -> None
         want = reference_scores(model_dir, prompt)
         expected = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         torch.testing.assert_close(torch.tensor([t.logprob for t in scored[1:]]), expected, atol=1e-4, rtol=0)
+
+
+def test_a_one_token_prompt_has_nothing_to_score(model_dirs: dict[str, Path]) -> None:
+    """The first prompt token has no log-probability; a prompt of one token is that token alone, in the rolling
+    engine and in the dynamic handler."""
+    from handlers.base import Context, Input
+    from handlers.huggingface import HuggingFaceHandler
+
+    params = SamplingParams(max_new_tokens=2, prompt_logprobs=2)
+    engine = LLMEngine.from_options(model_dirs["llama"], {"num_kv_blocks": "16"})
+    deltas = run(engine, [[7]], [params])
+    assert [(t.id, t.logprob, t.top_logprobs) for t in deltas["r0"][0].prompt_logprobs or ()] == [(7, None, ())]
+    handler = HuggingFaceHandler()
+    handler.initialize(Context("m", model_dirs["llama"], {}))
+    [out] = handler.handle([Input("d", "", params, prompt_token_ids=(7,))])
+    assert out.error is None and [(t.id, t.logprob) for t in out.prompt_logprobs or ()] == [(7, None)]

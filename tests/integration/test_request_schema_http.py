@@ -81,8 +81,11 @@ def post(server: ServerProcess, route: Route, body: Any) -> httpx.Response:
 
 
 def refused_as_unknown(r: httpx.Response, name: str) -> bool:
+    """The route does not know ``name``: a 400 naming it (option.strict_parameters=true), or, by default, an
+    answer whose X-Ignored-Parameters names it (at any level: ``parameters.name``, ``stream_options.name``)."""
     if r.status_code < 400:
-        return False
+        ignored = r.headers.get("x-ignored-parameters", "")
+        return any(path.split(".")[-1] == name for path in ignored.split(", ") if path)
     head, _, names = str(r.json().get("error", "")).partition(": ")
     return head.startswith("unknown ") and name in names.split(", ")
 
@@ -116,6 +119,8 @@ def cross_field_rules(route: Route, body: dict[str, Any]) -> dict[str, Any]:
     params = body.get("parameters")
     if isinstance(params, dict) and params.get("best_of") is not None:
         params["best_of"] = 1  # "needs sampling" (candidates: tests/integration/test_prompt_logprobs_http.py)
+    if isinstance(params, dict) and params.get("num_beams") is not None:
+        params["num_beams"] = 1  # "dynamic batching" (this model rolls; beams: tests/engine/test_sampling_set.py)
     for level in (body, params if isinstance(params, dict) else {}):
         for name in CONSTRAINT_FIELDS:
             level.pop(name, None)

@@ -214,10 +214,14 @@ def build_sampling_params(values: Mapping[str, Any], limits: Limits) -> Sampling
 
 
 def single_candidate(p: LmiParameters) -> LmiParameters:
-    """``p``, refusing ``best_of`` > 1 where no route samples candidates (gRPC, custom handlers)."""
+    """``p``, refusing what only the HTTP routes answer where it would be computed and dropped (gRPC OIP, custom
+    handlers): ``best_of`` > 1 and the prompt's log-probabilities."""
     if (p.best_of or 1) > 1:
         raise InvalidRequest(f"parameter 'best_of' > 1 (got {p.best_of}) is answered by the HTTP routes of the "
                              "built-in text handlers (LMI, TGI, OpenAI completions); here only 1")
+    if p.prompt_logprobs is not None or p.decoder_input_details:
+        raise InvalidRequest("parameters 'prompt_logprobs' and 'decoder_input_details' are answered by the HTTP "
+                             "routes (LMI, TGI, OpenAI): this answer has no place for the prompt's scores")
     return p
 
 

@@ -323,3 +323,19 @@ def test_readme_lists_every_documented_request_field() -> None:
     # the caps' settings and the gRPC tensor that carries the parameters may be named too
     other = named - documented - {f.name for f in fields(Limits)} - {"sampling_parameters"}
     assert other == set(), "docs/api.md names what no schema documents: " + ", ".join(sorted(other))
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"best_of": 2, "do_sample": True}, "parameter 'best_of' > 1 (got 2) is answered by the HTTP routes"),
+    ({"prompt_logprobs": 1}, "parameters 'prompt_logprobs' and 'decoder_input_details' are answered by the HTTP"),
+    ({"decoder_input_details": True, "details": True}, "parameters 'prompt_logprobs' and 'decoder_input_details'"),
+])
+def test_grpc_parameters_refuse_what_only_http_answers(params: dict[str, Any], message: str) -> None:
+    """gRPC OIP's sampling_parameters (and custom handlers') have no place for candidates or prompt scores: they
+    are refused by name rather than computed and dropped."""
+    from serving.params import parse_lmi_parameters
+
+    with pytest.raises(InvalidRequest) as err:
+        parse_lmi_parameters(params, LIMITS)
+    assert err.value.message.startswith(message)
+    assert parse_lmi_parameters({"best_of": 1, "decoder_input_details": False}, LIMITS).prompt_logprobs is None

@@ -25,9 +25,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 from handlers.base import Context, Handler, Input, Output
 from handlers.engine.cpu import auto_threads, keep_freed_memory
 from handlers.engine.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
+from handlers.engine.quantize import quantize_linears
 from handlers.engine.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
 from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
-from serving.errors import InvalidRequest, ServingError
+from serving.errors import ConfigError, InvalidRequest, ServingError
 from serving.options import option_value
 from serving.types import FinishReason, SamplingParams, TokenInfo
 from serving.values import AUTO
@@ -94,6 +95,13 @@ class HuggingFaceHandler(Handler):
         if ctx.device_id >= 0 and torch.cuda.is_available():
             self.model.to(f"cuda:{ctx.device_id}")
         self.model.eval()
+        quantize = option_value(ctx.properties, "quantize")
+        if quantize != "none":
+            try:
+                n = quantize_linears(self.model, quantize, option_value(ctx.properties, "quantize_group_size"))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            log.info("model %s: option.quantize=%s: %d linear layers quantized", ctx.model_name, quantize, n)
         # transformers' sliding-window masks count left padding as context: a padded row would see fewer of
         # its own tokens than alone. Such models batch only prompts of equal length (no padding).
         layer_types = getattr(self.model.config, "layer_types", None) or ()

@@ -36,6 +36,8 @@ class EngineConfig:
     num_threads: int = 0  # 0 = auto: the cores of this worker's affinity mask / (workers x TP ranks)
     max_model_len: int = 0
     dtype: str = "fp32"
+    quantize: str = "none"  # int8 | int4: handlers.engine.quantize
+    quantize_group_size: int = 32
     prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.prepack)
     attention_kernel: str = "native"  # native (handlers.engine.kernels, PyTorch when it cannot build) | torch
     fuse_projections: bool = False  # measured neutral-to-slower on this CPU (benchmarks/README.md)
@@ -79,6 +81,8 @@ class EngineConfig:
             num_threads=auto_is_zero("num_threads"),
             max_model_len=get("max_model_len") or 0,
             dtype=get("dtype"),
+            quantize=get("quantize"),
+            quantize_group_size=get("quantize_group_size"),
             prepack_weights=prepack_mode(options.get("prepack_weights")),
             fuse_projections=get("fuse_projections"),
             attention_kernel=get("attention_kernel"),

@@ -40,6 +40,7 @@ from handlers.engine.memory import (
 )
 from handlers.engine.paged_attention import KVPool
 from handlers.engine.parallel import TensorParallelGroup, shard_model, start_group
+from handlers.engine.quantize import check_layout, quantize_model
 from handlers.engine.runner import ModelRunner, kv_geometry
 from handlers.engine.sampling import (
     RequestSampler,
@@ -166,6 +167,7 @@ class LLMEngine:
         config = EngineConfig.from_options(options)
         check_config(load_config_dict(weights_dir(model_dir, options.get("model_id"))), config.max_model_len,
                      config.tensor_parallel_degree)
+        check_layout(config, device)
         plan = None
         if device.type == "cpu":  # before anything loads (and before the other ranks start): refuse what cannot fit
             plan = preflight(weights_dir(model_dir, options.get("model_id")), config)
@@ -177,6 +179,8 @@ class LLMEngine:
         model, tokenizer, config = load_model_and_tokenizer(model_dir, options, device if group is None else None,
                                                             dtype_for=device)
         config = device_defaults(config, options, device)
+        if config.quantize != "none":
+            config = quantize_model(model, config)
         kv_heads = None
         if group is not None:
             kv_heads = shard_model(model, 0, group.world_size)

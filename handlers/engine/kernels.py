@@ -26,7 +26,7 @@ from handlers.engine.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+CSRC = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -94,29 +94,37 @@ class PagedKernels:
 @lru_cache(maxsize=1)
 def load_kernels() -> PagedKernels | None:
     """Build (or find in the cache) and load the kernels; None when they cannot be built here."""
+    lib = shared_library("paged_attention.c", "the engine uses its PyTorch attention path (slower decode)")
+    return None if lib is None else PagedKernels(lib)
+
+
+def shared_library(source_name: str, without: str) -> ctypes.CDLL | None:
+    """``csrc/source_name`` built with FLAGS for this CPU (cached by source, flags and CPU features) and
+    loaded; None, logged once with ``without`` (what the caller does instead), when it cannot be built."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found: the engine uses its PyTorch attention path (slower decode)")
+        logger.warning("no C compiler found: %s", without)
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
+    source = CSRC / source_name
+    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()
+                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
-            _build(compiler, target)
-        return PagedKernels(ctypes.CDLL(str(target)))
+            _build(compiler, source, target)
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("building the paged attention kernel failed (%s %s): the engine uses its PyTorch "
-                       "attention path", exc, detail.decode(errors="replace")[-500:])
+        logger.warning("building %s failed (%s %s): %s", source.name, exc, detail.decode(errors="replace")[-500:],
+                       without)
         return None
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, source: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(source), "-lm"], check=True, capture_output=True,
                        timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent builder's identical file is fine either way
         logger.info("built %s", target)

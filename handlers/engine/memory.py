@@ -273,6 +273,7 @@ class WeightFigures:
     sharded_bytes: int = 0
     sharded_linear_bytes: int = 0  # the linear weights among ``sharded_bytes``
     source: str = "safetensors headers"
+    tied_bytes: int = 0  # the output projection's share of ``linear_bytes`` when it is the input embedding
 
     def per_rank(self, tensor_parallel_degree: int) -> tuple[int, int]:
         """(weights, linear weights) one rank holds after sharding."""
@@ -300,9 +301,22 @@ def weight_figures(tensors: tuple[TensorInfo, ...], config: Mapping[str, Any], d
         if _LAYER.search(t.name):
             sharded += nbytes
             sharded_linear += nbytes if is_linear else 0
+    tied = 0
     if config.get("tie_word_embeddings", True) and not any(t.name.endswith("lm_head.weight") for t in tensors):
         linear += embedding
-    return WeightFigures(total, linear, sharded, sharded_linear)
+        tied = embedding
+    return WeightFigures(total, linear, sharded, sharded_linear, tied_bytes=tied)
+
+
+def quantized_weights(weights: WeightFigures, mode: str, group_size: int) -> WeightFigures:
+    """``weights`` (fp32) once ``option.quantize`` replaced every linear layer (``handlers.engine.quantize``):
+    int8 keeps a byte per weight (its per-channel scales are negligible), int4 half a byte plus a fp32 scale and
+    minimum per group. A tied output projection gets a quantized copy; the embedding stays. Nothing is left for
+    prepacking (it packs float linears only)."""
+    per_weight = 1.0 if mode == "int8" else 0.5 + 8.0 / group_size
+    quantized = int(weights.linear_bytes / 4 * per_weight)
+    total = weights.total_bytes - (weights.linear_bytes - weights.tied_bytes) + quantized
+    return WeightFigures(total, 0, source=f"{weights.source}; option.quantize={mode}")
 
 
 def prepacked_copy_bytes(linear_bytes: int, prepack_weights: str, dtype: str) -> int:
@@ -617,8 +631,14 @@ def preflight(model_dir: str | Path, config: EngineConfig, *, meminfo: Path = ME
     else:  # no safetensors (allow_unsafe_weights): the files' sizes, all counted as linear weights
         total = sum(p.stat().st_size for pattern in ("*.bin", "*.pt", "*.pth") for p in Path(model_dir).glob(pattern))
         weights = WeightFigures(total, total, source="file sizes: no safetensors headers")
-    return plan_memory(model_geometry(model_config), weights, config,
-                       memory_budget(meminfo, cgroup_root, self_cgroup), dtype=dtype,
+    budget = memory_budget(meminfo, cgroup_root, self_cgroup)
+    if config.quantize != "none":  # the fp32 model loads whole, then its linear layers are quantized
+        if weights.total_bytes > budget.bytes:
+            raise InsufficientMemory(f"option.quantize={config.quantize} quantizes after loading: the fp32 weights "
+                                     f"({_size(weights.total_bytes)}) do not fit this worker's memory "
+                                     f"({budget.describe()})")
+        weights = quantized_weights(weights, config.quantize, config.quantize_group_size)
+    return plan_memory(model_geometry(model_config), weights, config, budget, dtype=dtype,
                        max_model_len=resolve_max_model_len(config.max_model_len, model_config),
                        position_limit=position_limit(model_config))
 

@@ -1,0 +1,172 @@
+"""option.quantize: the int8 / int4 kernel against its definition, rows independent of their batch-mates, the
+engine's greedy tokens equal to transformers' on the very weights the kernel computes with, refusals by name,
+and quality on the real model (perplexity on real English text)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from handlers.base import Context, Input
+from handlers.engine.config import EngineConfig
+from handlers.engine.engine import LLMEngine
+from handlers.engine.memory import WeightFigures, quantized_weights
+from handlers.engine.quantize import QuantizedLinear, quantize_linears
+from handlers.huggingface import HuggingFaceHandler
+from serving.errors import ConfigError
+from serving.types import SamplingParams
+from tests.engine.conftest import make_prompts
+from tests.real_model import smollm2_folder
+
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 13, 24, 37, 130)
+
+
+def _layer(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.mul_(torch.linspace(0.2, 3.0, n)[:, None])  # channels of different ranges
+    return layer
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n, k, bias", [(40, 64, True), (16, 96, False), (300, 160, True)])
+def test_kernel_computes_x_times_the_dequantized_weight(bits: int, n: int, k: int, bias: bool) -> None:
+    layer = _layer(n, k, bias, seed=n + k)
+    q = QuantizedLinear(layer, bits, 32)
+    w = q.dequantized()
+    assert w.shape == (n, k)
+    # the quantization itself: within half a step of the original everywhere
+    if bits == 8:
+        step = layer.weight.abs().amax(dim=1, keepdim=True) / 127
+    else:
+        grouped = layer.weight.view(n, k // 32, 32)
+        step = ((grouped.amax(2) - grouped.amin(2)) / 15).repeat_interleave(32, dim=1)
+    assert bool(((w - layer.weight).abs() <= step / 2 + 1e-6).all())
+    for m in ROW_COUNTS:  # fresh inputs each time: a row the kernel skipped cannot match by leftover memory
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        expected = x.double() @ w.double().T + (layer.bias.double() if bias else 0)
+        got = q(x)
+        assert got.shape == (m, n)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_row_does_not_depend_on_its_batch_mates_or_the_thread_count(bits: int) -> None:
+    q = QuantizedLinear(_layer(200, 128, True, seed=3), bits, 32)
+    x = torch.randn(130, 128, generator=torch.Generator().manual_seed(7))
+    alone = torch.cat([q(x[i:i + 1]) for i in range(x.shape[0])])
+    for m in ROW_COUNTS:
+        assert torch.equal(q(x[:m]), alone[:m]), m  # bit for bit: the same operations in the same order
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(q(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_inputs_of_other_shapes_and_dtypes() -> None:
+    q = QuantizedLinear(_layer(24, 64, True, seed=1), 8, 32)
+    x = torch.randn(3, 5, 64)
+    torch.testing.assert_close(q(x), x @ q.dequantized().T + q.bias)
+    torch.testing.assert_close(q(x[:, :, ::1].transpose(0, 1)), (x @ q.dequantized().T + q.bias).transpose(0, 1))
+    with pytest.raises(RuntimeError, match="input of 63 features for a layer of 64"):
+        q(torch.randn(2, 63))
+
+
+def test_refusals_name_the_cause() -> None:
+    model = nn.Sequential(nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 8))
+    with pytest.raises(ValueError, match="option.quantize=awq is not supported"):
+        quantize_linears(model, "awq")
+    with pytest.raises(ValueError, match="quantize_group_size=32 does not divide 0's 48 inputs"):
+        quantize_linears(model, "int4", 32)
+    with pytest.raises(ValueError, match="set option.dtype=fp32"):
+        quantize_linears(nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16)), "int8")
+    assert quantize_linears(model, "int4", 16) == 2
+    assert [type(m).__name__ for m in model] == ["QuantizedLinear", "ReLU", "QuantizedLinear"]
+
+
+def test_the_engine_refuses_tensor_parallelism_and_unknown_modes(model_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match="not combined with tensor parallelism"):
+        LLMEngine.from_options(model_dirs["llama"], {"quantize": "int8", "tensor_parallel_degree": "2"})
+    with pytest.raises(ConfigError, match="option.quantize = 'gptq'.*int8"):
+        EngineConfig.from_options({"quantize": "gptq"})
+
+
+def test_preflight_counts_quantized_weights() -> None:
+    fp32 = WeightFigures(total_bytes=1000, linear_bytes=800, tied_bytes=200)
+    int8 = quantized_weights(fp32, "int8", 32)
+    assert (int8.total_bytes, int8.linear_bytes) == (1000 - 600 + 200, 0)  # the tied head's copy, embedding kept
+    int4 = quantized_weights(fp32, "int4", 32)
+    assert int4.total_bytes == 1000 - 600 + int(800 / 4 * (0.5 + 8 / 32))
+
+
+def _dequantized_twin(model_dir: Path, mode: str) -> nn.Module:
+    """transformers' own model with every linear weight replaced by what the kernel computes with."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    quantize_linears(model, mode, 32)
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            target = reference.get_submodule(name)
+            target.weight = nn.Parameter(module.dequantized(), requires_grad=False)
+    return reference
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_engine_greedy_equals_transformers_on_the_quantized_weights(model_dirs: dict[str, Path], mode: str) -> None:
+    model_dir = model_dirs["llama"]
+    twin = _dequantized_twin(model_dir, mode)
+    engine = LLMEngine.from_options(model_dir, {"quantize": mode, "num_kv_blocks": "64", "block_size": "4"})
+    prompts = make_prompts(5, seed=11)
+    for i, prompt in enumerate(prompts):  # all at once: rows share every step
+        engine.add(str(i), prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():
+        for delta in engine.step():
+            got[delta.request_id] += [t.id for t in delta.tokens]
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = twin.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10,
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert got[str(i)] == out[0, len(prompt):].tolist(), i
+
+
+def _license_text_ids(tokenizer: object, tokens: int) -> list[int]:
+    text = Path("/usr/share/common-licenses/Apache-2.0").read_text()
+    ids = tokenizer(text)["input_ids"]  # type: ignore[operator]
+    return list(ids[:tokens])
+
+
+def _perplexity(model: nn.Module, ids: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+def test_real_model_perplexity_and_the_dynamic_handler() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = _license_text_ids(tokenizer, 512)
+    fp32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    base = _perplexity(fp32, ids)
+    assert 1.5 < base < 30  # a trained model on English text (a random one is in the tens of thousands)
+    quantize_linears(fp32, "int8")
+    int8 = _perplexity(fp32, ids)
+    assert int8 <= base * 1.01, (base, int8)
+    # the dynamic (generate) handler quantizes the same way and still answers
+    handler = HuggingFaceHandler()
+    handler.initialize(Context("m", folder, {"quantize": "int8"}))
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    out = handler.handle([Input("d", "The capital of France is", params)])[0]
+    assert "Paris" in tokenizer.decode([t.id for t in out.tokens])

@@ -4,7 +4,7 @@
     python benchmarks/build_models.py --force    # rebuilds it
 
 Models (``--model`` names of ``bench.py``):
-  default  the project's default model, ``model_store/tiny-llama`` (small random Llama, shipped in the repo)
+  default  the small test model, ``examples/models/tiny-llama`` (random Llama, shipped in the repo)
   110m     a ~110M-parameter random Llama (hidden 768, 12 layers, 12 heads, vocab 8192), built here with
            ``handlers.synthetic_model.build_model(out, arch="llama", size="110m")`` into
            ``benchmarks/models/llama-110m`` (git-ignored: weights are never committed).
@@ -23,7 +23,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 MODELS_DIR = HERE / "models"
-DEFAULT_MODEL = REPO / "model_store" / "tiny-llama"
+DEFAULT_MODEL = REPO / "examples" / "models" / "tiny-llama"
 LLAMA_110M = MODELS_DIR / "llama-110m"
 
 

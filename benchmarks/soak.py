@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO / "model_store" / "tiny-llama"
+DEFAULT_MODEL = REPO / "examples" / "models" / "tiny-llama"
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches in the "
          "old city near the river under a pale moon").split()
 

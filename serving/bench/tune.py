@@ -1,7 +1,7 @@
 """``serving tune MODEL_DIR --slo SPEC``: the serving.properties with the highest goodput meeting an SLO.
 
-    serving tune model_store/tiny-llama --slo "ttft_p99=2s,itl_p99=200ms" [--scenario FILE] [--budget 20m]
-    serving tune model_store/tiny-llama --slo "ttft_p99=2s,itl_p99=200ms" --dry-run        # the plan only
+    serving tune examples/models/tiny-llama --slo "ttft_p99=2s,itl_p99=200ms" [--scenario FILE] [--budget 20m]
+    serving tune examples/models/tiny-llama --slo "ttft_p99=2s,itl_p99=200ms" --dry-run        # the plan only
 
 It starts the model and searches on the live server (``serving.bench.search``: knobs changed with
 ``PUT /models/{name}``, restarts only for another batching mode, worker count or thread count):

@@ -26,7 +26,7 @@ from serving.bench.launch import ServerAddresses, read_tokens
 from serving.frontends.djl import model_entry
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = REPO / "model_store" / "tiny-llama"
+DEFAULT_MODEL = REPO / "examples" / "models" / "tiny-llama"
 
 
 def write_model(store: Path, name: str, properties: dict[str, str], source: Path | None = None,

@@ -1,6 +1,6 @@
-"""The shipped model store as a user gets it: `serving --model-store model_store` (here on ephemeral ports)
-serves model_store/tiny-llama with its own serving.properties, streaming through the rolling engine, and the
-model folder is reproduced byte for byte by the build script."""
+"""The small test model (examples/models/tiny-llama) is reproduced byte for byte by its build script, and a server
+started where there is no model store says so. (The shipped model store itself, model_store/smollm2, is served
+end to end by test_gguf_model.py.)"""
 
 from __future__ import annotations
 
@@ -12,19 +12,7 @@ import httpx
 
 from tests.integration.harness import REPO, ServerProcess
 
-
-def test_shipped_model_store_serves_and_streams(tmp_path: Path) -> None:
-    server = ServerProcess.start(tmp_path, config={"model_store": str(REPO / "model_store")})
-    try:
-        info = server.describe("tiny-llama")
-        assert info["state"] == "READY" and info["batching"] == "rolling"
-        with httpx.stream("POST", f"{server.url}/predictions/tiny-llama", timeout=60,
-                          json={"inputs": "Hello", "parameters": {"max_new_tokens": 5}, "stream": True}) as r:
-            assert r.status_code == 200
-            events = [json.loads(line) for line in r.iter_lines() if line]
-        assert len(events) == 5 and events[-1]["details"]["generated_tokens"] == 5
-    finally:
-        server.stop()
+TINY = REPO / "examples" / "models" / "tiny-llama"
 
 
 def test_build_script_reproduces_the_shipped_model(tmp_path: Path) -> None:
@@ -32,11 +20,10 @@ def test_build_script_reproduces_the_shipped_model(tmp_path: Path) -> None:
 
     out = build_model(tmp_path / "m", "llama", "small")
     for name in ("model.safetensors", "tokenizer.json"):
-        shipped = (REPO / "model_store" / "tiny-llama" / name).read_bytes()
+        shipped = (TINY / name).read_bytes()
         assert hashlib.sha256((out / name).read_bytes()).digest() == hashlib.sha256(shipped).digest(), name
     # config.json: the same model, whichever transformers release stamped it (its version is not the model's)
-    built, shipped_config = (json.loads(p.read_text()) for p in (out / "config.json",
-                                                                  REPO / "model_store" / "tiny-llama" / "config.json"))
+    built, shipped_config = (json.loads(p.read_text()) for p in (out / "config.json", TINY / "config.json"))
     built.pop("transformers_version")
     shipped_config.pop("transformers_version")
     assert built == shipped_config

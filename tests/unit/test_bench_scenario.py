@@ -22,7 +22,7 @@ from serving.bench.scenario import (
 from serving.bench.workload import build_workload, load_tokenizer, prompt_of_length
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "model_store" / "tiny-llama"
+TINY = REPO / "examples" / "models" / "tiny-llama"
 
 FULL = """
 name: mine

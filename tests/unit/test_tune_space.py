@@ -12,7 +12,7 @@ from serving.bench.search import Config, Group, Outcome, Run, better, build_spac
 from serving.bench.tune import annotated_properties, describe_outcome, knob_reasons
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "model_store" / "tiny-llama"
+TINY = REPO / "examples" / "models" / "tiny-llama"
 SLO = parse_slo("ttft_p99=1s,itl_p99=100ms")
 
 

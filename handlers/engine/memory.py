@@ -311,10 +311,11 @@ def weight_figures(tensors: tuple[TensorInfo, ...], config: Mapping[str, Any], d
 def quantized_weights(weights: WeightFigures, mode: str, group_size: int) -> WeightFigures:
     """``weights`` (fp32) once ``option.quantize`` replaced every linear layer (``handlers.engine.quantize``):
     int8 keeps a byte per weight (its per-channel scales are negligible), int4 half a byte plus a fp32 scale and
-    minimum per group. A tied output projection gets a quantized copy; the embedding stays. Nothing is left for
+    minimum per group. A tied output projection gets an int8 copy; the embedding stays. Nothing is left for
     prepacking (it packs float linears only)."""
     per_weight = 1.0 if mode == "int8" else 0.5 + 8.0 / group_size
-    quantized = int(weights.linear_bytes / 4 * per_weight)
+    # a tied output projection is int8 in either mode (handlers.engine.quantize keeps int4's head at int8)
+    quantized = int((weights.linear_bytes - weights.tied_bytes) / 4 * per_weight + weights.tied_bytes / 4)
     total = weights.total_bytes - (weights.linear_bytes - weights.tied_bytes) + quantized
     return WeightFigures(total, 0, source=f"{weights.source}; option.quantize={mode}")
 

@@ -103,7 +103,16 @@ def test_preflight_counts_quantized_weights() -> None:
     int8 = quantized_weights(fp32, "int8", 32)
     assert (int8.total_bytes, int8.linear_bytes) == (1000 - 600 + 200, 0)  # the tied head's copy, embedding kept
     int4 = quantized_weights(fp32, "int4", 32)
-    assert int4.total_bytes == 1000 - 600 + int(800 / 4 * (0.5 + 8 / 32))
+    assert int4.total_bytes == 1000 - 600 + int(600 / 4 * (0.5 + 8 / 32) + 200 / 4)
+
+
+def test_int4_keeps_the_output_projection_at_int8(model_dirs: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.float32)
+    quantize_linears(model, "int4", 32)
+    assert model.lm_head.bits == 8
+    assert {m.bits for name, m in model.named_modules() if isinstance(m, QuantizedLinear) and name != "lm_head"} == {4}
 
 
 def _dequantized_twin(model_dir: Path, mode: str) -> nn.Module:
@@ -164,6 +173,10 @@ def test_real_model_perplexity_and_the_dynamic_handler() -> None:
     quantize_linears(fp32, "int8")
     int8 = _perplexity(fp32, ids)
     assert int8 <= base * 1.01, (base, int8)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    quantize_linears(model, "int4", 32)
+    int4 = _perplexity(model, ids)
+    assert int4 <= base * 1.08, (base, int4)
     # the dynamic (generate) handler quantizes the same way and still answers
     handler = HuggingFaceHandler()
     handler.initialize(Context("m", folder, {"quantize": "int8"}))

@@ -15,19 +15,21 @@ file itself (``tests.real_model.smollm2_gguf``), rollserve the same weights dequ
 * Workload: OpenAI chat completions, ``stream: true`` with ``stream_options.include_usage``, greedy, ``max_tokens``
   128, stopping at EOS as usual (no ``ignore_eos``), over a fixed set of English questions. A token's time is the
   arrival of a chunk with content; its count is the usage chunk's ``completion_tokens`` (chunks with content when a
-  server sends no usage). batch-1: one warm-up request (not measured), then the prompts one after another; decode
-  tok/s = (tokens - 1) / (last - first content chunk) per request, median over requests; TTFT p50, ITL p50 / p99
-  pooled. burst: ``--burst`` requests (the prompts cycled) sent at once; output tok/s = all tokens / (last
-  completion - send); TTFT p50, ITL p99. Answer lengths differ between servers (greedy answers of differently
-  quantized weights), so burst tok/s is tokens actually produced per second.
+  server sends no usage: llama-cpp-python ignores ``stream_options`` and streams one chunk per token). batch-1: one
+  warm-up request (not measured), then the prompts one after another; decode tok/s = (tokens - 1) / (last - first
+  content chunk) per request, median over requests; TTFT p50, ITL p50 / p99 pooled. burst: ``--burst`` requests (the
+  prompts cycled) sent at once; output tok/s = all tokens / (last completion - send); TTFT p50, ITL p99. Answer
+  lengths differ between servers (greedy answers of differently quantized weights), so burst tok/s is tokens actually
+  produced per second.
 * CPU-s: utime+stime of the server's process tree (/proc) over each pass. Load check before each pass
   (``compare.wait_quiet``: others' cores and load1 minus our share <= ``--busy-threshold``, re-probed up to
   ``--settle-s``); a busy pass, a failed request or an escaped thread flags the run (the table still prints).
 * Alternation: for each core list, ``--repeats`` rounds of rollserve-none, rollserve-int8, rollserve-int4, llama.cpp
   (``--servers``), each a fresh server running batch-1 then burst. Table: median (min-max) per server; ratios of
-  medians int8/none, int4/none, int4/llama.cpp, int8/llama.cpp for batch-1 decode tok/s and burst tok/s.
+  medians int8/none, int4/none, int4/llama.cpp, int8/llama.cpp for batch-1 decode tok/s and burst tok/s (and for
+  tokens per CPU-second of the server's tree, which other jobs on the same cores disturb less).
 
-    python3 -m venv /work/llama-venv && /work/llama-venv/bin/pip install 'llama-cpp-python[server]==0.3.36'  # once
+    python3 -m venv ../llama-venv && ../llama-venv/bin/pip install 'llama-cpp-python[server]==0.3.36'  # once
     .venv/bin/python benchmarks/quantized_speed.py                                  # 3 rounds on core 1
     .venv/bin/python benchmarks/quantized_speed.py --cores 1 --cores 0,1 --repeats 3 --out /tmp/qs.json
     .venv/bin/python benchmarks/quantized_speed.py --servers rollserve-int4,llama.cpp --repeats 5
@@ -47,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +67,7 @@ from serving.bench.metrics import Rec, percentile  # noqa: E402
 
 SERVERS = ("rollserve-none", "rollserve-int8", "rollserve-int4", "llama.cpp")
 SERVING = REPO / ".venv" / "bin" / "serving"
-LLAMA_PYTHON = Path("/work/llama-venv/bin/python")
+LLAMA_PYTHON = REPO.parent / "llama-venv" / "bin" / "python"  # beside the checkout, as the docstring builds it
 MODEL = "smollm2"  # the model's name on both servers (rollserve: its folder; llama.cpp: --model_alias)
 MAX_SEQS = 32
 MAX_MODEL_LEN = 2048
@@ -83,12 +86,13 @@ WARMUP_PROMPT = "Say hello and introduce yourself."
 KEYS = {  # summary key -> table header
     "b1_decode_tok_s": "b1 decode tok/s", "b1_ttft_p50": "b1 TTFT p50 ms", "b1_itl_p50": "b1 ITL p50 ms",
     "b1_itl_p99": "b1 ITL p99 ms", "b1_tokens_mean": "b1 tokens/req", "b1_cpu_s": "b1 CPU-s",
-    "burst_tok_s": "burst tok/s", "burst_ttft_p50": "burst TTFT p50 ms", "burst_itl_p99": "burst ITL p99 ms",
-    "burst_tokens": "burst tokens", "burst_cpu_s": "burst CPU-s",
+    "b1_tok_per_cpu_s": "b1 tok/CPU-s", "burst_tok_s": "burst tok/s", "burst_ttft_p50": "burst TTFT p50 ms",
+    "burst_itl_p99": "burst ITL p99 ms", "burst_tokens": "burst tokens", "burst_cpu_s": "burst CPU-s",
+    "burst_tok_per_cpu_s": "burst tok/CPU-s",
 }
 RATIOS = (("rollserve-int8", "rollserve-none"), ("rollserve-int4", "rollserve-none"),
           ("rollserve-int4", "llama.cpp"), ("rollserve-int8", "llama.cpp"))
-RATIO_KEYS = ("b1_decode_tok_s", "burst_tok_s")
+RATIO_KEYS = ("b1_decode_tok_s", "burst_tok_s", "b1_tok_per_cpu_s", "burst_tok_per_cpu_s")
 EXTRA_FLAGS = ("fma", "f16c", "avx_vnni")
 
 
@@ -260,7 +264,7 @@ def pass_metrics(recs: list[ChatRec], burst: bool) -> dict[str, Any]:
 
 
 def measured_pass(name: str, root: int, own: OwnLoad, args: argparse.Namespace,
-                  fn: Any) -> tuple[dict[str, Any], list[ChatRec]]:
+                  fn: Callable[[], list[ChatRec]]) -> tuple[dict[str, Any], list[ChatRec]]:
     """Load check, then ``fn()`` with the server tree's CPU-s and others' cores around it."""
     check = wait_quiet(own, tree(root), args.busy_threshold, args.settle_s)
     pids = tree(root)
@@ -318,9 +322,11 @@ def run_one(server: str, cores: list[int], args: argparse.Namespace, own: OwnLoa
         b1, bu = rec["batch1"], rec["burst"]
         rec["summary"] = {"b1_decode_tok_s": b1["decode_tok_s"], "b1_ttft_p50": b1["ttft_p50"],
                           "b1_itl_p50": b1["itl_p50"], "b1_itl_p99": b1["itl_p99"],
-                          "b1_tokens_mean": b1["tokens_mean"], "b1_cpu_s": b1["cpu_s"], "burst_tok_s": bu["tok_s"],
+                          "b1_tokens_mean": b1["tokens_mean"], "b1_cpu_s": b1["cpu_s"],
+                          "b1_tok_per_cpu_s": b1["tok_per_cpu_s"], "burst_tok_s": bu["tok_s"],
                           "burst_ttft_p50": bu["ttft_p50"], "burst_itl_p99": bu["itl_p99"],
-                          "burst_tokens": bu["tokens"], "burst_cpu_s": bu["cpu_s"]}
+                          "burst_tokens": bu["tokens"], "burst_cpu_s": bu["cpu_s"],
+                          "burst_tok_per_cpu_s": bu["tok_per_cpu_s"]}
     return rec
 
 
@@ -365,18 +371,27 @@ def summarize(runs: list[dict[str, Any]], servers: list[str]) -> dict[str, Any]:
     return out
 
 
+def _common(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def same_answers(runs: list[dict[str, Any]], servers: list[str]) -> dict[str, str]:
-    """Per server (first good run): prompt tokens, and how many greedy answers equal rollserve-none's."""
+    """Per server (its first run with answers): the batch-1 prompts' token counts (usage; "-" without a usage
+    chunk), answer tokens and finish reasons, and how far each greedy answer agrees with rollserve-none's."""
     first = {s: next((r["answers"] for r in runs if r["server"] == s and "answers" in r), None) for s in servers}
     ref = first.get("rollserve-none")
     out = {}
     for s, ans in first.items():
         if ans is None:
             continue
-        line = f"prompt tokens {[a['prompt_tokens'] for a in ans]}, answer tokens {[a['tokens'] for a in ans]}"
+        prompt = " ".join("-" if a["prompt_tokens"] is None else str(a["prompt_tokens"]) for a in ans)
+        line = (f"batch-1 prompt tokens [{prompt}], answer tokens {[a['tokens'] for a in ans]}, finish "
+                f"{[a['finish'] for a in ans]}")
         if ref is not None and s != "rollserve-none":
             same = sum(a["text"] == b["text"] for a, b in zip(ans, ref, strict=False))
-            line += f", answers equal to rollserve-none's: {same}/{len(ans)}"
+            common = [f"{_common(a['text'], b['text'])}/{len(b['text'])}" for a, b in zip(ans, ref, strict=False)]
+            line += (f"; answers equal to rollserve-none's {same}/{len(ans)}, common prefix (characters of "
+                     f"rollserve-none's answer) {' '.join(common)}")
         out[s] = line
     return out
 
@@ -389,7 +404,8 @@ def table(comp: dict[str, Any]) -> str:
     for s, v in sm["servers"].items():
         lines.append(f"| {s} | {v['runs']} | " + " | ".join(compare._cell(v[k]) for k in KEYS) + " |")
     if sm["ratios"]:
-        lines += ["", "| ratio of medians | " + " | ".join(KEYS[k] for k in RATIO_KEYS) + " |", "|---|---|---|"]
+        lines += ["", "| ratio of medians | " + " | ".join(KEYS[k] for k in RATIO_KEYS) + " |",
+                  "|---" * (len(RATIO_KEYS) + 1) + "|"]
         lines += [f"| {name} | " + " | ".join(f"{r[k]:.2f}x" for k in RATIO_KEYS) + " |"
                   for name, r in sm["ratios"].items()]
     lines += [""] + [f"{s}: {line}" for s, line in comp["answers"].items()]

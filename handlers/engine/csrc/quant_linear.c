@@ -12,10 +12,12 @@
  *         group of `group` k and per channel a scale and a minimum: W[n,k] = q * scale[g,n] + min[g,n]
  *         (llama.cpp's Q4_1 form), stored scale[nb][K/group][16], min likewise.
  * A tile of up to MR rows of x times one block of 16 channels keeps 2*MR accumulators of 8 lanes in registers
- * (the outer-product form of a GEMM microkernel: one broadcast of x and two FMAs per row and k step). Up to MR
- * rows the weights are converted inline; more rows convert the block once into a per-thread fp32 buffer and
- * run every tile over it. Both read the same converted values and accumulate in the same k order, so a row's
- * result is bit-identical at any batch size. OpenMP threads take whole blocks, so the thread count does not
+ * (the outer-product form of a GEMM microkernel: one broadcast of x and two FMAs per row and k step); fewer rows
+ * take up to 4 blocks side by side, so that enough independent FMA chains hide the FMA latency. Up to MR rows
+ * the weights are converted inline (one tile reads them); more rows convert each chunk of KC inputs of 4 blocks
+ * once into a per-thread fp32 buffer that every tile then reads, partial sums kept between chunks. Both paths
+ * compute the same converted values and accumulate each output in the same k order, so a row's result is
+ * bit-identical at any batch size. OpenMP threads take whole runs of blocks, so the thread count does not
  * change results either.
  *
  * Built at first use by handlers/engine/kernels.py (cc -O3 -march=native -fopenmp); GCC vector extensions,

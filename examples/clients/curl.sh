@@ -4,7 +4,7 @@
 set -euo pipefail
 H=${H:-http://127.0.0.1:8080}
 M=${M:-http://127.0.0.1:8081}
-MODEL=${MODEL:-tiny-llama}
+MODEL=${MODEL:-smollm2}
 CURL=(curl -sS --fail-with-body)
 # The management API needs the management token from the key file the server wrote (in its working directory).
 KEY_FILE=${KEY_FILE:-key_file.json}

@@ -1,16 +1,16 @@
 """Stream tokens over rollserve's typed gRPC API (``rollserve.v1.Generation``), then print the timings.
-The default ``tiny-llama`` is a rolling-batch model and streams; a dynamic-batching model cannot stream, and
+The default ``smollm2`` is a rolling-batch model and streams; a dynamic-batching model cannot stream, and
 the client then asks for the whole answer.
 
-    python examples/clients/grpc_client.py --target 127.0.0.1:8001 --model tiny-llama "Hello"
+    python examples/clients/grpc_client.py --target 127.0.0.1:8001 --model smollm2 "Hello"
 
 The same server speaks the Open Inference Protocol v2 (``tritonclient.grpc``: inputs ``text_input``,
 ``sampling_parameters`` (JSON), ``stream``, ``exclude_input_in_output``; output ``text_output``), health and
 reflection, so the usual tools work:
 
-    grpc_health_probe -addr 127.0.0.1:8001 -service tiny-llama
+    grpc_health_probe -addr 127.0.0.1:8001 -service smollm2
     grpcurl -plaintext 127.0.0.1:8001 list
-    grpcurl -plaintext -d '{"model": "tiny-llama", "prompt": "Hello"}' 127.0.0.1:8001 rollserve.v1.Generation/Generate
+    grpcurl -plaintext -d '{"model": "smollm2", "prompt": "Hello"}' 127.0.0.1:8001 rollserve.v1.Generation/Generate
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("prompt")
     ap.add_argument("--target", default="127.0.0.1:8001")
-    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--model", default="smollm2")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (aborts the request)")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
 """Stream tokens from a rolling-batch model over HTTP (LMI jsonlines) and print the per-request timings.
 
-    python examples/clients/http_stream.py --url http://127.0.0.1:8080 --model tiny-llama "Hello"
+    python examples/clients/http_stream.py --url http://127.0.0.1:8080 --model smollm2 "Hello"
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("prompt")
     ap.add_argument("--url", default="http://127.0.0.1:8080")
-    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--model", default="smollm2")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     args = ap.parse_args()
     body = {"inputs": args.prompt, "parameters": {"max_new_tokens": args.max_new_tokens}, "stream": True}

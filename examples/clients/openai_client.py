@@ -1,6 +1,6 @@
 """The official ``openai`` SDK against rollserve (``pip install openai``).
 
-    python examples/clients/openai_client.py --base-url http://127.0.0.1:8080/v1 --model tiny-llama
+    python examples/clients/openai_client.py --base-url http://127.0.0.1:8080/v1 --model smollm2
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from openai import OpenAI
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base-url", default="http://127.0.0.1:8080/v1")
-    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--model", default="smollm2")
     args = ap.parse_args()
     client = OpenAI(base_url=args.base_url, api_key="unused")
     chat = client.chat.completions.create(model=args.model, max_tokens=16,

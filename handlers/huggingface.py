@@ -28,7 +28,7 @@ from handlers.engine.grammar import GrammarCompiler, GrammarError, GrammarLogits
 from handlers.engine.quantize import quantize_linears
 from handlers.engine.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
 from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
-from serving.errors import ConfigError, InvalidRequest, ServingError
+from serving.errors import InvalidRequest, ServingError
 from serving.options import option_value
 from serving.types import FinishReason, SamplingParams, TokenInfo
 from serving.values import AUTO
@@ -97,10 +97,7 @@ class HuggingFaceHandler(Handler):
         self.model.eval()
         quantize = option_value(ctx.properties, "quantize")
         if quantize != "none":
-            try:
-                n = quantize_linears(self.model, quantize, option_value(ctx.properties, "quantize_group_size"))
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+            n = quantize_linears(self.model, quantize, option_value(ctx.properties, "quantize_group_size"))
             log.info("model %s: option.quantize=%s: %d linear layers quantized", ctx.model_name, quantize, n)
         # transformers' sliding-window masks count left padding as context: a padded row would see fewer of
         # its own tokens than alone. Such models batch only prompts of equal length (no padding).

@@ -132,17 +132,17 @@ def _pack_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
 
 def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> int:
     """Replace ``model``'s ``nn.Linear`` layers in place by quantized ones; returns how many. Raises
-    ``ValueError`` naming what it does not take: a mode, a model off the CPU or not fp32, an input width
+    ``ConfigError`` naming what it does not take: a mode, a model off the CPU or not fp32, an input width
     int4's group size does not divide, or no C compiler for the kernel."""
     if mode not in QUANTIZE_MODES:
-        raise ValueError(f"option.quantize={mode} is not supported (supported: none, {', '.join(QUANTIZE_MODES)})")
+        raise ConfigError(f"option.quantize={mode} is not supported (supported: none, {', '.join(QUANTIZE_MODES)})")
     first = next(model.parameters())
     if first.device.type != "cpu":
-        raise ValueError(f"option.quantize={mode} runs on CPU workers only (this worker is on {first.device})")
+        raise ConfigError(f"option.quantize={mode} runs on CPU workers only (this worker is on {first.device})")
     if first.dtype != torch.float32:
-        raise ValueError(f"option.quantize={mode} quantizes fp32 weights: set option.dtype=fp32")
+        raise ConfigError(f"option.quantize={mode} quantizes fp32 weights: set option.dtype=fp32")
     if _kernel() is None:
-        raise ValueError(f"option.quantize={mode} needs a C compiler to build its kernel (none worked here)")
+        raise ConfigError(f"option.quantize={mode} needs a C compiler to build its kernel (none worked here)")
     bits = 8 if mode == "int8" else 4
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     # int4 keeps the output projection at int8, as llama.cpp's Q4 files do (its logits are the most sensitive:
@@ -151,7 +151,7 @@ def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> int:
     if bits == 4:
         for name, m in targets:
             if m.in_features % group_size and m is not head:
-                raise ValueError(f"option.quantize_group_size={group_size} does not divide {name}'s "
+                raise ConfigError(f"option.quantize_group_size={group_size} does not divide {name}'s "
                                  f"{m.in_features} inputs")
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
@@ -174,10 +174,7 @@ def check_layout(config: EngineConfig, device: torch.device) -> None:
 def quantize_model(model: nn.Module, config: EngineConfig) -> EngineConfig:
     """Quantize a loaded model's linear layers as ``config`` says; the config it then runs with (no oneDNN
     prepacking or fused projections: both apply to float linears only). Raises ``ConfigError`` naming why not."""
-    try:
-        n = quantize_linears(model, config.quantize, config.quantize_group_size)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    n = quantize_linears(model, config.quantize, config.quantize_group_size)
     group = f", groups of {config.quantize_group_size} inputs" if config.quantize == "int4" else ""
     logger.info("option.quantize=%s: %d linear layers quantized (weight-only%s); prepacking and fused projections "
                 "off", config.quantize, n, group)

@@ -83,10 +83,12 @@ static inline void nibbles_to_f(const uint8_t *p, v8f *lo, v8f *hi) {
 #endif
 }
 
-/* The block's 16 weights at step k, as fp32 (int8: the integers, scaled at the end; int4: scaled here). */
+/* The block's 16 weights at step k, as fp32 (int8: the integers, scaled at the end; int4: scaled here, with
+ * the scales and minimums of group gi, which the callers count along k: a division per step costs more than the
+ * rest of an int4 step). */
 static inline __attribute__((always_inline)) void weights_at(int src, const uint8_t *w, const float *fw,
                                                              const float *scale, const float *minv, int64_t k,
-                                                             int64_t group, v8f *lo, v8f *hi) {
+                                                             int64_t gi, v8f *lo, v8f *hi) {
     if (src == FROM_FLOAT) {
         *lo = load8f(fw + k * NB);
         *hi = load8f(fw + k * NB + 8);
@@ -96,7 +98,7 @@ static inline __attribute__((always_inline)) void weights_at(int src, const uint
     } else {
         v8f ql, qh;
         nibbles_to_f(w + k * (NB / 2), &ql, &qh);
-        const int64_t g = (k / group) * NB;
+        const int64_t g = gi * NB;
         *lo = ql * load8f(scale + g) + load8f(minv + g);
         *hi = qh * load8f(scale + g + 8) + load8f(minv + g + 8);
     }
@@ -136,12 +138,17 @@ static inline __attribute__((always_inline)) void tile(int mr, int nbk, int src,
                 acc[r][b][1] = load8f(sp.part + r * sp.ldp + b * NB + 8);
             }
         }
+    int64_t gi = sp.k0 / L->group, left = L->group - sp.k0 % L->group; /* int4: k's group, its steps left */
     for (int64_t k = sp.k0; k < sp.k1; k++) {
         v8f lo[MAX_BLOCKS], hi[MAX_BLOCKS];
         for (int b = 0; b < nbk; b++)
             weights_at(src, L->w + (nb + b) * L->wstride, fw + b * fw_stride, L->scale + (nb + b) * L->sstride,
-                       L->minv ? L->minv + (nb + b) * L->sstride : NULL, src == FROM_FLOAT ? k - sp.k0 : k,
-                       L->group, &lo[b], &hi[b]);
+                       L->minv ? L->minv + (nb + b) * L->sstride : NULL, src == FROM_FLOAT ? k - sp.k0 : k, gi,
+                       &lo[b], &hi[b]);
+        if (--left == 0) {
+            gi++;
+            left = L->group;
+        }
         for (int r = 0; r < mr; r++) {
             const float xv = x[r * ldx + k];
             const v8f bx = {xv, xv, xv, xv, xv, xv, xv, xv};
@@ -228,14 +235,20 @@ static inline __attribute__((always_inline)) void many_rows(int src, const struc
         const int64_t blocks = nb + count - g < MAX_BLOCKS ? nb + count - g : MAX_BLOCKS;
         for (int64_t k0 = 0; k0 < L->K; k0 += KC) {
             const int64_t k1 = k0 + KC < L->K ? k0 + KC : L->K;
-            for (int64_t b = 0; b < blocks; b++)
+            for (int64_t b = 0; b < blocks; b++) {
+                int64_t gi = k0 / L->group, left = L->group - k0 % L->group;
                 for (int64_t k = k0; k < k1; k++) {
                     v8f lo, hi;
                     weights_at(src, L->w + (g + b) * L->wstride, NULL, L->scale + (g + b) * L->sstride,
-                               L->minv ? L->minv + (g + b) * L->sstride : NULL, k, L->group, &lo, &hi);
+                               L->minv ? L->minv + (g + b) * L->sstride : NULL, k, gi, &lo, &hi);
                     store8f(buf + b * KC * NB + (k - k0) * NB, lo);
                     store8f(buf + b * KC * NB + (k - k0) * NB + 8, hi);
+                    if (--left == 0) {
+                        gi++;
+                        left = L->group;
+                    }
                 }
+            }
             const int first = k0 == 0, last = k1 == L->K;
             int64_t m = 0;
             for (; m + MR <= M; m += MR)
@@ -272,7 +285,8 @@ int rollserve_quant_linear(const float *x, int64_t ldx, int64_t M, int64_t K, co
     if ((bits != 8 && bits != 4) || M < 0 || K <= 0 || N <= 0 || (bits == 4 && (group <= 0 || K % group)))
         return -1;
     if (M == 0) return 0;
-    const struct layer L = {w, scale, minv, bias, K, N, group, bits == 8 ? K * NB : K * (NB / 2),
+    /* int8 has no groups: one that spans K keeps the callers' group counting (int4's) well defined */
+    const struct layer L = {w, scale, minv, bias, K, N, bits == 4 ? group : K, bits == 8 ? K * NB : K * (NB / 2),
                             bits == 8 ? NB : (K / group) * NB, bits};
     const int64_t blocks = (N + NB - 1) / NB;
     /* threads take runs of blocks of equal size (a multiple of 4, so 4-block tiles and groups stay whole) */

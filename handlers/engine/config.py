@@ -27,6 +27,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_prefill_tokens_while_decoding: int = 256  # 0 = prefill may take the whole step budget
+    max_mixed_step_ratio: float = 2.0  # a step that decodes and prefills: at most this many decode steps long (0: off)
     block_size: int = 16
     kv_cache_memory_mb: int = 0
     kv_cache_memory_fraction: float = 0.9
@@ -68,10 +69,14 @@ class EngineConfig:
         if get("prompt_lookup_min") > get("prompt_lookup_max"):
             raise ConfigError(f"option.prompt_lookup_min = {get('prompt_lookup_min')} exceeds option.prompt_lookup_max "
                               f"= {get('prompt_lookup_max')}")
+        if 0 < get("max_mixed_step_ratio") <= 1:
+            raise ConfigError(f"option.max_mixed_step_ratio = {get('max_mixed_step_ratio')}: expected 0 (off) or a "
+                              "number > 1 (a mixed step may last that many decode steps)")
         return cls(
             max_num_seqs=get("max_rolling_batch_size"),
             max_num_batched_tokens=get("max_rolling_batch_prefill_tokens"),
             max_prefill_tokens_while_decoding=get("max_prefill_tokens_while_decoding"),
+            max_mixed_step_ratio=get("max_mixed_step_ratio"),
             block_size=get("block_size"),
             kv_cache_memory_mb=auto_is_zero("kv_cache_memory_mb"),
             kv_cache_memory_fraction=get("kv_cache_memory_fraction"),

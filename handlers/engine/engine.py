@@ -54,6 +54,7 @@ from handlers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.self_check import reference_logits, verify
 from handlers.engine.sequence import Sequence
 from handlers.engine.speculative import NgramDrafter, accepted_prefix
+from handlers.engine.step_budget import PrefillBudget
 from serving.errors import InvalidRequest
 from serving.step_cost import StepCost
 from serving.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
@@ -150,6 +151,11 @@ class LLMEngine:
                           "num_requests_aborted_total": 0, "spec_draft_tokens_total": 0,
                           "spec_accepted_tokens_total": 0}
         self.step_cost = StepCost()  # every step's tokens and seconds (``serving.step_cost``: serving tune fits it)
+        # the prefill a step may carry while sequences decode, bounded by time (``handlers.engine.step_budget``)
+        self.prefill_budget: PrefillBudget | None = None
+        if config.max_mixed_step_ratio:
+            self.prefill_budget = PrefillBudget(config.max_mixed_step_ratio, floor=config.block_size)
+            self.scheduler.prefill_limit = self.prefill_budget.limit
         if config.speculative_draft == "ngram":
             self.scheduler.drafter = self._draft
             logger.info("speculative decoding: n-gram prompt lookup, up to %d tokens a step (n-grams of %d-%d) while "
@@ -290,7 +296,11 @@ class LLMEngine:
             tokens = sample_batch(logits, [c.seq.token_ids for c in sampled], [r.sampler for r in reqs],
                                   self._allowed(reqs))
             deltas = [self._advance(r, t) for r, t in zip(reqs, tokens, strict=True)]
-        self.step_cost.add(plan.num_batched_tokens, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.step_cost.add(plan.num_batched_tokens, seconds)
+        if self.prefill_budget is not None:
+            prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+            self.prefill_budget.record(plan.num_batched_tokens - prompt_tokens, prompt_tokens, seconds)
         return failed + deltas
 
     def _score_prompts(self, chunks: tuple[ScheduledChunk, ...], logits: torch.Tensor) -> torch.Tensor:
@@ -444,6 +454,7 @@ class LLMEngine:
             "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
             "limits": self.scheduler.limits.as_dict(),
             "step_cost": self.step_cost.as_dict(),
+            "prefill_budget": self.prefill_budget.as_dict() if self.prefill_budget is not None else None,
             "blocks_held": {s.request_id: s.num_live_blocks for s in self.scheduler.live_sequences()},
         }
 

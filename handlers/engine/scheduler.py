@@ -118,6 +118,8 @@ class Scheduler:
         self.limits = LimitsRecord()
         # Speculative decoding: guesses of a decoding sequence's next tokens (the engine's drafter; None: off).
         self.drafter: Callable[[Sequence], list[int]] | None = None
+        # (decode rows planned, token cap) -> prefill tokens allowed beside them (0: no cap); None: the cap
+        self.prefill_limit: Callable[[int, int], int] | None = None
 
     def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         """Change the batch size and the token budget of the coming steps (None keeps a value). Sequences
@@ -189,7 +191,8 @@ class Scheduler:
     # ------------------------------------------------------------------- step
     def schedule(self) -> SchedulerOutput:
         """Plan the next step. Never exceeds the token budget or the batch size; while decodes run, prefill
-        chunks take at most ``max_prefill_tokens_while_decoding`` of it (0 = no such cap)."""
+        chunks take at most ``max_prefill_tokens_while_decoding`` of it (0 = no such cap), or what
+        ``prefill_limit`` makes of that cap given the decode rows planned (the engine's time bound)."""
         budget = self.config.max_num_batched_tokens
         planned: dict[int, ScheduledChunk] = {}  # id(seq) -> chunk
         preempted: list[str] = []
@@ -201,9 +204,12 @@ class Scheduler:
         if self.drafter is not None and budget > 0 and len(decodes) <= self.config.max_speculative_batch:
             budget = self._add_drafts(decodes, planned, budget)
         prefill_budget = budget
-        if planned and self.config.max_prefill_tokens_while_decoding:
-            # A long prefill chunk stalls every running decode for its whole step (inter-token latency).
-            prefill_budget = min(budget, self.config.max_prefill_tokens_while_decoding)
+        if planned:  # a long prefill chunk stalls every running decode for its whole step (inter-token latency)
+            cap = self.config.max_prefill_tokens_while_decoding
+            if self.prefill_limit is not None:
+                cap = self.prefill_limit(self.config.max_num_batched_tokens - budget, cap)
+            if cap:
+                prefill_budget = min(budget, cap)
         for seq in prefills:
             if seq.status is not SequenceStatus.RUNNING or prefill_budget == 0:
                 continue

@@ -125,3 +125,20 @@ def test_step_cost_sums_every_step_and_every_token_it_computed(model_dirs: dict[
     assert cost["max_tokens"] == 32  # the prompts are longer than the budget: the first step is full
     assert cost["seconds"] > 0 and cost["tokens_seconds"] > 0
     assert cost["tokens_sq"] > cost["tokens"]
+
+
+def test_time_bounded_prefill_keeps_greedy_output_and_reports_its_fit(model_dirs: dict[str, Path]) -> None:
+    """With the time bound on (the default) and no token cap, prompts arriving while others decode are chunked by
+    the fitted step costs; the answers stay generate's and the engine reports the fit it used."""
+    engine = LLMEngine.from_options(model_dirs["llama"], {"num_kv_blocks": "256",
+                                                          "max_prefill_tokens_while_decoding": "0"})
+    assert engine.scheduler.prefill_limit == engine.prefill_budget.limit
+    prompts = make_prompts(10, seed=11)
+    deltas = run_staggered(engine, prompts, SamplingParams(max_new_tokens=MAX_NEW), per_step=1)
+    check_against_generate(model_dirs["llama"], prompts, deltas)
+    fit = engine.stats()["prefill_budget"]
+    assert fit["ratio"] == 2.0
+    assert fit["fixed_s"] is not None and fit["per_decode_row_s"] > 0 and fit["per_prompt_token_s"] > 0
+    off = LLMEngine.from_options(model_dirs["llama"], {"num_kv_blocks": "64", "max_mixed_step_ratio": "0"})
+    assert off.prefill_budget is None and off.scheduler.prefill_limit is None
+    assert off.stats()["prefill_budget"] is None

@@ -49,6 +49,7 @@ from types import MappingProxyType
 from typing import Any
 
 from serving.errors import ConfigError
+from serving.layout import auto_layout, checkpoint_parameters, server_cores
 from serving.options import (
     LOADER,
     OPTIONS,
@@ -61,6 +62,7 @@ from serving.options import (
 )
 from serving.properties import parse_properties
 from serving.values import (
+    AUTO,
     Parser,
     alternative,
     boolean,
@@ -224,6 +226,7 @@ class ModelConfig:
     extra: Mapping[str, str] = field(default_factory=_empty_mapping)
     sources: Mapping[str, str] = field(default_factory=_empty_mapping)
     warnings: tuple[str, ...] = ()
+    layout_reason: str = ""  # why minWorkers / maxWorkers = auto came out as they did (serving.layout)
 
     def handler_properties(self) -> dict[str, str]:
         """What the handler's ``Context.properties`` receives: options (prefix stripped) + model keys."""
@@ -250,8 +253,8 @@ _MODEL_KEYS: dict[str, tuple[Parser, str | None]] = {
     "max_batch_delay": (integer(0), "100"),
     "job_queue_size": (integer(1), "1000"),
     "max_queue_time": (number(0, exclusive=True), "60"),
-    "minWorkers": (integer(0), "1"),
-    "maxWorkers": (integer(1), "1"),
+    "minWorkers": (integer(0, auto=True), "1"),
+    "maxWorkers": (integer(1, auto=True), "1"),
     "max_idle_time": (integer(0), "60"),
     "load_on_devices": (devices, "*"),
     "required_memory_mb": (integer(0), None),
@@ -360,6 +363,7 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
                     if reads(spec, handlers_of(entry_point))})
     values: dict[str, Any] = {key: _resolve(key, setting, parsers[key]) if key in parsers else setting.value
                               for key, setting in settings.items()}
+    layout_reason = _resolve_auto_workers(values, model_dir)
     if values["minWorkers"] > values["maxWorkers"]:
         max_setting = settings["maxWorkers"]
         raise _fail("minWorkers", settings["minWorkers"],
@@ -408,7 +412,24 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
                                 if key in _MODEL_KEYS and key not in _TYPED_MODEL_KEYS}),
         sources=MappingProxyType({key: setting.source for key, setting in settings.items()}),
         warnings=_unknown_option_warnings(settings),
+        layout_reason=layout_reason,
     )
+
+
+def _resolve_auto_workers(values: dict[str, Any], model_dir: Path) -> str:
+    """Replace ``auto`` in minWorkers / maxWorkers by the layout ``serving.layout`` picks; returns why ('' when
+    neither is auto). One auto bound follows the other's number where that is larger."""
+    if AUTO not in (values["minWorkers"], values["maxWorkers"]):
+        return ""
+    tp = values.get("option.tensor_parallel_degree", 1)
+    folder = weights_folder(model_dir, values.get("option.model_id"))
+    layout = auto_layout(server_cores(), checkpoint_parameters(folder), tp if isinstance(tp, int) else 1)
+    lo, hi = values["minWorkers"], values["maxWorkers"]
+    values["minWorkers"] = layout.workers if lo == AUTO else lo
+    values["maxWorkers"] = max(layout.workers, values["minWorkers"]) if hi == AUTO else hi
+    if lo == AUTO and values["minWorkers"] > values["maxWorkers"]:
+        values["minWorkers"] = values["maxWorkers"]
+    return f"workers auto: {layout.reason}"
 
 
 def weights_folder(model_dir: Path, model_id: str | None) -> Path:
@@ -491,6 +512,8 @@ def describe_model_config(cfg: ModelConfig) -> str:
     lines.append(f"effective rolling_batch = {b.rolling_batch}  "
                  f"({'rolling' if b.rolling else 'dynamic'} batching; requested {b.rolling_batch_requested})")
     lines.append(f"  reason: {b.rolling_batch_reason}")
+    if cfg.layout_reason:
+        lines.append(f"effective workers = {cfg.min_workers}-{cfg.max_workers}  ({cfg.layout_reason})")
     lines += [f"warning: {warning}" for warning in cfg.warnings]
     return "\n".join(lines) + "\n"
 

@@ -74,6 +74,9 @@ class ModelEndpoint:
         else:
             log.info("model %s: %s batching: %s", self.name, "rolling" if b.rolling else "dynamic",
                      b.rolling_batch_reason)
+        if config.layout_reason:
+            log.info("model %s: %d-%d workers: %s", self.name, config.min_workers, config.max_workers,
+                     config.layout_reason)
         entry = config.entry_point
         if b.rolling and entry in ("huggingface", "djl_python.huggingface"):
             entry = "rolling"

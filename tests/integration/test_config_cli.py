@@ -224,3 +224,19 @@ def test_a_model_that_cannot_fit_is_failed_with_the_figures(tmp_path: Path) -> N
         assert "option.prepack_weights=false" in reason
     finally:
         s.stop()
+
+
+def test_config_command_lays_out_workers_from_the_cores_it_may_use() -> None:
+    """The shipped tiny model says ``auto``: a worker per core of the process's affinity mask, as ``taskset`` sets
+    it (the server's workers inherit the same mask)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SERVING_", "SAGEMAKER_", "HF_"))}
+    model = REPO / "examples" / "models" / "tiny-llama"
+    cores = sorted(os.sched_getaffinity(0))
+    for allowed in ([cores[0]], cores):
+        proc = subprocess.run(["taskset", "-c", ",".join(map(str, allowed)), sys.executable, "-m", "serving",
+                               "config", str(model)], cwd=REPO, env=clean, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("effective workers")]
+        n = len(allowed)
+        assert line.startswith(f"effective workers = {n}-{n}  (workers auto: "), line
+        assert ("one core: one worker" in line) == (n == 1), line

@@ -52,6 +52,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.build_models import model_dir  # noqa: E402
+from benchmarks.chat_workload import run_chat  # noqa: E402
 from benchmarks.workload import BenchRequest, Workload, build_workload  # noqa: E402
 from serving.bench.clients import Target, run_requests  # noqa: E402
 from serving.bench.launch import LocalServer, Subprocess, wait_http  # noqa: E402
@@ -316,7 +317,7 @@ def start_rollserve(path: Path, workdir: Path, threads: int, options: dict[str, 
     """``python -m serving`` on 127.0.0.1 ephemeral ports with the model in a rolling-batch folder ``bench``."""
     props = {"engine": "Python", "option.entryPoint": "huggingface", "option.rolling_batch": "auto",
              "option.dtype": "fp32", "minWorkers": "1", "maxWorkers": "1",
-             **{f"option.{k}": v for k, v in options.items()}}
+             **{k if k in ("minWorkers", "maxWorkers") else f"option.{k}": v for k, v in options.items()}}
     # the spawner is looked up here at call time: compare.py swaps ``Subprocess`` for a pinned one
     server = LocalServer.start(path, workdir, name="bench", properties=props, folder_properties=False,
                                env={"OMP_NUM_THREADS": str(threads)}, timeout_s=180,
@@ -347,7 +348,10 @@ def start_vllm(path: Path, workdir: Path, threads: int) -> tuple[Subprocess, str
 
 
 def run_http(kind: str, url: str, w: Workload, arrivals: list[float]) -> RunResult:
-    """Stream every request of ``w`` over HTTP (``lmi``: rollserve's /predictions/bench, ``openai``: vLLM)."""
+    """Stream every request of ``w`` over HTTP (``lmi``: rollserve's /predictions/bench, ``openai``: vLLM's
+    /v1/completions, ``chat``: /v1/chat/completions of either, ``chat_workload.py``)."""
+    if kind == "chat":
+        return RunResult(run_chat(url, "bench", w.requests, arrivals))
     return RunResult(run_requests(kind, Target(url, "bench"), w.requests, arrivals, stream=True))
 
 

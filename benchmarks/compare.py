@@ -54,19 +54,21 @@ from benchmarks.chat_workload import build_chat_workload  # noqa: E402
 from benchmarks.workload import Workload, build_workload  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
-SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-tokencap", "rollserve-auto")
+SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-tokencap", "rollserve-r2", "rollserve-auto")
 DEFAULT_SERVERS = ("rollserve", "vllm")
 # rollserve with opt-in engine options (the same server otherwise): its ratios to vLLM and to plain rollserve print too
 VARIANTS: dict[str, dict[str, str]] = {
     "rollserve-ngram": {"speculative_draft": "ngram"},
     "rollserve-tokencap": {"max_mixed_step_ratio": "0"},  # the prefill bound by tokens alone, as before the time bound
+    "rollserve-r2": {"max_mixed_step_ratio": "2"},  # a tighter time bound: smoother streams, later first tokens
     "rollserve-auto": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto"},  # the layout from the cores
 }
 ROLLSERVE_ENV: dict[str, str] = {}  # --rollserve-env K=V (an experiment's knob, recorded with every run)
 VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 RATIOS = (("rollserve", "vllm"), ("rollserve-ngram", "vllm"), ("rollserve-ngram", "rollserve"),
-          ("rollserve-tokencap", "vllm"), ("rollserve", "rollserve-tokencap"), ("rollserve-auto", "vllm"))
+          ("rollserve-tokencap", "vllm"), ("rollserve", "rollserve-tokencap"), ("rollserve-r2", "vllm"),
+          ("rollserve-auto", "vllm"))
 CHAT_MODELS = ("smollm2",)  # real chat models: the chat workload, natural EOS
 KEYS = ("output_tok_s", "cpu_s", "tok_per_cpu_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 
@@ -260,6 +262,10 @@ def run_one(server: str, cores: list[int], w: Workload, rate: float | None, args
     m = metrics(res, [min(x.num_tokens, r.max_new_tokens) if chat else r.max_new_tokens
                       for x, r in zip(res.recs, w.requests, strict=True)])
     rec["output_lengths"] = [x.num_tokens if x.ok else None for x in res.recs]
+    # every sample, for distribution plots (compare_plot.py): first-token times and gaps between streamed chunks
+    rec["samples_ms"] = {"ttft": [round(x.ttft() * 1e3, 1) for x in res.recs if x.ok],
+                         "itl": [round((b - a) * 1e3, 1) for x in res.recs if x.ok
+                                 for a, b in zip(x.token_times, x.token_times[1:], strict=False)]}
     tree_s, others = sum(b[0].values()) - sum(a[0].values()), others_cores(a, b)
     if not check["quiet"]:
         rec["busy"].append(f"before: load {check['load1']} (own {check['own_load']}), others {check['others_cores']}")

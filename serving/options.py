@@ -114,7 +114,7 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     # The rolling engine (handlers.engine.config.EngineConfig) and the dynamic huggingface handler.
     _spec("max_prefill_tokens_while_decoding", integer(0), "256", (ENGINE,),
           "prefill tokens of a step while sequences decode; 0 = the whole budget"),
-    _spec("max_mixed_step_ratio", number(0), "2", (ENGINE,),
+    _spec("max_mixed_step_ratio", number(0), "4", (ENGINE,),
           "while sequences decode, a step that also prefills lasts at most this many decode-only steps (by the "
           "step costs the engine measures); 0 = the token cap alone"),
     _spec("block_size", integer(1), "16", (ENGINE,), "tokens per KV-cache block"),

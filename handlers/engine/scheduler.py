@@ -118,8 +118,9 @@ class Scheduler:
         self.limits = LimitsRecord()
         # Speculative decoding: guesses of a decoding sequence's next tokens (the engine's drafter; None: off).
         self.drafter: Callable[[Sequence], list[int]] | None = None
-        # (decode rows planned, token cap) -> prefill tokens allowed beside them (0: no cap); None: the cap
-        self.prefill_limit: Callable[[int, int], int] | None = None
+        # (decode rows planned, token cap, requests waiting for a first token) -> prefill tokens allowed beside the
+        # decode rows (0: no cap); None: the cap alone
+        self.prefill_limit: Callable[[int, int, int], int] | None = None
 
     def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         """Change the batch size and the token budget of the coming steps (None keeps a value). Sequences
@@ -206,8 +207,9 @@ class Scheduler:
         prefill_budget = budget
         if planned:  # a long prefill chunk stalls every running decode for its whole step (inter-token latency)
             cap = self.config.max_prefill_tokens_while_decoding
-            if self.prefill_limit is not None:
-                cap = self.prefill_limit(self.config.max_num_batched_tokens - budget, cap)
+            if self.prefill_limit is not None:  # waiting: requests without their first token yet
+                cap = self.prefill_limit(self.config.max_num_batched_tokens - budget, cap,
+                                         len(self.waiting) + len(prefills))
             if cap:
                 prefill_budget = min(budget, cap)
         for seq in prefills:

@@ -8,9 +8,13 @@ is: 256 prompt tokens are a few milliseconds on a GPU and about a second on one 
 prompt_tokens`` (least squares over recent steps: the weights are read once per step, a decode row also pays the
 output projection, a prompt row does not) and turns a time bound into tokens: a step beside ``d`` decode rows may
 prefill ``(ratio - 1) x (fixed + per_row x d) / per_token`` tokens, so that it lasts about ``ratio`` decode-only
-steps. Mixed steps inform the fit as much as pure ones, which matters under a burst, where every step prefills
-something for a long time. When the two kinds of rows never varied apart (collinear), one line over all rows is
-used; until a fit exists the token cap alone applies. The result is within ``[floor, cap]``: a prompt always moves.
+steps. While more requests wait for their first token than sequences decode (a burst), the allowance grows by that
+proportion: a second of prefill delays ``d`` streams by a second, while a second given to the decodes delays every
+waiting request's first token by as much, so the time goes to the side where more requests wait (the fixed ratio
+alone cost a burst its TTFT and some throughput: benchmarks/README.md, "Smooth streams"). Mixed steps inform the fit as
+much as pure ones, which matters under a burst, where every step prefills something for a long time. When the two
+kinds of rows never varied apart (collinear), one line over all rows is used; until a fit exists the token cap
+alone applies. The result is within ``[floor, cap]``: a prompt always moves.
 
 The sums fade (halved each time ``window`` steps accumulate) so the fit follows contexts that grow and a machine
 whose load changes.
@@ -84,14 +88,16 @@ class PrefillBudget:
     def model(self) -> StepModel | None:
         return self._model
 
-    def limit(self, decode_rows: int, cap: int) -> int:
-        """Prompt tokens the next step may prefill beside ``decode_rows`` decode rows: ``cap`` (0: no cap) until
-        the costs are known, then the time bound, within [floor, cap]."""
+    def limit(self, decode_rows: int, cap: int, waiting: int = 0) -> int:
+        """Prompt tokens the next step may prefill beside ``decode_rows`` decode rows while ``waiting`` requests
+        wait for their first token: ``cap`` (0: no cap) until the costs are known, then the time bound (grown by
+        ``waiting / decode_rows`` when that exceeds 1), within [floor, cap]."""
         m = self._model
         decode = m.decode_seconds(decode_rows) if m is not None else 0.0
         if m is None or decode <= 0:
             return cap
-        tokens = max(self.floor, int((self.ratio - 1.0) * decode / m.per_token))
+        pressure = max(1.0, waiting / max(1, decode_rows))
+        tokens = max(self.floor, int((self.ratio - 1.0) * pressure * decode / m.per_token))
         return min(tokens, cap) if cap else tokens
 
     def as_dict(self) -> dict[str, float | None]:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -15,7 +15,7 @@ def _plt() -> Any:
     return plt
 
 
-def _ecdf(ax: Any, values_ms: list[float], label: str) -> None:
+def ecdf(ax: Any, values_ms: list[float], label: str) -> None:
     xs = sorted(values_ms)
     n = len(xs)
     if not n:
@@ -25,7 +25,7 @@ def _ecdf(ax: Any, values_ms: list[float], label: str) -> None:
 
 def bench_figures(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """``latency_throughput.png``, ``ttft_distribution.png``, ``itl_distribution.png`` of a bench result."""
-    plt = _plt()
+    plt = pyplot()
     passes = [p for p in result["passes"] if p["metrics"].get("completed")]
     title = f"{result['model']} - scenario {result['scenario']['name']} ({result['scenario']['api']})"
     paths = []
@@ -59,7 +59,7 @@ def bench_figures(result: dict[str, Any], out_dir: Path) -> list[Path]:
                 values = [r["ttft_ms"] for r in p["requests"] if r.get("ttft_ms") is not None]
             else:
                 values = [g for r in p["requests"] for g in r.get("itl_ms", [])]
-            _ecdf(ax, values, p["label"])
+            ecdf(ax, values, p["label"])
         ax.set_xscale("log")
         ax.set_xlabel(f"{name} (ms, log scale)")
         ax.set_ylabel("cumulative share" + (" of requests" if key == "ttft" else " of inter-token gaps"))
@@ -78,7 +78,7 @@ def bench_figures(result: dict[str, Any], out_dir: Path) -> list[Path]:
 def tune_figure(report: dict[str, Any], path: Path) -> Path:
     """Every measured run of a tune (goodput vs the SLO's run statistics), the Pareto front, the baseline and
     the chosen configuration."""
-    plt = _plt()
+    plt = pyplot()
     runs = report["runs"]
     bounds = report["slo"]["bounds"]
     fig, axes = plt.subplots(1, len(bounds), figsize=(6.2 * len(bounds), 5), squeeze=False)

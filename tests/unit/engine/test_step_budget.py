@@ -48,6 +48,21 @@ def test_limit_makes_a_mixed_step_last_ratio_decode_steps() -> None:
     assert three.limit(8, cap=0) == int(2 * cost(8, 0) / PER_TOKEN)
 
 
+def test_more_waiting_than_decoding_grows_the_allowance() -> None:
+    """A burst: 24 requests wait for their first token beside 8 decoding streams, so the prefill may take three
+    times the time it would with none waiting; with fewer waiting than decoding, the ratio alone."""
+    budget = PrefillBudget(ratio=4.0, floor=1)
+    rng = random.Random(3)
+    for _ in range(40):
+        d, p = rng.randint(1, 32), rng.choice([0, 32, 128])
+        budget.record(d, p, cost(d, p))
+    alone = budget.limit(8, cap=0)
+    assert alone == int(3 * cost(8, 0) / PER_TOKEN)
+    assert budget.limit(8, cap=0, waiting=4) == alone
+    assert budget.limit(8, cap=0, waiting=24) == int(3 * 3 * cost(8, 0) / PER_TOKEN)
+    assert budget.limit(8, cap=100, waiting=24) == 100
+
+
 def test_cap_until_fitted_and_floor_after() -> None:
     budget = PrefillBudget(ratio=1.5, floor=16)
     assert budget.limit(4, cap=256) == 256 and budget.limit(4, cap=0) == 0  # nothing measured: the cap alone
@@ -88,10 +103,10 @@ def test_scheduler_chunks_a_prompt_by_the_limit_while_decodes_run() -> None:
     """The scheduler asks the limit with the decode rows it planned; alone, a prompt takes the whole budget."""
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, block_size=16, num_blocks=512,
                                       max_prefill_tokens_while_decoding=256))
-    asked: list[tuple[int, int]] = []
+    asked: list[tuple[int, int, int]] = []
 
-    def limit(decode_rows: int, cap: int) -> int:
-        asked.append((decode_rows, cap))
+    def limit(decode_rows: int, cap: int, waiting: int) -> int:
+        asked.append((decode_rows, cap, waiting))
         return 40 * decode_rows
 
     sched.prefill_limit = limit
@@ -117,7 +132,8 @@ def test_scheduler_chunks_a_prompt_by_the_limit_while_decodes_run() -> None:
         sizes.append(chunks["long"])
         if sum(sizes) == 500:
             break
-    assert sizes == [80] * 6 + [20] and asked[0] == (2, 256)
+    assert sizes == [80] * 6 + [20]
+    assert asked[0] == (2, 256, 1) and asked[-1] == (2, 256, 1)  # "long" waits for its first token throughout
 
 
 @pytest.mark.parametrize("value", ["0.5", "1"])

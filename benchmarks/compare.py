@@ -54,7 +54,8 @@ from benchmarks.chat_workload import build_chat_workload  # noqa: E402
 from benchmarks.workload import Workload, build_workload  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
-SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-tokencap", "rollserve-r2", "rollserve-auto")
+SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-tokencap", "rollserve-r2", "rollserve-auto",
+           "rollserve-2w")
 DEFAULT_SERVERS = ("rollserve", "vllm")
 # rollserve with opt-in engine options (the same server otherwise): its ratios to vLLM and to plain rollserve print too
 VARIANTS: dict[str, dict[str, str]] = {
@@ -62,13 +63,14 @@ VARIANTS: dict[str, dict[str, str]] = {
     "rollserve-tokencap": {"max_mixed_step_ratio": "0"},  # the prefill bound by tokens alone, as before the time bound
     "rollserve-r2": {"max_mixed_step_ratio": "2"},  # a tighter time bound: smoother streams, later first tokens
     "rollserve-auto": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto"},  # the layout from the cores
+    "rollserve-2w": {"minWorkers": "2", "maxWorkers": "2", "num_threads": "auto"},  # the tiny model's old fixed layout
 }
 ROLLSERVE_ENV: dict[str, str] = {}  # --rollserve-env K=V (an experiment's knob, recorded with every run)
 VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 RATIOS = (("rollserve", "vllm"), ("rollserve-ngram", "vllm"), ("rollserve-ngram", "rollserve"),
           ("rollserve-tokencap", "vllm"), ("rollserve", "rollserve-tokencap"), ("rollserve-r2", "vllm"),
-          ("rollserve-auto", "vllm"))
+          ("rollserve-auto", "vllm"), ("rollserve-auto", "rollserve-2w"))
 CHAT_MODELS = ("smollm2",)  # real chat models: the chat workload, natural EOS
 KEYS = ("output_tok_s", "cpu_s", "tok_per_cpu_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 

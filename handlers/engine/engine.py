@@ -287,7 +287,8 @@ class LLMEngine:
             logits = self._score_prompts(plan.chunks, logits)
         self.scheduler.commit(plan)
         self._counters["num_steps_total"] += 1
-        self._counters["num_prefill_tokens_total"] += sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        self._counters["num_prefill_tokens_total"] += prompt_tokens
         sampled = [c for c in plan.chunks if c.samples]
         reqs = [self._requests[c.seq.request_id] for c in sampled]
         if any(c.draft for c in sampled):
@@ -299,7 +300,6 @@ class LLMEngine:
         seconds = time.perf_counter() - t0
         self.step_cost.add(plan.num_batched_tokens, seconds)
         if self.prefill_budget is not None:
-            prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
             self.prefill_budget.record(plan.num_batched_tokens - prompt_tokens, prompt_tokens, seconds)
         return failed + deltas
 

@@ -52,17 +52,10 @@ from benchmarks.build_models import model_dir  # noqa: E402
 from serving.bench.metrics import Slo, parse_slo  # noqa: E402
 from serving.bench.runner import workload_of  # noqa: E402
 from serving.bench.scenario import load_scenario  # noqa: E402
-from serving.bench.search import (  # noqa: E402
-    Config,
-    Evaluator,
-    Group,
-    Outcome,
-    better,
-    build_space,
-    make_config,
-    race,
-)
 from serving.bench.workload import load_tokenizer  # noqa: E402
+from serving.tune.evaluator import LiveEvaluator as Evaluator  # noqa: E402
+from serving.tune.racing import Outcome, better, race  # noqa: E402
+from serving.tune.space import Config, Group, build_space, make_config  # noqa: E402
 
 RESULTS = HERE / "results"
 GRIDS = {"full": {"rolling": {"max_rolling_batch_size": [4, 8, 16, 32, 64],
@@ -130,7 +123,7 @@ def run_grid(path: Path, scenario_file: Path, slos: list[Slo], workdir: Path) ->
     finally:
         ev.close()
     wall = time.monotonic() - t0
-    starts = sum(s for _, s in ev.restarts)
+    starts = sum(s for _, s in ev.started)
     out: dict[str, Any] = {"points": len(points), "groups": [g.label for g in space.groups], "wall_s": wall,
                            "server_starts_s": starts, "runs": len(ev.order), "per_slo": {}}
     for slo in slos:

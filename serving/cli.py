@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     cfg.add_argument("model_dir", type=Path)
     cfg.add_argument("--config", "-f", type=Path, help="config.properties (server defaults)")
     sub.add_parser("serve", help="SageMaker's entry: same as start")
-    from serving.bench import command, tune
+    from serving.bench import command
+    from serving.tune import cli as tune
 
     command.add_arguments(sub.add_parser("bench", help="benchmark a model with a load scenario",
                                          description=command.__doc__))
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(cmd_bench(args))
     if args.command == "tune":
-        from serving.bench.tune import cmd_tune
+        from serving.tune.cli import cmd_tune
 
         sys.exit(cmd_tune(args))
     sys.exit(cmd_config(args) if args.command == "config" else cmd_start(args))

@@ -9,7 +9,7 @@ what it wants (``fit``: least squares).
 Why a line: on a CPU a step's matmuls read every weight once (the fixed part, what a step of one decode
 costs) and do arithmetic in proportion to the rows fed (the slope); attention adds a part that grows with the
 context, which the line averages over the workload that produced the steps. ``serving tune`` uses it to jump to
-the prefill budget whose longest step fits an inter-token-latency bound (``serving.bench.tune``), instead of
+the prefill budget whose longest step fits an inter-token-latency bound (``serving.tune``), instead of
 halving the budget one measured run at a time.
 """
 

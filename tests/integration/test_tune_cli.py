@@ -3,6 +3,7 @@ the live server) that writes an annotated serving.properties and the report."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 import yaml
 
 from serving.config import load_model_config
+from serving.tune.cli import _plan, add_arguments
+from serving.tune.space import Group
 from tests.integration.harness import DEFAULT_MODEL
 
 SLO = "ttft_p99=30s,itl_p99=10s"  # bounds the default model meets at every rung here: the search climbs
@@ -33,34 +36,29 @@ def tune(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_dry_run_prints_the_plan(tmp_path: Path) -> None:
-    cores = len(os.sched_getaffinity(0))
-    proc = tune([str(DEFAULT_MODEL), "--slo", "ttft_p99=2s,itl_p99=200ms", "--budget", "5m", "--workers", "1",
-                 "--threads", "1", "--dry-run"], tmp_path)
+    """The printed plan is the plan built from the same arguments (``Plan.text`` of ``Plan.steps``), and the
+    plan's data says what the tune will do: calibrate (a relative ladder), the seeds in order of promise with
+    the folder's group first, the knobs and their ranges, the head-to-head, the report."""
+    argv = [str(DEFAULT_MODEL), "--slo", "ttft_p99=2s,itl_p99=200ms", "--budget", "5m", "--workers", "1",
+            "--threads", "1", "--dry-run"]
+    proc = tune(argv, tmp_path)
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert lines[0] == (f"serving tune {DEFAULT_MODEL}: SLO ttft_p99=2s,itl_p99=200ms, budget 5.0 min, at most 60 "
-                        f"configurations")
-    assert lines[1] == ("scenario tune (preset tune): 24 requests a run, api lmi; load ladder (Poisson rates): "
-                        "0.3x, 0.375x, 0.46875x, 0.585938x, 0.732422x, 0.915527x, 1.14441x, 1.43051x, 1.78814x, "
-                        "2.23517x, 2.79397x, 3.49246x  (x = times the baseline's burst throughput, measured first)")
-    # the folder: 2 workers sharing the cores
-    base = f"rolling 2w x {max(1, cores // 2)}t: max_rolling_batch_size=32, max_rolling_batch_prefill_tokens=2048"
-    assert lines[2] == f"baseline (the folder's configuration, measured in its group's server): {base}"
-    assert lines[4] == "1. calibrate: a burst pass of the baseline (the first server) makes the relative rates req/s"
-    # the order of promise: the calibration's server (the baseline's group) first, then fewer workers (cheaper
-    # to start), then the given order
-    seeds = [f"     {base}  (the baseline)",
-             "     rolling 1w x 1t: max_rolling_batch_size=32, max_rolling_batch_prefill_tokens=2048",
-             "     dynamic 1w x 1t: batch_size=8, max_batch_delay=50"]
-    i = lines.index("2. one server start per group, in order of promise (the running server's group first: the "
-                    "baseline's, then")
-    assert lines[i + 3] == ("   from the top rung, 11); a group whose seed misses the SLO at the lowest rung is "
-                            "dropped:")
-    assert lines[i + 4:i + 4 + len(seeds)] == seeds
-    assert lines[i + 4 + len(seeds)].startswith("3. successive halving over the groups left")
-    assert "   a run still going at the deadline is cut, a server start still loading then is stopped" in lines
-    assert "     rolling  max_rolling_batch_size in [1, 64] (log scale)" in lines
-    assert "     dynamic  max_batch_delay in [0, 200]" in lines
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    plan = _plan(ap.parse_args(argv))
+    assert proc.stdout == plan.text() + "\n"
+    assert (plan.budget_s, plan.max_trials, str(plan.slo)) == (300.0, 60, "ttft_p99=2s,itl_p99=200ms")
+    steps = plan.steps()
+    assert [s.kind for s in steps] == ["calibrate", "seeds", "halving", "head_to_head", "write"]
+    base = plan.space.baseline
+    cores = len(os.sched_getaffinity(0))
+    workers = load_model_config(DEFAULT_MODEL).max_workers  # the folder's (auto: from the cores)
+    assert base.group == Group("rolling", workers, max(1, cores // workers))
+    others = [Group("rolling", 1, 1), Group("dynamic", 1, 1)]
+    seeds = [base.id + "  (the baseline)"] + [plan.space.seeds[g].id for g in others if g != base.group]
+    assert list(steps[1].items) == seeds
+    assert "rolling max_rolling_batch_size in [1, 64] (log scale)" in steps[2].items
+    assert "dynamic max_batch_delay in [0, 200]" in steps[2].items
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from serving.bench.metrics import Rec, RunResult, metrics, parse_duration, parse_slo
 from serving.bench.plots import pareto_front
-from serving.bench.search import certainly_violated
-from serving.bench.tune import parse_budget
+from serving.tune.costs import parse_budget
+from serving.tune.runs import certainly_violated
 
 
 def recs() -> list[Rec]:

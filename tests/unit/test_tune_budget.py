@@ -4,38 +4,33 @@ server, groups ordered by promise and dropped when their seed misses the SLO at 
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from serving.bench.metrics import Rec, parse_slo
 from serving.bench.scenario import load_scenario
-from serving.bench.search import (
-    LOAD_CONTENTION,
-    Config,
-    Evaluator,
-    Group,
-    Outcome,
-    Run,
-    Space,
-    load_rounds,
-    make_config,
-    missed_bounds,
-    race,
-)
-from serving.bench.tune import (
-    REPORT_S,
-    STEP_SHARE,
-    STOP_S,
-    VERIFY_SHARE,
-    Plan,
-    Tuner,
-    improvement_text,
-    promise_order,
-)
 from serving.step_cost import StepCost
+from serving.tune import verify
+from serving.tune.costs import (
+    LOAD_CONTENTION,
+    REPORT_S,
+    STOP_S,
+    load_rounds,
+    needs_start,
+    run_estimate,
+    start_estimate,
+)
+from serving.tune.moves import STEP_SHARE
+from serving.tune.plan import Plan, promise_order
+from serving.tune.policy import Skip, Tuner
+from serving.tune.racing import Outcome, race
+from serving.tune.report import improvement_text
+from serving.tune.runs import Run, missed_bounds
+from serving.tune.space import Config, Group, Space, make_config
+from serving.tune.verify import VERIFY_SHARE
 
 SLO = parse_slo("ttft_p99=1s,itl_p99=100ms")
 LADDER = [1.0, 2.0, 4.0, 8.0]  # 4 requests a run: arrival spans 4, 2, 1, 0.5 s
@@ -55,14 +50,9 @@ class Clock:
 
 
 class FakeEvaluator:
-    """The Evaluator's interface on a simulated server: a start of ``start_s[workers]`` seconds, a stop of
-    ``stop_s``; a run of config at rung k meets the SLO when k <= ``top(config)`` and takes its arrival span +
-    1 s (a miss: 0.5 s, stopped early). The budget logic (``estimated_seconds``, ``start_estimate``) is the
-    real Evaluator's."""
-
-    start_estimate = Evaluator.start_estimate
-    estimated_seconds = Evaluator.estimated_seconds
-    needs_start = Evaluator.needs_start
+    """``serving.tune.ports.Evaluator`` on a simulated server: a start of ``start_s[workers]`` seconds, a stop
+    of ``stop_s``; a run of config at rung k meets the SLO when k <= ``top(config)`` and takes its arrival
+    span + 1 s (a miss: 0.5 s, stopped early). The cost model predicts from its records as from a live one's."""
 
     def __init__(self, clock: Clock, top: dict[Any, int], start_s: dict[int, float], stop_s: float = 1.0,
                  slow_decode: frozenset[Any] = frozenset()) -> None:
@@ -73,10 +63,8 @@ class FakeEvaluator:
         self.start_s = start_s
         self.stop_s = stop_s
         self.ladder = LADDER
-        self.w = SimpleNamespace(requests=[None] * N)
-        self.server: object | None = None
+        self.n_requests = N
         self.current: Config | None = None
-        self.restarts: list[tuple[str, float]] = []
         self.started: list[tuple[Group, float]] = []
         self.stops: list[float] = []
         self.runs: dict[tuple[str, int], Run] = {}
@@ -91,12 +79,11 @@ class FakeEvaluator:
         self.again_top: dict[Config, int] = {}  # set by a test: a configuration's top rung when measured again
 
     def apply(self, config: Config) -> None:
-        if self.needs_start(config):
+        if needs_start(self, config):  # type: ignore[arg-type]
             self.close()
             s = self.start_s[config.group.workers]
             self.clock.t += s
-            self.server, self.current = object(), config
-            self.restarts.append((config.group.label, s))
+            self.current = config
             self.started.append((config.group, s))
             self.events.append(("start", config.group.label))
             return
@@ -106,10 +93,10 @@ class FakeEvaluator:
         self.current = config
 
     def close(self) -> None:
-        if self.server is not None:
+        if self.current is not None:
             self.clock.t += self.stop_s
             self.stops.append(self.stop_s)
-            self.server = self.current = None
+            self.current = None
 
     def measure(self, config: Config, rung: int, again: bool = False) -> Run:
         key = (config.id, rung)
@@ -177,35 +164,35 @@ def test_promise_order() -> None:
         R2, R1, D1, D2]
 
 
-def test_start_estimate_from_measured_starts(tmp_path: Path) -> None:
-    ev = Evaluator(tmp_path, tmp_path, SimpleNamespace(requests=[]), LADDER, "lmi", [SLO])  # type: ignore[arg-type]
+def test_start_estimate_from_measured_starts() -> None:
+    ev = FakeEvaluator(Clock(), {}, {})
     ev.cores = 2
-    assert ev.start_estimate(R1) is None
+    assert start_estimate(ev, R1) is None
     ev.started = [(R1, 24.0)]
     # two workers load side by side on two cores, each slowed by the other (LOAD_CONTENTION)
-    assert (ev.start_estimate(R1), ev.start_estimate(D1)) == (24.0, 24.0)
-    assert ev.start_estimate(R2) == pytest.approx(24.0 * (1 + LOAD_CONTENTION))
+    assert (start_estimate(ev, R1), start_estimate(ev, D1)) == (24.0, 24.0)
+    assert start_estimate(ev, R2) == pytest.approx(24.0 * (1 + LOAD_CONTENTION))
     ev.started = [(R1, 24.0), (R2, 40.0), (R1, 30.0)]
-    assert (ev.start_estimate(R1), ev.start_estimate(R2)) == (30.0, 40.0)
-    assert ev.start_estimate(D2) == pytest.approx(40.0)  # the measured 2-worker start, not 2 x 30 s
+    assert (start_estimate(ev, R1), start_estimate(ev, R2)) == (30.0, 40.0)
+    assert start_estimate(ev, D2) == pytest.approx(40.0)  # the measured 2-worker start, not 2 x 30 s
     ev.cores = 1  # one core: the workers load one after the other
     ev.started = [(R1, 24.0)]
-    assert ev.start_estimate(R2) == 48.0
+    assert start_estimate(ev, R2) == 48.0
     assert [load_rounds(w, 4) for w in (1, 2, 4, 5, 8)] == pytest.approx([1.0, 1.3, 1.9, 3.8, 3.8])
 
 
-def test_run_estimate_before_and_after_a_full_run(tmp_path: Path) -> None:
-    ev = Evaluator(tmp_path, tmp_path, SimpleNamespace(requests=[None] * N), LADDER, "lmi", [SLO])  # type: ignore[arg-type]
-    assert ev.estimated_seconds(0) == 8.0  # nothing seen: the 4 s span, twice
+def test_run_estimate_before_and_after_a_full_run() -> None:
+    ev = FakeEvaluator(Clock(), {}, {})
+    assert run_estimate(ev, 0) == 8.0  # nothing seen: the 4 s span, twice
     ev.warm_e2e = [0.7, 1.2]
-    assert ev.estimated_seconds(0) == 4.0 + 1.2  # the longest warm-up request stands for the drain
+    assert run_estimate(ev, 0) == 4.0 + 1.2  # the longest warm-up request stands for the drain
     c = rolling(R1)
     stopped = Run(c, 2, 4.0, [Rec(0.0, [0.5, 3.5], end=3.5), Rec(0.25, [])], [2, 2], 3.0, True, 3.0)
     ev.order.append(stopped)
-    assert ev.estimated_seconds(0) == 4.0 + 3.5  # a stopped run's longest completed request
+    assert run_estimate(ev, 0) == 4.0 + 3.5  # a stopped run's longest completed request
     full = Run(c, 3, 8.0, [Rec(0.0, [0.1], end=0.1)] * N, [1] * N, 0.5 + 0.75, False, 0.5)
     ev.order.append(full)
-    assert ev.estimated_seconds(1) == 2.0 + 0.75  # a full run's drain (its seconds past its span)
+    assert run_estimate(ev, 1) == 2.0 + 0.75  # a full run's drain (its seconds past its span)
 
 
 def test_baseline_is_raced_in_its_groups_server_with_no_start_of_its_own() -> None:
@@ -221,7 +208,7 @@ def test_baseline_is_raced_in_its_groups_server_with_no_start_of_its_own() -> No
     assert ev.events[:3] == [("start", R2.label), ("run", base.id, 3, R2.label), ("start", R1.label)]
     assert ev.events[3] == ("run", rolling(R1).id, 3, R1.label)  # the best's rung is the top: raced there
     assert [e[1] for e in ev.events if e[0] == "start"][:2] == [R2.label, R1.label]  # no start for the baseline
-    assert t.history[0] == {"phase": "baseline", "config_id": base.id, "runs": 1, "rung": 3,
+    assert asdict(t.history[0]) == {"phase": "baseline", "config_id": base.id, "runs": 1, "rung": 3,
                             "score": round(t.outcomes[base.id].score, 4), "improved": True}
     assert t.baseline_outcome().rung == 3 and t.incumbent is t.outcomes[base.id]
     assert t.stop_reason == "3 configurations tried (--max-trials)"
@@ -263,7 +250,7 @@ def test_budget_skips_a_server_start_that_would_overrun_and_the_search_ends_in_t
     # R1: started (20 s), its baseline met the top rung, where the bisection starts (0.5+1 s): 21.5 s;
     # R2 would cost a stop (none measured yet: STOP_S) + 2 x 20 s + a run at the top rung
     assert [e[1] for e in ev.events if e[0] == "start"] == [R1.label]
-    assert t.skipped[0] == {"config_id": rolling(R2).id, "rung": 3, "rate_req_s": 8.0,
+    assert asdict(t.skipped[0]) == {"config_id": rolling(R2).id, "rung": 3, "rate_req_s": 8.0,
                             "server_start_s": STOP_S + 40.0, "run_s": 1.5,
                             "left_s": budget - 21.5 - STOP_S - REPORT_S}
     assert len(t.skipped) == 1  # recorded once, though checked each round
@@ -288,8 +275,7 @@ def test_a_run_predicted_too_long_is_skipped_not_run() -> None:
     # 2 s span + the longest request seen, 2.1 s: fits in 4.5 s; takes 3 s); rung 2 (1 s span + the 1 s drain
     # measured) would end 0.5 s after the deadline: skipped
     assert ev.events == [("start", R1.label), ("run", base.id, 3, R1.label), ("run", base.id, 1, R1.label)]
-    assert t.skipped == [{"config_id": base.id, "rung": 2, "rate_req_s": 4.0, "server_start_s": 0.0, "run_s": 2.0,
-                          "left_s": 1.5}]
+    assert t.skipped == [Skip(base.id, rung=2, rate_req_s=4.0, server_start_s=0.0, run_s=2.0, left_s=1.5)]
     assert clock.t - begin == 23.5 and ev.cut == []
     assert t.stop_reason == "budget spent"
     assert t.baseline_outcome().rung == 1
@@ -326,66 +312,6 @@ def test_improvement_text_of_a_raced_baseline() -> None:
         "configuration meets (4.00 req/s goodput at 4 req/s offered)")
 
 
-def test_evaluator_cuts_a_run_at_its_deadline_without_settling(tmp_path: Path, monkeypatch: Any) -> None:
-    import time
-
-    import serving.bench.search as search
-
-    c = rolling(R1)
-    w = SimpleNamespace(requests=[SimpleNamespace(max_new_tokens=3, index=i) for i in range(N)],
-                        arrivals=lambda rate: [i / rate for i in range(N)])
-    w.fresh = lambda variant: w
-    ev = Evaluator(tmp_path, tmp_path, w, LADDER, "lmi", [SLO])  # type: ignore[arg-type]
-    ev.server = SimpleNamespace(url="http://x", name="m", grpc_target="x:1", tokens={})  # type: ignore[assignment]
-    ev.current = c
-    calls: list[int] = []
-
-    def fake_run_requests(api: str, target: Any, requests: Any, arrivals: list[float], stream: bool,
-                          timeout_s: float = 0.0, should_abort: Any = None) -> list[Rec]:
-        calls.append(len(requests))
-        recs = [Rec(0.0, [0.1])] + [Rec(0.0) for _ in range(N - 1)]  # nothing late: only the deadline stops it
-        assert should_abort is not None and should_abort(recs, 0.2) is (ev.deadline is not None)
-        return recs
-
-    monkeypatch.setattr(search, "run_requests", fake_run_requests)
-    ev.deadline = time.monotonic() - 1.0
-    run = ev.measure(c, 1)
-    assert (run.cut, run.aborted, calls) == (True, True, [N])  # no settle request after it
-    assert ev.cut == [run] and ev.runs == {} and ev.order == []
-    assert race(ev, c, SLO, 0).runs == []  # type: ignore[arg-type]
-
-
-def test_a_server_start_still_loading_at_the_deadline_is_stopped(tmp_path: Path, monkeypatch: Any) -> None:
-    """A start predicted to fit the budget but slower than predicted (measured: a 2-worker 110m server whose
-    workers each wrote a 4.5 GiB KV cache, 178 s of a 174 s budget) is given only the time left; stopped at the
-    deadline it yields a cut run (no measurement), not an error. Without a deadline a failed start still raises."""
-    import time
-
-    import serving.bench.search as search
-
-    c = rolling(R2)
-    w = SimpleNamespace(requests=[SimpleNamespace(max_new_tokens=3, index=i) for i in range(N)],
-                        arrivals=lambda rate: [i / rate for i in range(N)])
-    w.fresh = lambda variant: w
-    ev = Evaluator(tmp_path, tmp_path, w, LADDER, "lmi", [SLO])  # type: ignore[arg-type]
-    timeouts: list[float] = []
-
-    def slow_start(*args: Any, timeout_s: float, **kw: Any) -> Any:
-        timeouts.append(timeout_s)
-        time.sleep(min(timeout_s, 0.3))  # not ready within the time it was given (0.3 s stands for the full 600)
-        raise RuntimeError("model m not ready in time")
-
-    monkeypatch.setattr(search.LocalServer, "start", slow_start)
-    ev.deadline = time.monotonic() + 0.2
-    run = ev.measure(c, 1)
-    assert timeouts[0] <= 0.2 and (run.cut, run.recs, ev.cut, ev.runs) == (True, [], [run], {})
-    assert race(ev, c, SLO, 0).runs == []  # type: ignore[arg-type]
-    ev.deadline = None
-    with pytest.raises(RuntimeError, match="not ready in time"):
-        ev.measure(c, 2)
-    assert timeouts[-1] == ev.server_timeout_s
-
-
 def test_a_groups_first_trial_is_its_best_with_the_batch_doubled_when_requests_queued() -> None:
     base = rolling(R1, 16, 512)
     sp = space(base, [R1])
@@ -398,7 +324,7 @@ def test_a_groups_first_trial_is_its_best_with_the_batch_doubled_when_requests_q
     # the baseline's bisection (misses the top rung 3, meets 1, misses 2), then the doubled batch raced one rung
     # above: met, then 3
     assert runs[:5] == [(base.id, 3), (base.id, 1), (base.id, 2), (bigger.id, 2), (bigger.id, 3)]
-    assert t.history[1]["phase"] == "round 1 rolling 1w x 2t" and t.history[1]["config_id"] == bigger.id
+    assert t.history[1].phase == "round 1 rolling 1w x 2t" and t.history[1].config_id == bigger.id
     assert t.incumbent is t.outcomes[bigger.id]
     # at the top of the range there is nothing to double: the halvings are the neighbours left
     top = tuner(space(rolling(R1, 64, 4096), [R1]), FakeEvaluator(Clock(), {}, {1: 10.0}), Clock(), 1000.0)
@@ -424,7 +350,7 @@ def test_a_missed_itl_bound_steps_to_a_smaller_prefill_budget_while_it_improves(
                        slow_decode=frozenset({R1}))
     t = tuner(space(base, [R1]), ev, clock, 1000.0, max_trials=7)
     t.run()
-    tried = [h["config_id"] for h in t.history]
+    tried = [h.config_id for h in t.history]
     # the baseline, then 512 -> 256 -> 128 (each better), 128 -> 64 (no better), then the best's (128 tokens)
     # other neighbours: 8 sequences, 32 sequences with 256 tokens (256 alone was measured), 32 sequences alone
     assert tried == [base.id, half.id, quarter.id, eighth.id, rolling(R1, 8, 128).id, rolling(R1, 32, 256).id,
@@ -472,7 +398,7 @@ def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() 
     ev.step_costs[R1] = step_line(0.010, 0.0005)
     t = tuner(space(base, [R1]), ev, clock, 1000.0, max_trials=3)
     t.run()
-    tried = [h["config_id"] for h in t.history]
+    tried = [h.config_id for h in t.history]
     assert tried[:2] == [fitted.id, base.id]
     runs = [e[1:3] for e in ev.events if e[0] == "run"]
     # the seed's run at the top rung, the line's race (from the top: missed, met 1, met 2), then the seed's race
@@ -485,8 +411,8 @@ def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() 
     ev4.step_costs[R1] = step_line(0.010, 0.0005)
     t4 = tuner(space(base, [R1, D1]), ev4, clock, 1000.0, max_trials=3)
     t4.run()
-    assert [h["config_id"] for h in t4.history][:3] == [fitted.id, base.id, dynamic(D1).id]
-    assert t4.history[0]["phase"] == "step-cost line rolling 1w x 2t"
+    assert [h.config_id for h in t4.history][:3] == [fitted.id, base.id, dynamic(D1).id]
+    assert t4.history[0].phase == "step-cost line rolling 1w x 2t"
     assert [e[1] for e in ev4.events if e[0] == "start"] == ["rolling 1w x 2t", "dynamic 1w x 2t"]
     # a baseline that meets no rung: the line's trial keeps its group from being dropped
     clock = Clock()
@@ -505,13 +431,13 @@ def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() 
     ev2.step_costs[R1] = step_line(0.010, 0.002)  # 35 tokens a step
     t2 = tuner(space(base, [R1]), ev2, ev2.clock, 1000.0, max_trials=1)
     t2.run()
-    assert t2.history[0]["config_id"] == rolling(R1, 17, 64).id  # 35 tokens, clipped to the knob's 64
+    assert t2.history[0].config_id == rolling(R1, 17, 64).id  # 35 tokens, clipped to the knob's 64
     # a line of another group, or none: the halvings as before
     ev6 = FakeEvaluator(Clock(), {base: 0}, {1: 10.0}, slow_decode=frozenset({R1}))
     ev6.step_costs = {R2: step_line(0.010, 0.002)}
     t6 = tuner(space(base, [R1]), ev6, ev6.clock, 1000.0, max_trials=1)
     t6.run()
-    assert [h["config_id"] for h in t6.history] == [base.id]
+    assert [h.config_id for h in t6.history] == [base.id]
     assert t6.step(R1) == {"max_rolling_batch_size": 32, "max_rolling_batch_prefill_tokens": 1024}
     # the seed's top-rung run missed TTFT (requests queued, as they do at the top rung): the line still says its
     # longest steps break the ITL bound, so its configuration goes first all the same
@@ -519,7 +445,7 @@ def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() 
     ev3.step_costs[R1] = step_line(0.010, 0.0005)
     t3 = tuner(space(base, [R1]), ev3, ev3.clock, 1000.0, max_trials=1)
     t3.run()
-    assert [h["config_id"] for h in t3.history] == [fitted.id, base.id]
+    assert [h.config_id for h in t3.history] == [fitted.id, base.id]
     # once something meets the SLO, a late first token (TTFT) points to a bigger batch, not to the line
     ev3.step_costs = {}
     assert t3.step(R1) == {"max_rolling_batch_size": 64, "max_rolling_batch_prefill_tokens": 4096}
@@ -531,7 +457,7 @@ def test_a_missed_itl_bound_jumps_to_the_token_budget_the_step_cost_line_fits() 
     ev7.step_costs[R1] = short
     t7 = tuner(space(base, [R1]), ev7, ev7.clock, 1000.0, max_trials=1)
     t7.run()
-    assert [h["config_id"] for h in t7.history] == [base.id]
+    assert [h.config_id for h in t7.history] == [base.id]
 
 
 def test_the_line_knee_bounds_the_budget_when_the_decode_bound_is_loose() -> None:
@@ -549,7 +475,7 @@ def test_the_line_knee_bounds_the_budget_when_the_decode_bound_is_loose() -> Non
         p = Plan(Path("model"), parse_slo(spec), load_scenario("tune"), sp, 1000.0, 3, 8, 0)
         t = Tuner(p, ev, lambda msg: None, clock.t + 1000.0, clock=clock)  # type: ignore[arg-type]
         t.run()
-        assert [h["config_id"] for h in t.history] == [base.id, knee.id, dynamic(D1).id], spec
+        assert [h.config_id for h in t.history] == [base.id, knee.id, dynamic(D1).id], spec
         assert [e[1] for e in ev.events if e[0] == "start"] == ["rolling 1w x 2t", "dynamic 1w x 2t"]
     # a line whose knee lies above the budget (a small model: the fixed part dominates every step): no move
     ev2 = FakeEvaluator(Clock(), {base: 3}, {1: 10.0})
@@ -557,100 +483,6 @@ def test_the_line_knee_bounds_the_budget_when_the_decode_bound_is_loose() -> Non
     t2 = tuner(space(base, [R1]), ev2, ev2.clock, 1000.0, max_trials=1)
     t2.run()
     assert t2.line_step(R1) is None
-
-
-def test_evaluator_reads_the_step_cost_of_every_engine(tmp_path: Path) -> None:
-    """``read_step_cost``: the engines' sums of ``GET /models/{name}`` added (two workers), kept for the
-    running group; a dynamic model (no engines) or a failed request leaves what was known."""
-    ev = Evaluator(tmp_path, tmp_path, SimpleNamespace(requests=[]), LADDER, "lmi", [SLO])  # type: ignore[arg-type]
-    one, two = step_line(0.01, 0.001), step_line(0.02, 0.001)
-    answers: list[Any] = [{"batcher": {"engines": {"1": {"step_cost": one.as_dict()},
-                                                   "2": {"step_cost": two.as_dict()}}}},
-                          {"batcher": {"mode": "dynamic"}}, RuntimeError("connection refused")]
-
-    def describe() -> dict[str, Any]:
-        a = answers.pop(0)
-        if isinstance(a, Exception):
-            raise a
-        return dict(a)
-
-    ev.server = SimpleNamespace(describe=describe)  # type: ignore[assignment]
-    ev.current = rolling(R2)
-    ev.read_step_cost()
-    assert ev.step_costs == {R2: one + two}
-    ev.read_step_cost()
-    ev.read_step_cost()
-    assert ev.step_costs == {R2: one + two}
-
-
-def test_warm_up_ends_with_a_burst_of_the_whole_workload(tmp_path: Path, monkeypatch: Any) -> None:
-    """After a start the evaluator warms the server with every request of the workload at once, a few tokens
-    each (a first run right after a start was measured far slower than the next ones), and only the short
-    warm-up requests stand for the drain estimate."""
-    from serving.bench import search
-    from serving.bench.workload import BenchRequest, build_workload, load_tokenizer
-    from tests.integration.harness import DEFAULT_MODEL
-
-    w = build_workload(load_tokenizer(DEFAULT_MODEL), 5, 0, FixedLengths([10, 11, 12, 13, 14]),
-                       FixedLengths([30, 31, 32, 33, 34]))
-    calls: list[list[tuple[int, int]]] = []
-    prompts: list[list[str]] = []
-
-    def fake_run(api: str, target: Any, reqs: list[BenchRequest], arrivals: list[float], stream: bool,
-                 **kw: Any) -> list[Rec]:
-        assert arrivals == [0.0] * len(reqs)
-        calls.append([(r.index, r.max_new_tokens) for r in reqs])
-        prompts.append([r.prompt for r in reqs])
-        return [Rec(0.0, [0.1, 0.2], end=0.25) for _ in reqs]
-
-    monkeypatch.setattr(search, "run_requests", fake_run)
-    ev = Evaluator(tmp_path, tmp_path, w, LADDER, "lmi", [SLO])
-    ev.server = SimpleNamespace(url="http://x", name="m", grpc_target="x", tokens={})  # type: ignore[assignment]
-    ev._warm()
-    assert calls == [[(0, 4)], [(0, 4), (1, 4)], [(i, search.WARM_BURST_TOKENS) for i in range(5)]]
-    # the burst sends new prompts of the same lengths; the first timed run newer ones still
-    assert prompts[2] == [r.prompt for r in w.fresh(1).requests]
-    assert not set(prompts[2]) & {r.prompt for r in w.requests}
-    assert ev.fresh().requests == w.fresh(2).requests
-    assert ev.warm_e2e == [0.25, 0.25]  # the two short requests, not the burst
-
-
-class FixedLengths:
-    """A length distribution that returns its values in turn (one per request)."""
-
-    def __init__(self, values: list[int]) -> None:
-        self.values = list(values)
-
-    def sample(self, rng: Any) -> int:
-        return self.values.pop(0)
-
-    def bounds(self) -> tuple[int, int]:
-        return (1, 1000)
-
-
-def test_evaluator_without_abort_slos_runs_to_the_end(tmp_path: Path, monkeypatch: Any) -> None:
-    """tune_quality's confirmation measures full runs: an evaluator given no SLO to abort on never stops one
-    early (it used to stop every run at once: no SLO left unviolated read as all of them violated)."""
-    import serving.bench.search as search
-
-    c = rolling(R1)
-    w = SimpleNamespace(requests=[SimpleNamespace(max_new_tokens=3, index=i) for i in range(N)],
-                        arrivals=lambda rate: [i / rate for i in range(N)])
-    w.fresh = lambda variant: w
-    ev = Evaluator(tmp_path, tmp_path, w, LADDER, "lmi", [])  # type: ignore[arg-type]
-    ev.server = SimpleNamespace(url="http://x", name="m", grpc_target="x:1", tokens={})  # type: ignore[assignment]
-    ev.current = c
-    answers: list[bool] = []
-
-    def fake_run_requests(api: str, target: Any, requests: Any, arrivals: list[float], stream: bool,
-                          timeout_s: float = 0.0, should_abort: Any = None) -> list[Rec]:
-        recs = [Rec(0.0, [0.1], end=0.2) for _ in range(N)]
-        answers.append(should_abort(recs, 0.1))
-        return recs
-
-    monkeypatch.setattr(search, "run_requests", fake_run_requests)
-    run = ev.measure(c, 1)
-    assert answers == [False] and not run.aborted
 
 
 def _pick_over(base: Config, pick: Config, ev: FakeEvaluator, budget: float = 1000.0) -> Tuner:
@@ -673,7 +505,7 @@ def test_the_pick_is_measured_again_against_the_folders_and_kept_when_it_holds()
     assert ev.events[n:] == [("run", pick.id, 2, R1.label), ("run", base.id, 2, R1.label),
                              ("run", base.id, 2, R1.label), ("run", pick.id, 2, R1.label)]
     v = t.verification
-    assert v is not None and v["done"] and v["kept"] == "chosen" and (v["chosen_met"], v["baseline_met"]) == (2, 0)
+    assert v is not None and v.done and v.kept == "chosen" and (v.chosen_met, v.baseline_met) == (2, 0)
     assert t.incumbent is t.outcomes[pick.id]
     assert ev.runs[(base.id, 1)].rung == 1 and len(ev.order) == n - 1 + 4  # the search's runs stay cached
     assert improvement_text(t.baseline_outcome(), t.incumbent, SLO, v) == (
@@ -688,8 +520,8 @@ def test_a_pick_that_does_not_hold_up_when_measured_again_gives_way_to_the_folde
     t = _pick_over(base, pick, ev)
     t.verify()
     v = t.verification
-    assert v is not None and v["done"] and v["kept"] == "baseline" and v["search_pick"] == pick.id
-    assert (v["chosen_met"], v["baseline_met"]) == (0, 2)
+    assert v is not None and v.done and v.kept == "baseline" and v.search_pick == pick.id
+    assert (v.chosen_met, v.baseline_met) == (0, 2)
     assert t.incumbent is t.outcomes[base.id] is t.baseline_outcome()
     assert t.incumbent.best is not None and t.incumbent.best.rung == 2
     assert improvement_text(t.baseline_outcome(), t.incumbent, SLO, v).startswith(
@@ -701,21 +533,21 @@ def test_a_pick_that_does_not_hold_up_when_measured_again_gives_way_to_the_folde
     t3 = _pick_over(base, pick, ev3)
     t3.verify()
     v3 = t3.verification
-    assert v3 is not None and v3["kept"] == "baseline" and (v3["chosen_met"], v3["baseline_met"]) == (0, 0)
+    assert v3 is not None and v3.kept == "baseline" and (v3.chosen_met, v3.baseline_met) == (0, 0)
     assert t3.incumbent is t3.baseline_outcome() and t3.incumbent.best is ev3.runs[(base.id, 1)]
     # ... unless the folder's configuration met the SLO nowhere: the pick stays (nothing better is known)
     ev4 = FakeEvaluator(Clock(), {base: -1, pick: 2}, {1: 10.0})
     ev4.again_top = {pick: 1}
     t4 = _pick_over(base, pick, ev4)
     t4.verify()
-    assert t4.verification is not None and t4.verification["kept"] == "chosen"
+    assert t4.verification is not None and t4.verification.kept == "chosen"
     assert t4.incumbent is t4.outcomes[pick.id]
     # in another group: a server start at each switch, the running one's configuration first
     other = rolling(R2)
     ev2 = FakeEvaluator(Clock(), {base: 1, other: 2}, {1: 10.0, 2: 20.0})
     t2 = _pick_over(base, other, ev2)
     n = len(ev2.events)
-    assert t2.verify_cost(other, base, 2) == (10.0 + 1.0) + (20.0 + 1.0) + 4 * ev2.estimated_seconds(2)  # stop + start
+    assert verify.cost(ev2, other, base, 2) == (10.0 + 1.0) + (20.0 + 1.0) + 4 * run_estimate(ev2, 2)  # stop + start
     t2.verify()
     assert [e[:2] for e in ev2.events[n:]] == [("run", other.id), ("start", R1.label), ("run", base.id),
                                                 ("run", base.id), ("start", R2.label), ("run", other.id)]
@@ -730,17 +562,17 @@ def test_the_search_leaves_the_head_to_head_its_time_within_the_budget() -> None
     t = tuner(space(base, [R1]), ev, clock, budget, patience=100)
     t.run()
     assert t.incumbent is not None and t.incumbent.config != base and t.stop_reason == "budget spent"
-    reserve = t.verify_cost(t.incumbent.config, base, 3)
+    reserve = verify.cost(ev, t.incumbent.config, base, 3)
     assert reserve == 4 * 1.5 and t.verify_reserve() == reserve
     t.verify()
     v = t.verification
-    assert v is not None and v["done"] and v["kept"] == "chosen"
+    assert v is not None and v.done and v.kept == "chosen"
     assert clock.t <= begin + budget - STOP_S - REPORT_S and ev.cut == []
     # a head-to-head over VERIFY_SHARE of the budget is not reserved: it runs only if time is left
-    t.plan.budget_s = reserve / VERIFY_SHARE - 1
+    t.plan = replace(t.plan, budget_s=reserve / VERIFY_SHARE - 1)
     assert t.verify_reserve() == 0.0
     t.verifying = False
     t.end = clock.t + t.finish_estimate() + 1.0
     t.verify()
-    assert t.verification == {"search_pick": t.incumbent.config.id, "rung": 3, "rate_req_s": 8.0, "runs_each": 2,
-                              "done": False, "why": "predicted 6 s, 1 s left"}
+    assert t.verification == verify.Verification(t.incumbent.config.id, 3, 8.0, 2, done=False,
+                                                 why="predicted 6 s, 1 s left")

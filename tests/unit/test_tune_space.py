@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from serving.bench.metrics import Rec, parse_slo
-from serving.bench.search import Config, Group, Outcome, Run, better, build_space, make_config
-from serving.bench.tune import annotated_properties, describe_outcome, knob_reasons
+from serving.tune.racing import Outcome, better
+from serving.tune.report import annotated_properties, describe_outcome, knob_reasons
+from serving.tune.runs import Run
+from serving.tune.space import Config, Group, build_space, make_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "models" / "tiny-llama"

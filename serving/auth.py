@@ -21,8 +21,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving.config import ServerConfig
 from serving.errors import ConfigError
+from serving.server_config import ServerConfig
 
 log = logging.getLogger("serving.auth")
 

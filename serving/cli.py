@@ -21,9 +21,10 @@ import os
 import sys
 from pathlib import Path
 
-from serving.config import ModelConfig, describe_model_config, load_model_config, load_server_config
+from serving.config import ModelConfig, describe_model_config, load_model_config
 from serving.errors import ConfigError
 from serving.logs import setup_logging
+from serving.server_config import load_server_config
 
 
 def _parser() -> argparse.ArgumentParser:

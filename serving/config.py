@@ -39,9 +39,7 @@ feature. The check is ``handlers.engine.families``, torch-free like this module.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +47,7 @@ from types import MappingProxyType
 from typing import Any
 
 from serving.errors import ConfigError
+from serving.keys import MODEL_KEYS
 from serving.layout import auto_layout, checkpoint_parameters, server_cores
 from serving.options import (
     LOADER,
@@ -60,36 +59,33 @@ from serving.options import (
     reads,
     suggest,
 )
-from serving.properties import parse_properties
+from serving.server_config import ServerConfig
+from serving.settings import (
+    EMPTY,
+    Setting,
+    canonical_keys,
+    empty_mapping,
+    env_setting,
+    fail,
+    norm,
+    override_settings,
+    read_file,
+    resolve,
+)
 from serving.values import (
     AUTO,
     Parser,
     alternative,
-    boolean,
-    choice,
-    devices,
-    grpc_address,
-    http_address,
-    integer,
-    load_models,
     model_name,
-    names,
-    number,
     render,
-    split_host_port,
     text,
 )
 
 MODEL_PROPERTIES = "serving.properties"
-_EMPTY: Mapping[str, str] = MappingProxyType({})
 # Entry points that run the built-in engine when rolling (the endpoint maps them to ``rolling``).
 ENGINE_ENTRY_POINTS = frozenset({"huggingface", "djl_python.huggingface", "rolling"})
 _HANDLER_TITLES = {"engine": "the rolling engine (handlers/engine)", "huggingface": "the huggingface handler "
                    "(dynamic batching, HF generate)", "echo": "the echo handler"}
-
-
-def _empty_mapping() -> Mapping[str, str]:
-    return _EMPTY
 
 
 def validate_model_name(name: str) -> str:
@@ -98,63 +94,6 @@ def validate_model_name(name: str) -> str:
         return model_name(name)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-
-
-# ---------------------------------------------------------------------------------------------------
-# Layered settings: each effective value remembers where it came from.
-
-@dataclass(frozen=True, slots=True)
-class _Setting:
-    value: str
-    source: str  # short, for sources/describe: "serving.properties:3", "env OPTION_X", "default", "override"
-    where: str   # error prefix: the file path with line, or the same as source
-
-
-def _norm(key: str) -> str:
-    return re.sub(r"[._]", "", key.lower())
-
-
-def _fail(key: str, setting: _Setting, reason: str) -> ConfigError:
-    return ConfigError(f"{setting.where}: {key} = {setting.value!r}: {reason}")
-
-
-def _read_file(path: Path) -> list[tuple[str, _Setting]]:
-    try:
-        content = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
-    return [(p.key, _Setting(p.value.strip(), f"{path.name}:{p.line}", f"{path}:{p.line}"))
-            for p in parse_properties(content, str(path))]
-
-
-def _canonical_keys(raw: list[tuple[str, _Setting]], known: Mapping[str, str], *,
-                    allow_options: bool) -> dict[str, _Setting]:
-    """Map raw keys onto known keys (later entries win); unknown non-option keys are errors."""
-    settings: dict[str, _Setting] = {}
-    for key, setting in raw:
-        canonical = known.get(_norm(key))
-        if canonical is None and allow_options and key.lower().startswith("option."):
-            canonical = "option." + key[len("option."):]
-        if canonical is None:
-            raise ConfigError(f"{setting.where}: {key} = {setting.value!r}: unknown key; known keys: "
-                              f"{', '.join(sorted(set(known.values())))}, option.*")
-        settings[canonical] = setting
-    return settings
-
-
-def _env_setting(var: str, value: str) -> _Setting:
-    return _Setting(value.strip(), f"env {var}", f"env {var}")
-
-
-def _override_settings(overrides: Mapping[str, str]) -> list[tuple[str, _Setting]]:
-    return [(key, _Setting(value.strip(), "override", "override")) for key, value in overrides.items()]
-
-
-def _resolve(key: str, setting: _Setting, parser: Parser) -> Any:
-    try:
-        return parser(setting.value)
-    except ValueError as exc:
-        raise _fail(key, setting, str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -221,10 +160,10 @@ class ModelConfig:
     model_id: str | None = None
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    options: Mapping[str, str] = field(default_factory=_empty_mapping)
+    options: Mapping[str, str] = field(default_factory=empty_mapping)
     # accepted model keys without a typed field (required_memory_mb, gpu.maxWorkers, ...), as set
-    extra: Mapping[str, str] = field(default_factory=_empty_mapping)
-    sources: Mapping[str, str] = field(default_factory=_empty_mapping)
+    extra: Mapping[str, str] = field(default_factory=empty_mapping)
+    sources: Mapping[str, str] = field(default_factory=empty_mapping)
     warnings: tuple[str, ...] = ()
     layout_reason: str = ""  # why minWorkers / maxWorkers = auto came out as they did (serving.layout)
 
@@ -246,58 +185,38 @@ class ModelConfig:
         return props
 
 
-# Typed model keys: key -> (parser, default). A default of None means "absent unless set".
-_MODEL_KEYS: dict[str, tuple[Parser, str | None]] = {
-    "engine": (choice(("Python", "MPI")), "Python"),
-    "batch_size": (integer(1), "1"),
-    "max_batch_delay": (integer(0), "100"),
-    "job_queue_size": (integer(1), "1000"),
-    "max_queue_time": (number(0, exclusive=True), "60"),
-    "minWorkers": (integer(0, auto=True), "1"),
-    "maxWorkers": (integer(1, auto=True), "1"),
-    "max_idle_time": (integer(0), "60"),
-    "load_on_devices": (devices, "*"),
-    "required_memory_mb": (integer(0), None),
-    "reserved_memory_mb": (integer(0), None),
-    "log_request_metric": (boolean, None),
-    "retry_threshold": (integer(0), None),
-    "gpu.minWorkers": (integer(0), None),
-    "gpu.maxWorkers": (integer(0), None),
-    "cpu.minWorkers": (integer(0), None),
-    "cpu.maxWorkers": (integer(0), None),
-}
 _TYPED_MODEL_KEYS = ("engine", "batch_size", "max_batch_delay", "job_queue_size", "max_queue_time", "minWorkers",
                      "maxWorkers", "max_idle_time", "load_on_devices")
 # Every option of the schema, by its full key (``option.dtype``).
 _OPTION_SPECS: dict[str, OptionSpec] = {f"option.{key}": spec for key, spec in OPTIONS.items()}
-_KNOWN_MODEL_KEYS = {_norm(key): key for key in (*_MODEL_KEYS, *_OPTION_SPECS)}
+_KNOWN_MODEL_KEYS = {norm(key): key for key in (*MODEL_KEYS, *_OPTION_SPECS)}
 
 
 def model_config_keys() -> tuple[str, ...]:
     """Every known model key (``batch_size``, ``minWorkers``, ``option.dtype``, ``option.block_size``, ...) as
     spelled in files: the model keys and the option schema."""
-    return (*_MODEL_KEYS, *_OPTION_SPECS)
+    return (*MODEL_KEYS, *_OPTION_SPECS)
 
 # Server-level keys that SERVING_* sets on the server, not on each model.
 _SERVER_LEVEL_MODEL_KEYS = frozenset({"job_queue_size", "max_queue_time"})
 
 
-def _model_env(env: Mapping[str, str]) -> dict[str, _Setting]:
+def _model_env(env: Mapping[str, str]) -> dict[str, Setting]:
     """Model settings from the environment; specific variables override generic ones."""
-    settings: dict[str, _Setting] = {}
+    settings: dict[str, Setting] = {}
     if "HF_MODEL_ID" in env:
-        settings["option.model_id"] = _env_setting("HF_MODEL_ID", env["HF_MODEL_ID"])
+        settings["option.model_id"] = env_setting("HF_MODEL_ID", env["HF_MODEL_ID"])
     if "SAGEMAKER_NUM_MODEL_WORKERS" in env:
-        workers = _env_setting("SAGEMAKER_NUM_MODEL_WORKERS", env["SAGEMAKER_NUM_MODEL_WORKERS"])
+        workers = env_setting("SAGEMAKER_NUM_MODEL_WORKERS", env["SAGEMAKER_NUM_MODEL_WORKERS"])
         settings["minWorkers"] = settings["maxWorkers"] = workers
     for var in sorted(env):
         if var.startswith("SERVING_"):
-            key = _KNOWN_MODEL_KEYS.get(_norm(var[len("SERVING_"):]))
-            if key is not None and key in _MODEL_KEYS and key not in _SERVER_LEVEL_MODEL_KEYS:
-                settings[key] = _env_setting(var, env[var])
+            key = _KNOWN_MODEL_KEYS.get(norm(var[len("SERVING_"):]))
+            if key is not None and key in MODEL_KEYS and key not in _SERVER_LEVEL_MODEL_KEYS:
+                settings[key] = env_setting(var, env[var])
         elif var.startswith("OPTION_") and len(var) > len("OPTION_"):
             option = "option." + var[len("OPTION_"):].lower()
-            settings[_KNOWN_MODEL_KEYS.get(_norm(option), option)] = _env_setting(var, env[var])
+            settings[_KNOWN_MODEL_KEYS.get(norm(option), option)] = env_setting(var, env[var])
     return settings
 
 
@@ -307,7 +226,7 @@ def _option_parser(key: str, spec: OptionSpec, num_devices: int) -> Parser:
     return spec.parser
 
 
-def _unknown_option_warnings(settings: Mapping[str, _Setting]) -> tuple[str, ...]:
+def _unknown_option_warnings(settings: Mapping[str, Setting]) -> tuple[str, ...]:
     """``unknown option.x: did you mean option.y? (source)`` for each unknown ``option.*`` key close to a known
     one; other unknown keys are a custom handler's own and pass silently."""
     found = []
@@ -319,8 +238,8 @@ def _unknown_option_warnings(settings: Mapping[str, _Setting]) -> tuple[str, ...
     return tuple(found)
 
 
-def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[str, str] = _EMPTY,
-                      overrides: Mapping[str, str] = _EMPTY, server: ServerConfig | None = None,
+def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[str, str] = EMPTY,
+                      overrides: Mapping[str, str] = EMPTY, server: ServerConfig | None = None,
                       num_devices: int | None = None) -> ModelConfig:
     """Read ``model_dir/serving.properties`` (optional) and build the model's effective config.
 
@@ -335,38 +254,38 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
         raise ConfigError(f"{model_dir}: model folder not found")
     name = validate_model_name(name if name is not None else model_dir.name)
     path = model_dir / MODEL_PROPERTIES
-    raw = _read_file(path) if path.is_file() else []
-    override_raw = _override_settings(overrides)
+    raw = read_file(path) if path.is_file() else []
+    override_raw = override_settings(overrides)
 
-    defaults = {key: _Setting(default, "default", "default")
-                for key, (_, default) in _MODEL_KEYS.items() if default is not None}
-    defaults.update({key: _Setting(spec.default, "default", "default") for key, spec in _OPTION_SPECS.items()
+    defaults = {key: Setting(default, "default", "default")
+                for key, spec in MODEL_KEYS.items() if (default := spec.default) is not None}
+    defaults.update({key: Setting(spec.default, "default", "default") for key, spec in _OPTION_SPECS.items()
                      if spec.default is not None and spec.readers & {SERVING, LOADER}})
-    defaults["option.entryPoint"] = _Setting(
+    defaults["option.entryPoint"] = Setting(
         "model.py" if (model_dir / "model.py").is_file() else "huggingface", "default", "default")
     if server is not None:
         for key, value in (("job_queue_size", str(server.job_queue_size)),
                            ("max_queue_time", render(server.max_queue_time_s))):
             inherited = f"server config ({server.sources.get(key, 'default')})"
-            defaults[key] = _Setting(value, inherited, inherited)
+            defaults[key] = Setting(value, inherited, inherited)
     settings = {**defaults,
-                **_canonical_keys(raw, _KNOWN_MODEL_KEYS, allow_options=True),
+                **canonical_keys(raw, _KNOWN_MODEL_KEYS, allow_options=True),
                 **_model_env(env),
-                **_canonical_keys(override_raw, _KNOWN_MODEL_KEYS, allow_options=True)}
+                **canonical_keys(override_raw, _KNOWN_MODEL_KEYS, allow_options=True)}
 
-    entry_point = _resolve("option.entryPoint", settings["option.entryPoint"], text)
+    entry_point = resolve("option.entryPoint", settings["option.entryPoint"], text)
     # Validated: the model keys, and the options that the frontend or a handler of this entry point reads
     # (a custom handler's keys are its own business, even when the schema knows the name).
-    parsers = {key: parser for key, (parser, _) in _MODEL_KEYS.items()}
+    parsers = {key: spec.parser for key, spec in MODEL_KEYS.items()}
     num_devices = num_devices or os.cpu_count() or 1
     parsers.update({key: _option_parser(key, spec, num_devices) for key, spec in _OPTION_SPECS.items()
                     if reads(spec, handlers_of(entry_point))})
-    values: dict[str, Any] = {key: _resolve(key, setting, parsers[key]) if key in parsers else setting.value
+    values: dict[str, Any] = {key: resolve(key, setting, parsers[key]) if key in parsers else setting.value
                               for key, setting in settings.items()}
     layout_reason = _resolve_auto_workers(values, model_dir)
     if values["minWorkers"] > values["maxWorkers"]:
         max_setting = settings["maxWorkers"]
-        raise _fail("minWorkers", settings["minWorkers"],
+        raise fail("minWorkers", settings["minWorkers"],
                     f"must be <= maxWorkers ({max_setting.value}, from {max_setting.source})")
     max_model_len = values.get("option.max_model_len")
     rolling_batch, rolling_reason = _choose_rolling_batch(
@@ -376,8 +295,8 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
     runs = handlers_of(entry_point, rolling_batch != "disable")
     for key, spec in _OPTION_SPECS.items():
         if key not in settings and spec.default is not None and reads(spec, runs):
-            settings[key] = _Setting(spec.default, "default", "default")
-            values[key] = _resolve(key, settings[key], spec.parser)
+            settings[key] = Setting(spec.default, "default", "default")
+            values[key] = resolve(key, settings[key], spec.parser)
 
     return ModelConfig(
         name=name,
@@ -409,7 +328,7 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
         options=MappingProxyType({key[len("option."):]: render(value)
                                   for key, value in sorted(values.items()) if key.startswith("option.")}),
         extra=MappingProxyType({key: render(value) for key, value in values.items()
-                                if key in _MODEL_KEYS and key not in _TYPED_MODEL_KEYS}),
+                                if key in MODEL_KEYS and key not in _TYPED_MODEL_KEYS}),
         sources=MappingProxyType({key: setting.source for key, setting in settings.items()}),
         warnings=_unknown_option_warnings(settings),
         layout_reason=layout_reason,
@@ -441,7 +360,7 @@ def weights_folder(model_dir: Path, model_id: str | None) -> Path:
     return relative if relative.exists() else Path(model_id)
 
 
-def _choose_rolling_batch(requested: str, setting: _Setting, entry_point: str, model_dir: Path,
+def _choose_rolling_batch(requested: str, setting: Setting, entry_point: str, model_dir: Path,
                           model_id: str | None, max_model_len: int | None) -> tuple[str, str]:
     """``(effective, reason)`` for ``option.rolling_batch``: ``scheduler`` or ``disable``.
 
@@ -478,7 +397,7 @@ def _choose_rolling_batch(requested: str, setting: _Setting, entry_point: str, m
     if requested == "auto" and entry_point != "rolling":
         return "disable", (f"{asked}: dynamic batching (HF generate); the rolling engine cannot serve this "
                            f"model: {reason}")
-    raise _fail("option.rolling_batch", setting,
+    raise fail("option.rolling_batch", setting,
                 f"the rolling engine cannot serve this model: {reason}; set option.rolling_batch=auto (falls back "
                 "to dynamic batching) or disable")
 
@@ -494,7 +413,8 @@ def describe_model_config(cfg: ModelConfig) -> str:
     mine = [key for key in options if key in _OPTION_SPECS and _OPTION_SPECS[key].readers & runs]
     theirs = [key for key in options if key not in _OPTION_SPECS]
     general = [key for key in options if key not in mine and key not in theirs]
-    sections = [(f"model {cfg.name}  ({cfg.model_dir})", [key for key in _MODEL_KEYS if key in cfg.sources] + general)]
+    sections = [(f"model {cfg.name}  ({cfg.model_dir})",
+                 [key for key in MODEL_KEYS if key in cfg.sources] + general)]
     sections.append((f"options of {' and '.join(_HANDLER_TITLES[reader] for reader in sorted(runs))}", mine))
     sections.append(("other options (not read by rollserve: passed to the handler as set)", theirs))
 
@@ -516,211 +436,3 @@ def describe_model_config(cfg: ModelConfig) -> str:
         lines.append(f"effective workers = {cfg.min_workers}-{cfg.max_workers}  ({cfg.layout_reason})")
     lines += [f"warning: {warning}" for warning in cfg.warnings]
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------------
-# Server configuration (config.properties)
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServerConfig:
-    """Process-wide settings. Addresses are validated at load; ``grpc_address`` is "" when gRPC is off.
-    ``sagemaker_port`` (from ``SAGEMAKER_BIND_TO_PORT``) is for the composition root to honour."""
-
-    inference_address: str = "http://127.0.0.1:8080"
-    management_address: str = "http://127.0.0.1:8081"
-    grpc_address: str = "127.0.0.1:8001"
-    metrics_address: str | None = None
-    model_store: Path = Path("model_store")
-    load_models: tuple[str, ...] = ("ALL",)
-    job_queue_size: int = 1000
-    max_request_size: int = 64 * 1024 * 1024
-    drain_timeout_s: float = 30.0
-    sagemaker_port: int | None = None
-    log_format: str = "text"
-    max_queue_time_s: float = 60.0
-    ping_requires: str = "all"  # readiness: every load_models model READY, any model READY, or none (liveness)
-    # Security: token authorization (TorchServe-style), the model API switch, browser/DNS-rebinding guards.
-    disable_token_authorization: bool = False
-    inference_auth: str = "auto"  # auto: required when the inference address is not loopback
-    key_file: Path | None = None  # None: key_file.json in the working directory, removed at shutdown
-    # where remote and GGUF models are cached as local folders (serving.sources); None: ~/.cache/rollserve/models
-    model_cache_dir: Path | None = None
-    management_token: str | None = field(default=None, repr=False)
-    inference_token: str | None = field(default=None, repr=False)
-    enable_model_api: bool = False
-    management_allowed_hosts: tuple[str, ...] = ()
-    management_allowed_origins: tuple[str, ...] = ()
-    # Caps on what one request or one client may ask for (amplification).
-    max_stop_sequences: int = 16
-    max_stop_length: int = 256
-    max_stop_token_ids: int = 64
-    max_sequences_per_request: int = 64
-    max_models: int = 32
-    max_workers_per_model: int = 16
-    grpc_max_concurrent_rpcs: int = 1000
-    grpc_max_stream_requests: int = 64
-    sources: Mapping[str, str] = field(default_factory=_empty_mapping)
-
-    def inference_host_port(self) -> tuple[str, int]:
-        """``(host, port)`` of the inference listener; port 0 means an ephemeral port."""
-        return _http_host_port(self.inference_address)
-
-    def management_host_port(self) -> tuple[str, int] | None:
-        """``(host, port)`` of the management listener, or None when ``management_address=off``."""
-        return _http_host_port(self.management_address) if self.management_address else None
-
-    @property
-    def management_enabled(self) -> bool:
-        """False when ``management_address=off``: no management listener and no gRPC management RPCs."""
-        return bool(self.management_address)
-
-    def inference_auth_required(self) -> bool:
-        """Inference needs its token: ``inference_auth=true``, or ``auto`` on a non-loopback address."""
-        if self.disable_token_authorization or self.inference_auth == "false":
-            return False
-        if self.inference_auth == "true":
-            return True
-        return not is_loopback(self.inference_host_port()[0])
-
-    def metrics_host_port(self) -> tuple[str, int] | None:
-        """``(host, port)`` of a separate metrics listener, or None to serve metrics elsewhere."""
-        return _http_host_port(self.metrics_address) if self.metrics_address else None
-
-    def grpc_host_port(self) -> tuple[str, int] | None:
-        """``(host, port)`` of the gRPC listener, or None when gRPC is disabled."""
-        return split_host_port(self.grpc_address) if self.grpc_address else None
-
-
-def _http_host_port(address: str) -> tuple[str, int]:
-    return split_host_port(address.partition("://")[2].rstrip("/"))
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP literals (127.0.0.0/8, ::1)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _management_address(value: str) -> str:
-    return "" if value.lower() == "off" else http_address(value)
-
-
-def _token(var: str, value: str) -> str:
-    """A token from the environment: 8-256 printable ASCII characters without spaces (never echoed)."""
-    if not 8 <= len(value) <= 256 or not value.isascii() or not value.isprintable() or " " in value:
-        raise ConfigError(f"env {var}: expected 8 to 256 printable ASCII characters without spaces "
-                          "(the value is not shown)")
-    return value
-
-
-_SERVER_KEYS: dict[str, tuple[Parser, str | None]] = {
-    "inference_address": (http_address, "http://127.0.0.1:8080"),
-    "management_address": (_management_address, "http://127.0.0.1:8081"),
-    "grpc_address": (grpc_address, "127.0.0.1:8001"),
-    "metrics_address": (lambda value: http_address(value) if value else "", None),
-    "model_store": (text, "model_store"),
-    "load_models": (load_models, "ALL"),
-    "job_queue_size": (integer(1), "1000"),
-    "max_request_size": (integer(1), str(64 * 1024 * 1024)),
-    "drain_timeout": (number(0), "30"),
-    "log_format": (choice(("text", "json")), "text"),
-    "max_queue_time": (number(0, exclusive=True), "60"),
-    "ping_requires": (choice(("all", "any", "none")), "all"),
-    "disable_token_authorization": (boolean, "false"),
-    "inference_auth": (choice(("auto", "true", "false")), "auto"),
-    "key_file": (text, None),
-    "model_cache_dir": (text, None),
-    "enable_model_api": (boolean, "false"),
-    "management_allowed_hosts": (names, ""),
-    "management_allowed_origins": (names, ""),
-    "max_stop_sequences": (integer(0, 1024), "16"),
-    "max_stop_length": (integer(1, 65536), "256"),
-    "max_stop_token_ids": (integer(0, 4096), "64"),
-    "max_sequences_per_request": (integer(1, 4096), "64"),
-    "max_models": (integer(1), "32"),
-    "max_workers_per_model": (integer(1, 1024), "16"),
-    "grpc_max_concurrent_rpcs": (integer(1), "1000"),
-    "grpc_max_stream_requests": (integer(1), "64"),
-}
-_KNOWN_SERVER_KEYS = {_norm(key): key for key in _SERVER_KEYS}
-
-
-def _server_env(env: Mapping[str, str]) -> dict[str, _Setting]:
-    settings: dict[str, _Setting] = {}
-    if "SAGEMAKER_MAX_PAYLOAD_IN_MB" in env:
-        setting = _env_setting("SAGEMAKER_MAX_PAYLOAD_IN_MB", env["SAGEMAKER_MAX_PAYLOAD_IN_MB"])
-        megabytes = _resolve("max_request_size", setting, integer(1))
-        settings["max_request_size"] = _Setting(str(megabytes * 1024 * 1024), setting.source, setting.where)
-    if "SAGEMAKER_MAX_REQUEST_SIZE" in env:
-        var = "SAGEMAKER_MAX_REQUEST_SIZE"
-        settings["max_request_size"] = _env_setting(var, env[var])
-    for var in sorted(env):
-        if var.startswith("SERVING_"):
-            key = _KNOWN_SERVER_KEYS.get(_norm(var[len("SERVING_"):]))
-            if key is not None:
-                settings[key] = _env_setting(var, env[var])
-    return settings
-
-
-def load_server_config(path: Path | None, *, env: Mapping[str, str] = _EMPTY,
-                       overrides: Mapping[str, str] = _EMPTY) -> ServerConfig:
-    """Read ``config.properties`` at ``path`` (None: defaults only) and apply env and overrides.
-
-    A relative ``model_store`` is kept as given (relative to the working directory). Raises ``ConfigError``
-    for an unreadable file, an unknown key or a bad value.
-    """
-    raw = _read_file(Path(path)) if path is not None else []
-    override_raw = _override_settings(overrides)
-    defaults = {key: _Setting(default, "default", "default")
-                for key, (_, default) in _SERVER_KEYS.items() if default is not None}
-    settings = {**defaults,
-                **_canonical_keys(raw, _KNOWN_SERVER_KEYS, allow_options=False),
-                **_server_env(env),
-                **_canonical_keys(override_raw, _KNOWN_SERVER_KEYS, allow_options=False)}
-    values = {key: _resolve(key, setting, _SERVER_KEYS[key][0]) for key, setting in settings.items()}
-    sources = {key: setting.source for key, setting in settings.items()}
-
-    sagemaker_port = None
-    if "SAGEMAKER_BIND_TO_PORT" in env:
-        setting = _env_setting("SAGEMAKER_BIND_TO_PORT", env["SAGEMAKER_BIND_TO_PORT"])
-        sagemaker_port = _resolve("sagemaker_port", setting, integer(1, 65535))
-        sources["sagemaker_port"] = setting.source
-
-    management_token = _token("SERVING_MANAGEMENT_TOKEN", env["SERVING_MANAGEMENT_TOKEN"]) \
-        if env.get("SERVING_MANAGEMENT_TOKEN") else None
-    inference_token = _token("SERVING_INFERENCE_TOKEN", env["SERVING_INFERENCE_TOKEN"]) \
-        if env.get("SERVING_INFERENCE_TOKEN") else None
-    return ServerConfig(
-        management_token=management_token,
-        inference_token=inference_token,
-        inference_address=values["inference_address"],
-        management_address=values["management_address"],
-        grpc_address=values["grpc_address"],
-        metrics_address=values.get("metrics_address") or None,
-        model_store=Path(values["model_store"]),
-        load_models=values["load_models"],
-        job_queue_size=values["job_queue_size"],
-        max_request_size=values["max_request_size"],
-        drain_timeout_s=values["drain_timeout"],
-        sagemaker_port=sagemaker_port,
-        log_format=values["log_format"],
-        max_queue_time_s=values["max_queue_time"],
-        ping_requires=values["ping_requires"],
-        disable_token_authorization=values["disable_token_authorization"],
-        inference_auth=values["inference_auth"],
-        key_file=Path(values["key_file"]) if values.get("key_file") else None,
-        model_cache_dir=Path(values["model_cache_dir"]) if values.get("model_cache_dir") else None,
-        enable_model_api=values["enable_model_api"],
-        management_allowed_hosts=values["management_allowed_hosts"],
-        management_allowed_origins=values["management_allowed_origins"],
-        **{key: values[key] for key in _CAP_KEYS},
-        sources=MappingProxyType(sources),
-    )
-
-
-_CAP_KEYS = ("max_stop_sequences", "max_stop_length", "max_stop_token_ids", "max_sequences_per_request",
-             "max_models", "max_workers_per_model", "grpc_max_concurrent_rpcs", "grpc_max_stream_requests")

@@ -84,23 +84,35 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     # Read by the frontend for every model (and by the handlers named).
     _spec("entryPoint", text, None, (SERVING,), "the handler; default model.py if present, else huggingface"),
     _spec("model_id", text, None, (SERVING, *_BOTH),
-          "where the weights are: another local folder, a .gguf file, s3://bucket/prefix or a hub id org/name[@rev]"),
+          "where the weights are: another local folder; a .gguf file or a folder of them (gguf_file picks one); "
+          "s3://bucket/prefix (boto3's credential chain, AWS_ENDPOINT_URL); a hub id org/name[@rev] (HF_ENDPOINT, "
+          "HF_TOKEN). Anything but a local folder is fetched (GGUF: dequantized to fp32 safetensors) once, before "
+          "the workers start, into model_cache_dir, and reused"),
     _spec("gguf_file", text, None, (SERVING,), "which .gguf file of option.model_id's folder to load"),
-    _spec("dtype", choice(DTYPES, DTYPE_ALIASES), "fp32", (SERVING, *_BOTH), "weights and KV cache dtype"),
+    _spec("dtype", choice(DTYPES, DTYPE_ALIASES), "fp32", (SERVING, *_BOTH),
+          "weights and KV cache dtype: fp32, fp16, bf16, or auto = the checkpoint's config.json dtype (fp32 when "
+          "absent; fp16 runs as fp32 on a CPU, whose fp16 matmuls are slow). GPU workers: unset or auto is the "
+          "checkpoint's bf16/fp16 (bf16 for an fp32 checkpoint)"),
     _spec("quantize", choice(("none", "int8", "int4")), "none", (SERVING, *_BOTH),
-          "weight-only int8 (per output channel) or int4 (per group) linear layers, CPU workers, fp32 models"),
+          "weight-only int8 (a scale per output channel) or int4 (a scale and minimum per group of "
+          "quantize_group_size inputs, llama.cpp's Q4_1 form) linear layers through a C kernel built on first use; "
+          "activations stay fp32, so a request's tokens do not depend on its batch-mates. fp32 CPU workers, no "
+          "tensor parallelism; prepacking and fused projections are off with it"),
     _spec("quantize_group_size", integer(8), "32", (SERVING, *_BOTH), "inputs per int4 scale and minimum"),
     _spec("trust_remote_code", boolean, "false", (SERVING, *_BOTH), "run the model folder's own code"),
     _spec("predict_timeout", number(0, exclusive=True), "120", (SERVING,), "seconds one request may take"),
     _spec("model_loading_timeout", number(0, exclusive=True), "600", (SERVING,), "seconds a worker may load"),
     _spec("liveness_timeout", number(0, exclusive=True), "60", (SERVING,),
-          "rolling: seconds a worker with work pending may go without a step"),
-    _spec("rolling_batch", rolling_batch, "disable", (SERVING,), "auto, scheduler or disable"),
+          "rolling: seconds a worker with work pending may go without a step before it is restarted"),
+    _spec("rolling_batch", rolling_batch, "disable", (SERVING,),
+          "auto: the rolling engine when it serves the architecture exactly, else dynamic batching (the reason in "
+          "GET /models/{name}); scheduler (DJL's lmi-dist and vllm name it too): the engine or FAILED; disable"),
     _spec("max_rolling_batch_size", integer(1), "32", (SERVING, ENGINE), "sequences running at once per worker"),
     _spec("max_rolling_batch_prefill_tokens", integer(1), "2048", (SERVING, ENGINE),
-          "token budget of one engine step"),
+          "token budget of one engine step (longer prompts are prefilled in chunks)"),
     _spec("tensor_parallel_degree", integer(1), "1", (SERVING, ENGINE),
-          "ranks per worker (serving.properties also takes max)"),
+          "rolling engine: ranks per worker over torch.distributed (gloo on CPU, nccl on GPU); max = the "
+          "visible GPUs"),
     _spec("strict_parameters", boolean, "false", (SERVING,),
           "true: unknown request parameters are a 400 (default: ignored, named in X-Ignored-Parameters)"),
     _spec("output_formatter", any_text, None, (SERVING,),
@@ -113,24 +125,40 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("handler", any_text, None, (LOADER,), "the handler class of a custom entry point's module"),
     # The rolling engine (handlers.engine.config.EngineConfig) and the dynamic huggingface handler.
     _spec("max_prefill_tokens_while_decoding", integer(0), "256", (ENGINE,),
-          "prefill tokens of a step while sequences decode; 0 = the whole budget"),
+          "while sequences decode, prefill chunks take at most this many tokens of a step (a long prefill step "
+          "stalls every running stream); 0 = up to the whole budget"),
     _spec("max_mixed_step_ratio", number(0), "4", (ENGINE,),
           "while sequences decode, a step that also prefills lasts at most this many decode-only steps (by the "
-          "step costs the engine measures); 0 = the token cap alone"),
+          "step costs the engine fits: fixed + per decode row + per prompt token); 0 = the token cap alone. Off "
+          "on GPUs"),
     _spec("block_size", integer(1), "16", (ENGINE,), "tokens per KV-cache block"),
     _spec("kv_cache_memory_mb", integer(0, auto=True), "auto", (ENGINE,),
-          "KV cache per worker in MiB; auto or 0: kv_cache_memory_fraction of the memory left"),
+          "KV cache of a worker (all its ranks) in MiB; auto or 0: kv_cache_memory_fraction of the memory left "
+          "after weights, prepacked copies and activations, capped at what max_rolling_batch_size sequences of "
+          "max_model_len need"),
     _spec("kv_cache_memory_fraction", number(0, 1, exclusive=True), "0.9", (ENGINE,),
           "share of the memory left after weights that auto gives the KV cache"),
     _spec("num_kv_blocks", integer(0), "0", (ENGINE,), "KV blocks outright; 0 = sized by memory"),
     _spec("kv_cache_populate", choice(("eager", "lazy")), "eager", (ENGINE,),
-          "KV memory: eager = every page touched at load, lazy = pages fault in on first use (fast start)"),
+          "eager: every page of the KV cache touched at load (memory committed up front); lazy: zeroed anonymous "
+          "memory paid for page by page when first used (a faster start; steps fault pages in until the cache has "
+          "been used once, and the RSS grows with use up to the planned size)"),
     _spec("enable_prefix_caching", boolean, "true", (ENGINE,), "share KV blocks of identical prefixes"),
-    _spec("num_threads", integer(1, auto=True), "auto", _BOTH, "torch threads per worker (rank)"),
-    _spec("max_model_len", integer(0), None, _BOTH, "tokens per sequence; absent or 0: the model's"),
+    _spec("num_threads", integer(1, auto=True), "auto", _BOTH,
+          "torch threads per worker (each rank); auto: the cores of the worker's CPU affinity mask divided by "
+          "maxWorkers x tensor_parallel_degree x the models loaded at start (more OpenMP threads than cores spin "
+          "against each other)"),
+    _spec("max_model_len", integer(0), None, _BOTH,
+          "prompt + generated tokens per sequence; absent or 0: the model's max_position_embeddings (capped there "
+          "for learned positions, allowed with a warning above it for rotary ones)"),
     _spec("prepack_weights", choice(PREPACK_MODES, {w: str(v).lower() for w, v in BOOL_WORDS.items()}), "auto",
-          (ENGINE,), "oneDNN-packed linear weights: auto, hybrid, true, false"),
-    _spec("attention_kernel", choice(("native", "torch")), "native", (ENGINE,), "decode attention kernel"),
+          (ENGINE,), "oneDNN-packed linear weights: auto = packed on AVX-512 CPUs, hybrid elsewhere (packed for "
+          "inputs of 2 to 128 rows and the prefill row counts built at load, plain beyond; a second copy of the "
+          "weights); true; false. Packed layers run on a fixed set of row counts whose kernels are built at load, "
+          "so a worker's memory does not grow with traffic"),
+    _spec("attention_kernel", choice(("native", "torch")), "native", (ENGINE,),
+          "decode attention: native = rollserve's C kernel (built on first use with the system C compiler, cached; "
+          "PyTorch's path without a compiler), torch = PyTorch SDPA per sequence"),
     _spec("gpu_memory_utilization", number(0, 1, exclusive=True), "0.9", (ENGINE,),
           "GPU workers: share of the device's memory the worker may fill (weights, activations, KV cache)"),
     _spec("enforce_eager", boolean, "false", (ENGINE,), "GPU workers: no CUDA graphs for decode steps"),
@@ -138,7 +166,10 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("allow_unsafe_weights", boolean, "false", _BOTH, "load pickled (.bin) weights"),
     _spec("seed", integer(0), "0", (ENGINE,), "the engine's sampling seed"),
     _spec("speculative_draft", choice(("none", "ngram")), "none", (ENGINE,),
-          "speculative decoding of greedy requests: ngram = prompt lookup (guesses from the sequence's own text)"),
+          "speculative decoding of greedy requests without logprobs: ngram = prompt lookup (guessed tokens taken "
+          "from what followed an earlier occurrence of the sequence's last n-gram, checked by the model in the "
+          "same step; the output stays greedy decoding's). A sequence whose guesses miss pauses 1, 2, 4 .. 16 "
+          "steps"),
     _spec("num_speculative_tokens", integer(1, 16), "4", (ENGINE,), "guesses checked per sequence and step"),
     _spec("prompt_lookup_min", integer(1, 16), "1", (ENGINE,), "shortest n-gram the ngram drafter matches"),
     _spec("prompt_lookup_max", integer(1, 16), "3", (ENGINE,), "longest n-gram the ngram drafter matches"),

@@ -22,11 +22,12 @@ from typing import Any
 
 from serving import knobs
 from serving.batching.ports import BatchObserver
-from serving.config import ModelConfig, ServerConfig, load_model_config, validate_model_name
+from serving.config import ModelConfig, load_model_config, validate_model_name
 from serving.devices import DevicePlan, plan_devices, visible_devices
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
 from serving.errors import ConfigError, Forbidden, InvalidRequest, ModelNotFound, Overloaded
 from serving.live_requests import LiveRequests
+from serving.server_config import ServerConfig
 from serving.sources.cache import default_root
 from serving.sources.errors import SourceError
 from serving.sources.resolve import needs_resolving, resolve

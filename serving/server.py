@@ -31,7 +31,6 @@ from prometheus_client import CollectorRegistry
 from starlette.routing import Route
 
 from serving.auth import Scope, build_authority
-from serving.config import ServerConfig
 from serving.frontends import openapi, tgi
 from serving.frontends.apps import ModelReads, build_app
 from serving.frontends.grpc import GrpcFrontend
@@ -45,6 +44,7 @@ from serving.heap import trim_periodically
 from serving.metrics import ServingMetrics
 from serving.params import Limits
 from serving.registry import ModelRegistry
+from serving.server_config import ServerConfig
 
 log = logging.getLogger("serving.server")
 KEEP_ALIVE_S = 75  # idle keep-alive connections are closed after this (see _serve_http)

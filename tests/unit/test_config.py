@@ -12,13 +12,12 @@ from serving.config import (
     BatchingConfig,
     ModelConfig,
     ParallelConfig,
-    ServerConfig,
     describe_model_config,
     load_model_config,
-    load_server_config,
     validate_model_name,
 )
 from serving.errors import ConfigError
+from serving.server_config import ServerConfig, load_server_config
 
 
 def make_model(tmp_path: Path, properties: str | None = None, *, name: str = "m",

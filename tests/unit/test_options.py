@@ -13,9 +13,10 @@ import pytest
 
 from handlers.base import option_bool
 from handlers.engine.config import EngineConfig
-from serving.config import describe_model_config, load_model_config, load_server_config, model_config_keys
+from serving.config import describe_model_config, load_model_config, model_config_keys
 from serving.errors import ConfigError
 from serving.options import ENGINE, OPTIONS, suggest
+from serving.server_config import load_server_config
 from serving.values import BOOL_WORDS, FALSE_WORDS, TRUE_WORDS, boolean, choice, integer, number, render
 from tests.option_reads import Recording
 

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from serving.auth import Scope, TokenAuthority, bearer_token, build_authority, new_key, read_key_file
-from serving.config import ServerConfig, load_server_config
 from serving.errors import ConfigError, InvalidRequest
 from serving.frontends.grpc_auth import scope_of
 from serving.frontends.http_guard import ApiGuard, host_allowed
 from serving.params import Limits, build_sampling_params, check_wire_value
 from serving.redact import scrub_paths
+from serving.server_config import ServerConfig, load_server_config
 
 MANAGEMENT = "m" * 12
 INFERENCE = "i" * 12

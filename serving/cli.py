@@ -80,8 +80,9 @@ def memory_plan(cfg: ModelConfig) -> str:
     """The rolling engine's memory plan for a rolling-batch model whose folder has a ``config.json`` (the
     preflight the worker runs before loading), or "" when none applies. Raises ``ConfigError`` (its
     ``InsufficientMemory`` when the model cannot fit)."""
+    from handlers.engine.checkpoint import weights_dir
     from handlers.engine.config import EngineConfig
-    from handlers.engine.memory import preflight, weights_dir
+    from handlers.engine.memory import preflight
 
     source = weights_dir(cfg.model_dir, cfg.model_id)
     if not cfg.batching.rolling or not (source / "config.json").is_file():

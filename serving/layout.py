@@ -38,7 +38,7 @@ def server_cores() -> int:
 def checkpoint_parameters(weights: Path) -> int | None:
     """Parameters of the folder's safetensors checkpoint, read from the headers (None: no readable checkpoint,
     e.g. a model the worker downloads or converts at load)."""
-    from handlers.engine.memory import checkpoint_tensors  # torch-free: reads the safetensors headers
+    from handlers.engine.checkpoint import checkpoint_tensors  # torch-free: reads the safetensors headers
 
     try:
         tensors = checkpoint_tensors(weights)

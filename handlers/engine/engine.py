@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from handlers.engine.checkpoint import weights_dir
 from handlers.engine.config import EngineConfig
 from handlers.engine.detokenizer import IncrementalDetokenizer
 from handlers.engine.device import device_budget, device_defaults, engine_device
@@ -29,15 +30,9 @@ from handlers.engine.families import (
     needs_self_check,
 )
 from handlers.engine.grammar import GrammarCompiler, masks
+from handlers.engine.host_memory import MemoryBudget, memory_budget
 from handlers.engine.loading import load_model_and_tokenizer
-from handlers.engine.memory import (
-    MemoryBudget,
-    MemoryPlan,
-    memory_budget,
-    plan_loaded_model,
-    preflight,
-    weights_dir,
-)
+from handlers.engine.memory import MemoryPlan, plan_loaded_model, preflight
 from handlers.engine.paged_attention import KVPool
 from handlers.engine.parallel import TensorParallelGroup, shard_model, start_group
 from handlers.engine.quantize import check_layout, quantize_model

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from handlers.engine.adapters import adapt_model
+from handlers.engine.checkpoint import read_model_config, weights_dir
 from handlers.engine.config import EngineConfig
 from handlers.engine.cpu import auto_threads, keep_freed_memory
 from handlers.engine.device import serving_dtype
-from handlers.engine.memory import read_model_config, weights_dir
 
 TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}

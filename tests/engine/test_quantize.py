@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from handlers.base import Context, Input
+from handlers.engine.checkpoint import WeightFigures, quantized_weights
 from handlers.engine.config import EngineConfig
 from handlers.engine.engine import LLMEngine
-from handlers.engine.memory import WeightFigures, quantized_weights
 from handlers.engine.quantize import QuantizedLinear, quantize_linears
 from handlers.huggingface import HuggingFaceHandler
 from serving.errors import ConfigError

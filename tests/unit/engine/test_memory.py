@@ -19,25 +19,22 @@ from pathlib import Path
 
 import pytest
 
-from handlers.engine import memory
-from handlers.engine.config import EngineConfig
-from handlers.engine.cpu import has_fast_bf16
-from handlers.engine.memory import (
-    InsufficientMemory,
-    MemoryBudget,
+from handlers.engine import checkpoint
+from handlers.engine.checkpoint import (
     TensorInfo,
     WeightFigures,
     checkpoint_tensors,
     kv_bytes_per_token,
-    memory_budget,
     model_geometry,
-    plan_memory,
-    preflight,
     read_safetensors_header,
     resolve_dtype,
     resolve_max_model_len,
     weight_figures,
 )
+from handlers.engine.config import EngineConfig
+from handlers.engine.cpu import has_fast_bf16
+from handlers.engine.host_memory import MemoryBudget, memory_budget
+from handlers.engine.memory import InsufficientMemory, MemoryPlan, plan_memory, preflight
 from handlers.synthetic_model import build_model
 from serving.errors import ConfigError
 
@@ -76,7 +73,7 @@ def no_cgroup(tmp_path: Path) -> dict[str, Path]:
     return {"cgroup_root": tmp_path / "no-cgroup", "self_cgroup": tmp_path / "no-self-cgroup"}
 
 
-def fake_preflight(tmp_path: Path, kib: int) -> partial[memory.MemoryPlan]:
+def fake_preflight(tmp_path: Path, kib: int) -> partial[MemoryPlan]:
     """``preflight`` on a fake /proc/meminfo with ``kib`` KiB available and no cgroup limit."""
     return partial(preflight, meminfo=meminfo(tmp_path, kib), cgroup_root=tmp_path / "no-cgroup",
                    self_cgroup=tmp_path / "no-self-cgroup")
@@ -149,7 +146,7 @@ def test_gpt2_prepacks_only_its_tied_output_projection(gpt2: Path) -> None:
 @pytest.mark.parametrize(("mode", "dtype", "expected"), [
     ("hybrid", "fp32", LINEAR), ("true", "fp32", 0), ("false", "fp32", 0), ("hybrid", "bf16", 0)])
 def test_prepacked_copies(mode: str, dtype: str, expected: int) -> None:
-    assert memory.prepacked_copy_bytes(LINEAR, mode, dtype) == expected
+    assert checkpoint.prepacked_copy_bytes(LINEAR, mode, dtype) == expected
 
 
 # ------------------------------------------------------------------------------------------ geometry
@@ -225,7 +222,7 @@ def test_cgroup_v1_fallback(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- plan
-def tiny_plan(llama: Path, budget: int, **options: object) -> memory.MemoryPlan:
+def tiny_plan(llama: Path, budget: int, **options: object) -> MemoryPlan:
     config = json.loads((llama / "config.json").read_text())
     figures = weight_figures(checkpoint_tensors(llama), config, "fp32")
     cfg = EngineConfig(**{"max_num_batched_tokens": 64, **options})  # type: ignore[arg-type]

@@ -23,8 +23,9 @@ from pydantic import Field
 
 from serving import structured
 from serving.errors import InvalidRequest
-from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, Only, RequestSchema, StrictModel, kind_of, type_error
+from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, Only, StrictModel
 from serving.types import SamplingParams
+from serving.validation import RequestSchema, kind_of, type_error
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k: what every tokenizer and the wire can carry
 MAX_SEED = 2**63 - 1

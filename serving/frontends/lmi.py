@@ -41,8 +41,8 @@ from serving.frontends.prompts import ModelTexts, off_loop
 from serving.frontends.schemas import LMI
 from serving.frontends.tgi import whole_answer as tgi_answer
 from serving.params import check_best_of, check_wire_value, lmi_sampling_params, parse_lmi_parameters
-from serving.schema import kind_of, type_error
 from serving.types import GenerationRequest, GenerationResult, SamplingParams, TokenInfo
+from serving.validation import kind_of, type_error
 
 TEXT_ENTRY_POINTS = ("huggingface", "rolling")
 SAGEMAKER_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"

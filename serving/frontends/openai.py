@@ -42,8 +42,8 @@ from serving.frontends.httpio import (
 from serving.frontends.openai_schema import Choice, ParsedRequest, parse_chat, parse_completion
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.frontends.tools import ToolStream, fold
-from serving.schema import type_error
 from serving.types import FinishReason, GenerationResult, TokenDelta, TokenInfo
+from serving.validation import type_error
 
 
 def routes(ctx: HttpContext) -> list[Route]:

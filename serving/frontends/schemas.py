@@ -34,7 +34,8 @@ from serving.params import (
     TopK,
     TopP,
 )
-from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, Only, RequestSchema, StrictModel
+from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, Only, StrictModel
+from serving.validation import RequestSchema
 
 MAX_PROMPTS = 256  # entries of a list of prompts (/v1/completions)
 MAX_MESSAGES = 4096

@@ -132,7 +132,7 @@ class HFHandlerRunner:
     def run_batch(self, batch: list[tuple[BenchRequest, Rec]]) -> list[int]:
         """Run one batch through ``handle``; fills the records; returns padded-KV stats per step."""
         from handlers.base import Input
-        from serving.types import SamplingParams
+        from rollcore.types import SamplingParams
 
         inputs = [Input(f"r{r.index}", r.prompt, SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True),
                         prompt_token_ids=r.prompt_token_ids) for r, _ in batch]
@@ -199,7 +199,7 @@ class EngineRunner:
         return stored / (used * self.engine.config.block_size), used / alloc.num_blocks
 
     def run(self, w: Workload, arrivals: list[float]) -> RunResult:
-        from serving.types import SamplingParams
+        from rollcore.types import SamplingParams
 
         eng = self.engine
         t0 = time.perf_counter()

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from handlers.engine.config import EngineConfig  # noqa: E402
 from handlers.engine.engine import LLMEngine  # noqa: E402
 from handlers.synthetic_model import build_model, build_tokenizer  # noqa: E402
-from serving.types import SamplingParams  # noqa: E402
+from rollcore.types import SamplingParams  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 SMOKE = False  # --smoke: tiny models, few requests, on any device (a dry run of the script on CPU)

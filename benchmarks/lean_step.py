@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from handlers.engine.engine import LLMEngine
-    from serving.types import SamplingParams
+    from rollcore.types import SamplingParams
 
     torch.set_num_threads(args.threads)
     engine = LLMEngine.from_options(model_dir(args.model), engine_options(args.threads))

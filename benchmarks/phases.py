@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from handlers.engine.engine import LLMEngine
-from serving.types import SamplingParams
+from rollcore.types import SamplingParams
 
 OPTIONS = {"kv_cache_memory_mb": "3000", "num_threads": "1"}
 

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from handlers.engine.engine import LLMEngine
-    from serving.types import SamplingParams
+    from rollcore.types import SamplingParams
 
     torch.set_num_threads(args.threads)
     path = model_dir(args.model)

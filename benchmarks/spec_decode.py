@@ -35,7 +35,7 @@ from benchmarks.workload import build_workload  # noqa: E402
 
 def run(engine: Any, prompts: list[list[int]], tokens: int, ignore_eos: bool = True,
         ) -> tuple[float, dict[str, list[int]], int]:
-    from serving.types import SamplingParams
+    from rollcore.types import SamplingParams
 
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=ignore_eos)
     for i, p in enumerate(prompts):

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from serving.errors import ErrorKind
-from serving.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
-from serving.values import BOOL_WORDS
+from rollcore.errors import ErrorKind
+from rollcore.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
+from rollcore.values import BOOL_WORDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +88,7 @@ class Handler(abc.ABC):
 class RollingHandler(abc.ABC):
     """A continuous-batching handler, driven one step at a time by the worker's engine loop.
 
-    All methods run on the worker's main thread. ``add`` raises ``serving.errors.InvalidRequest`` for a
+    All methods run on the worker's main thread. ``add`` raises ``rollcore.errors.InvalidRequest`` for a
     request that can never run (e.g. prompt longer than the context); ``step`` runs one forward pass over
     every running sequence and returns the deltas it produced. ``live_options`` names the options that
     ``configure`` can change on the running handler (``PUT /models/{name}``); any other needs a reload.
@@ -140,7 +140,7 @@ class RollingHandler(abc.ABC):
 
 
 def option_bool(value: str | None, default: bool = False) -> bool:
-    """A boolean option of a custom handler, leniently: the schema's boolean words (``serving.values``:
+    """A boolean option of a custom handler, leniently: the schema's boolean words (``rollcore.values``:
     true/1/yes/on, false/0/no/off, any case); None (absent) or another word gives ``default``."""
     if value is None:
         return default

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from handlers.base import Context, Handler, Input, Output
-from serving.options import option_value
-from serving.types import FinishReason, TokenInfo
+from rollcore.options import option_value
+from rollcore.types import FinishReason, TokenInfo
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class EchoHandler(Handler):
         self.fail_on: str | None = None
 
     def initialize(self, ctx: Context) -> None:
-        self.delay_ms = option_value(ctx.properties, "echo_delay_ms")  # a number >= 0 (serving.options)
+        self.delay_ms = option_value(ctx.properties, "echo_delay_ms")  # a number >= 0 (rollcore.options)
         self.fail_on = option_value(ctx.properties, "echo_fail_on") or None
 
     def handle(self, inputs: Sequence[Input]) -> list[Output]:

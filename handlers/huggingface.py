@@ -28,14 +28,14 @@ from handlers.engine.grammar import GrammarCompiler, GrammarError, GrammarLogits
 from handlers.engine.quantize import quantize_linears
 from handlers.engine.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
 from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
-from serving.errors import InvalidRequest, ServingError
-from serving.options import option_value
-from serving.types import FinishReason, SamplingParams, TokenInfo
-from serving.values import AUTO
+from rollcore.errors import InvalidRequest, ServingError
+from rollcore.options import option_value
+from rollcore.types import FinishReason, SamplingParams, TokenInfo
+from rollcore.values import AUTO
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype | str] = {  # option.dtype's values (serving.options.DTYPES)
+DTYPES: dict[str, torch.dtype | str] = {  # option.dtype's values (rollcore.options.DTYPES)
     "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "auto": "auto",
 }
 

@@ -15,7 +15,7 @@ from typing import Any
 from handlers.base import Context, Input, RollingHandler
 from handlers.engine.engine import LLMEngine
 from handlers.validation import check_prompt_ids, check_sampling, check_token_ids
-from serving.types import TokenDelta
+from rollcore.types import TokenDelta
 
 
 class HuggingFaceRollingHandler(RollingHandler):

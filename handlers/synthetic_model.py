@@ -16,6 +16,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from rollcore.corpus import WORDS
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -23,14 +25,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_WORDS = (
-    "the a an of to and in is it that for on with as was by at be this from or have are not "
-    "model server request token batch rolling dynamic cache block sequence prefill decode worker "
-    "stream latency throughput queue memory attention layer weight vector matrix python torch "
-    "deep learning language generate answer question hello world data time fast slow small large "
-    "one two three four five six seven eight nine ten first last next step run stop start ready "
-    "über café naïve résumé 東京 数据 模型 😀 🚀 ✓ — … “quoted” ‘single’"
-).split()
+_WORDS = WORDS  # the test tokenizers are trained on the benchmark workloads' words
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "inter": 128, "vocab": 512},

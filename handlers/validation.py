@@ -1,6 +1,6 @@
 """Per-request checks a model handler makes before a request may join a batch.
 
-Design note: pure Python (no torch). Each check raises ``serving.errors.InvalidRequest`` with a message
+Design note: pure Python (no torch). Each check raises ``rollcore.errors.InvalidRequest`` with a message
 that names the field at fault and the numbers involved, so the handler can turn it into that item's
 failure Output while its batch-mates run. Frontends validate the wire format; these checks cover what
 only the backend knows (token counts, the context length, the vocabulary).
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from serving.errors import InvalidRequest
-from serving.types import SamplingParams
+from rollcore.errors import InvalidRequest
+from rollcore.types import SamplingParams
 
 
 def check_sampling(params: SamplingParams) -> None:

@@ -21,7 +21,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
 from serving.server_config import ServerConfig
 
 log = logging.getLogger("serving.auth")

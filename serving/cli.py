@@ -21,8 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from rollcore.errors import ConfigError
 from serving.config import ModelConfig, describe_model_config, load_model_config
-from serving.errors import ConfigError
 from serving.logs import setup_logging
 from serving.server_config import load_server_config
 
@@ -80,14 +80,11 @@ def memory_plan(cfg: ModelConfig) -> str:
     """The rolling engine's memory plan for a rolling-batch model whose folder has a ``config.json`` (the
     preflight the worker runs before loading), or "" when none applies. Raises ``ConfigError`` (its
     ``InsufficientMemory`` when the model cannot fit)."""
-    from handlers.engine.checkpoint import weights_dir
-    from handlers.engine.config import EngineConfig
-    from handlers.engine.memory import preflight
+    from handlers.preflight import memory_plan_text
 
-    source = weights_dir(cfg.model_dir, cfg.model_id)
-    if not cfg.batching.rolling or not (source / "config.json").is_file():
+    if not cfg.batching.rolling:
         return ""
-    return preflight(source, EngineConfig.from_options(cfg.handler_properties())).describe()
+    return memory_plan_text(cfg.model_dir, cfg.model_id, cfg.handler_properties())
 
 
 def cmd_start(args: argparse.Namespace) -> int:

@@ -25,8 +25,8 @@ Keys in files and overrides match known keys case-insensitively, ignoring ``_`` 
 key without the ``option.`` prefix is an error; unknown ``option.*`` keys pass through to the handler,
 with a warning (``ModelConfig.warnings``) when one looks like a typo of a known option
 (``unknown option.max_rolling_bach_size: did you mean option.max_rolling_batch_size?``). Values are
-stripped of surrounding whitespace and parsed by ``serving.values``; the ``option.*`` keys rollserve reads
-are defined once, in the option schema ``serving.options``, which the handlers parse with too.
+stripped of surrounding whitespace and parsed by ``rollcore.values``; the ``option.*`` keys rollserve reads
+are defined once, in the option schema ``rollcore.options``, which the handlers parse with too.
 
 ``option.rolling_batch`` is resolved here, once, to the batching the model gets (``BatchingConfig``:
 ``rolling_batch`` is the effective ``scheduler`` or ``disable``, with the requested value and the reason),
@@ -46,10 +46,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from serving.errors import ConfigError
-from serving.keys import MODEL_KEYS
-from serving.layout import auto_layout, checkpoint_parameters, server_cores
-from serving.options import (
+from rollcore.errors import ConfigError
+from rollcore.options import (
     LOADER,
     OPTIONS,
     ROLLING_ENGINE_ALIASES,
@@ -59,6 +57,16 @@ from serving.options import (
     reads,
     suggest,
 )
+from rollcore.values import (
+    AUTO,
+    Parser,
+    alternative,
+    model_name,
+    render,
+    text,
+)
+from serving.keys import MODEL_KEYS
+from serving.layout import auto_layout, checkpoint_parameters, server_cores
 from serving.server_config import ServerConfig
 from serving.settings import (
     EMPTY,
@@ -71,14 +79,6 @@ from serving.settings import (
     override_settings,
     read_file,
     resolve,
-)
-from serving.values import (
-    AUTO,
-    Parser,
-    alternative,
-    model_name,
-    render,
-    text,
 )
 
 MODEL_PROPERTIES = "serving.properties"
@@ -136,7 +136,7 @@ class ParallelConfig:
 class ModelConfig:
     """One model's effective configuration.
 
-    ``options`` holds every ``option.*`` key, prefix stripped: the keys of the schema (``serving.options``)
+    ``options`` holds every ``option.*`` key, prefix stripped: the keys of the schema (``rollcore.options``)
     that the frontend or the model's handler reads with their effective value, defaults included, and any
     other key as set. ``sources`` maps each full key to ``serving.properties:LINE``, ``env VAR``,
     ``default``, ``server config (<where the server's value came from>)``, ``override`` (registration
@@ -378,15 +378,14 @@ def _choose_rolling_batch(requested: str, setting: Setting, entry_point: str, mo
     if not (folder / "config.json").is_file():
         return "scheduler", (f"{asked}: rolling engine; no config.json in the model folder to check the "
                              "architecture before loading (the engine checks it when it loads)")
-    from handlers.engine.families import ADMITTED_BY_LIST, admission, load_config_dict, unsupported_reason  # torch-free
+    from handlers.preflight import engine_admission  # torch-free
 
-    config = load_config_dict(folder)
-    reason = unsupported_reason(config, max_model_len)
+    config, reason, verified = engine_admission(folder, max_model_len)
     if reason is None:
         archs = config.get("architectures")
         arch = str(archs[0]) if isinstance(archs, list) and archs else str(config.get("model_type"))
         named = f"{arch} (model_type={config.get('model_type')})"
-        if admission(config) == ADMITTED_BY_LIST:
+        if verified:
             return "scheduler", f"{asked}: rolling engine; {named} is supported"
         # Off the verified list: the worker's self-check decides at load, and a difference FAILS the model
         # (it is not switched to dynamic batching behind the user's back: docs/configuration.md, "Model families").
@@ -405,7 +404,7 @@ def _choose_rolling_batch(requested: str, setting: Setting, entry_point: str, mo
 def describe_model_config(cfg: ModelConfig) -> str:
     """A human-readable table, one ``key = value  (source)`` line per setting, for ``serving config``: the
     model keys and the options the frontend reads, the options of the handler the model runs (from the
-    schema, ``serving.options``, defaults included), the other options (the handler's own, as set), the
+    schema, ``rollcore.options``, defaults included), the other options (the handler's own, as set), the
     batching decision, and a ``warning:`` line per unknown option that looks like a typo of a known one."""
     props = cfg.handler_properties()
     runs = handlers_of(cfg.entry_point, cfg.batching.rolling)

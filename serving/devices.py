@@ -17,7 +17,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
 
 Runner = Callable[[list[str]], str]
 

@@ -22,6 +22,8 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
+from rollcore.errors import HandlerError, InvalidRequest, Unavailable
+from rollcore.types import GenerationRequest, ModelState
 from serving import knobs
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.ports import BatchObserver, Clock, NullObserver
@@ -29,11 +31,9 @@ from serving.batching.rolling import RollingBatcher
 from serving.batching.streams import ResultStream
 from serving.config import ModelConfig
 from serving.devices import DevicePlan
-from serving.errors import HandlerError, InvalidRequest, Unavailable
 from serving.ipc.messages import Init
 from serving.live_requests import LiveRequests
 from serving.redact import scrub_paths
-from serving.types import GenerationRequest, ModelState
 from serving.worker.pool import WorkerPool
 
 log = logging.getLogger(__name__)

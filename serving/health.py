@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from serving.types import ModelState
+from rollcore.types import ModelState
 
 PING_REQUIRES = ("all", "any", "none")
 

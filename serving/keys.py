@@ -1,5 +1,5 @@
 """The non-option keys: ``serving.properties``'s model keys and ``config.properties``'s server keys, each with
-its parser, default and meaning (the ``option.*`` keys are ``serving.options``). ``serving.config`` and
+its parser, default and meaning (the ``option.*`` keys are ``rollcore.options``). ``serving.config`` and
 ``serving.server_config`` read them; ``serving.reference`` renders them into docs/reference.md."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from serving.values import (
+from rollcore.values import (
     Parser,
     boolean,
     choice,

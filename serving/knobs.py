@@ -16,9 +16,9 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from rollcore.errors import InvalidRequest
+from rollcore.options import OPTIONS
 from serving.config import model_config_keys
-from serving.errors import InvalidRequest
-from serving.options import OPTIONS
 
 MAX_VALUE = 999_999_999  # 9 ASCII digits, as every integer of the management API
 API_SOURCE = "API"  # ModelConfig.sources value of a knob set by PUT /models/{name}

@@ -36,15 +36,10 @@ def server_cores() -> int:
 
 
 def checkpoint_parameters(weights: Path) -> int | None:
-    """Parameters of the folder's safetensors checkpoint, read from the headers (None: no readable checkpoint,
-    e.g. a model the worker downloads or converts at load)."""
-    from handlers.engine.checkpoint import checkpoint_tensors  # torch-free: reads the safetensors headers
+    """Parameters of the folder's safetensors checkpoint (None: no readable checkpoint)."""
+    from handlers.preflight import checkpoint_parameters as count  # torch-free: reads the safetensors headers
 
-    try:
-        tensors = checkpoint_tensors(weights)
-    except Exception:  # noqa: BLE001 -- an unreadable checkpoint fails at load with its own error
-        return None
-    return sum(t.numel for t in tensors) or None
+    return count(weights)
 
 
 def auto_layout(cores: int, parameters: int | None, tensor_parallel_degree: int = 1) -> Layout:

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from serving.errors import Conflict
+from rollcore.errors import Conflict
 
 
 def counter_ids(prefix: str | None = None) -> Callable[[], str]:

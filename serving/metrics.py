@@ -25,9 +25,9 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
+from rollcore.errors import ErrorKind
+from rollcore.types import ModelState
 from serving.batching.streams import ResultStream
-from serving.errors import ErrorKind
-from serving.types import ModelState
 
 log = logging.getLogger("serving.requests")
 

@@ -21,10 +21,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from rollcore.errors import InvalidRequest
+from rollcore.types import SamplingParams
 from serving import structured
-from serving.errors import InvalidRequest
 from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, Only, StrictModel
-from serving.types import SamplingParams
 from serving.validation import RequestSchema, kind_of, type_error
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k: what every tokenizer and the wire can carry

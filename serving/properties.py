@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import javaproperties
 
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 

@@ -20,18 +20,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rollcore.errors import ConfigError, Forbidden, InvalidRequest, ModelNotFound, Overloaded
+from rollcore.types import CORE_SHARERS_ENV
 from serving import knobs
 from serving.batching.ports import BatchObserver
 from serving.config import ModelConfig, load_model_config, validate_model_name
 from serving.devices import DevicePlan, plan_devices, visible_devices
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
-from serving.errors import ConfigError, Forbidden, InvalidRequest, ModelNotFound, Overloaded
 from serving.live_requests import LiveRequests
 from serving.server_config import ServerConfig
 from serving.sources.cache import default_root
 from serving.sources.errors import SourceError
 from serving.sources.resolve import needs_resolving, resolve
-from serving.types import CORE_SHARERS_ENV
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ OpenAPI document. The rules:
   'top_p'`` inside a sampling-parameters object) and quoting the rule of the document (``must be > 0 and <=
   1``). Unknown fields come first, then the first error in the order of the model's fields.
 
-Kernel module: imports nothing of the project but ``serving.errors``.
+Kernel module: imports nothing of the project but ``rollcore.errors``.
 """
 
 from __future__ import annotations

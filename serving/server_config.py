@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
+from rollcore.values import integer, split_host_port
 from serving.keys import SERVER_KEYS
 from serving.settings import (
     EMPTY,
@@ -23,7 +24,6 @@ from serving.settings import (
     read_file,
     resolve,
 )
-from serving.values import integer, split_host_port
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,9 +11,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
+from rollcore.values import Parser
 from serving.properties import parse_properties
-from serving.values import Parser
 
 EMPTY: Mapping[str, str] = MappingProxyType({})
 

@@ -23,7 +23,7 @@ from typing import Any
 from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from serving.errors import InvalidRequest
+from rollcore.errors import InvalidRequest
 
 MAX_GRAMMAR_BYTES = 256 * 1024  # a schema, regex or grammar larger than this is refused before compiling
 MAX_CHOICES = 1024

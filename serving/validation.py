@@ -3,7 +3,7 @@ that names the field by its JSON path (``'messages[0].role'``; ``parameter 'top_
 parameters object) and quotes the rule of the document (``must be > 0 and <= 1``). Unknown fields come first
 (all of one object), then the first error in the order of the model's fields.
 
-Kernel module: imports nothing of the project but ``serving.errors`` and ``serving.schema``.
+Kernel module: imports nothing of the project but ``rollcore.errors`` and ``serving.schema``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from serving.errors import InvalidRequest
+from rollcore.errors import InvalidRequest
 from serving.schema import SchemaGenerator, resolve_caps, shape_of_schema
 
 M = TypeVar("M", bound=BaseModel)

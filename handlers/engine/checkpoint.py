@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.engine.cpu import has_fast_bf16
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

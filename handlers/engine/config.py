@@ -1,7 +1,7 @@
 """Engine configuration: parsed once from the model's options (``option.`` prefix already stripped).
 
 Design note: ``EngineConfig`` is a frozen value; ``EngineConfig.from_options`` is the only place the engine
-reads option strings, and it parses each through the option schema (``serving.options``: parser, default
+reads option strings, and it parses each through the option schema (``rollcore.options``: parser, default
 and error wording shared with ``serving.config``, which validates the same keys when the model loads and
 shows them in ``serving config``). KV-cache sizing (the memory preflight) lives in ``handlers.engine.memory``.
 """
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from handlers.engine.cpu import packed_weights_win_everywhere
-from serving.errors import ConfigError
-from serving.options import option_value, parse_option
-from serving.values import AUTO
+from rollcore.errors import ConfigError
+from rollcore.options import option_value, parse_option
+from rollcore.values import AUTO
 
 
 @dataclass(frozen=True, slots=True)

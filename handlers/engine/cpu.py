@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
-from serving.types import CORE_SHARERS_ENV
+from rollcore.types import CORE_SHARERS_ENV
 
 CPUINFO = Path("/proc/cpuinfo")
 

@@ -50,9 +50,9 @@ from handlers.engine.self_check import reference_logits, verify
 from handlers.engine.sequence import Sequence
 from handlers.engine.speculative import NgramDrafter, accepted_prefix
 from handlers.engine.step_budget import PrefillBudget
-from serving.errors import InvalidRequest
-from serving.step_cost import StepCost
-from serving.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
+from rollcore.errors import InvalidRequest
+from rollcore.step_cost import StepCost
+from rollcore.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class LLMEngine:
                           "generation_tokens_total": 0, "num_requests_finished_total": 0,
                           "num_requests_aborted_total": 0, "spec_draft_tokens_total": 0,
                           "spec_accepted_tokens_total": 0}
-        self.step_cost = StepCost()  # every step's tokens and seconds (``serving.step_cost``: serving tune fits it)
+        self.step_cost = StepCost()  # every step's tokens and seconds (``rollcore.step_cost``: serving tune fits it)
         # the prefill a step may carry while sequences decode, bounded by time (``handlers.engine.step_budget``)
         self.prefill_budget: PrefillBudget | None = None
         if config.max_mixed_step_ratio:
@@ -198,7 +198,7 @@ class LLMEngine:
 
     # --------------------------------------------------------------- requests
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ``serving.errors.InvalidRequest`` if it can never run."""
+        """Queue a request. Raises ``rollcore.errors.InvalidRequest`` if it can never run."""
         seq = Sequence(request_id, list(prompt_token_ids), params)
         if request_id in self._compiling:
             raise InvalidRequest(f"request id {request_id!r} is already in the engine")

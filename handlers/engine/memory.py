@@ -46,7 +46,7 @@ from handlers.engine.checkpoint import (
 from handlers.engine.config import EngineConfig
 from handlers.engine.host_memory import CGROUP_ROOT, MEMINFO, SELF_CGROUP, MemoryBudget, memory_budget
 from handlers.engine.host_memory import format_bytes as _size
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from handlers.engine.config import EngineConfig
 from handlers.engine.kernels import shared_library
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from transformers import (
     TypicalLogitsWarper,
 )
 
-from serving.types import SamplingParams, TokenInfo
+from rollcore.types import SamplingParams, TokenInfo
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from handlers.engine.kv_cache import BlockAllocator, block_key
 from handlers.engine.sequence import FREED_BLOCK, Sequence, SequenceStatus
-from serving.errors import InvalidRequest
+from rollcore.errors import InvalidRequest
 
 
 @dataclass(frozen=True, slots=True)

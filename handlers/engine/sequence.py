@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from serving.types import FinishReason, SamplingParams
+from rollcore.types import FinishReason, SamplingParams
 
 FREED_BLOCK = -1  # block-table entry of a block freed because it fell out of the sliding window
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-MAX_SPECULATIVE_TOKENS = 16  # option.num_speculative_tokens' maximum (serving.options)
+MAX_SPECULATIVE_TOKENS = 16  # option.num_speculative_tokens' maximum (rollcore.options)
 MAX_PAUSE = 16  # steps without guesses after repeated misses (see the note)
 
 

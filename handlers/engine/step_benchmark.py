@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from handlers.engine.engine import LLMEngine
-from serving.types import SamplingParams
+from rollcore.types import SamplingParams
 
 
 def decode_step_ms(model_dir: Path, batch: int, context: int, steps: int,

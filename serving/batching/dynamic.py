@@ -21,10 +21,7 @@ import itertools
 import logging
 from typing import Any
 
-from serving.batching.pacing import ServiceRate, send_each
-from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
-from serving.batching.streams import ResultStream
-from serving.errors import (
+from rollcore.errors import (
     HandlerError,
     Overloaded,
     RequestTimeout,
@@ -33,8 +30,11 @@ from serving.errors import (
     WorkerFailed,
     error_from_kind,
 )
+from rollcore.types import FinishReason, GenerationRequest, TokenDelta, tokens_from_wire
+from serving.batching.pacing import ServiceRate, send_each
+from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
+from serving.batching.streams import ResultStream
 from serving.ipc.messages import Batch, BatchResult
-from serving.types import FinishReason, GenerationRequest, TokenDelta, tokens_from_wire
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from rollcore.errors import InvalidRequest, ServingError
 from serving.batching.ports import Clock
-from serving.errors import InvalidRequest, ServingError
 from serving.ipc import codec
 from serving.ipc.messages import Message
 

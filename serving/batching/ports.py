@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from rollcore.types import GenerationRequest
 from serving.batching.streams import ResultStream
-from serving.types import GenerationRequest
 
 
 class Worker(Protocol):

@@ -29,10 +29,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from serving.batching.pacing import ServiceRate, send_each
-from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
-from serving.batching.streams import ResultStream
-from serving.errors import (
+from rollcore.errors import (
     ErrorKind,
     HandlerError,
     Overloaded,
@@ -42,8 +39,11 @@ from serving.errors import (
     WorkerFailed,
     error_from_kind,
 )
+from rollcore.types import GenerationRequest, TokenDelta
+from serving.batching.pacing import ServiceRate, send_each
+from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
+from serving.batching.streams import ResultStream
 from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Reject
-from serving.types import GenerationRequest, TokenDelta
 
 log = logging.getLogger(__name__)
 

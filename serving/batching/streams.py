@@ -13,8 +13,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from serving.errors import Cancelled, ServingError
-from serving.types import FinishReason, GenerationResult, RequestTimings, TokenDelta, TokenInfo
+from rollcore.errors import Cancelled, ServingError
+from rollcore.types import FinishReason, GenerationResult, RequestTimings, TokenDelta, TokenInfo
 
 log = logging.getLogger(__name__)
 

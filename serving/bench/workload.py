@@ -99,10 +99,10 @@ def load_tokenizer(path: Path) -> Tokenizer:
 
 
 def _words() -> tuple[str, ...]:
-    # the synthetic models' corpus (torch-free module); any tokenizer encodes these words
-    from handlers.synthetic_model import _WORDS
+    # the test models' corpus: any tokenizer encodes these words
+    from rollcore.corpus import WORDS
 
-    return tuple(_WORDS)
+    return WORDS
 
 
 def prompt_of_length(tokenizer: Tokenizer, target: int, rng: random.Random) -> tuple[str, list[int]]:

@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from serving.errors import InvalidRequest
+from rollcore.errors import InvalidRequest
 from serving.frontends.schemas import ChatMessage
 
 

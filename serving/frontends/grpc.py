@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rollcore.types import ModelState
 from serving.auth import TokenAuthority
 from serving.frontends.grpc_auth import AuthInterceptor
 from serving.frontends.grpc_calls import FrontendContext, Registry, all_ready
@@ -34,7 +35,6 @@ from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as typed_pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as typed_grpc
 from serving.health import Health
 from serving.server_config import ServerConfig
-from serving.types import ModelState
 
 log = logging.getLogger("serving.grpc")
 

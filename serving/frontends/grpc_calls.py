@@ -19,10 +19,10 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 
+from rollcore.errors import ErrorKind, InvalidRequest, ServingError, Unavailable
+from rollcore.types import GenerationResult, ModelState
 from serving.batching.streams import ResultStream
-from serving.errors import ErrorKind, InvalidRequest, ServingError, Unavailable
 from serving.params import Limits
-from serving.types import GenerationResult, ModelState
 
 log = logging.getLogger("serving.grpc")
 

@@ -22,8 +22,9 @@ from typing import Any
 
 import grpc
 
+from rollcore.errors import InvalidRequest, ModelNotFound, ServingError
+from rollcore.types import GenerationRequest, ModelState
 from serving.batching.streams import ResultStream
-from serving.errors import InvalidRequest, ModelNotFound, ServingError
 from serving.frontends.grpc_calls import (
     FrontendContext,
     Registry,
@@ -43,7 +44,6 @@ from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
 from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as pb_grpc
 from serving.health import Health
 from serving.params import check_sequences, check_text, check_wire_value, parse_lmi_parameters
-from serving.types import GenerationRequest, ModelState
 
 log = logging.getLogger("serving.grpc")
 

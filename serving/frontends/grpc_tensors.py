@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serving.errors import InvalidRequest
+from rollcore.errors import InvalidRequest
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
 
 INPUT_NAMES = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output")

@@ -16,9 +16,10 @@ from typing import Any
 import grpc
 from google.protobuf import json_format, struct_pb2
 
+from rollcore.errors import InvalidRequest
+from rollcore.types import FinishReason, GenerationRequest, RequestTimings, TokenInfo
 from serving import knobs
 from serving.batching.streams import ResultStream
-from serving.errors import InvalidRequest
 from serving.frontends.grpc_calls import (
     FrontendContext,
     Registry,
@@ -37,7 +38,6 @@ from serving.frontends.grpc_calls import (
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as pb_grpc
 from serving.params import build_sampling_params, check_text
-from serving.types import FinishReason, GenerationRequest, RequestTimings, TokenInfo
 
 FINISH_REASON = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.EOS: pb.FINISH_REASON_EOS_TOKEN,
                  FinishReason.STOP: pb.FINISH_REASON_STOP_SEQUENCE, FinishReason.ABORT: pb.FINISH_REASON_ABORT,

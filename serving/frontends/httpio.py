@@ -20,10 +20,10 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from rollcore.errors import ErrorKind, InvalidRequest, PayloadTooLarge, ServingError
+from rollcore.types import GenerationRequest, GenerationResult, RequestTimings
 from serving.batching.streams import ResultStream
-from serving.errors import ErrorKind, InvalidRequest, PayloadTooLarge, ServingError
 from serving.params import Limits
-from serving.types import GenerationRequest, GenerationResult, RequestTimings
 
 log = logging.getLogger("serving.http")
 

@@ -19,8 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from rollcore.errors import InvalidRequest, ServingError, Unavailable
+from rollcore.types import GenerationRequest, GenerationResult, SamplingParams, TokenInfo
 from serving.batching.streams import ResultStream
-from serving.errors import InvalidRequest, ServingError, Unavailable
 from serving.frontends.httpio import (
     REQUEST_ID_HEADER,
     HttpContext,
@@ -41,7 +42,6 @@ from serving.frontends.prompts import ModelTexts, off_loop
 from serving.frontends.schemas import LMI
 from serving.frontends.tgi import whole_answer as tgi_answer
 from serving.params import check_best_of, check_wire_value, lmi_sampling_params, parse_lmi_parameters
-from serving.types import GenerationRequest, GenerationResult, SamplingParams, TokenInfo
 from serving.validation import kind_of, type_error
 
 TEXT_ENTRY_POINTS = ("huggingface", "rolling")

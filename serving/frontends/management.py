@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rollcore.errors import InvalidRequest, ModelNotFound, ServingError
 from serving import knobs
-from serving.errors import InvalidRequest, ModelNotFound, ServingError
 from serving.frontends.djl import describe_model
 from serving.frontends.httpio import REQUEST_ID_HEADER, HttpContext, error_response, request_id
 

@@ -23,8 +23,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from rollcore.errors import InvalidRequest, ServingError, Unavailable
+from rollcore.types import FinishReason, GenerationResult, TokenDelta, TokenInfo
 from serving.batching.streams import ResultStream
-from serving.errors import InvalidRequest, ServingError, Unavailable
 from serving.frontends.httpio import (
     REQUEST_ID_HEADER,
     HttpContext,
@@ -42,7 +43,6 @@ from serving.frontends.httpio import (
 from serving.frontends.openai_schema import Choice, ParsedRequest, parse_chat, parse_completion
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.frontends.tools import ToolStream, fold
-from serving.types import FinishReason, GenerationResult, TokenDelta, TokenInfo
 from serving.validation import type_error
 
 

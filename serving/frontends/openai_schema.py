@@ -18,15 +18,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
+from rollcore.errors import InvalidRequest
+from rollcore.types import GenerationRequest, SamplingParams
 from serving import structured
-from serving.errors import InvalidRequest
 from serving.frontends import tools
 from serving.frontends.chat import render_chat, template_messages
 from serving.frontends.prompts import ModelText
 from serving.frontends.schemas import CHAT, COMPLETION, ChatRequest, CompletionRequest, NamedToolChoice, OpenAIRequest
 from serving.frontends.tools import ToolPlan
 from serving.params import Limits, check_sequences, sampling_params
-from serving.types import GenerationRequest, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 

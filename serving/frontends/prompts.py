@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
-from serving.errors import InvalidRequest
+from rollcore.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from rollcore.errors import ErrorKind, InvalidRequest, ServingError, Unavailable
+from rollcore.types import GenerationRequest, GenerationResult, SamplingParams, TokenInfo
 from serving.batching.streams import ResultStream
-from serving.errors import ErrorKind, InvalidRequest, ServingError, Unavailable
 from serving.frontends.httpio import (
     REQUEST_ID_HEADER,
     STATUS,
@@ -45,7 +46,6 @@ from serving.frontends.httpio import (
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.frontends.schemas import TGI
 from serving.params import check_best_of, lmi_sampling_params
-from serving.types import GenerationRequest, GenerationResult, SamplingParams, TokenInfo
 
 VERSION = "rollserve-0.1.0"
 # core error kind -> (TGI status, TGI error_type); kinds not listed keep the server-wide status.

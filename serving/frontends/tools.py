@@ -26,8 +26,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from rollcore.errors import InvalidRequest
 from serving import structured
-from serving.errors import InvalidRequest
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

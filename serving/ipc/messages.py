@@ -2,7 +2,7 @@
 
 Design note: every frame is one msgpack map with a type tag ``t``; these dataclasses are the only
 shapes allowed on the channel (``decode_message`` rejects anything else), so nothing received can
-execute code. Requests and deltas travel in the dict forms defined in ``serving.types``.
+execute code. Requests and deltas travel in the dict forms defined in ``rollcore.types``.
 
 Frontend -> worker: Init, Batch (dynamic), Add / Abort / Configure (rolling), Shutdown.
 Worker -> frontend: Ready, LoadFailed, BatchResult, Deltas, Reject, Configured (rolling).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
 
 
 class SourceError(ConfigError):

@@ -99,7 +99,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> Plan:
-    from serving.errors import ConfigError
+    from rollcore.errors import ConfigError
 
     if not args.model_dir.is_dir():
         raise ValueError(f"{args.model_dir}: model folder not found")

@@ -10,11 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollcore.step_cost import StepCost
 from serving.bench.clients import Target, run_requests
 from serving.bench.launch import LocalServer
 from serving.bench.metrics import Rec, RunResult, Slo, metrics
 from serving.bench.workload import BenchRequest, Workload
-from serving.step_cost import StepCost
 from serving.tune.runs import Run, certainly_violated
 from serving.tune.space import Config, Group, cores_available
 
@@ -55,7 +55,7 @@ class LiveEvaluator:
         self.cut: list[Run] = []
         self.warm_e2e: list[float] = []  # the warm-up requests' E2E (the run estimate before any full run)
         self.variants = 0  # prompt variants drawn so far (``fresh``)
-        # each group's rolling engines' step cost (``serving.step_cost``), read from its server after the
+        # each group's rolling engines' step cost (``rollcore.step_cost``), read from its server after the
         # warm-up and after every run: the sums since that server started, its workers added together
         self.step_costs: dict[Group, StepCost] = {}
         self._n_servers = 0

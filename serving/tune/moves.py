@@ -1,6 +1,6 @@
 """Where a group's search goes next from its best configuration: a compass search (each knob doubled or
 halved, the way the missed bound points first) and a jump to the prefill budget the group's step-cost line
-allows (``serving.step_cost``: a step's seconds as fixed + per-token cost, measured on the group's server)."""
+allows (``rollcore.step_cost``: a step's seconds as fixed + per-token cost, measured on the group's server)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from rollcore.step_cost import StepCost
 from serving.bench.metrics import Slo
-from serving.step_cost import StepCost
 from serving.tune.racing import Outcome
 from serving.tune.runs import missed_bounds
 from serving.tune.space import Group, clipped_knobs, knobs_of, make_config

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from serving.step_cost import StepCost
+from rollcore.step_cost import StepCost
 from serving.tune.runs import Run
 from serving.tune.space import Config, Group
 

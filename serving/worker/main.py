@@ -25,7 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from serving.errors import ErrorKind, ServingError
+from rollcore.errors import ErrorKind, ServingError
+from rollcore.types import GenerationRequest, tokens_to_wire
 from serving.heap import IdleTrim
 from serving.ipc import codec
 from serving.ipc.messages import (
@@ -39,7 +40,6 @@ from serving.ipc.messages import (
 )
 from serving.logs import setup_logging
 from serving.redact import scrub_paths
-from serving.types import GenerationRequest, tokens_to_wire
 from serving.worker.rolling_loop import RollingLoop, WorkerUnhealthy
 
 log = logging.getLogger("serving.worker")

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from serving.errors import ErrorKind, ServingError
+from rollcore.errors import ErrorKind, ServingError
 from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
 
 log = logging.getLogger("serving.worker")

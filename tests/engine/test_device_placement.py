@@ -14,7 +14,7 @@ from handlers.engine.engine import LLMEngine
 from handlers.engine.paged_attention import KVPool, SeqSpan, StepMetadata, on_device
 from handlers.engine.runner import StepInputs
 from handlers.synthetic_model import build_model
-from serving.types import SamplingParams
+from rollcore.types import SamplingParams
 from tests.engine.conftest import make_prompts
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from handlers.engine.engine import LLMEngine
-from serving.types import FinishReason, SamplingParams, TokenDelta
+from rollcore.types import FinishReason, SamplingParams, TokenDelta
 from tests.engine.conftest import make_prompts, reference_greedy
 
 MAX_NEW = 12

@@ -19,7 +19,7 @@ from handlers.engine.engine import LLMEngine
 from handlers.engine.families import SUPPORTED, TENSOR_PARALLEL, UnsupportedModel
 from handlers.engine.runner import kv_geometry
 from handlers.synthetic_model import FAMILIES, TEST_SLIDING_WINDOW, build_model
-from serving.types import SamplingParams
+from rollcore.types import SamplingParams
 
 MAX_NEW = 48
 

@@ -170,7 +170,7 @@ def test_kv_pool_memory_is_zero_and_paid_for_when_used(populate: str) -> None:
 def test_kv_cache_populate_option_is_checked() -> None:
     """``option.kv_cache_populate`` is parsed and checked (eager by default)."""
     from handlers.engine.config import EngineConfig
-    from serving.errors import ConfigError
+    from rollcore.errors import ConfigError
 
     assert EngineConfig.from_options({}).kv_cache_populate == "eager"
     assert EngineConfig.from_options({"kv_cache_populate": "lazy"}).kv_cache_populate == "lazy"

@@ -23,7 +23,7 @@ from handlers.engine.prepack import (
     packed_row_counts,
     packed_rows,
 )
-from serving.types import SamplingParams
+from rollcore.types import SamplingParams
 from tests.engine.conftest import reference_greedy
 
 

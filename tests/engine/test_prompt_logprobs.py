@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from handlers.engine.engine import LLMEngine
-from serving.types import SamplingParams, TokenDelta
+from rollcore.types import SamplingParams, TokenDelta
 from tests.engine.conftest import _reference_model, make_prompts, reference_greedy
 
 MAX_NEW = 6

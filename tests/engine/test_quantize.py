@@ -17,8 +17,8 @@ from handlers.engine.config import EngineConfig
 from handlers.engine.engine import LLMEngine
 from handlers.engine.quantize import QuantizedLinear, quantize_linears
 from handlers.huggingface import HuggingFaceHandler
-from serving.errors import ConfigError
-from serving.types import SamplingParams
+from rollcore.errors import ConfigError
+from rollcore.types import SamplingParams
 from tests.engine.conftest import make_prompts
 from tests.real_model import smollm2_folder
 

@@ -12,8 +12,8 @@ from handlers.base import Context, Input
 from handlers.engine.detokenizer import IncrementalDetokenizer
 from handlers.engine.engine import LLMEngine
 from handlers.rolling import HuggingFaceRollingHandler
-from serving.errors import InvalidRequest
-from serving.types import FinishReason, SamplingParams
+from rollcore.errors import InvalidRequest
+from rollcore.types import FinishReason, SamplingParams
 from tests.engine.conftest import make_prompts, reference_greedy
 
 

@@ -17,7 +17,7 @@ from handlers.base import Context, Input
 from handlers.engine.engine import LLMEngine
 from handlers.engine.sampling import RequestSampler
 from handlers.huggingface import HuggingFaceHandler
-from serving.types import SamplingParams
+from rollcore.types import SamplingParams
 from tests.real_model import smollm2_folder
 
 V = 12

@@ -14,8 +14,8 @@ from handlers.engine.sampling import SampledToken
 from handlers.engine.scheduler import Scheduler, SchedulerConfig
 from handlers.engine.sequence import Sequence
 from handlers.engine.speculative import MAX_PAUSE, NgramDrafter, accepted_prefix
-from serving.errors import ConfigError
-from serving.types import FinishReason, SamplingParams, TokenDelta
+from rollcore.errors import ConfigError
+from rollcore.types import FinishReason, SamplingParams, TokenDelta
 from tests.engine.conftest import make_prompts, reference_greedy
 
 SPEC = {"num_kv_blocks": "256", "speculative_draft": "ngram", "num_speculative_tokens": "4",

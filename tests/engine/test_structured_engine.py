@@ -16,8 +16,8 @@ import pytest
 from handlers.base import Context, Input
 from handlers.engine.engine import LLMEngine
 from handlers.huggingface import HuggingFaceHandler
+from rollcore.types import FinishReason, SamplingParams, TokenDelta
 from serving import structured
-from serving.types import FinishReason, SamplingParams, TokenDelta
 from tests.real_model import smollm2_folder
 
 PERSON = {"type": "object", "properties": {

@@ -11,7 +11,7 @@ import torch
 from handlers.engine.engine import LLMEngine
 from handlers.engine.parallel import pack_step, shard_model, unpack_step
 from handlers.engine.runner import StepInputs
-from serving.types import SamplingParams
+from rollcore.types import SamplingParams
 from tests.engine.conftest import make_prompts, reference_greedy
 
 

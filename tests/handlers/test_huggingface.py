@@ -12,8 +12,8 @@ import torch
 
 from handlers.base import Context, Input, Output
 from handlers.huggingface import HuggingFaceHandler
-from serving.errors import ErrorKind
-from serving.types import FinishReason, SamplingParams
+from rollcore.errors import ErrorKind
+from rollcore.types import FinishReason, SamplingParams
 
 PROMPTS = [
     "Hello world",

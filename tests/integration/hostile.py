@@ -27,7 +27,7 @@ POISON_HANDLER = '''
 import time
 
 from handlers.base import RollingHandler
-from serving.types import FinishReason, TokenDelta, TokenInfo
+from rollcore.types import FinishReason, TokenDelta, TokenInfo
 
 
 class Handler(RollingHandler):
@@ -71,7 +71,7 @@ class Handler(RollingHandler):
 
 CUSTOM_HANDLER = '''
 from handlers.base import Output
-from serving.types import TokenInfo
+from rollcore.types import TokenInfo
 
 
 def handle(inputs):

@@ -42,7 +42,7 @@ STEPS_HANDLER = '''
 import time
 
 from handlers.base import RollingHandler
-from serving.types import FinishReason, TokenDelta, TokenInfo
+from rollcore.types import FinishReason, TokenDelta, TokenInfo
 
 
 class Handler(RollingHandler):

@@ -129,7 +129,7 @@ def test_short_tune_writes_properties_and_report(tmp_path: Path) -> None:
     # the head-to-head's PUTs: pick -> baseline -> pick, and one before it unless the search ended on the pick
     h2h_puts = 2 + (search_runs[-1]["knobs"] != runs[-4]["knobs"]) if h2h else 0
     assert report["live_knob_changes"] == puts == search_puts + h2h_puts, runs
-    # the step-cost sums of both workers' engines, read from GET /models/{name} (serving.step_cost)
+    # the step-cost sums of both workers' engines, read from GET /models/{name} (rollcore.step_cost)
     line = report["step_cost_lines"][f"rolling 2w x {threads}t"]
     assert line["steps"] > 0 and 0 < line["max_tokens"] <= 4096
     # the written file: the folder's keys, the chosen values, each with its measured reason above it

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from rollcore.errors import Cancelled, HandlerError, Overloaded, RequestTimeout, ServingError, WorkerFailed
+from rollcore.types import FinishReason, GenerationRequest, TokenDelta, TokenInfo
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.rolling import RollingBatcher
-from serving.errors import Cancelled, HandlerError, Overloaded, RequestTimeout, ServingError, WorkerFailed
 from serving.ipc.messages import Abort, Add, Batch, BatchResult, Configure, Configured, Deltas, Reject
-from serving.types import FinishReason, GenerationRequest, TokenDelta, TokenInfo
 
 
 class FakeWorker:

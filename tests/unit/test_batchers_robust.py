@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
+from rollcore.errors import HandlerError, InvalidRequest, Overloaded, Unavailable, WorkerFailed
+from rollcore.types import FinishReason, GenerationRequest, SamplingParams
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.pacing import ServiceRate
 from serving.batching.rolling import RollingBatcher
-from serving.errors import HandlerError, InvalidRequest, Overloaded, Unavailable, WorkerFailed
 from serving.ipc import codec
 from serving.ipc.messages import Abort, Add, Batch, BatchResult, Deltas
-from serving.types import FinishReason, GenerationRequest, SamplingParams
 from tests.unit.test_batchers import FakeWorker, added, delta, ok_output, req, run, until
 
 

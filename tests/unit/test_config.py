@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from rollcore.errors import ConfigError
 from serving.config import (
     BatchingConfig,
     ModelConfig,
@@ -16,7 +17,6 @@ from serving.config import (
     load_model_config,
     validate_model_name,
 )
-from serving.errors import ConfigError
 from serving.server_config import ServerConfig, load_server_config
 
 

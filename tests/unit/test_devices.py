@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from rollcore.errors import ConfigError
 from serving.devices import DevicePlan, DeviceSlots, chosen_devices, plan_devices, visible_devices
-from serving.errors import ConfigError
 from serving.ipc.messages import Init
 from serving.worker.pool import WorkerPool
 

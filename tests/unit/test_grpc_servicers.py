@@ -12,15 +12,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from rollcore.errors import ErrorKind, InvalidRequest, Overloaded
+from rollcore.types import FinishReason, GenerationRequest, ModelState, TokenDelta, TokenInfo
 from serving.batching.streams import ResultStream
-from serving.errors import ErrorKind, InvalidRequest, Overloaded
 from serving.frontends.grpc import HealthServicer
 from serving.frontends.grpc_calls import GRPC_CODE, abort, deadline_of, new_request_id, register_overrides
 from serving.frontends.grpc_oip import OipServicer
 from serving.frontends.grpc_tensors import frame_bytes, split_bytes
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
 from serving.params import Limits
-from serving.types import FinishReason, GenerationRequest, ModelState, TokenDelta, TokenInfo
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -85,7 +85,7 @@ class FakeRegistry:
     model_store: Path = Path("/nonexistent")
 
     def get(self, name: str) -> Any:
-        from serving.errors import ModelNotFound
+        from rollcore.errors import ModelNotFound
         if name not in self.endpoints:
             raise ModelNotFound(f"model {name!r} is not registered")
         return self.endpoints[name]

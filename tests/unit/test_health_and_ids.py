@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from serving.errors import Conflict
+from rollcore.errors import Conflict
+from rollcore.types import ModelState
 from serving.health import Health
 from serving.live_requests import LiveRequests, counter_ids
-from serving.types import ModelState
 
 
 @dataclass

@@ -81,24 +81,34 @@ def test_the_reader_sees_function_level_imports() -> None:
     assert "handlers.engine.loading" in imports_of(path)  # imported inside rank_main
 
 
-# serving.step_cost: the engine's step-cost sums, read back by serving tune (standard library only)
-SERVING_FOR_HANDLERS = {"serving.types", "serving.errors", "serving.options", "serving.values", "serving.step_cost"}
-
-
-def test_handlers_import_only_the_kernel_of_serving() -> None:
-    """Handlers parse their options with the frontend's schema (``serving.options``), and nothing else of
-    ``serving`` but the kernel reaches the worker's side."""
-    offenders = {m: sorted(i for i in deps if _inside(i, "serving") and i.rpartition(".")[0] not in
-                           SERVING_FOR_HANDLERS and i not in SERVING_FOR_HANDLERS)
-                 for m, deps in modules("handlers").items()}
+def test_handlers_import_nothing_of_the_frontend() -> None:
+    """The backend shares only the core package with the frontend: no ``serving`` module reaches a worker's
+    handler side, and the built-in handlers parse their options with the core's schema."""
+    offenders = {m: sorted(i for i in deps if _inside(i, "serving")) for m, deps in modules("handlers").items()}
     assert {m: deps for m, deps in offenders.items() if deps} == {}
-    users = {m for m, deps in modules("handlers").items() if "serving.options" in deps}
+    users = {m for m, deps in modules("handlers").items() if "rollcore.options" in deps}
     assert {"handlers.engine.config", "handlers.huggingface", "handlers.echo"} <= users
 
 
-@pytest.mark.parametrize("module", ["serving/options.py", "serving/values.py", "serving/step_cost.py"])
-def test_the_option_schema_is_kernel(module: str) -> None:
-    """The schema and the value parsers import no more of the project than the kernel (no torch either)."""
-    project = {i for i in imports_of(ROOT / module) if i.split(".")[0] in ("serving", "handlers")}
-    assert {i.rpartition(".")[0] if i.rpartition(".")[0] in SERVING_FOR_HANDLERS else i for i in project} \
-        <= {"serving.errors", "serving.values"}
+def test_the_core_imports_neither_side() -> None:
+    """``rollcore`` depends on nothing of the project outside itself (and on no torch)."""
+    offenders = {m: sorted(i for i in deps if i.split(".")[0] in ("serving", "handlers", "torch", "transformers"))
+                 for m, deps in modules("rollcore").items()}
+    assert {m: deps for m, deps in offenders.items() if deps} == {}
+
+
+def test_the_frontend_reaches_the_backend_through_preflight_and_the_worker_entry_only() -> None:
+    """``serving`` imports ``handlers.preflight`` (torch-free questions before a worker starts) and, in the
+    worker process's entry point (``serving.worker``), the handler API and loader; nothing else of
+    ``handlers``."""
+    allowed = {"handlers", "handlers.preflight", "handlers.preflight.engine_admission",
+               "handlers.preflight.memory_plan_text", "handlers.preflight.checkpoint_parameters"}
+    worker = {"handlers.base", "handlers.loader"}
+    offenders = {}
+    for m, deps in modules("serving").items():
+        mine = {i for i in deps if _inside(i, "handlers")} - allowed
+        if _inside(m, "serving.worker"):
+            mine = {i for i in mine if not any(_inside(i, w) for w in worker)}
+        if mine:
+            offenders[m] = sorted(mine)
+    assert offenders == {}

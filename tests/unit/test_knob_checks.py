@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from handlers.engine.config import EngineConfig
+from rollcore.errors import InvalidRequest
 from serving import knobs
 from serving.config import model_config_keys
-from serving.errors import InvalidRequest
 from tests.option_reads import Recording
 
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from rollcore.errors import ConfigError
 from serving import config as config_module
 from serving.config import load_model_config
-from serving.errors import ConfigError
 from serving.layout import PROCESS_BOUND_PARAMS, auto_layout, checkpoint_parameters
 from tests.integration.harness import DEFAULT_MODEL
 

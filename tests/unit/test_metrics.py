@@ -15,12 +15,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+from rollcore.errors import InvalidRequest, Overloaded
+from rollcore.types import GenerationRequest, ModelState
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.rolling import RollingBatcher
-from serving.errors import InvalidRequest, Overloaded
 from serving.ipc.messages import Batch, BatchResult, Deltas, Reject
 from serving.metrics import UNKNOWN_MODEL, ServingMetrics
-from serving.types import GenerationRequest, ModelState
 
 
 class FakeWorker:

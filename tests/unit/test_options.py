@@ -1,4 +1,4 @@
-"""The one option schema (``serving.options``) and its value parsers (``serving.values``): the frontend's
+"""The one option schema (``rollcore.options``) and its value parsers (``rollcore.values``): the frontend's
 config and the handlers parse an option alike, every option a built-in handler reads is in the schema, and
 an unknown ``option.*`` key that looks like a typo of a known one is a warning (never an error)."""
 
@@ -13,11 +13,11 @@ import pytest
 
 from handlers.base import option_bool
 from handlers.engine.config import EngineConfig
+from rollcore.errors import ConfigError
+from rollcore.options import ENGINE, OPTIONS, suggest
+from rollcore.values import BOOL_WORDS, FALSE_WORDS, TRUE_WORDS, boolean, choice, integer, number, render
 from serving.config import describe_model_config, load_model_config, model_config_keys
-from serving.errors import ConfigError
-from serving.options import ENGINE, OPTIONS, suggest
 from serving.server_config import load_server_config
-from serving.values import BOOL_WORDS, FALSE_WORDS, TRUE_WORDS, boolean, choice, integer, number, render
 from tests.option_reads import Recording
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
 from serving.properties import Property, parse_properties
 
 

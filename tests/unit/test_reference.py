@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from rollcore.options import OPTIONS
 from serving import reference
 from serving.keys import MODEL_KEYS
-from serving.options import OPTIONS
 
 
 def test_the_committed_reference_is_the_rendered_one() -> None:

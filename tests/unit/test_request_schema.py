@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving.errors import InvalidRequest
+from rollcore.errors import InvalidRequest
 from serving.frontends import lmi, tgi
 from serving.frontends.openai_schema import parse_chat, parse_completion
 from serving.frontends.openapi import inference_document

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from serving.errors import InvalidRequest
+from rollcore.errors import InvalidRequest
+from rollcore.types import FinishReason, TokenDelta, TokenInfo
 from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
-from serving.types import FinishReason, TokenDelta, TokenInfo
 from serving.worker.rolling_loop import RollingLoop, WorkerUnhealthy
 
 

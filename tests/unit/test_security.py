@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from rollcore.errors import ConfigError, InvalidRequest
 from serving.auth import Scope, TokenAuthority, bearer_token, build_authority, new_key, read_key_file
-from serving.errors import ConfigError, InvalidRequest
 from serving.frontends.grpc_auth import scope_of
 from serving.frontends.http_guard import ApiGuard, host_allowed
 from serving.params import Limits, build_sampling_params, check_wire_value
@@ -207,7 +207,7 @@ def test_extreme_sampling_values_never_make_a_step_raise() -> None:
     import torch
 
     from handlers.engine.sampling import RequestSampler
-    from serving.types import SamplingParams
+    from rollcore.types import SamplingParams
 
     logits = torch.linspace(-5, 5, 1024)
     for params in (SamplingParams(do_sample=True, temperature=1e-300),

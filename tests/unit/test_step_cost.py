@@ -1,10 +1,10 @@
-"""``serving.step_cost.StepCost``: the sums an engine reports, merged, differenced and fitted to a line."""
+"""``rollcore.step_cost.StepCost``: the sums an engine reports, merged, differenced and fitted to a line."""
 
 from __future__ import annotations
 
 import pytest
 
-from serving.step_cost import StepCost
+from rollcore.step_cost import StepCost
 
 
 def line(steps: list[int], fixed: float, per_token: float) -> StepCost:

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from llguidance import LLMatcher, LLTokenizer
 
+from rollcore.errors import InvalidRequest
 from serving import structured
-from serving.errors import InvalidRequest
 from serving.frontends.grpc_typed import sampling_values
 from serving.frontends.openai_schema import parse_chat, parse_completion
 from serving.frontends.prompts import ModelText

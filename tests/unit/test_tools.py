@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from llguidance import LLMatcher, LLTokenizer
 
-from serving.errors import InvalidRequest
+from rollcore.errors import InvalidRequest
 from serving.frontends.tools import ToolPlan, ToolStream, fold, parse, plan
 
 WEATHER = {"name": "get_weather", "description": "the weather of a city", "parameters": {

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from rollcore.step_cost import StepCost
 from serving.bench.metrics import Rec, parse_slo
 from serving.bench.scenario import load_scenario
-from serving.step_cost import StepCost
 from serving.tune import verify
 from serving.tune.costs import (
     LOAD_CONTENTION,

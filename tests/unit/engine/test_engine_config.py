@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from handlers.engine.config import EngineConfig
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
 
 
 @pytest.mark.parametrize(("options", "field", "value"), [

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from handlers.engine.scheduler import Scheduler, SchedulerConfig
 from handlers.engine.sequence import FREED_BLOCK, Sequence, SequenceStatus
-from serving.errors import InvalidRequest
-from serving.types import SamplingParams
+from rollcore.errors import InvalidRequest
+from rollcore.types import SamplingParams
 
 
 def _check_blocks(sched: Scheduler) -> None:

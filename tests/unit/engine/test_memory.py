@@ -36,7 +36,7 @@ from handlers.engine.cpu import has_fast_bf16
 from handlers.engine.host_memory import MemoryBudget, memory_budget
 from handlers.engine.memory import InsufficientMemory, MemoryPlan, plan_memory, preflight
 from handlers.synthetic_model import build_model
-from serving.errors import ConfigError
+from rollcore.errors import ConfigError
 
 WEIGHTS = 558336
 LINEAR = 425984

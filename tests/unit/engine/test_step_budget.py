@@ -9,7 +9,7 @@ import pytest
 from handlers.engine.scheduler import Scheduler, SchedulerConfig
 from handlers.engine.sequence import Sequence
 from handlers.engine.step_budget import PrefillBudget
-from serving.types import SamplingParams
+from rollcore.types import SamplingParams
 
 FIXED, PER_ROW, PER_TOKEN = 0.050, 0.004, 0.0035  # seconds: a 135M-class model on one CPU core
 
@@ -139,7 +139,7 @@ def test_scheduler_chunks_a_prompt_by_the_limit_while_decodes_run() -> None:
 @pytest.mark.parametrize("value", ["0.5", "1"])
 def test_a_ratio_of_one_or_less_is_refused_by_name(value: str) -> None:
     from handlers.engine.config import EngineConfig
-    from serving.errors import ConfigError
+    from rollcore.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"option.max_mixed_step_ratio = {value}"):
         EngineConfig.from_options({"max_mixed_step_ratio": value})

@@ -11,8 +11,8 @@ import pytest
 import handlers.echo
 from handlers.base import Context, Input
 from handlers.echo import EchoHandler
-from serving.errors import ErrorKind
-from serving.types import FinishReason
+from rollcore.errors import ErrorKind
+from rollcore.types import FinishReason
 
 
 def make_echo(**options: str) -> EchoHandler:

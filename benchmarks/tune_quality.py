@@ -1,4 +1,4 @@
-"""How good is ``serving tune``? Its pick against an exhaustive grid over the same space (issue 12).
+"""How good is ``serving tune``? Its pick against an exhaustive grid over the same space.
 
 A script that prints (not a pass/fail test). For one model and two SLOs (tight, loose):
 

@@ -1,4 +1,4 @@
-"""The seeded benchmark workload (issue 3): the same requests, in the same order, for every configuration.
+"""The seeded benchmark workload: the same requests, in the same order, for every configuration.
 
 The generator is ``serving.bench.workload`` (what ``serving bench`` runs); this module fixes its distributions.
 

@@ -123,8 +123,7 @@ class ModelRegistry:
         for warning in cfg.warnings:  # an unknown option.* key that looks like a typo of a known one
             log.warning("model %s: %s", name, warning)
         # Workers of different models share the machine's cores: option.num_threads=auto divides the cores by
-        # the models loaded at start too (two models with 2 threads each on 2 cores spin against each other:
-        # measured, a soak then failed most requests on max_queue_time; benchmarks/README.md, Soak).
+        # the models loaded at start too (more OpenMP threads than cores spin; benchmarks/README.md, Soak).
         env = {**self._env, CORE_SHARERS_ENV: str(max(1, len(self.startup_models or ())))}
         return ModelEndpoint(cfg, self._observer, env=env, log_format=self._server.log_format, live=self.live,
                              devices=devices)

@@ -20,6 +20,20 @@ def ci_mode() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
+_TIERS = {"unit": "unit", "engine": "engine", "handlers": "engine", "integration": "integration"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's tier from its folder (``-m unit``, ``-m "not matrix"``; setup.cfg lists the markers)."""
+    for item in items:
+        parts = item.nodeid.split("::")[0].split("/")
+        tier = _TIERS.get(parts[1]) if len(parts) > 2 and parts[0] == "tests" else None
+        if tier is not None:
+            item.add_marker(tier)
+        if item.nodeid.split("::")[0] in _FAMILY_FILES:
+            item.add_marker("matrix")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
     outcome = yield
@@ -28,3 +42,42 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped under CI=true, which allows no skip: {reason}"
+
+
+# --- the support matrix of docs/configuration.md, regenerated from a full run's family results ------------------
+_FAMILY_FILES = ("tests/engine/test_families.py", "tests/integration/test_families_http.py")
+_family_results: dict[str, str] = {}
+
+
+def _full_run(config: pytest.Config) -> bool:
+    """A run of the whole suite (as ``.ci/run`` does): no file, keyword or marker selection."""
+    paths = [str(a).split("::")[0].rstrip("/") for a in config.args]
+    return not config.option.keyword and not config.option.markexpr and all(p in ("tests", ".") or
+                                                                            p.endswith("/tests") for p in paths)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::")[0]
+    if path not in _FAMILY_FILES or (report.when != "call" and report.passed):
+        return
+    name = report.nodeid.split("::")[-1]
+    state = "passed" if report.passed else "skipped" if report.skipped else "failed"
+    if _family_results.get(name) in (None, "passed"):
+        _family_results[name] = state
+    for key, value in report.user_properties:
+        _family_results[f"{name}#{key}"] = str(value)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput") or not _full_run(session.config) or not _family_results:
+        return  # an xdist worker (the controller sees every report), or not a full run
+    from tests.support_matrix import build_table, committed_table
+
+    table = build_table(_family_results)
+    if table != committed_table():
+        out = session.config.rootpath / "support-matrix.regenerated.md"
+        out.write_text(table + "\n")
+        session.config.get_terminal_writer().line(
+            f"the support matrix of docs/configuration.md differs from this run's family results: the regenerated "
+            f"table is in {out} (python -m tests.support_matrix --junit FILE rewrites it)", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -6,6 +6,7 @@
 Each cell is the outcome of one test (tests/engine/test_families.py, tests/integration/test_families_http.py):
 "exact" = equals transformers' generate token for token; "refused" = refused at load with the feature named;
 "FAILED" = the test failed; "-" = not applicable or not tested. Nothing in the table is written by hand.
+A full test run compares the table its results make with the committed one (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -63,11 +64,9 @@ def build_table(results: dict[str, str]) -> str:
         return "-"
 
     def bf16_cell(family: str) -> str:
-        test = f"test_bf16_against_generate_bf16[{family}]"
-        if results.get(test) != "passed":
-            return _cell(results, test)
-        first = results.get(f"{test}#bf16_first_divergence", "none")
-        return "exact" if first == "none" else f"close (greedy parts at token {first})"
+        # "close": the next-token choices agree at >= 90% of positions; where greedy paths part (if they do)
+        # depends on the CPU's bf16 kernels, so the test reports it and the table does not
+        return _cell(results, f"test_bf16_against_generate_bf16[{family}]", "close")
 
     rows = ["| family (layout) | model_type | rolling engine | through HTTP | dynamic batching | tensor parallel (2) "
             "| sliding window | prefix caching | bf16 vs generate bf16 |", "|---|---|---|---|---|---|---|---|---|"]
@@ -90,6 +89,12 @@ def build_table(results: dict[str, str]) -> str:
                     f"{_cell(results, f'test_dynamic_batching_equals_generate[{family}]')} | {tp} | {window} | "
                     f"{engine if engine == 'exact' else '-'} | {bf16_cell(family)} |")
     return "\n".join(rows)
+
+
+def committed_table() -> str:
+    """The table as docs/configuration.md has it."""
+    text = README.read_text(encoding="utf-8")
+    return text[text.index(START) + len(START):text.index(END)].strip("\n")
 
 
 def rewrite_readme(table: str) -> None:

@@ -41,7 +41,7 @@ class EngineConfig:
     quantize_group_size: int = 32
     prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.prepack)
     attention_kernel: str = "native"  # native (handlers.engine.kernels, PyTorch when it cannot build) | torch
-    fuse_projections: bool = False  # measured neutral-to-slower on this CPU (benchmarks/README.md)
+    fuse_projections: bool = False  # no faster on AVX2 CPUs (benchmarks/README.md); on by default on GPUs
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
     seed: int = 0

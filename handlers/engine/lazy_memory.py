@@ -7,15 +7,11 @@ itself loads in 13 s). An anonymous private mapping is zero by definition and co
 touched, so ``ZeroRegion`` maps the memory, then either touches every page now (``eager``, the default) or
 leaves each page to fault in when the engine first writes KV into it (``lazy``).
 
-Why eager stays the default (``serving bench`` on the 110M model, 2 cores, 24 requests at 2 req/s,
-three passes of new prompts each): lazy served 56.6 / 61.7 / 57.1 output tok/s, eager 66.2 / 68.1 / 64.7.
-The prefix cache keeps every finished prompt's blocks until the pool is full, so new requests keep landing
-on pages never touched, and each such fault lands inside a step; the cost is paid once per page, but until
-the pool has been used once (about 13 such runs here) every measurement and every early user pays it.
-Faulting the region in a background thread at idle priority (``madvise(MADV_POPULATE_WRITE)``) was slower
-still during that window (first burst 55-58 tok/s vs 73-89): on this VM the host-side faults of 4.5 GiB
-interfere with the steps at any priority. ``lazy`` is for fast starts (9 s instead of 49 s here) where the
-first minutes' latency matters less: development, tests, scale-from-zero.
+Why eager stays the default: until the pool has been used once, new requests keep landing on pages never
+touched and each such fault lands inside a step, so every early measurement and user pays it; faulting the
+region in a background thread was no better (the host-side faults interfere with the steps at any
+priority). ``lazy`` is for fast starts where the first minutes' latency matters less: development, tests,
+scale-from-zero. Figures: benchmarks/README.md, "Prepacked weights and the lazy KV cache".
 
 With ``lazy`` the worker's RSS grows with use up to the planned KV size (the memory plan checked at load
 that it is available); engine stats report ``kv_blocks_touched``.

@@ -12,32 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Where hybrid mode switches to the plain weight. Measured on AVX2-only CPUs, inside the engine (a 110M Llama,
-# weights streamed from memory every step, not a cache-resident microbenchmark): a decode step of 32 sequences
-# took 16% less CPU with the packed weight than with the plain one on one thread (median of 3 alternating runs,
-# 177 vs 211 ms), 35% less on two (99-109 vs 132-174 ms); a 2048-row prefill 7% more (5367 vs 4985 ms); 256
-# rows equal. 128 keeps decode batches and small chunks packed, prefill chunks plain. (An earlier threshold of
-# 16 rows, from a microbenchmark, sent batched decode to the slower plain weight.)
+# Hybrid mode keeps decode batches and small chunks on the packed weight, prefill chunks on the plain one: on
+# AVX2-only CPUs packed wins from 2 to 128 rows inside the engine (benchmarks/README.md, "Prepacked weights").
 HYBRID_MAX_PACKED_ROWS = 128
-# ... and below which it does too: a single row (a decode step of one sequence) is a matrix-vector product, which
-# the plain weight runs faster (MKL's sgemv) than oneDNN's packed GEMM on AVX2-only CPUs (measured, one thread:
-# 150-220 vs 200-350 us for the 110m model's weights, 2.7 vs 4.0 ms for its lm_head; from 2 rows on packed wins).
+# One row is a matrix-vector product, which the plain weight (MKL's sgemv) runs faster than oneDNN's GEMM.
 HYBRID_MIN_PACKED_ROWS = 2
-
-# oneDNN builds (JIT-compiles) one kernel per input shape and caches it: measured 0.55 MiB of heap per kernel
-# whatever the weight's size (torch 2.13, 1 or 2 threads). Left to itself, a worker met new row counts for
-# minutes and its RSS grew until every row count up to 128 had its kernel (+240 MiB on the 3.4M default model,
-# issue 11's soak). So the packed path runs on a few row counts only (``packed_rows``: exact up to 32, the
-# decode batches; rounded up beyond, the input zero-padded, which still beats the plain weight there) and the
-# runner builds those kernels at load (``warm_packed_kernels``): the memory is taken once, up front.
+# oneDNN JIT-compiles and caches one kernel per input shape, so a worker meeting new row counts grows for
+# minutes: the packed path runs on a few row counts only (``packed_rows``: exact up to 32, the decode batches;
+# rounded up beyond, the input zero-padded) whose kernels the runner builds at load (``warm_packed_kernels``),
+# so the memory is taken once, up front.
 EXACT_PACKED_ROWS = 32
-KERNEL_BYTES = 576 * 1024  # measured per cached kernel (see above)
+KERNEL_BYTES = 576 * 1024  # the heap one cached kernel takes, whatever the weight (benchmarks/README.md)
 # Prefill-sized inputs (more than HYBRID_MAX_PACKED_ROWS rows) run packed too when their kernel was built at
 # load (``large_rows``: the engine's token budget per step) and rounding them up to their bucket pads at most
-# 1/LARGE_MAX_PADDING of them; else the plain weight (MKL). Measured in the engine on the 110m model, AVX2-only
-# EPYC, two threads, 3 alternating runs each (benchmarks/README.md, "Prefill and the GEMM libraries"): a
-# prefill step of 256 rows 634 -> 492 ms, 384 rows 832 -> 681, 512 rows 1072 -> 943 (medians); 1000 and 2048
-# rows unchanged within the noise, one thread too. 160 rows padded to 192 were slower than the plain weight.
+# 1/LARGE_MAX_PADDING of them; else the plain weight (benchmarks/README.md, "Prefill and the GEMM libraries").
 LARGE_MAX_PADDING = 16
 
 

@@ -16,10 +16,25 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from serving.config import MODEL_PROPERTIES
 from serving.properties import parse_properties
+
+
+T = TypeVar("T")
+
+
+def wait_for(cond: Callable[[], T], what: str = "the condition", timeout_s: float = 60.0, step_s: float = 0.01) -> T:
+    """Poll ``cond`` until it returns something true, and return that: the one way tests, benchmarks and the
+    bench client wait on state a server reports. Raises ``TimeoutError`` naming ``what`` (a hang guard, not a
+    performance bound)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := cond()):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(step_s)
+    return value
 
 
 class Subprocess:

@@ -1,5 +1,5 @@
 """Packed linear layers: padded row counts give the unpadded result, and a worker's memory does not grow with
-the row counts traffic brings (oneDNN caches one JIT kernel of ~0.55 MiB per input shape; issue 11's soak)."""
+the row counts traffic brings (oneDNN caches one JIT kernel of ~0.55 MiB per input shape; the soak benchmark)."""
 
 from __future__ import annotations
 

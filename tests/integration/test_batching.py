@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from serving.bench.launch import wait_for
 from tests.integration.harness import ServerProcess
 
 BATCH_DELAY_MS = 1500
@@ -92,7 +93,8 @@ def test_queue_full_gets_503_with_retry_after_promptly(server: ServerProcess) ->
     for i, t in enumerate(threads):
         t.start()
         want = (1, 0) if i == 0 else (1, i)
-        wait_for(lambda want=want: (lambda b: (b["in_flight_batches"], b["queued"]) == want)(batcher()))
+        wait_for(lambda want=want: (lambda b: (b["in_flight_batches"], b["queued"]) == want)(batcher()),
+                 f"batches in flight and queued = {want}", 30)
     for _ in range(2):
         r = httpx.post(url, json={"inputs": "one too many"}, timeout=30)
         assert r.status_code == 503, r.text
@@ -107,9 +109,3 @@ def test_queue_full_gets_503_with_retry_after_promptly(server: ServerProcess) ->
     assert sorted(r.status_code for r in accepted) == [200, 200, 200]
     assert sorted(r.json()["generated_text"] for r in accepted) == [f"queued {i}" for i in range(3)]
 
-
-def wait_for(cond: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)

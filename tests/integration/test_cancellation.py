@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from typing import Any
 
 import grpc
 import httpx
 import pytest
 
+from serving.bench.launch import wait_for
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.integration.harness import ServerProcess
@@ -43,16 +43,6 @@ def stream_lines(server: ServerProcess, rid: str, max_new_tokens: int, n: int) -
                 if len(lines) >= n:
                     break
     return lines
-
-
-def wait_for(pred: Any, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 @pytest.fixture()

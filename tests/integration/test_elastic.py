@@ -9,10 +9,10 @@ import threading
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from serving.bench.launch import wait_for
 from tests.integration.harness import ServerProcess
 
 CRASH_AFTER_READY = '''
@@ -40,14 +40,6 @@ def log_events(server: ServerProcess, pattern: str) -> list[tuple[float, re.Matc
         if m and (hit := re.search(pattern, m.group(2))):
             out.append((datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), hit))
     return out
-
-
-def wait_for(cond: Any, what: str, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := cond()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def test_a_crash_looping_worker_is_restarted_with_growing_backoff(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,6 +15,7 @@ import grpc
 import httpx
 import pytest
 
+from serving.bench.launch import wait_for
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.integration.harness import ServerProcess
@@ -46,14 +46,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     }, files={"crashy": {"model.py": CRASH_ON_PROMPT}}, timeout_s=240)
     yield s
     s.stop()
-
-
-def wait_for(cond: Any, what: str, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := cond()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-    return value
 
 
 def test_a_worker_dying_on_a_request_twice_is_502(server: ServerProcess) -> None:

@@ -1,4 +1,4 @@
-"""Issue 11, items 2, 3 (engine step), 5 (gRPC back-pressure), 6 and 7 through a real server: client ids
+"""Hostile requests through a real server (the engine step, gRPC back-pressure and more): client ids
 never collide, an engine step that raises fails only the request it can blame, a worker whose step keeps
 failing is replaced, gRPC streams are bounded, no internal path reaches a client, health tells the truth."""
 

@@ -1,4 +1,4 @@
-"""Issue 11, items 1, 3, 5 (caps) and 8 through a real server: a value the wire cannot carry, a token id
+"""Hostile values through a real server: a value the wire cannot carry, a token id
 beyond the vocabulary or an amplifying request gets a 4xx naming the field, while a neighbour request on
 the same model runs to its end, twelve requests afterwards succeed and no slot or KV block leaks."""
 

@@ -23,9 +23,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from serving.bench.launch import wait_for
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.integration.harness import ServerProcess, greedy_references
+
+HANG_S = 300  # wait_for's hang guard here (a knob change under load), not a performance bound
 
 PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4 5", "Once upon a time there was",
            "a", "Why is the sky blue?", "def main():", "The quick brown fox"]
@@ -118,15 +121,6 @@ class Load:
         return self.responses
 
 
-def wait_for(cond: Any, what: str, timeout_s: float = 300) -> Any:
-    """Poll ``cond`` until it returns something true (a hang guard, not a performance bound)."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := cond()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-    return value
-
-
 def put(server: ServerProcess, model: str, headers: dict[str, str] | None = None, **knobs: Any) -> httpx.Response:
     return httpx.put(f"{server.mgmt}/models/{model}", params={k: str(v) for k, v in knobs.items()},
                      headers=server.mgmt_headers if headers is None else headers, timeout=120)
@@ -201,7 +195,7 @@ def test_rolling_batch_size_32_to_4_to_32_under_64_requests(server: ServerProces
     first = [greedy(PROMPTS[i % 8], 80 + 2 * i) for i in range(32)]
     finished_before = int(roll_state(server)[1].get("num_requests_finished_total", 0))
     load1 = Load(url, first)
-    wait_for(lambda: running(server) == (32, 32), "32 requests running")
+    wait_for(lambda: running(server) == (32, 32), "32 requests running", HANG_S)
     second = [greedy(PROMPTS[i % 8], 40 + 2 * (i % 8)) for i in range(32)]
     load2 = Load(url, second)
 
@@ -212,7 +206,7 @@ def test_rolling_batch_size_32_to_4_to_32_under_64_requests(server: ServerProces
         finished = int(stats.get("num_requests_finished_total", 0)) - finished_before
         return int(batcher["waiting"]) + int(batcher["running"]) + finished >= 64 and int(batcher["waiting"]) > 0
 
-    wait_for(all_64_arrived, "the second 32 requests queued")
+    wait_for(all_64_arrived, "the second 32 requests queued", HANG_S)
 
     # 32 -> 4 with 32 running: nothing is preempted, nothing admitted until fewer than 4 run
     r = put(server, "roll", max_rolling_batch_size=4)
@@ -223,7 +217,7 @@ def test_rolling_batch_size_32_to_4_to_32_under_64_requests(server: ServerProces
     assert engine["max_num_seqs"] == 4 and engine["max_num_batched_tokens"] == 2048
     running_at_change = engine["limits"]["running_at_change"]
     assert running_at_change > 4, engine  # the change really came while more than 4 ran
-    wait_for(lambda: roll_state(server)[1]["num_running"] < 4, "fewer than 4 running")
+    wait_for(lambda: roll_state(server)[1]["num_running"] < 4, "fewer than 4 running", HANG_S)
     samples: list[float] = []
     # until 12 requests were admitted under the new limit, every reading stays within it
     while True:
@@ -254,10 +248,11 @@ def test_rolling_batch_size_32_to_4_to_32_under_64_requests(server: ServerProces
         return stats if limits["changes"] == raised["changes"] and limits["first_step_admitted"] is not None \
             else None
 
-    stats = wait_for(stepped_since_raise, "a step after the raise")
+    stats = wait_for(stepped_since_raise, "a step after the raise", HANG_S)
     assert stats["limits"]["first_step_admitted"] == raised["waiting_at_change"]  # all of them, at once
     assert stats["limits"]["peak_running_admitting"] == raised["running_at_change"] + raised["waiting_at_change"]
-    wait_for(lambda: gauge(server, "rollserve_num_requests_running", "roll") > 4, "the gauge above the old limit")
+    wait_for(lambda: gauge(server, "rollserve_num_requests_running", "roll") > 4, "the gauge above the old limit",
+             HANG_S)
 
     check_answers(load1.wait(), first, reference)
     check_answers(load2.wait(), second, reference)
@@ -274,7 +269,7 @@ def test_dynamic_batch_size_and_delay_change_while_64_requests_run(server: Serve
     before = batch_buckets(server, "dyn")
     bodies = [{"inputs": f"request number {i}"} for i in range(64)]
     load = Load(f"{server.url}/predictions/dyn", bodies)
-    wait_for(lambda: server.describe("dyn")["batcher"]["batches_total"] >= 2, "two batches of 8")
+    wait_for(lambda: server.describe("dyn")["batcher"]["batches_total"] >= 2, "two batches of 8", HANG_S)
     r = put(server, "dyn", batch_size=4, max_batch_delay=590000)
     assert r.status_code == 200, r.text
     answer = r.json()
@@ -296,7 +291,7 @@ def test_dynamic_batch_size_and_delay_change_while_64_requests_run(server: Serve
 
     # the delay of the batch being gathered: a lone request waits ten minutes for batch-mates, until the change
     lone = Load(f"{server.url}/predictions/dyn", [{"inputs": "alone"}])
-    wait_for(lambda: gauge(server, "rollserve_num_requests_running", "dyn") == 1, "the lone request gathering")
+    wait_for(lambda: gauge(server, "rollserve_num_requests_running", "dyn") == 1, "the lone request gathering", HANG_S)
     assert server.describe("dyn")["batcher"]["batches_total"] == old + new  # not sent yet
     assert put(server, "dyn", max_batch_delay=5).status_code == 200
     (r,) = lone.wait(60)
@@ -418,21 +413,21 @@ def test_min_and_max_worker_both_apply_and_scaling_down_retires_the_idlest_after
         loads = {w["in_flight"]: w["id"] for w in workers(server, model)}
         return loads if sorted(loads) == [0, 1] else None
 
-    loads = wait_for(one_busy, "one busy worker")  # in flight -> worker id
+    loads = wait_for(one_busy, "one busy worker", HANG_S)  # in flight -> worker id
     busy_id, idle_id = loads[1], loads[0]
     r = put(server, model, min_worker=1, max_worker=1)
     assert r.status_code == 200, r.text
     assert r.json()["retiring_workers"] == [idle_id] and r.json()["target_workers"] == 1
     (answer,) = busy.wait()
     assert (answer.status_code, answer.json()) == (200, expected)
-    wait_for(lambda: [w["id"] for w in workers(server, model)] == [busy_id], "the idle worker to stop")
+    wait_for(lambda: [w["id"] for w in workers(server, model)] == [busy_id], "the idle worker to stop", HANG_S)
 
     # two busy workers: the one retired gets no new request and stops only once its own finished
     assert put(server, model, min_worker=2, max_worker=2).status_code == 200
-    wait_for(lambda: len(workers(server, model)) == 2, "two workers")
+    wait_for(lambda: len(workers(server, model)) == 2, "two workers", HANG_S)
     jobs = [job(model, name) for name in ("first", "second", "third")]
     both = Load(url, [body for body, _ in jobs[:2]])
-    wait_for(lambda: [w["in_flight"] for w in workers(server, model)] == [1, 1], "both workers busy")
+    wait_for(lambda: [w["in_flight"] for w in workers(server, model)] == [1, 1], "both workers busy", HANG_S)
     r = put(server, model, max_worker=1)
     assert r.status_code == 200, r.text
     assert r.json()["changed"] == {"min_worker": 1, "max_worker": 1}  # min follows a max below it
@@ -442,7 +437,7 @@ def test_min_and_max_worker_both_apply_and_scaling_down_retires_the_idlest_after
     third = Load(url, [jobs[2][0]])  # goes to the other worker
     responses = both.wait() + third.wait()
     assert [(r.status_code, r.json()) for r in responses] == [(200, expected) for _, expected in jobs]
-    wait_for(lambda: len(workers(server, model)) == 1, "the retired worker to stop")
+    wait_for(lambda: len(workers(server, model)) == 1, "the retired worker to stop", HANG_S)
     assert retiring not in [w["id"] for w in workers(server, model)]
     assert server.describe(model)["worker_restarts"] == 0
 

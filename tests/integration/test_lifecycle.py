@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from serving.bench.launch import wait_for
 from tests.integration.harness import ServerProcess, write_model
 
 ECHO = {"option.entryPoint": "echo"}
@@ -30,16 +31,6 @@ class Handler(Handler):
     def handle(self, inputs):
         return []
 '''
-
-
-def wait_for(cond: Any, timeout_s: float, what: str, step_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(step_s)
 
 
 def cpu_ticks(pid: int) -> int:
@@ -114,13 +105,13 @@ def test_sigkill_rolling_worker_mid_stream(tmp_path: Path) -> None:
         started = [StreamReader(url, f"story {i}", 1500, f"run-{i}") for i in range(2)]
         for t in started:
             t.start()
-        wait_for(lambda: all(len(t.lines) >= 2 for t in started), 60, "two streams flowing")
+        wait_for(lambda: all(len(t.lines) >= 2 for t in started), "two streams flowing", 60, step_s=0.1)
         waiting = StreamReader(url, long_prompt, 8, "prefilling")
         waiting.start()
 
         def engine() -> dict[str, Any]:
             return dict(next(iter(s.describe("roll")["batcher"]["engines"].values())))
-        wait_for(lambda: "prefilling" in engine()["blocks_held"], 30, "the long prompt admitted", 0.005)
+        wait_for(lambda: "prefilling" in engine()["blocks_held"], "the long prompt admitted", 30, step_s=0.005)
         assert waiting.lines == []
         os.kill(old["pid"], signal.SIGKILL)
         for t in [*started, waiting]:
@@ -156,12 +147,12 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tmp_path: Path) ->
     try:
         for t in threads[:2]:  # a full batch of 2 goes to the worker at once
             t.start()
-        wait_for(lambda: s.describe("echo")["batcher"]["in_flight_batches"] == 1, 5, "the batch in flight")
+        wait_for(lambda: s.describe("echo")["batcher"]["in_flight_batches"] == 1, "the batch in flight", 5, step_s=0.1)
         threads[2].start()  # and one waits in the queue
-        wait_for(lambda: s.describe("echo")["batcher"]["queued"] == 1, 5, "a queued request")
+        wait_for(lambda: s.describe("echo")["batcher"]["queued"] == 1, "a queued request", 5, step_s=0.1)
         s.proc.send_signal(signal.SIGTERM)
-        ping = wait_for(lambda: (p := httpx.get(f"{s.url}/ping", timeout=5)).status_code == 503 and p, 2,
-                        "ping 503", 0.02)
+        ping = wait_for(lambda: (p := httpx.get(f"{s.url}/ping", timeout=5)).status_code == 503 and p, "ping 503",
+                        2, step_s=0.02)
         assert ping.json()["status"] == "draining"
         r = httpx.post(url, json={"inputs": "too late"}, timeout=5)
         assert r.status_code == 503, r.text
@@ -181,7 +172,7 @@ def test_model_failing_to_load_is_failed_and_server_stays_idle(tmp_path: Path) -
     s = ServerProcess.start(tmp_path, models={"good": ECHO, "broken": {"option.entryPoint": "model.py"}},
                             files={"broken": {"model.py": BAD_MODEL_PY}}, wait_ready=False)
     try:
-        info = wait_for(lambda: (d := s.describe("broken"))["state"] == "FAILED" and d, 30, "broken FAILED")
+        info = wait_for(lambda: (d := s.describe("broken"))["state"] == "FAILED" and d, "broken FAILED", 30, step_s=0.1)
         assert "weights are corrupt" in info["reason"]
         assert info["workers"] == []
         assert "failed to load (3/3)" in s.log()  # bounded retries
@@ -268,7 +259,7 @@ def test_register_scale_unregister(mgmt_server: ServerProcess) -> None:
     r = httpx.post(f"{s.url}/predictions/m2", json={"inputs": "gone"}, timeout=10)
     assert r.status_code == 404 and r.json()["error_type"] == "not_found"
     # the unregistered model's workers are gone; the base model's remains
-    wait_for(lambda: len(s.worker_pids()) == 1, 10, "m2's workers to exit")
+    wait_for(lambda: len(s.worker_pids()) == 1, "m2's workers to exit", 10, step_s=0.1)
     assert s.describe("base")["state"] == "READY"
 
 

@@ -1,4 +1,4 @@
-"""Issue 11, item 4 through real servers: no request waits forever. A queue-wait limit answers 503 with a
+"""Through real servers: no request waits forever. A queue-wait limit answers 503 with a
 measured Retry-After; a model that turns FAILED, or is unregistered while requests wait, fails them at
 once; a malformed output fails its own request while its batch-mates are answered."""
 

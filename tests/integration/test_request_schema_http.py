@@ -1,4 +1,4 @@
-"""One source for validation and schema (issue 13, item 4), through a real server: the ``/openapi.json`` it serves
+"""One source for validation and schema, through a real server: the ``/openapi.json`` it serves
 is read as the contract (``tests/schema_strategies.py``), and for each route (LMI ``/predictions`` and
 ``/invocations``, OpenAI completions and chat, TGI ``/generate``, ``/generate_stream`` and ``/``):
 

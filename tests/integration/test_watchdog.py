@@ -1,4 +1,4 @@
-"""Issue 11, item 4: a rolling worker that hangs (SIGSTOP mid-stream) or loses a tensor-parallel rank gives
+"""The liveness watchdog: a rolling worker that hangs (SIGSTOP mid-stream) or loses a tensor-parallel rank gives
 its clients a definite error, is replaced, and the model serves again. ``predict_timeout`` is 600 s so only
 the liveness watchdog (``option.liveness_timeout=3``) or the rank check can explain the error seen."""
 

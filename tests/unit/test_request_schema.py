@@ -1,4 +1,4 @@
-"""One source for validation and schema (issue 13, item 4), in process: the routes' validation functions
+"""One source for validation and schema, in process: the routes' validation functions
 against the document ``/openapi.json`` serves (``inference_document``), read as JSON Schema by
 ``tests/schema_strategies.py``. Bodies valid per the document are accepted, a value out of its documented
 range is refused with a message naming the field, the document and the validation take their caps from the

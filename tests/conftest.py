@@ -4,6 +4,7 @@ stays a skip (``.ci/run`` prints each reason with ``-rs``)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Generator
 from typing import Any
@@ -13,6 +14,25 @@ import pytest
 # The GPU decode kernel (handlers/engine/triton_decode.py) runs in these CPU tests through Triton's interpreter,
 # which Triton reads once, before its first kernel is defined: so here, before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _share_ssl_contexts() -> None:
+    """Every ``httpx.get``/``post`` builds a client, and every client an SSL context from the CA bundle: 35 ms
+    of this process's CPU per call, though the servers under test speak plain HTTP. The tests make thousands
+    of such calls (polling a server's state among them), competing with the servers for the same cores; one
+    context per distinct setting serves them all (an ``SSLContext`` may be shared)."""
+    import httpx._transports.default as transports
+
+    build = transports.create_ssl_context
+
+    @functools.lru_cache(maxsize=8)
+    def shared(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    transports.create_ssl_context = shared  # type: ignore[assignment]
+
+
+_share_ssl_contexts()
 
 
 def ci_mode() -> bool:

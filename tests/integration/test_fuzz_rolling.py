@@ -26,7 +26,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
                             # max_model_len bounds the work one fuzzed request can ask for (a 2048-token answer
                             # on a busy machine outlived the 120 s predict timeout: a 504 from load, not a bug)
                             models={"roll": {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "4",
-                                             "option.max_model_len": "256"}},
+                                             "option.max_model_len": "96"}},
                             config={"inference_auth": "true"})
     yield s
     s.stop()

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from serving.bench.launch import wait_for
 from tests.integration.harness import ServerProcess
 from tests.integration.hostile import POISON_HANDLER, error_of, lmi_body, post, twelve_afterwards
 
@@ -58,6 +59,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     s.stop()
 
 
+def in_worker(server: ServerProcess, model: str) -> int:
+    """Requests the model's worker holds now: a dynamic model's batches in flight, a rolling one's running."""
+    b = server.describe(model)["batcher"]
+    return int(b["running"] if "running" in b else b["in_flight_batches"])
+
+
 def timed(fn: object, *args: object) -> tuple[httpx.Response, float]:
     r = fn(*args)  # type: ignore[operator]
     return r, time.monotonic()
@@ -67,7 +74,7 @@ def test_queue_wait_limit_answers_503_with_retry_after_before_the_busy_request_e
     for model, busy_body in (("slow", {"inputs": "busy"}), ("slowroll", lmi_body("busy", max_new_tokens=150))):
         with ThreadPoolExecutor(4) as pool:
             busy = pool.submit(timed, post, server, f"/predictions/{model}", busy_body)
-            time.sleep(0.3)
+            wait_for(lambda model=model: in_worker(server, model) == 1, f"the busy request in {model}'s worker")
             queued = [pool.submit(timed, post, server, f"/predictions/{model}", lmi_body(f"q{i}", max_new_tokens=2)
                                   if model == "slowroll" else {"inputs": f"q{i}"}) for i in range(3)]
             busy_response, busy_end = busy.result()
@@ -85,9 +92,9 @@ def test_a_model_that_turns_failed_fails_its_queued_requests(server: ServerProce
     pid = s.describe("flaky")["workers"][0]["pid"]
     with ThreadPoolExecutor(4) as pool:
         slow = pool.submit(post, s, "/predictions/flaky", {"inputs": "slow"}, 120)
-        time.sleep(0.5)
+        wait_for(lambda: in_worker(s, "flaky") == 1, "the slow request in the worker")
         queued = [pool.submit(post, s, "/predictions/flaky", {"inputs": f"q{i}"}, 120) for i in range(3)]
-        time.sleep(0.3)
+        wait_for(lambda: s.describe("flaky")["batcher"]["queued"] == 3, "three requests queued behind it")
         os.kill(pid, signal.SIGKILL)  # its restarts fail to load: the model turns FAILED
         responses = [slow.result(), *[q.result() for q in queued]]
     for r in responses:
@@ -101,7 +108,8 @@ def test_unregistering_a_model_fails_the_requests_its_drain_left(server: ServerP
     s = server
     with ThreadPoolExecutor(4) as pool:
         pending = [pool.submit(post, s, "/predictions/spare", {"inputs": f"r{i}"}, 120) for i in range(3)]
-        time.sleep(0.5)
+        wait_for(lambda: in_worker(s, "spare") == 1 and s.describe("spare")["batcher"]["queued"] == 2,
+                 "one request in the worker, two queued")
         r = httpx.delete(f"{s.mgmt}/models/spare", headers=s.mgmt_headers, timeout=60)
         assert r.status_code == 200, r.text
         responses = [p.result() for p in pending]

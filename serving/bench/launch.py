@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 from serving.config import MODEL_PROPERTIES
 from serving.properties import parse_properties
 
-
 T = TypeVar("T")
 
 

@@ -10,6 +10,9 @@ Worker -> frontend: Ready, LoadFailed, BatchResult, Deltas, Reject, Configured (
 
 from __future__ import annotations
 
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Union
 
@@ -156,6 +159,44 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return names
 
 
+Check = Callable[[Any], bool]
+
+
+def _checker(tp: Any) -> Check:
+    """A predicate for a value decoded from msgpack against a field's annotation (str, int, float, bool, None,
+    lists, string-keyed dicts, unions, Any), built once per field: a frame with a wrongly typed field is a
+    ``ProtocolError`` naming it, never a message whose handler fails later on a surprise type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return lambda v: True
+    if tp is type(None):
+        return lambda v: v is None
+    if tp is bool:
+        return lambda v: isinstance(v, bool)
+    if tp is int:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if tp is float:  # msgpack keeps 1.0 as a float, but a sender may write a whole number as an int
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if tp is str:
+        return lambda v: isinstance(v, str)
+    if origin in (Union, types.UnionType):
+        options = [_checker(a) for a in args]
+        return lambda v: any(c(v) for c in options)
+    if origin is list:
+        item = _checker(args[0]) if args else _checker(Any)
+        return lambda v: isinstance(v, list) and all(item(x) for x in v)
+    if origin is dict:
+        value = _checker(args[1]) if args else _checker(Any)
+        return lambda v: isinstance(v, dict) and all(isinstance(k, str) and value(x) for k, x in v.items())
+    raise TypeError(f"no wire check for {tp!r}")
+
+
+_CHECKS: dict[type, tuple[tuple[str, Check], ...]] = {
+    cls: tuple((f.name, _checker(typing.get_type_hints(cls)[f.name])) for f in fields(cls))
+    for cls in MESSAGE_TYPES.values()
+}
+
+
 def message_from_dict(d: Any) -> Message:
     if not isinstance(d, dict) or not isinstance(d.get("t"), str):
         raise ProtocolError("frame is not a tagged map")
@@ -167,6 +208,11 @@ def message_from_dict(d: Any) -> Message:
     if not kw.keys() <= set(names):
         raise ProtocolError(f"unexpected fields {sorted(kw.keys() - set(names))} in {d['t']!r}")
     try:
-        return cls(**kw)  # type: ignore[no-any-return]
+        msg = cls(**kw)
     except TypeError as exc:
         raise ProtocolError(f"bad {d['t']!r} message: {exc}") from None
+    for name, check in _CHECKS[cls]:
+        if name in kw and not check(kw[name]):
+            raise ProtocolError(f"bad {d['t']!r} message: field {name!r} is a {type(kw[name]).__name__}, "
+                                f"not {typing.get_type_hints(cls)[name]}")
+    return msg  # type: ignore[no-any-return]

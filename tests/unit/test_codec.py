@@ -122,7 +122,31 @@ def test_rejects_oversized_frame_header_before_buffering() -> None:
 
 
 def test_ext_types_are_not_decoded_into_objects() -> None:
+    # msgpack hands back an inert ExtType tuple (nothing is constructed or executed from it), which is no list
+    # of request ids: the frame is refused
     body = _body({"t": "abort", "request_ids": msgpack.ExtType(1, b"payload")})
-    msg = codec.decode_body(body)
-    # msgpack hands back an inert ExtType tuple; nothing is constructed or executed from it.
-    assert isinstance(msg, Abort) and isinstance(msg.request_ids, msgpack.ExtType)
+    with pytest.raises(ProtocolError, match="field 'request_ids' is a ExtType"):
+        codec.decode_body(body)
+
+
+@pytest.mark.parametrize("frame,field", [
+    ({"t": "abort", "request_ids": "r1"}, "request_ids"),                      # a string, not a list
+    ({"t": "abort", "request_ids": ["r1", 2]}, "request_ids"),                 # an item of another type
+    ({"t": "batch", "batch_id": "1", "requests": []}, "batch_id"),             # a number as text
+    ({"t": "batch", "batch_id": True, "requests": []}, "batch_id"),            # a bool is no integer
+    ({"t": "add", "requests": [["not", "a", "map"]]}, "requests"),
+    ({"t": "configure", "seq": 1, "options": {"max_rolling_batch_size": "4"}}, "options"),
+    ({"t": "init", "model_name": "m", "model_dir": "/m", "entry_point": "echo", "properties": {"a": 1}},
+     "properties"),
+    ({"t": "deltas", "step": 1, "deltas": [], "step_s": "0.1"}, "step_s"),
+    ({"t": "configured", "seq": 1, "error": 5}, "error"),
+])
+def test_a_wrongly_typed_field_is_refused_by_name(frame: dict[str, object], field: str) -> None:
+    with pytest.raises(ProtocolError, match=f"field '{field}'"):
+        codec.decode_body(_body(frame))
+
+
+def test_typed_fields_accept_what_senders_write() -> None:
+    assert codec.decode_body(_body({"t": "deltas", "step": 3, "deltas": [{"id": "r"}], "step_s": 1})) == \
+        Deltas(step=3, deltas=[{"id": "r"}], step_s=1)  # a whole number for a float field
+    assert codec.decode_body(_body({"t": "configured", "seq": 2, "error": None})) == Configured(seq=2)

@@ -4,7 +4,7 @@ A stack of the 110m model's linear shapes (12 layers of fused QKV 2304x768, outp
 6144x768, down 768x3072, then the lm_head 8192x768: 340 MB of fp32 weights, streamed from memory every step
 as in the engine) run on ``--rows`` rows; prints the median step time and the CPU time per step.
 
-    .venv/bin/python benchmarks/gemm.py packed --threads 2           # handlers.engine.prepack.PackedLinear
+    .venv/bin/python benchmarks/gemm.py packed --threads 2           # handlers.engine.execution.prepack.PackedLinear
     .venv/bin/python benchmarks/gemm.py plain --threads 2            # F.linear on the plain weight
     benchmarks/.venv-vllm/bin/python benchmarks/gemm.py vllm --threads 2   # vLLM's create_onednn_mm/onednn_mm
     .venv/bin/python benchmarks/gemm.py packed-all --rows 2048              # the packed weight at any row count
@@ -40,7 +40,7 @@ def build(mode: str, weights: list[torch.Tensor]) -> list[tuple[int, Callable[[t
             fns.append((w.shape[1], lambda x, w=w: F.linear(x, w)))
         elif mode in ("packed", "packed-all"):
             sys.path.insert(0, str(REPO))
-            from handlers.engine.prepack import HYBRID_MAX_PACKED_ROWS, PackedLinear
+            from handlers.engine.execution.prepack import HYBRID_MAX_PACKED_ROWS, PackedLinear
 
             lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
             lin.weight.data = w

@@ -36,8 +36,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from handlers.engine.config import EngineConfig  # noqa: E402
 from handlers.engine.engine import LLMEngine  # noqa: E402
+from handlers.engine.planning.config import EngineConfig  # noqa: E402
 from handlers.synthetic_model import build_model, build_tokenizer  # noqa: E402
 from rollcore.types import SamplingParams  # noqa: E402
 

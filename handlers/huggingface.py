@@ -23,10 +23,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
 from handlers.base import Context, Handler, Input, Output
-from handlers.engine.cpu import auto_threads, keep_freed_memory
-from handlers.engine.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
-from handlers.engine.quantize import quantize_linears
-from handlers.engine.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
+from handlers.engine.execution.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
+from handlers.engine.execution.quantize import quantize_linears
+from handlers.engine.execution.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
+from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
 from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
 from rollcore.errors import InvalidRequest, ServingError
 from rollcore.options import option_value
@@ -45,7 +45,7 @@ class _Item:
     index: int  # position in the handled batch
     request: Input
     prompt_ids: list[int]
-    matcher: Any = None  # structured output: the grammar's matcher (handlers.engine.grammar)
+    matcher: Any = None  # structured output: the grammar's matcher (handlers.engine.execution.grammar)
 
 
 def _group_key(p: SamplingParams, index: int) -> Hashable:

@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from handlers.engine.checkpoint import checkpoint_tensors, weights_dir
-from handlers.engine.config import EngineConfig
-from handlers.engine.families import ADMITTED_BY_LIST, admission, load_config_dict, unsupported_reason
-from handlers.engine.memory import preflight
+from handlers.engine.planning.checkpoint import checkpoint_tensors, weights_dir
+from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.families import ADMITTED_BY_LIST, admission, load_config_dict, unsupported_reason
+from handlers.engine.planning.memory import preflight
 
 
 def engine_admission(folder: Path, max_model_len: int | None) -> tuple[dict[str, Any], str | None, bool]:

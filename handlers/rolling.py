@@ -90,7 +90,7 @@ class HuggingFaceRollingHandler(RollingHandler):
             "num_blocks": engine.scheduler.allocator.num_blocks,
             # how the architecture was admitted: the verified list, or the load-time self-check's summary
             "admitted": engine.admitted,
-            "structured_output": True,  # grammars are applied (handlers.engine.grammar)
+            "structured_output": True,  # grammars are applied (handlers.engine.execution.grammar)
             "prompt_logprobs": True,
         }
 

@@ -185,8 +185,8 @@ FAMILIES: dict[str, _Family] = {
                                      max_seq_len=m, expansion_ratio=2)),
 }
 
-# Architectures off the engine's verified list (``handlers.engine.families.SUPPORTED``) that transformers serves
-# through its attention interface: the engine admits them by its load-time self-check (tests/engine/
+# Architectures off the engine's verified list (``handlers.engine.planning.families.SUPPORTED``) that transformers
+# serves through its attention interface: the engine admits them by its load-time self-check (tests/engine/
 # test_self_check.py). OLMo-3 alternates sliding and full layers; GLM-4 has partial rotary and extra norms.
 UNLISTED_FAMILIES: dict[str, _Family] = {
     "olmo3": lambda s, m: ("olmo3", _llama_like(s, m, sliding_window=_W, layer_types=_alternating(s))),

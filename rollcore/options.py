@@ -123,7 +123,7 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("tool_call_parser", choice(("hermes", "llama3_json", "mistral")), "hermes", (SERVING,),
           "how tool calls look in the model's text: hermes, llama3_json or mistral"),
     _spec("handler", any_text, None, (LOADER,), "the handler class of a custom entry point's module"),
-    # The rolling engine (handlers.engine.config.EngineConfig) and the dynamic huggingface handler.
+    # The rolling engine (handlers.engine.planning.config.EngineConfig) and the dynamic huggingface handler.
     _spec("max_prefill_tokens_while_decoding", integer(0), "256", (ENGINE,),
           "while sequences decode, prefill chunks take at most this many tokens of a step (a long prefill step "
           "stalls every running stream); 0 = up to the whole budget"),

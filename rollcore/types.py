@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 # How many models loaded at start share this machine's cores: set by the frontend (serving.registry) in its
-# workers' environment, read by option.num_threads=auto (handlers.engine.cpu.auto_threads).
+# workers' environment, read by option.num_threads=auto (handlers.engine.planning.cpu.auto_threads).
 CORE_SHARERS_ENV = "ROLLSERVE_MODELS_SHARING_CORES"
 
 
@@ -63,7 +63,7 @@ class SamplingParams:
     # vLLM's prompt_logprobs: each prompt token's log-probability given the tokens before it (None: not
     # computed; k > 0: with the k most likely alternatives at each position)
     prompt_logprobs: int | None = None
-    bad_words: tuple[str, ...] = ()  # vLLM's: words never generated (handlers.engine.sampling.BadWords)
+    bad_words: tuple[str, ...] = ()  # vLLM's: words never generated (handlers.engine.execution.sampling.BadWords)
     # beam search (transformers' generate: dynamic batching only); greedy and sampling ignore them at 1 beam
     num_beams: int = 1
     length_penalty: float = 1.0

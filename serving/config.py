@@ -34,7 +34,7 @@ so the frontend builds the right batcher before any worker starts. ``auto`` pick
 the model folder's ``config.json`` names an architecture the engine serves exactly and dynamic batching
 (HF ``generate``) otherwise; ``scheduler`` -- and DJL's ``lmi-dist`` and ``vllm``, which name rollserve's
 engine here -- on an architecture the engine refuses is a ``ConfigError`` naming the architecture and the
-feature. The check is ``handlers.engine.families``, torch-free like this module.
+feature. The check is ``handlers.engine.planning.families``, torch-free like this module.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ each layer's operators), which a second thread does not speed up but a second pr
 step is matrix products that every core can share, and one worker keeps one copy of the weights and one KV cache.
 Measured on a 2-core AVX2 machine (benchmarks/README.md, "Layout from the cores"): the 3.4M tiny-llama served
 more with a worker per core, SmolLM2-135M more with one worker of two threads, and one core is always one worker.
-``option.num_threads=auto`` then gives each worker its share of the cores (``handlers.engine.cpu.auto_threads``),
-so threads never outnumber cores.
+``option.num_threads=auto`` then gives each worker its share of the cores
+(``handlers.engine.planning.cpu.auto_threads``), so threads never outnumber cores.
 """
 
 from __future__ import annotations

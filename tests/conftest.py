@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-# The GPU decode kernel (handlers/engine/triton_decode.py) runs in these CPU tests through Triton's interpreter,
-# which Triton reads once, before its first kernel is defined: so here, before anything imports triton.
+# The GPU decode kernel (handlers/engine/execution/triton_decode.py) runs in these CPU tests through Triton's
+# interpreter, which Triton reads once, before its first kernel is defined: so here, before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -38,6 +38,19 @@ _share_ssl_contexts()
 def ci_mode() -> bool:
     """True when the suite runs under CI (``CI=true``, as CI services set it)."""
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker (``.ci/run`` runs files side by side) keeps to its share of the cores, and so do
+    the servers it starts (they inherit the mask and size their workers and threads from it: ``auto``): two
+    workers' servers each spinning OpenMP threads on every core made the suite slower than running alone."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return
+    count, index = int(workerinput["workercount"]), int(str(workerinput["workerid"]).removeprefix("gw"))
+    cores = sorted(os.sched_getaffinity(0))
+    if count > 1 and len(cores) >= count:
+        os.sched_setaffinity(0, cores[index::count])
 
 
 _TIERS = {"unit": "unit", "engine": "engine", "handlers": "engine", "integration": "integration"}

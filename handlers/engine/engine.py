@@ -18,26 +18,19 @@ from typing import Any
 
 import torch
 
-from handlers.engine.checkpoint import weights_dir
-from handlers.engine.config import EngineConfig
-from handlers.engine.detokenizer import IncrementalDetokenizer
-from handlers.engine.device import device_budget, device_defaults, engine_device
-from handlers.engine.families import (
-    ADMITTED_BY_LIST,
-    UnsupportedModel,
-    check_config,
-    load_config_dict,
-    needs_self_check,
-)
-from handlers.engine.grammar import GrammarCompiler, masks
-from handlers.engine.host_memory import MemoryBudget, memory_budget
-from handlers.engine.loading import load_model_and_tokenizer
-from handlers.engine.memory import MemoryPlan, plan_loaded_model, preflight
-from handlers.engine.paged_attention import KVPool
-from handlers.engine.parallel import TensorParallelGroup, shard_model, start_group
-from handlers.engine.quantize import check_layout, quantize_model
-from handlers.engine.runner import ModelRunner, kv_geometry
-from handlers.engine.sampling import (
+from handlers.engine.core.detokenizer import IncrementalDetokenizer
+from handlers.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from handlers.engine.core.sequence import Sequence
+from handlers.engine.core.speculative import NgramDrafter, accepted_prefix
+from handlers.engine.core.step_budget import PrefillBudget
+from handlers.engine.execution.device import device_budget, device_defaults, engine_device
+from handlers.engine.execution.grammar import GrammarCompiler, masks
+from handlers.engine.execution.loading import load_model_and_tokenizer
+from handlers.engine.execution.paged_attention import KVPool
+from handlers.engine.execution.parallel import TensorParallelGroup, shard_model, start_group
+from handlers.engine.execution.quantize import check_layout, quantize_model
+from handlers.engine.execution.runner import ModelRunner, kv_geometry
+from handlers.engine.execution.sampling import (
     RequestSampler,
     SampledToken,
     bad_words_ids,
@@ -45,11 +38,18 @@ from handlers.engine.sampling import (
     sampled_token,
     scored_tokens,
 )
-from handlers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from handlers.engine.self_check import reference_logits, verify
-from handlers.engine.sequence import Sequence
-from handlers.engine.speculative import NgramDrafter, accepted_prefix
-from handlers.engine.step_budget import PrefillBudget
+from handlers.engine.execution.self_check import reference_logits, verify
+from handlers.engine.planning.checkpoint import weights_dir
+from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.families import (
+    ADMITTED_BY_LIST,
+    UnsupportedModel,
+    check_config,
+    load_config_dict,
+    needs_self_check,
+)
+from handlers.engine.planning.host_memory import MemoryBudget, memory_budget
+from handlers.engine.planning.memory import MemoryPlan, plan_loaded_model, preflight
 from rollcore.errors import InvalidRequest
 from rollcore.step_cost import StepCost
 from rollcore.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
@@ -66,7 +66,7 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     eos_ids: frozenset[int]
     drafter: NgramDrafter | None = None  # speculative decoding's guesses (plain greedy requests only)
-    matcher: Any = None  # structured output: the grammar's llguidance matcher (handlers.engine.grammar)
+    matcher: Any = None  # structured output: the grammar's llguidance matcher (handlers.engine.execution.grammar)
     prompt_scores: list[TokenInfo | None] | None = None  # prompt_logprobs: one entry per prompt position
     sent_first: bool = False
 
@@ -107,7 +107,7 @@ class LLMEngine:
         if tp_group is not None:  # every rank must build the same pool: rank 0 decides
             num_blocks = tp_group.broadcast_int(num_blocks)
         # An architecture off the verified list: transformers' own logits now, before the runner changes the
-        # model; the engine's after (``handlers.engine.self_check``). ``admitted`` says which way it came in.
+        # model; the engine's after (``handlers.engine.execution.self_check``). ``admitted`` says which way it came in.
         model_type = str(getattr(model_cfg, "model_type", "") or "")
         arch = f"{type(model).__name__} (model_type={model_type})"
         probe = None
@@ -146,7 +146,7 @@ class LLMEngine:
                           "num_requests_aborted_total": 0, "spec_draft_tokens_total": 0,
                           "spec_accepted_tokens_total": 0}
         self.step_cost = StepCost()  # every step's tokens and seconds (``rollcore.step_cost``: serving tune fits it)
-        # the prefill a step may carry while sequences decode, bounded by time (``handlers.engine.step_budget``)
+        # the prefill a step may carry while sequences decode, bounded by time (``handlers.engine.core.step_budget``)
         self.prefill_budget: PrefillBudget | None = None
         if config.max_mixed_step_ratio:
             self.prefill_budget = PrefillBudget(config.max_mixed_step_ratio, floor=config.block_size)
@@ -163,7 +163,7 @@ class LLMEngine:
         worker's device (``device_id``: an index among the devices this process sees, -1 = CPU).
 
         With ``tensor_parallel_degree`` N > 1 this process becomes rank 0 of N: it starts the other ranks,
-        and every rank loads and shards the model (see ``handlers.engine.parallel``)."""
+        and every rank loads and shards the model (see ``handlers.engine.execution.parallel``)."""
         device = engine_device(device_id)
         config = EngineConfig.from_options(options)
         check_config(load_config_dict(weights_dir(model_dir, options.get("model_id"))), config.max_model_len,
@@ -339,7 +339,7 @@ class LLMEngine:
 
     def _verify(self, sampled: list[ScheduledChunk], reqs: list[_Request], logits: torch.Tensor) -> list[TokenDelta]:
         """A step with guesses: chunks with a draft have 1 + len(draft) logits rows (greedy, see
-        ``handlers.engine.speculative``), the others one row sampled as usual."""
+        ``handlers.engine.core.speculative``), the others one row sampled as usual."""
         first: list[int] = []  # each chunk's first logits row
         row = 0
         for c in sampled:

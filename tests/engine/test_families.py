@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from handlers.engine.engine import LLMEngine
-from handlers.engine.families import SUPPORTED, TENSOR_PARALLEL, UnsupportedModel
-from handlers.engine.runner import kv_geometry
+from handlers.engine.execution.runner import kv_geometry
+from handlers.engine.planning.families import SUPPORTED, TENSOR_PARALLEL, UnsupportedModel
 from handlers.synthetic_model import FAMILIES, TEST_SLIDING_WINDOW, build_model
 from rollcore.types import SamplingParams
 
@@ -222,7 +222,7 @@ def test_bf16_against_generate_bf16(family_root: Path, family: str, record_prope
     broken path agrees at ~1/vocab)."""
     from transformers import AutoModelForCausalLM
 
-    from handlers.engine.runner import StepInputs
+    from handlers.engine.execution.runner import StepInputs
 
     model_dir = family_dir(family_root, family)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()

@@ -1,4 +1,4 @@
-"""The GPU decode kernel (``handlers.engine.gpu_attention``), run by Triton's interpreter on CPU tensors: the
+"""The GPU decode kernel (``handlers.engine.execution.gpu_attention``), run by Triton's interpreter on CPU tensors: the
 same arguments as the C kernel's test, the same float64 reference."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from handlers.engine.gpu_attention import TritonPagedKernels
-from handlers.engine.paged_attention import KVPool, SeqSpan, StepMetadata
+from handlers.engine.execution.gpu_attention import TritonPagedKernels
+from handlers.engine.execution.paged_attention import KVPool, SeqSpan, StepMetadata
 from tests.engine.test_kernels import reference
 
 

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from handlers.engine import kernels
-from handlers.engine.kernels import load_kernels
-from handlers.engine.paged_attention import KVPool, SeqSpan, StepMetadata, _attend
+from handlers.engine.execution import kernels
+from handlers.engine.execution.kernels import load_kernels
+from handlers.engine.execution.paged_attention import KVPool, SeqSpan, StepMetadata, _attend
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None,
@@ -118,7 +118,7 @@ def test_freed_activation_memory_is_reused_without_page_faults() -> None:
     """After ``keep_freed_memory`` a large temporary allocated again comes back without faulting its pages in."""
     import resource
 
-    from handlers.engine.cpu import keep_freed_memory
+    from handlers.engine.planning.cpu import keep_freed_memory
 
     def faults_of_one_step() -> int:
         """Page faults of a step-like pattern: large temporaries of a few sizes, allocated and freed."""
@@ -169,7 +169,7 @@ def test_kv_pool_memory_is_zero_and_paid_for_when_used(populate: str) -> None:
 
 def test_kv_cache_populate_option_is_checked() -> None:
     """``option.kv_cache_populate`` is parsed and checked (eager by default)."""
-    from handlers.engine.config import EngineConfig
+    from handlers.engine.planning.config import EngineConfig
     from rollcore.errors import ConfigError
 
     assert EngineConfig.from_options({}).kv_cache_populate == "eager"

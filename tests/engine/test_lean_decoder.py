@@ -1,4 +1,4 @@
-"""``handlers.engine.lean``: the lean forward of Llama-structured decoders gives bitwise transformers' logits,
+"""``handlers.engine.execution.lean``: the lean forward of Llama-structured decoders gives bitwise transformers' logits,
 is used only where it does, and the load-time probe refuses it when a model deviates."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers.engine.runner import ModelRunner, StepInputs
+from handlers.engine.execution.runner import ModelRunner, StepInputs
 from handlers.synthetic_model import build_model
 
 BS = 16

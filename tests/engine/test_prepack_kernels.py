@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from handlers.engine.engine import LLMEngine
-from handlers.engine.prepack import (
+from handlers.engine.execution.prepack import (
     HYBRID_MAX_PACKED_ROWS,
     HYBRID_MIN_PACKED_ROWS,
     KERNEL_BYTES,

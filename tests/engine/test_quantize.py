@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from handlers.base import Context, Input
-from handlers.engine.checkpoint import WeightFigures, quantized_weights
-from handlers.engine.config import EngineConfig
 from handlers.engine.engine import LLMEngine
-from handlers.engine.quantize import QuantizedLinear, quantize_linears
+from handlers.engine.execution.quantize import QuantizedLinear, quantize_linears
+from handlers.engine.planning.checkpoint import WeightFigures, quantized_weights
+from handlers.engine.planning.config import EngineConfig
 from handlers.huggingface import HuggingFaceHandler
 from rollcore.errors import ConfigError
 from rollcore.types import SamplingParams

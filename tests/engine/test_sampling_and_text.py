@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from handlers.base import Context, Input
-from handlers.engine.detokenizer import IncrementalDetokenizer
+from handlers.engine.core.detokenizer import IncrementalDetokenizer
 from handlers.engine.engine import LLMEngine
 from handlers.rolling import HuggingFaceRollingHandler
 from rollcore.errors import InvalidRequest

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from handlers.engine import runner as runner_module
 from handlers.engine.engine import LLMEngine
-from handlers.engine.families import (
+from handlers.engine.execution import runner as runner_module
+from handlers.engine.execution.self_check import DECODE_STEPS, PROMPT_LENGTHS, probe_sequences
+from handlers.engine.planning.families import (
     ADMITTED_BY_LIST,
     PENDING_SELF_CHECK,
     SUPPORTED,
@@ -25,7 +26,6 @@ from handlers.engine.families import (
     admission,
     unsupported_reason,
 )
-from handlers.engine.self_check import DECODE_STEPS, PROMPT_LENGTHS, probe_sequences
 from handlers.synthetic_model import FAMILIES, TEST_SLIDING_WINDOW, UNLISTED_FAMILIES, build_model
 from tests.engine.test_families import ENGINE_OPTIONS, family_prompts, generate_reference, run_together
 

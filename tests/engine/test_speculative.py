@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from handlers.engine.config import EngineConfig
+from handlers.engine.core.scheduler import Scheduler, SchedulerConfig
+from handlers.engine.core.sequence import Sequence
+from handlers.engine.core.speculative import MAX_PAUSE, NgramDrafter, accepted_prefix
 from handlers.engine.engine import LLMEngine
-from handlers.engine.sampling import SampledToken
-from handlers.engine.scheduler import Scheduler, SchedulerConfig
-from handlers.engine.sequence import Sequence
-from handlers.engine.speculative import MAX_PAUSE, NgramDrafter, accepted_prefix
+from handlers.engine.execution.sampling import SampledToken
+from handlers.engine.planning.config import EngineConfig
 from rollcore.errors import ConfigError
 from rollcore.types import FinishReason, SamplingParams, TokenDelta
 from tests.engine.conftest import make_prompts, reference_greedy

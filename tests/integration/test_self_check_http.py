@@ -39,11 +39,11 @@ import sys
 
 
 class _BreakEngineAttention:
-    """Once handlers.engine.runner is imported, perturb its paged attention's decode output for models whose
+    """Once handlers.engine.execution.runner is imported, perturb its paged attention's decode output for models whose
     modeling module's name contains $ROLLSERVE_TEST_BREAK_ATTENTION."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "handlers.engine.runner":
+        if name != "handlers.engine.execution.runner":
             return None
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)

@@ -99,7 +99,7 @@ def test_a_stopped_worker_fails_its_streams_and_is_replaced(server: ServerProces
 
 
 def rank_pid(worker: int) -> int:
-    out = subprocess.run(["pgrep", "-P", str(worker), "-f", "handlers.engine.parallel"], capture_output=True,
+    out = subprocess.run(["pgrep", "-P", str(worker), "-f", "handlers.engine.execution.parallel"], capture_output=True,
                          text=True).stdout.split()
     assert len(out) == 1, out
     return int(out[0])

@@ -60,7 +60,7 @@ def test_idle_trim_gives_back_a_workers_kept_heap() -> None:
     """In a worker's configuration (``keep_freed_memory``: glibc never trims on free), ``IdleTrim`` still gives
     the freed pages back. Run in a child: the malloc settings are process-wide."""
     code = inspect.getsource(fragment_and_trim) + textwrap.dedent("""
-        from handlers.engine.cpu import keep_freed_memory
+        from handlers.engine.planning.cpu import keep_freed_memory
         from serving.heap import IdleTrim
 
         assert keep_freed_memory()

@@ -4,6 +4,8 @@ or inside a function, counts."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,8 +79,8 @@ def test_no_import_cycle_among_the_engine_modules() -> None:
 
 def test_the_reader_sees_function_level_imports() -> None:
     """The checks above can fail: an import inside a function is found."""
-    path = ROOT / "handlers" / "engine" / "parallel.py"
-    assert "handlers.engine.loading" in imports_of(path)  # imported inside rank_main
+    path = ROOT / "handlers" / "engine" / "execution" / "parallel.py"
+    assert "handlers.engine.execution.loading" in imports_of(path)  # imported inside rank_main
 
 
 def test_handlers_import_nothing_of_the_frontend() -> None:
@@ -87,7 +89,7 @@ def test_handlers_import_nothing_of_the_frontend() -> None:
     offenders = {m: sorted(i for i in deps if _inside(i, "serving")) for m, deps in modules("handlers").items()}
     assert {m: deps for m, deps in offenders.items() if deps} == {}
     users = {m for m, deps in modules("handlers").items() if "rollcore.options" in deps}
-    assert {"handlers.engine.config", "handlers.huggingface", "handlers.echo"} <= users
+    assert {"handlers.engine.planning.config", "handlers.huggingface", "handlers.echo"} <= users
 
 
 def test_the_core_imports_neither_side() -> None:
@@ -112,3 +114,21 @@ def test_the_frontend_reaches_the_backend_through_preflight_and_the_worker_entry
         if mine:
             offenders[m] = sorted(mine)
     assert offenders == {}
+
+
+def test_the_engine_folder_by_role_and_its_torch_free_parts() -> None:
+    """``handlers/engine``: ``core`` (scheduling, the KV bookkeeping) and ``planning`` (what is decided before a
+    load) import no torch, transformers or triton and nothing of ``execution`` (running the model); in a fresh
+    interpreter importing every one of their modules loads none of those libraries."""
+    heavy = ("torch", "transformers", "triton")
+    for part in ("handlers.engine.core", "handlers.engine.planning"):
+        deps = modules(part)
+        assert deps, part
+        offenders = {m: sorted(i for i in d if i.split(".")[0] in heavy or _inside(i, "handlers.engine.execution")
+                               or _inside(i, "handlers.engine.engine")) for m, d in deps.items()}
+        assert {m: d for m, d in offenders.items() if d} == {}, part
+    names = sorted(m for part in ("handlers.engine.core", "handlers.engine.planning") for m in modules(part))
+    code = ("import importlib, sys\n" + "".join(f"importlib.import_module({n!r})\n" for n in names)
+            + f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

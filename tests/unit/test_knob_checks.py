@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from handlers.engine.config import EngineConfig
+from handlers.engine.planning.config import EngineConfig
 from rollcore.errors import InvalidRequest
 from serving import knobs
 from serving.config import model_config_keys

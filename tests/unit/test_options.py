@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from handlers.base import option_bool
-from handlers.engine.config import EngineConfig
+from handlers.engine.planning.config import EngineConfig
 from rollcore.errors import ConfigError
 from rollcore.options import ENGINE, OPTIONS, suggest
 from rollcore.values import BOOL_WORDS, FALSE_WORDS, TRUE_WORDS, boolean, choice, integer, number, render

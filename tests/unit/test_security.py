@@ -206,7 +206,7 @@ def test_extreme_sampling_values_never_make_a_step_raise() -> None:
 
     import torch
 
-    from handlers.engine.sampling import RequestSampler
+    from handlers.engine.execution.sampling import RequestSampler
     from rollcore.types import SamplingParams
 
     logits = torch.linspace(-5, 5, 1024)

@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from handlers.engine.kv_cache import BlockAllocator, block_key
+from handlers.engine.core.kv_cache import BlockAllocator, block_key
 
 
 def _check(alloc: BlockAllocator, tables: list[list[int]]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from handlers.engine.detokenizer import IncrementalDetokenizer
+from handlers.engine.core.detokenizer import IncrementalDetokenizer
 from handlers.synthetic_model import build_tokenizer
 from tests.byte_level import byte_ids, token_id
 

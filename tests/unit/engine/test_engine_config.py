@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from handlers.engine.config import EngineConfig
+from handlers.engine.planning.config import EngineConfig
 from rollcore.errors import ConfigError
 
 
@@ -64,13 +64,13 @@ def test_bad_options(options: dict[str, str], message: str) -> None:
     ("hybrid", True, "hybrid"), ("false", True, "false"), ("yes", False, "true"),
 ])
 def test_prepack_auto_follows_the_cpu(raw: str | None, avx512: bool, mode: str) -> None:
-    from handlers.engine.config import prepack_mode
+    from handlers.engine.planning.config import prepack_mode
 
     assert prepack_mode(raw, packed_wins_everywhere=avx512) == mode
 
 
 def test_cpu_flags_from_cpuinfo(tmp_path: Path) -> None:
-    from handlers.engine.cpu import cpu_flags, has_fast_bf16, packed_weights_win_everywhere
+    from handlers.engine.planning.cpu import cpu_flags, has_fast_bf16, packed_weights_win_everywhere
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\nprocessor\t: 1\n")
@@ -84,7 +84,7 @@ def test_cpu_flags_from_cpuinfo(tmp_path: Path) -> None:
 def test_auto_threads_share_the_affinity_mask() -> None:
     import os
 
-    from handlers.engine.cpu import auto_threads
+    from handlers.engine.planning.cpu import auto_threads
 
     cores = len(os.sched_getaffinity(0))
     assert auto_threads() == cores

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from handlers.engine.scheduler import Scheduler, SchedulerConfig
-from handlers.engine.sequence import FREED_BLOCK, Sequence, SequenceStatus
+from handlers.engine.core.scheduler import Scheduler, SchedulerConfig
+from handlers.engine.core.sequence import FREED_BLOCK, Sequence, SequenceStatus
 from rollcore.errors import InvalidRequest
 from rollcore.types import SamplingParams
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from handlers.engine.families import UnsupportedModel, check_config, unsupported_reason
+from handlers.engine.planning.families import UnsupportedModel, check_config, unsupported_reason
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 8192}
 LONGROPE = {**LLAMA, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 131072,
@@ -73,7 +73,7 @@ TP_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
 
 @pytest.mark.parametrize(("name", "config", "degree", "reason"), TP_CASES, ids=[c[0] for c in TP_CASES])
 def test_tensor_parallel_reason(name: str, config: dict[str, Any], degree: int, reason: str | None) -> None:
-    from handlers.engine.families import tensor_parallel_reason
+    from handlers.engine.planning.families import tensor_parallel_reason
 
     got = tensor_parallel_reason(config, degree)
     assert got is None if reason is None else (got is not None and reason in got), got

@@ -1,4 +1,4 @@
-"""The memory preflight (handlers.engine.memory): headers, arithmetic, budget files, refusals, TP, dtype.
+"""The memory preflight (handlers.engine.planning.memory): headers, arithmetic, budget files, refusals, TP, dtype.
 
 Figures are hand-computed for the tiny synthetic Llama (hidden 64, 2 layers, 4 heads, 2 KV heads of 16,
 MLP 128, vocab 512), all fp32:
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from handlers.engine import checkpoint
-from handlers.engine.checkpoint import (
+from handlers.engine.planning import checkpoint
+from handlers.engine.planning.checkpoint import (
     TensorInfo,
     WeightFigures,
     checkpoint_tensors,
@@ -31,10 +31,10 @@ from handlers.engine.checkpoint import (
     resolve_max_model_len,
     weight_figures,
 )
-from handlers.engine.config import EngineConfig
-from handlers.engine.cpu import has_fast_bf16
-from handlers.engine.host_memory import MemoryBudget, memory_budget
-from handlers.engine.memory import InsufficientMemory, MemoryPlan, plan_memory, preflight
+from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.cpu import has_fast_bf16
+from handlers.engine.planning.host_memory import MemoryBudget, memory_budget
+from handlers.engine.planning.memory import InsufficientMemory, MemoryPlan, plan_memory, preflight
 from handlers.synthetic_model import build_model
 from rollcore.errors import ConfigError
 
@@ -310,7 +310,7 @@ def test_max_model_len(caplog: pytest.LogCaptureFixture) -> None:
     assert resolve_max_model_len(0, gpt2) == 64
     assert resolve_max_model_len(32, gpt2) == 32
     assert resolve_max_model_len(0, {}) == 2048
-    with caplog.at_level(logging.WARNING, logger="handlers.engine.memory"):
+    with caplog.at_level(logging.WARNING, logger="handlers.engine.planning.memory"):
         assert resolve_max_model_len(100, gpt2) == 64
         assert resolve_max_model_len(100, llama) == 100
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
@@ -373,7 +373,7 @@ def test_engine_sizes_its_pool_from_the_plan(llama: Path, gpt2: Path) -> None:
     import torch
 
     from handlers.engine.engine import LLMEngine
-    from handlers.engine.loading import load_model_and_tokenizer
+    from handlers.engine.execution.loading import load_model_and_tokenizer
 
     e = LLMEngine.from_options(llama, {"max_rolling_batch_size": "4", "dtype": "auto"})
     try:

@@ -1,4 +1,4 @@
-"""The time bound on a mixed step's prefill (``handlers.engine.step_budget``) and the scheduler's use of it."""
+"""The time bound on a mixed step's prefill (``handlers.engine.core.step_budget``) and the scheduler's use of it."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from handlers.engine.scheduler import Scheduler, SchedulerConfig
-from handlers.engine.sequence import Sequence
-from handlers.engine.step_budget import PrefillBudget
+from handlers.engine.core.scheduler import Scheduler, SchedulerConfig
+from handlers.engine.core.sequence import Sequence
+from handlers.engine.core.step_budget import PrefillBudget
 from rollcore.types import SamplingParams
 
 FIXED, PER_ROW, PER_TOKEN = 0.050, 0.004, 0.0035  # seconds: a 135M-class model on one CPU core
@@ -138,9 +138,21 @@ def test_scheduler_chunks_a_prompt_by_the_limit_while_decodes_run() -> None:
 
 @pytest.mark.parametrize("value", ["0.5", "1"])
 def test_a_ratio_of_one_or_less_is_refused_by_name(value: str) -> None:
-    from handlers.engine.config import EngineConfig
+    from handlers.engine.planning.config import EngineConfig
     from rollcore.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"option.max_mixed_step_ratio = {value}"):
         EngineConfig.from_options({"max_mixed_step_ratio": value})
     assert EngineConfig.from_options({"max_mixed_step_ratio": "0"}).max_mixed_step_ratio == 0
+
+
+def test_a_step_that_breaks_the_fit_keeps_the_last_good_one() -> None:
+    """On a busy machine one slow step can make the least-squares slope negative; the bound stays on with the
+    last fit instead of switching off."""
+    b = PrefillBudget(4.0, floor=16, min_steps=4)
+    for d in range(1, 9):
+        b.record(decode_rows=d, prompt_tokens=0, seconds=0.01 + 0.001 * d)
+    good = b.model
+    assert good is not None
+    b.record(decode_rows=40, prompt_tokens=0, seconds=0.0)  # a step "faster" than nothing: the slope turns negative
+    assert b.model == good

@@ -2,7 +2,7 @@
 
 Design note (why: a decode step of a small batch is launch-bound on a GPU; an 8B model runs ~400 kernels a step,
 each a few microseconds of Python and driver work, against a few milliseconds of memory traffic): at load the
-runner captures the lean forward (``handlers.engine.lean``) for a ladder of batch sizes, on static input
+runner captures the lean forward (``handlers.engine.execution.lean``) for a ladder of batch sizes, on static input
 buffers. A step whose every sequence decodes one token, and whose size fits the ladder, is padded to the next
 captured size and replayed: one copy of the step's integers to the device, one graph launch. Padding rows
 write their KV into a scratch block the scheduler never hands out, and read only it. Everything else (prefill
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from handlers.engine.paged_attention import DecodePlan, StepContext, StepMetadata
+from handlers.engine.execution.paged_attention import DecodePlan, StepContext, StepMetadata
 
 logger = logging.getLogger(__name__)
 

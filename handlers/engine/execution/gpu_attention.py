@@ -1,6 +1,6 @@
 """The engine's decode attention on GPUs: one Triton kernel per layer that reads KV blocks in place.
 
-Design note: the GPU backend of the ``PagedKernels`` interface (``handlers.engine.kernels`` is the CPU one, in
+Design note: the GPU backend of the ``PagedKernels`` interface (``handlers.engine.execution.kernels`` is the CPU one, in
 C). ``decode`` takes the same decode plan (``paged_attention.DecodePlan``: per row the query row, the first and
 end key positions and the offset of its block table) and runs every decode row of the step in one launch:
 a program per (row, KV head) walks the row's block table with an online softmax over the query heads of that
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def _kernels():  # type: ignore[no-untyped-def]
     """The Triton kernels, imported lazily: importing triton costs a second, and CPU workers never need it."""
-    from handlers.engine import triton_decode
+    from handlers.engine.execution import triton_decode
 
     return triton_decode
 

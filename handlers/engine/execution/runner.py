@@ -23,13 +23,13 @@ from typing import Any, Protocol
 
 import torch
 
-from handlers.engine.adapters import adapt_model
-from handlers.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from handlers.engine.families import UnsupportedModel
-from handlers.engine.fusion import fuse_projections
-from handlers.engine.kernels import load_kernels
-from handlers.engine.lean import LeanDecoder, unsupported
-from handlers.engine.paged_attention import (
+from handlers.engine.core.scheduler import ScheduledChunk
+from handlers.engine.execution.adapters import adapt_model
+from handlers.engine.execution.cuda_graphs import DecodeGraphs, capture_sizes
+from handlers.engine.execution.fusion import fuse_projections
+from handlers.engine.execution.kernels import load_kernels
+from handlers.engine.execution.lean import LeanDecoder, unsupported
+from handlers.engine.execution.paged_attention import (
     ATTN_IMPLEMENTATION,
     CONTEXT_ATTR,
     KVPool,
@@ -39,8 +39,8 @@ from handlers.engine.paged_attention import (
     on_device,
     paged_attention_forward,
 )
-from handlers.engine.prepack import prepack_linear_layers, warm_packed_kernels
-from handlers.engine.scheduler import ScheduledChunk
+from handlers.engine.execution.prepack import prepack_linear_layers, warm_packed_kernels
+from handlers.engine.planning.families import UnsupportedModel
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class ModelRunner:
 def _kernels(device: torch.device) -> Any:
     """The decode kernels for ``device`` (``PagedKernels``' interface): C on CPU, Triton on CUDA, else none."""
     if device.type == "cuda":
-        from handlers.engine.gpu_attention import TritonPagedKernels
+        from handlers.engine.execution.gpu_attention import TritonPagedKernels
 
         return TritonPagedKernels()
     return load_kernels() if device.type == "cpu" else None

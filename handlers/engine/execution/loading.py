@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from handlers.engine.adapters import adapt_model
-from handlers.engine.checkpoint import read_model_config, weights_dir
-from handlers.engine.config import EngineConfig
-from handlers.engine.cpu import auto_threads, keep_freed_memory
-from handlers.engine.device import serving_dtype
+from handlers.engine.execution.adapters import adapt_model
+from handlers.engine.execution.device import serving_dtype
+from handlers.engine.planning.checkpoint import read_model_config, weights_dir
+from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
 
 TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from handlers.engine.families import UnsupportedModel
-from handlers.engine.runner import ModelRunner, StepInputs
+from handlers.engine.execution.runner import ModelRunner, StepInputs
+from handlers.engine.planning.families import UnsupportedModel
 
 logger = logging.getLogger(__name__)
 

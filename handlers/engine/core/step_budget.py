@@ -63,7 +63,9 @@ class PrefillBudget:
         for k, v in (("n", 1.0), ("d", d), ("p", p), ("y", y), ("dd", d * d), ("dp", d * p), ("pp", p * p),
                      ("dy", d * y), ("py", p * y)):
             s[k] += v
-        self._model = self._fit()
+        # a fit the noise of one step breaks (a negative slope) keeps the last good one: the bound must not
+        # switch off on a busy machine
+        self._model = self._fit() or self._model
 
     def _fit(self) -> StepModel | None:
         s = self._sums

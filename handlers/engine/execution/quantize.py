@@ -24,8 +24,8 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from handlers.engine.config import EngineConfig
-from handlers.engine.kernels import shared_library
+from handlers.engine.execution.kernels import shared_library
+from handlers.engine.planning.config import EngineConfig
 from rollcore.errors import ConfigError
 
 logger = logging.getLogger(__name__)

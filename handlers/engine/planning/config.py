@@ -3,7 +3,7 @@
 Design note: ``EngineConfig`` is a frozen value; ``EngineConfig.from_options`` is the only place the engine
 reads option strings, and it parses each through the option schema (``rollcore.options``: parser, default
 and error wording shared with ``serving.config``, which validates the same keys when the model loads and
-shows them in ``serving config``). KV-cache sizing (the memory preflight) lives in ``handlers.engine.memory``.
+shows them in ``serving config``). KV-cache sizing (the memory preflight) lives in ``handlers.engine.planning.memory``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from handlers.engine.cpu import packed_weights_win_everywhere
+from handlers.engine.planning.cpu import packed_weights_win_everywhere
 from rollcore.errors import ConfigError
 from rollcore.options import option_value, parse_option
 from rollcore.values import AUTO
@@ -22,7 +22,7 @@ from rollcore.values import AUTO
 class EngineConfig:
     """Limits and switches of one engine. ``max_model_len`` 0 = the model's ``max_position_embeddings``;
     ``kv_cache_memory_mb`` 0 (``auto``) = ``kv_cache_memory_fraction`` of the memory left after the weights
-    (``handlers.engine.memory``); ``dtype`` ``auto`` = the checkpoint's (``memory.resolve_dtype``)."""
+    (``handlers.engine.planning.memory``); ``dtype`` ``auto`` = the checkpoint's (``memory.resolve_dtype``)."""
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
@@ -32,21 +32,21 @@ class EngineConfig:
     kv_cache_memory_mb: int = 0
     kv_cache_memory_fraction: float = 0.9
     num_kv_blocks: int = 0  # explicit number of KV blocks; overrides kv_cache_memory_mb (tests, tuning)
-    kv_cache_populate: str = "eager"  # eager | lazy (see handlers.engine.lazy_memory)
+    kv_cache_populate: str = "eager"  # eager | lazy (see handlers.engine.execution.lazy_memory)
     enable_prefix_caching: bool = True
     num_threads: int = 0  # 0 = auto: the cores of this worker's affinity mask / (workers x TP ranks)
     max_model_len: int = 0
     dtype: str = "fp32"
-    quantize: str = "none"  # int8 | int4: handlers.engine.quantize
+    quantize: str = "none"  # int8 | int4: handlers.engine.execution.quantize
     quantize_group_size: int = 32
-    prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.prepack)
-    attention_kernel: str = "native"  # native (handlers.engine.kernels, PyTorch when it cannot build) | torch
+    prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.execution.prepack)
+    attention_kernel: str = "native"  # native (handlers.engine.execution.kernels, PyTorch when it cannot build) | torch
     fuse_projections: bool = False  # no faster on AVX2 CPUs (benchmarks/README.md); on by default on GPUs
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
     seed: int = 0
     tensor_parallel_degree: int = 1
-    speculative_draft: str = "none"  # none | ngram (handlers.engine.speculative)
+    speculative_draft: str = "none"  # none | ngram (handlers.engine.core.speculative)
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
@@ -107,7 +107,7 @@ class EngineConfig:
 
 def prepack_mode(raw: str | None, packed_wins_everywhere: bool | None = None) -> str:
     """``option.prepack_weights``: ``auto`` (default), ``hybrid``, or a boolean (``true`` = packed only).
-    ``auto`` is ``true`` on CPUs where packed weights win at every size (``handlers.engine.cpu``: the plain
+    ``auto`` is ``true`` on CPUs where packed weights win at every size (``handlers.engine.planning.cpu``: the plain
     copy hybrid keeps for prefill would only cost memory there), else ``hybrid``."""
     value = parse_option("prepack_weights", raw)
     if value == "auto":

@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from handlers.engine.kv_cache import BlockAllocator, block_key
-from handlers.engine.sequence import FREED_BLOCK, Sequence, SequenceStatus
+from handlers.engine.core.kv_cache import BlockAllocator, block_key
+from handlers.engine.core.sequence import FREED_BLOCK, Sequence, SequenceStatus
 from rollcore.errors import InvalidRequest
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from handlers.engine.checkpoint import (
+from handlers.engine.planning.checkpoint import (
     DTYPE_BYTES,
     ModelGeometry,
     WeightFigures,
@@ -43,9 +43,9 @@ from handlers.engine.checkpoint import (
     resolve_max_model_len,
     weight_figures,
 )
-from handlers.engine.config import EngineConfig
-from handlers.engine.host_memory import CGROUP_ROOT, MEMINFO, SELF_CGROUP, MemoryBudget, memory_budget
-from handlers.engine.host_memory import format_bytes as _size
+from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.host_memory import CGROUP_ROOT, MEMINFO, SELF_CGROUP, MemoryBudget, memory_budget
+from handlers.engine.planning.host_memory import format_bytes as _size
 from rollcore.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from handlers.engine.checkpoint import resolve_dtype
-from handlers.engine.config import EngineConfig
-from handlers.engine.host_memory import MemoryBudget
+from handlers.engine.planning.checkpoint import resolve_dtype
+from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.host_memory import MemoryBudget
 
 logger = logging.getLogger(__name__)
 

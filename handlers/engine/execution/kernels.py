@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from handlers.engine.cpu import cpu_flags
+from handlers.engine.planning.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ each rank's KV pool holds only its heads.
 
 Rank 0 is the worker process: it owns scheduling, sampling and IPC, and broadcasts each step's flat batch
 (``StepInputs`` packed into one int64 tensor) before running it; ranks 1..N-1 are child processes started
-by rank 0 (``python -m handlers.engine.parallel``) that load their shard, then loop: receive a step, run the
+by rank 0 (``python -m handlers.engine.execution.parallel``) that load their shard, then loop: receive a step, run the
 model, repeat. A failed collective is fatal for the whole group: the worker exits and is restarted by the
 frontend's pool, which respawns its ranks. Single node; the group address is a loopback TCP port chosen by
 rank 0.
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from handlers.engine.runner import StepInputs
+from handlers.engine.execution.runner import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def start_group(world_size: int, model_dir: Path, options: Mapping[str, str],
     port = _free_port()
     init_method = f"tcp://127.0.0.1:{port}"
     children = [
-        subprocess.Popen([sys.executable, "-m", "handlers.engine.parallel", "--rank", str(r),
+        subprocess.Popen([sys.executable, "-m", "handlers.engine.execution.parallel", "--rank", str(r),
                           "--world-size", str(world_size), "--init-method", init_method,
                           "--model-dir", str(model_dir), "--options", json.dumps(dict(options)),
                           "--device", f"cuda:{r}" if gpu else "cpu"],
@@ -202,11 +202,11 @@ def head_ranges(heads: int, kv_heads: int, rank: int, world_size: int) -> tuple[
 
 def shard_model(model: torch.nn.Module, rank: int, world_size: int) -> int:
     """Shard a model in place for ``rank``; returns this rank's number of KV heads. Layouts: Llama-family
-    (q/k/v/o_proj, gate/up/down_proj) and Falcon (after ``handlers.engine.adapters``: canonical fused QKV).
+    (q/k/v/o_proj, gate/up/down_proj) and Falcon (after ``handlers.engine.execution.adapters``: canonical fused QKV).
 
     Raises ValueError for a model whose layout is not supported or whose heads do not divide evenly.
     """
-    from handlers.engine.runner import kv_geometry
+    from handlers.engine.execution.runner import kv_geometry
 
     cfg: Any = model.config
     heads = int(cfg.num_attention_heads)
@@ -282,9 +282,9 @@ def rank_main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{args.rank}[%(process)d] %(levelname)s "
                                                    "%(name)s: %(message)s")
-    from handlers.engine.device import device_defaults
-    from handlers.engine.loading import load_model_and_tokenizer
-    from handlers.engine.runner import ModelRunner
+    from handlers.engine.execution.device import device_defaults
+    from handlers.engine.execution.loading import load_model_and_tokenizer
+    from handlers.engine.execution.runner import ModelRunner
 
     options = json.loads(args.options)
     device = torch.device(args.device)

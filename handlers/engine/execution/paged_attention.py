@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from handlers.engine.families import UnsupportedModel
-from handlers.engine.kernels import PagedKernels
-from handlers.engine.lazy_memory import ZeroRegion
-from handlers.engine.speculative import MAX_SPECULATIVE_TOKENS
+from handlers.engine.core.speculative import MAX_SPECULATIVE_TOKENS
+from handlers.engine.execution.kernels import PagedKernels
+from handlers.engine.execution.lazy_memory import ZeroRegion
+from handlers.engine.planning.families import UnsupportedModel
 
 ATTN_IMPLEMENTATION = "rollserve_paged"
 # A chunk of at most this many tokens after cached ones (speculative decoding's last token and guesses) goes to
@@ -141,7 +141,7 @@ def seq_attention(span: SeqSpan, block_size: int, window: int = 0, device: torch
 
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
-    """The step's decode rows for the native kernel (``handlers.engine.kernels``): ``meta`` [n, 4] int64
+    """The step's decode rows for the native kernel (``handlers.engine.execution.kernels``): ``meta`` [n, 4] int64
     (query row, first key position, end key position, offset of the block table in ``tables``), ``tables``
     the block tables concatenated (int32); ``rest`` the views of the other sequences (prefill chunks)."""
 

@@ -1,6 +1,6 @@
 """Measure decode step times of ``LLMEngine`` (B sequences, one new token each), one torch thread.
 
-    python -m handlers.engine.step_benchmark MODEL_DIR [--batch 1 8 32] [--context 256] [--steps 10]
+    python -m benchmarks.step_benchmark MODEL_DIR [--batch 1 8 32] [--context 256] [--steps 10]
         [--prefill 2048] [--option prepack_weights=hybrid|true|false]
 """
 

@@ -1,4 +1,4 @@
-"""The Triton source of the GPU decode kernel (``handlers.engine.gpu_attention`` calls it; its note says how
+"""The Triton source of the GPU decode kernel (``handlers.engine.execution.gpu_attention`` calls it; its note says how
 it works). Imported only when a kernel is launched, so that CPU workers never import triton."""
 
 import triton

@@ -4,14 +4,14 @@ Design note: an adapter replaces one module's ``forward`` on the loaded model (o
 every other module stay transformers') so that the family runs on the engine's paged attention. Falcon's
 fused ``query_key_value`` weight comes in three layouts; the adapter rewrites it once, at load, into one
 canonical layout -- all query heads (grouped by their KV head), then the KV heads' keys, then their
-values -- so the forward, the KV pool and tensor parallelism (``handlers.engine.parallel``) need to know
+values -- so the forward, the KV pool and tensor parallelism (``handlers.engine.execution.parallel``) need to know
 only head counts. Layouts:
 
 - Falcon-7B (``multi_query``): [H queries | 1 key | 1 value] per token;
 - Falcon-40B/180B (``new_decoder_architecture``): per KV group [g queries | key | value];
 - Falcon-RW (neither): per head [query | key | value].
 
-ALiBi Falcon variants are refused (``handlers.engine.families``). Runs at load, in every rank's process.
+ALiBi Falcon variants are refused (``handlers.engine.planning.families``). Runs at load, in every rank's process.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from handlers.engine.paged_attention import UnsupportedAttentionFeature, paged_attention_forward
+from handlers.engine.execution.paged_attention import UnsupportedAttentionFeature, paged_attention_forward
 
 ADAPTED_ATTR = "rollserve_adapter"
 

@@ -1,0 +1,2 @@
+"""Running the model: loading, the runner and its kernels (C, Triton, oneDNN prepacking, quantized linears),
+paged attention, sampling, grammars, tensor parallelism, devices, CUDA graphs."""

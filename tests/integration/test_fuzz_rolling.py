@@ -43,7 +43,7 @@ def test_schemathesis_finds_no_server_error(server: ServerProcess, api: str, tmp
     schema.write_text(json.dumps(document))
     token = headers["Authorization"]
     cmd = [SCHEMATHESIS, "run", str(schema), "--url", base, "-H", f"Authorization: {token}",
-           "--checks", "not_a_server_error", "--max-examples", "25", "--seed", "11", "--request-timeout", "120",
+           "--checks", "not_a_server_error", "--max-examples", "12", "--seed", "11", "--request-timeout", "120",
            "--no-color", "--phases", "examples,fuzzing", "--workers", "2", "--report-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]

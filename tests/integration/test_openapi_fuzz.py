@@ -39,7 +39,7 @@ def test_schemathesis_finds_no_server_error(echo_server: ServerProcess, tmp_path
     if not Path(st).exists():
         pytest.skip("schemathesis is not installed")
     cmd = [st, "run", f"{echo_server.url}/openapi.json", "--checks", "not_a_server_error",
-           "--max-examples", "25", "--seed", "1", "--request-timeout", "20", "--no-color",
+           "--max-examples", "12", "--seed", "1", "--request-timeout", "20", "--no-color",
            "--phases", "examples,fuzzing", "--workers", "2",
            "--report-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)

@@ -82,15 +82,16 @@ def test_short_tune_writes_properties_and_report(tmp_path: Path) -> None:
     (tmp_path / "s.yaml").write_text(SCENARIO)
     out = tmp_path / "out"
     cores = len(os.sched_getaffinity(0))
-    threads = max(1, cores // 2)
-    # one group (the folder's: rolling, 2 workers sharing the cores): one server start, the trials change knobs
-    # live
+    workers = load_model_config(DEFAULT_MODEL).max_workers  # the folder's (auto: from the cores)
+    threads = max(1, cores // workers)
+    # one group (the folder's: rolling, its workers sharing the cores): one server start, the trials change
+    # knobs live
     proc = tune([str(DEFAULT_MODEL), "--slo", SLO, "--scenario", str(tmp_path / "s.yaml"), "--budget", "4m",
-                 "--modes", "rolling", "--workers", "2", "--threads", str(threads), "--max-trials", "3", "--out",
-                 str(out)], tmp_path)
+                 "--modes", "rolling", "--workers", str(workers), "--threads", str(threads), "--max-trials", "3",
+                 "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = yaml.safe_load((out / "tune-report.yaml").read_text())
-    assert report["baseline"]["config_id"] == (f"rolling 2w x {threads}t: max_rolling_batch_size=32, "
+    assert report["baseline"]["config_id"] == (f"rolling {workers}w x {threads}t: max_rolling_batch_size=32, "
                                                f"max_rolling_batch_prefill_tokens=2048")
     assert report["stopped"] == "3 configurations tried (--max-trials)"
     assert len(report["configurations"]) == 3
@@ -130,7 +131,7 @@ def test_short_tune_writes_properties_and_report(tmp_path: Path) -> None:
     h2h_puts = 2 + (search_runs[-1]["knobs"] != runs[-4]["knobs"]) if h2h else 0
     assert report["live_knob_changes"] == puts == search_puts + h2h_puts, runs
     # the step-cost sums of both workers' engines, read from GET /models/{name} (rollcore.step_cost)
-    line = report["step_cost_lines"][f"rolling 2w x {threads}t"]
+    line = report["step_cost_lines"][f"rolling {workers}w x {threads}t"]
     assert line["steps"] > 0 and 0 < line["max_tokens"] <= 4096
     # the written file: the folder's keys, the chosen values, each with its measured reason above it
     text = (out / "serving.properties").read_text()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from serving.bench.metrics import Rec, parse_slo
+from serving.config import load_model_config
 from serving.tune.racing import Outcome, better
 from serving.tune.report import annotated_properties, describe_outcome, knob_reasons
 from serving.tune.runs import Run
@@ -20,18 +21,21 @@ SLO = parse_slo("ttft_p99=1s,itl_p99=100ms")
 
 def test_space_of_the_default_model() -> None:
     space = build_space(TINY, cores=4)
-    # the folder: 2 workers, option.num_threads=auto (the cores shared by the workers)
-    assert space.baseline == Config(Group("rolling", 2, 2), (("max_rolling_batch_size", 32),
-                                                             ("max_rolling_batch_prefill_tokens", 2048)))
-    assert [g.label for g in space.groups] == [
-        "rolling 2w x 2t", "rolling 1w x 4t", "rolling 4w x 1t", "dynamic 1w x 4t", "dynamic 2w x 2t",
-        "dynamic 4w x 1t"]
+    # the folder: workers=auto (resolved from this process's cores), option.num_threads=auto (the given cores
+    # shared by the workers)
+    w = load_model_config(TINY).max_workers
+    assert space.baseline == Config(Group("rolling", w, 4 // w), (("max_rolling_batch_size", 32),
+                                                                  ("max_rolling_batch_prefill_tokens", 2048)))
+    every = ["rolling 1w x 4t", "rolling 2w x 2t", "rolling 4w x 1t", "dynamic 1w x 4t", "dynamic 2w x 2t",
+             "dynamic 4w x 1t"]
+    base = space.baseline.group.label
+    assert [g.label for g in space.groups] == [base] + [g for g in every if g != base]
     # the folder sets the rolling knobs (seeds keep them); dynamic ones are defaults (seeds: 8 requests, 50 ms)
     assert space.seeds[Group("rolling", 1, 4)].knobs == space.baseline.knobs
     assert space.seeds[Group("dynamic", 1, 4)].knobs == (("batch_size", 8), ("max_batch_delay", 50))
     only = build_space(TINY, modes=("dynamic",), workers=(1,), cores=4)
-    assert [g.label for g in only.groups] == ["rolling 2w x 2t", "dynamic 1w x 4t"]
-    assert build_space(TINY, cores=1).baseline.group == Group("rolling", 2, 1)  # never fewer than 1 thread
+    assert [g.label for g in only.groups] == [base, "dynamic 1w x 4t"]
+    assert build_space(TINY, cores=1).baseline.group == Group("rolling", w, 1)  # never fewer than 1 thread
 
 
 def test_make_config_clips_and_keeps_a_token_per_sequence() -> None:

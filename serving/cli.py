@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 from rollcore.errors import ConfigError
-from serving.config import ModelConfig, describe_model_config, load_model_config
+from serving.config import ModelConfig, load_model_config
+from serving.config_report import describe_model_config
 from serving.logs import setup_logging
 from serving.server_config import load_server_config
 

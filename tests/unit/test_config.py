@@ -13,10 +13,10 @@ from serving.config import (
     BatchingConfig,
     ModelConfig,
     ParallelConfig,
-    describe_model_config,
     load_model_config,
     validate_model_name,
 )
+from serving.config_report import describe_model_config
 from serving.server_config import ServerConfig, load_server_config
 
 

@@ -16,7 +16,8 @@ from handlers.engine.planning.config import EngineConfig
 from rollcore.errors import ConfigError
 from rollcore.options import ENGINE, OPTIONS, suggest
 from rollcore.values import BOOL_WORDS, FALSE_WORDS, TRUE_WORDS, boolean, choice, integer, number, render
-from serving.config import describe_model_config, load_model_config, model_config_keys
+from serving.config import load_model_config, model_config_keys
+from serving.config_report import describe_model_config
 from serving.server_config import load_server_config
 from tests.option_reads import Recording
 

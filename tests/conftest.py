@@ -51,8 +51,6 @@ def pytest_configure(config: pytest.Config) -> None:
     cores = sorted(os.sched_getaffinity(0))
     if count > 1 and len(cores) >= count:
         os.sched_setaffinity(0, cores[index::count])
-    elif count > len(cores) > 0:  # more workers than cores (their tests wait on servers often): one core each
-        os.sched_setaffinity(0, [cores[index % len(cores)]])
 
 
 _TIERS = {"unit": "unit", "engine": "engine", "handlers": "engine", "integration": "integration"}

@@ -25,7 +25,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_WORDS = WORDS  # the test tokenizers are trained on the benchmark workloads' words
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "inter": 128, "vocab": 512},
@@ -39,7 +38,7 @@ def _corpus(seed: int, num_lines: int = 4000) -> list[str]:
     lines = []
     for _ in range(num_lines):
         n = rng.randint(4, 20)
-        words = [rng.choice(_WORDS) for _ in range(n)]
+        words = [rng.choice(WORDS) for _ in range(n)]
         punct = rng.choice([".", "!", "?", ",", ":", ";", ""])
         lines.append(" ".join(words).capitalize() + punct + rng.choice(["", " 42", " 3.14", " (x)", "\t"]))
     return lines

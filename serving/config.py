@@ -186,14 +186,14 @@ class ModelConfig:
 _TYPED_MODEL_KEYS = ("engine", "batch_size", "max_batch_delay", "job_queue_size", "max_queue_time", "minWorkers",
                      "maxWorkers", "max_idle_time", "load_on_devices")
 # Every option of the schema, by its full key (``option.dtype``).
-_OPTION_SPECS: dict[str, OptionSpec] = {f"option.{key}": spec for key, spec in OPTIONS.items()}
-_KNOWN_MODEL_KEYS = {norm(key): key for key in (*MODEL_KEYS, *_OPTION_SPECS)}
+OPTION_SPECS: dict[str, OptionSpec] = {f"option.{key}": spec for key, spec in OPTIONS.items()}
+_KNOWN_MODEL_KEYS = {norm(key): key for key in (*MODEL_KEYS, *OPTION_SPECS)}
 
 
 def model_config_keys() -> tuple[str, ...]:
     """Every known model key (``batch_size``, ``minWorkers``, ``option.dtype``, ``option.block_size``, ...) as
     spelled in files: the model keys and the option schema."""
-    return (*MODEL_KEYS, *_OPTION_SPECS)
+    return (*MODEL_KEYS, *OPTION_SPECS)
 
 # Server-level keys that SERVING_* sets on the server, not on each model.
 _SERVER_LEVEL_MODEL_KEYS = frozenset({"job_queue_size", "max_queue_time"})
@@ -229,7 +229,7 @@ def _unknown_option_warnings(settings: Mapping[str, Setting]) -> tuple[str, ...]
     one; other unknown keys are a custom handler's own and pass silently."""
     found = []
     for key, setting in settings.items():
-        if key.startswith("option.") and key not in _OPTION_SPECS:
+        if key.startswith("option.") and key not in OPTION_SPECS:
             known = suggest(key[len("option."):])
             if known is not None:
                 found.append(f"unknown {key}: did you mean option.{known}? ({setting.source})")
@@ -257,7 +257,7 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
 
     defaults = {key: Setting(default, "default", "default")
                 for key, spec in MODEL_KEYS.items() if (default := spec.default) is not None}
-    defaults.update({key: Setting(spec.default, "default", "default") for key, spec in _OPTION_SPECS.items()
+    defaults.update({key: Setting(spec.default, "default", "default") for key, spec in OPTION_SPECS.items()
                      if spec.default is not None and spec.readers & {SERVING, LOADER}})
     defaults["option.entryPoint"] = Setting(
         "model.py" if (model_dir / "model.py").is_file() else "huggingface", "default", "default")
@@ -276,7 +276,7 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
     # (a custom handler's keys are its own business, even when the schema knows the name).
     parsers = {key: spec.parser for key, spec in MODEL_KEYS.items()}
     num_devices = num_devices or os.cpu_count() or 1
-    parsers.update({key: _option_parser(key, spec, num_devices) for key, spec in _OPTION_SPECS.items()
+    parsers.update({key: _option_parser(key, spec, num_devices) for key, spec in OPTION_SPECS.items()
                     if reads(spec, handlers_of(entry_point))})
     values: dict[str, Any] = {key: resolve(key, setting, parsers[key]) if key in parsers else setting.value
                               for key, setting in settings.items()}
@@ -291,7 +291,7 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
         model_dir, values.get("option.model_id"), max_model_len if isinstance(max_model_len, int) else None)
     # The defaults of the options that the handler the model runs reads.
     runs = handlers_of(entry_point, rolling_batch != "disable")
-    for key, spec in _OPTION_SPECS.items():
+    for key, spec in OPTION_SPECS.items():
         if key not in settings and spec.default is not None and reads(spec, runs):
             settings[key] = Setting(spec.default, "default", "default")
             values[key] = resolve(key, settings[key], spec.parser)

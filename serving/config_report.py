@@ -3,11 +3,10 @@ configuration, grouped by who reads it, then the batching and layout decisions a
 
 from __future__ import annotations
 
-from rollcore.options import OPTIONS, handlers_of
-from serving.config import ModelConfig
+from rollcore.options import handlers_of
+from serving.config import OPTION_SPECS, ModelConfig
 from serving.keys import MODEL_KEYS
 
-_OPTION_SPECS = {f"option.{key}": spec for key, spec in OPTIONS.items()}
 _HANDLER_TITLES = {"engine": "the rolling engine (handlers/engine)", "huggingface": "the huggingface handler "
                    "(dynamic batching, HF generate)", "echo": "the echo handler"}
 
@@ -20,8 +19,8 @@ def describe_model_config(cfg: ModelConfig) -> str:
     props = cfg.handler_properties()
     runs = handlers_of(cfg.entry_point, cfg.batching.rolling)
     options = sorted(key for key in cfg.sources if key.startswith("option."))
-    mine = [key for key in options if key in _OPTION_SPECS and _OPTION_SPECS[key].readers & runs]
-    theirs = [key for key in options if key not in _OPTION_SPECS]
+    mine = [key for key in options if key in OPTION_SPECS and OPTION_SPECS[key].readers & runs]
+    theirs = [key for key in options if key not in OPTION_SPECS]
     general = [key for key in options if key not in mine and key not in theirs]
     sections = [(f"model {cfg.name}  ({cfg.model_dir})",
                  [key for key in MODEL_KEYS if key in cfg.sources] + general)]

@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from handlers.synthetic_model import _WORDS, FAMILIES, build_model
+from handlers.synthetic_model import FAMILIES, build_model
+from rollcore.corpus import WORDS
 from serving.frontends.djl import model_entry
 from tests.engine.test_families import EXACT, REFUSED, generate_reference
 from tests.integration.harness import ServerProcess
@@ -31,7 +32,7 @@ PROPERTIES = {"option.entryPoint": "rolling", "option.rolling_batch": "scheduler
 
 def text_prompts(seed: int = 3) -> list[str]:
     rng = random.Random(seed)
-    words = [w for w in _WORDS if w.isascii()]
+    words = [w for w in WORDS if w.isascii()]
     return [" ".join(rng.choice(words) for _ in range(n)) for n in (2, 6, 12, 20, 30)]
 
 

@@ -7,7 +7,6 @@ Python; the runner and sampler hold the torch work. Everything runs on the worke
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import random
 import time
@@ -18,17 +17,17 @@ from typing import Any
 
 import torch
 
+from handlers.engine.build import load_for_engine
 from handlers.engine.core.detokenizer import IncrementalDetokenizer
 from handlers.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.core.sequence import Sequence
 from handlers.engine.core.speculative import NgramDrafter, accepted_prefix
 from handlers.engine.core.step_budget import PrefillBudget
-from handlers.engine.execution.device import device_budget, device_defaults, engine_device
-from handlers.engine.execution.grammar import GrammarCompiler, masks
-from handlers.engine.execution.loading import load_model_and_tokenizer
+from handlers.engine.execution.device import device_budget
+from handlers.engine.execution.grammar import PendingGrammars
+from handlers.engine.execution.loading import eos_token_ids
 from handlers.engine.execution.paged_attention import KVPool
-from handlers.engine.execution.parallel import TensorParallelGroup, shard_model, start_group
-from handlers.engine.execution.quantize import check_layout, quantize_model
+from handlers.engine.execution.parallel import TensorParallelGroup
 from handlers.engine.execution.runner import ModelRunner, kv_geometry
 from handlers.engine.execution.sampling import (
     RequestSampler,
@@ -39,17 +38,14 @@ from handlers.engine.execution.sampling import (
     scored_tokens,
 )
 from handlers.engine.execution.self_check import reference_logits, verify
-from handlers.engine.planning.checkpoint import weights_dir
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.families import (
     ADMITTED_BY_LIST,
     UnsupportedModel,
-    check_config,
-    load_config_dict,
     needs_self_check,
 )
 from handlers.engine.planning.host_memory import MemoryBudget, memory_budget
-from handlers.engine.planning.memory import MemoryPlan, plan_loaded_model, preflight
+from handlers.engine.planning.memory import MemoryPlan, plan_loaded_model
 from rollcore.errors import InvalidRequest
 from rollcore.step_cost import StepCost
 from rollcore.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
@@ -134,13 +130,11 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB); %.1f sequences of %d tokens fit",
                     num_blocks, config.block_size, num_blocks * config.block_size * per_token / 2**20,
                     num_blocks * config.block_size / self.max_model_len, self.max_model_len)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = int(model_cfg.vocab_size)  # the logits' width
         self._seed_source = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
-        # structured output: requests whose grammar is being compiled wait here, outside the scheduler
-        self._grammars: GrammarCompiler | None = None
-        self._compiling: dict[str, tuple[_Request, concurrent.futures.Future[Any]]] = {}
+        self._compiling: PendingGrammars[_Request] = PendingGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
         self._counters = {"num_steps_total": 0, "num_prefill_tokens_total": 0, "prompt_tokens_total": 0,
                           "generation_tokens_total": 0, "num_requests_finished_total": 0,
                           "num_requests_aborted_total": 0, "spec_draft_tokens_total": 0,
@@ -159,42 +153,18 @@ class LLMEngine:
 
     @classmethod
     def from_options(cls, model_dir: Path, options: Mapping[str, str], device_id: int = -1) -> LLMEngine:
-        """Load model and tokenizer from ``model_dir`` and build an engine from DJL-style options, on the
-        worker's device (``device_id``: an index among the devices this process sees, -1 = CPU).
-
-        With ``tensor_parallel_degree`` N > 1 this process becomes rank 0 of N: it starts the other ranks,
-        and every rank loads and shards the model (see ``handlers.engine.execution.parallel``)."""
-        device = engine_device(device_id)
-        config = EngineConfig.from_options(options)
-        check_config(load_config_dict(weights_dir(model_dir, options.get("model_id"))), config.max_model_len,
-                     config.tensor_parallel_degree)
-        check_layout(config, device)
-        plan = None
-        if device.type == "cpu":  # before anything loads (and before the other ranks start): refuse what cannot fit
-            plan = preflight(weights_dir(model_dir, options.get("model_id")), config)
-            logger.info("%s", plan.describe().rstrip())
-        group: TensorParallelGroup | None = None
-        if config.tensor_parallel_degree > 1:
-            group = start_group(config.tensor_parallel_degree, model_dir, options, gpu=device.type == "cuda")
-        # with tensor parallelism every rank loads on the host, shards, then moves its shard to its device
-        model, tokenizer, config = load_model_and_tokenizer(model_dir, options, device if group is None else None,
-                                                            dtype_for=device)
-        config = device_defaults(config, options, device)
-        if config.quantize != "none":
-            config = quantize_model(model, config)
-        kv_heads = None
-        if group is not None:
-            kv_heads = shard_model(model, 0, group.world_size)
-            model.to(device)
-        return cls(model, tokenizer, config, tp_group=group, num_kv_heads=kv_heads, memory_plan=plan)
+        """Load model and tokenizer from ``model_dir`` and build an engine from DJL-style options on the worker's
+        device (``handlers.engine.build``: checks, preflight, tensor-parallel ranks, loading)."""
+        loaded = load_for_engine(model_dir, options, device_id)
+        return cls(loaded.model, loaded.tokenizer, loaded.config, tp_group=loaded.group,
+                   num_kv_heads=loaded.num_kv_heads, memory_plan=loaded.memory_plan)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (no-op without tensor parallelism)."""
         if self.tp_group is not None:
             self.tp_group.shutdown()
             self.tp_group = None
-        if self._grammars is not None:
-            self._grammars.close()
+        self._compiling.close()
 
     # --------------------------------------------------------------- requests
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -220,13 +190,11 @@ class LLMEngine:
             self.scheduler.add(seq)
             self._requests[request_id] = req
             return
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self._compiling[request_id] = (req, self._grammars.matcher(params.grammar))
+        self._compiling.add(request_id, req, params.grammar)
 
     def abort(self, request_id: str) -> None:
         """Drop a request now (waiting or running); its blocks are free before the next step."""
-        if self._requests.pop(request_id, None) is not None or self._compiling.pop(request_id, None) is not None:
+        if self._requests.pop(request_id, None) is not None or self._compiling.discard(request_id):
             self.scheduler.abort(request_id)
             self._counters["num_requests_aborted_total"] += 1
 
@@ -236,23 +204,13 @@ class LLMEngine:
     def _admit_compiled(self) -> list[TokenDelta]:
         """Queue the requests whose grammar is built; a grammar that failed fails its request alone. With
         nothing else to run, wait briefly for a build instead of spinning."""
-        if not self.scheduler.has_work():
-            concurrent.futures.wait([f for _, f in self._compiling.values()], timeout=0.02,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        failed = []
-        for rid, (req, future) in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[rid]
-            exc = future.exception()
-            if exc is not None:
-                failed.append(TokenDelta(rid, finish_reason=FinishReason.ERROR,
-                                         error=f"the constraint cannot be compiled for this model: {exc}"))
-                continue
-            req.matcher = future.result()
+        built, failed = self._compiling.ready(wait_s=0 if self.scheduler.has_work() else 0.02)
+        for rid, req, matcher in built:
+            req.matcher = matcher
             self.scheduler.add(req.seq)
             self._requests[rid] = req
-        return failed
+        return [TokenDelta(rid, finish_reason=FinishReason.ERROR,
+                           error=f"the constraint cannot be compiled for this model: {exc}") for rid, exc in failed]
 
     def configure(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         """Change the running batch's size and the step's token budget from the next step on (None keeps a
@@ -321,9 +279,9 @@ class LLMEngine:
     def _allowed(self, reqs: list[_Request]) -> dict[int, torch.Tensor] | None:
         """The grammar masks of the constrained rows among ``reqs`` (row index -> allowed tokens), or None."""
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        if not rows or self._grammars is None:
+        if not rows:
             return None
-        allowed = masks(self._grammars.executor, [reqs[i].matcher for i in rows], self.vocab_size)
+        allowed = self._compiling.masks([reqs[i].matcher for i in rows])
         return dict(zip(rows, allowed, strict=True))
 
     # -------------------------------------------------------- speculative decoding
@@ -453,13 +411,3 @@ class LLMEngine:
             "blocks_held": {s.request_id: s.num_live_blocks for s in self.scheduler.live_sequences()},
         }
 
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
-    """EOS ids from the generation config (int or list), else the tokenizer's."""
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if eos is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)

@@ -20,8 +20,8 @@ import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any, Generic, TypeVar
 
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
@@ -30,6 +30,7 @@ from llguidance.hf import from_tokenizer
 logger = logging.getLogger(__name__)
 
 CACHED_GRAMMARS = 64
+T = TypeVar("T")
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
@@ -123,3 +124,53 @@ class GrammarLogitsProcessor:
         rows[:, width:] = float("-inf")
         scores[self.rows] = rows
         return scores
+
+
+class PendingGrammars(Generic[T]):
+    """Requests whose grammar is being compiled: they wait here, outside the scheduler, so a slow schema delays
+    only its own request. The compiler is built with the first constrained request."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self._args = (tokenizer, vocab_size, frozenset(eos_token_ids))
+        self.compiler: GrammarCompiler | None = None
+        self._waiting: dict[str, tuple[T, Future[LLMatcher]]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def add(self, request_id: str, item: T, grammar: str) -> None:
+        if self.compiler is None:
+            self.compiler = GrammarCompiler(*self._args)
+        self._waiting[request_id] = (item, self.compiler.matcher(grammar))
+
+    def discard(self, request_id: str) -> bool:
+        """Forget a waiting request; False when it was not waiting."""
+        return self._waiting.pop(request_id, None) is not None
+
+    def ready(self, wait_s: float) -> tuple[list[tuple[str, T, LLMatcher]], list[tuple[str, BaseException]]]:
+        """The requests whose grammar is built (id, item, matcher) and those whose build failed (id, error),
+        after waiting up to ``wait_s`` for a first one (0: do not wait)."""
+        if wait_s > 0:
+            wait([f for _, f in self._waiting.values()], timeout=wait_s, return_when=FIRST_COMPLETED)
+        built, failed = [], []
+        for rid, (item, future) in list(self._waiting.items()):
+            if not future.done():
+                continue
+            del self._waiting[rid]
+            exc = future.exception()
+            if exc is None:
+                built.append((rid, item, future.result()))
+            else:
+                failed.append((rid, exc))
+        return built, failed
+
+    def masks(self, matchers: Sequence[LLMatcher]) -> torch.Tensor:
+        assert self.compiler is not None  # a matcher exists only once the compiler does
+        return masks(self.compiler.executor, matchers, self._args[1])
+
+    def close(self) -> None:
+        if self.compiler is not None:
+            self.compiler.close()

@@ -55,3 +55,14 @@ def _int_option(options: Mapping[str, str], key: str, default: int) -> int:
         return int(options.get(key, default))
     except ValueError:
         return default
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from the generation config (int or list), else the tokenizer's."""
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)

@@ -358,13 +358,13 @@ def test_preflight_refuses_under_a_simulated_cgroup_limit(llama: Path, tmp_path:
 def test_engine_refuses_before_loading(llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
-    from handlers.engine import engine
+    from handlers.engine import build, engine
 
     def no_load(*args: object, **kwargs: object) -> None:
         raise AssertionError("from_pretrained must not run")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
-    monkeypatch.setattr(engine, "preflight", fake_preflight(tmp_path, 1024))
+    monkeypatch.setattr(build, "preflight", fake_preflight(tmp_path, 1024))
     with pytest.raises(InsufficientMemory, match="exceed the budget of 1.0 MiB"):
         engine.LLMEngine.from_options(llama, {})
 

@@ -1,0 +1,69 @@
+"""What ``LLMEngine.from_options`` does before an engine exists: the options parsed, the checks that refuse a
+model before anything loads (configuration, layout, the preflight memory plan), the other tensor-parallel ranks
+started, then loading, quantizing and sharding on the worker's device.
+
+Design note: apart from ``engine`` so that the engine module holds the step and the requests' life; this one
+runs once per worker and only orders calls into ``planning`` and ``execution``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from handlers.engine.execution.device import device_defaults, engine_device
+from handlers.engine.execution.loading import load_model_and_tokenizer
+from handlers.engine.execution.parallel import TensorParallelGroup, shard_model, start_group
+from handlers.engine.execution.quantize import check_layout, quantize_model
+from handlers.engine.planning.checkpoint import weights_dir
+from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.families import check_config, load_config_dict
+from handlers.engine.planning.memory import MemoryPlan, preflight
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for ``LLMEngine``: on its device, quantized and sharded as configured."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    config: EngineConfig
+    group: TensorParallelGroup | None  # rank 0's handle on the other ranks (None: one rank)
+    num_kv_heads: int | None  # this rank's KV heads after sharding (None: the config's)
+    memory_plan: MemoryPlan | None  # the preflight's (CPU); None: planned by the engine after loading
+
+
+def load_for_engine(model_dir: Path, options: Mapping[str, str], device_id: int = -1) -> LoadedModel:
+    """Load ``model_dir`` for an engine on the worker's device (``device_id``: an index among the devices this
+    process sees, -1 = CPU). With ``tensor_parallel_degree`` N > 1 this process becomes rank 0 of N: it starts
+    the other ranks, and every rank loads and shards the model (``handlers.engine.execution.parallel``)."""
+    device = engine_device(device_id)
+    config = EngineConfig.from_options(options)
+    source = weights_dir(model_dir, options.get("model_id"))
+    check_config(load_config_dict(source), config.max_model_len, config.tensor_parallel_degree)
+    check_layout(config, device)
+    plan = None
+    if device.type == "cpu":  # before anything loads (and before the other ranks start): refuse what cannot fit
+        plan = preflight(source, config)
+        logger.info("%s", plan.describe().rstrip())
+    group: TensorParallelGroup | None = None
+    if config.tensor_parallel_degree > 1:
+        group = start_group(config.tensor_parallel_degree, model_dir, options, gpu=device.type == "cuda")
+    # with tensor parallelism every rank loads on the host, shards, then moves its shard to its device
+    model, tokenizer, config = load_model_and_tokenizer(model_dir, options, device if group is None else None,
+                                                        dtype_for=device)
+    config = device_defaults(config, options, device)
+    if config.quantize != "none":
+        config = quantize_model(model, config)
+    kv_heads = None
+    if group is not None:
+        kv_heads = shard_model(model, 0, group.world_size)
+        model.to(device)
+    return LoadedModel(model, tokenizer, config, group, kv_heads, plan)

@@ -4,7 +4,9 @@ door from ``serving`` into ``handlers`` besides the worker's entry point (``serv
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,9 @@ from handlers.engine.planning.checkpoint import checkpoint_tensors, weights_dir
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.families import ADMITTED_BY_LIST, admission, load_config_dict, unsupported_reason
 from handlers.engine.planning.memory import preflight
+
+# The budget ``planned_memory`` plans with: far more than any model needs, so every figure is the model's own.
+UNBOUNDED_BUDGET_KIB = 1 << 40
 
 
 def engine_admission(folder: Path, max_model_len: int | None) -> tuple[dict[str, Any], str | None, bool]:
@@ -29,6 +34,41 @@ def memory_plan_text(model_dir: Path, model_id: str | None, options: Mapping[str
     if not (source / "config.json").is_file():
         return ""
     return preflight(source, EngineConfig.from_options(options)).describe()
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedMemory:
+    """The figures of a model's memory plan, in bytes, when memory is no constraint: what one worker (all its
+    tensor-parallel ranks) takes with its KV cache at its full size (``max_rolling_batch_size`` sequences of
+    ``max_model_len`` tokens, or the ``kv_cache_memory_mb`` / ``num_kv_blocks`` it is given). ``kv_source`` is
+    the plan's: ``auto`` means the cache is ``kv_fraction`` of the memory left after the rest, so a memory limit
+    has to leave ``kv_cache_bytes / kv_fraction`` for it."""
+
+    tensor_parallel_degree: int
+    weight_bytes: int  # all ranks; each rank holds 1/N
+    prepack_bytes: int  # all ranks
+    activation_bytes: int  # all ranks
+    kv_cache_bytes: int  # all ranks
+    kv_source: str  # auto | kv_cache_memory_mb | num_kv_blocks
+    kv_fraction: float
+
+
+def planned_memory(model_dir: Path, model_id: str | None, options: Mapping[str, str]) -> PlannedMemory | None:
+    """The engine's memory plan for the model (``preflight``, as its worker runs it) with a budget no model
+    reaches, or None when the weights' folder has no ``config.json`` (a model fetched at start). For sizing a
+    machine or a container before the model runs there. Raises ``ConfigError``."""
+    source = weights_dir(model_dir, model_id)
+    if not (source / "config.json").is_file():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        meminfo = Path(tmp) / "meminfo"
+        meminfo.write_text(f"MemAvailable: {UNBOUNDED_BUDGET_KIB} kB\n", encoding="ascii")
+        plan = preflight(source, EngineConfig.from_options(options), meminfo=meminfo,
+                         cgroup_root=Path(tmp) / "no-cgroup", self_cgroup=Path(tmp) / "no-self-cgroup")
+    tp = plan.tensor_parallel_degree
+    return PlannedMemory(tensor_parallel_degree=tp, weight_bytes=plan.weight_bytes, prepack_bytes=plan.prepack_bytes,
+                         activation_bytes=plan.activation_bytes, kv_cache_bytes=tp * plan.kv_bytes_per_rank,
+                         kv_source=plan.kv_source, kv_fraction=plan.kv_fraction)
 
 
 def checkpoint_parameters(weights: Path) -> int | None:

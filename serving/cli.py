@@ -9,6 +9,8 @@
     serving tune MODEL_DIR --slo SPEC [--scenario FILE] [--budget 20m] [--dry-run]
                                     search the knobs on the live model for the highest goodput meeting the
                                     SLO; writes an annotated serving.properties and a report
+    serving k8s MODEL_DIR [--replicas N] [--kserve] [--nodes N] [--namespace NS] [--image IMAGE] [--name NAME]
+                                    print Kubernetes manifests for the model folder (docs/deploying.md)
 
 With no arguments it serves every model folder of ./model_store (the default model ships there).
 """
@@ -46,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_arguments(sub.add_parser("tune", help="find the serving.properties with the best goodput for an SLO",
                                       description=tune.__doc__,
                                       formatter_class=argparse.RawDescriptionHelpFormatter))
+    from serving.deploy import k8s
+
+    k8s.add_arguments(sub.add_parser("k8s", help="print Kubernetes manifests for a model folder",
+                                     description=k8s.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     return ap
 
 
@@ -132,4 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         from serving.tune.cli import cmd_tune
 
         sys.exit(cmd_tune(args))
+    if args.command == "k8s":
+        from serving.deploy.k8s import cmd_k8s
+
+        sys.exit(cmd_k8s(args))
     sys.exit(cmd_config(args) if args.command == "config" else cmd_start(args))

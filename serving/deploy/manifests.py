@@ -1,0 +1,142 @@
+"""The documents of ``serving k8s`` (``serving.deploy.k8s``, the command): names, the model's ConfigMap, the
+workload (Deployment, LeaderWorkerSet or KServe's objects), Service, autoscaling and monitoring, and the notes
+that name what the user has to create."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from rollcore.errors import ConfigError
+from serving.deploy import kserve, lws, monitoring
+from serving.deploy.k8s import Request
+from serving.deploy.model import ModelFolder, read_model_folder
+from serving.deploy.pods import (
+    CLUSTER_SECRET_KEY,
+    TOKEN_KEYS,
+    PodContext,
+    pod_template,
+    server_ports,
+)
+from serving.deploy.resources import size_pods
+
+
+class _Dumper(yaml.SafeDumper):
+    """Plain YAML for kubectl and people: no anchors for repeated label maps, files as literal blocks."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+_Dumper.add_representer(str, _text)
+
+MAX_NAME = 40  # room for the longest suffix ("-prometheus-adapter") within a 63-character name
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def dns_name(text: str) -> str:
+    """``text`` as a DNS-1035 label of at most ``MAX_NAME`` characters (Service names start with a letter)."""
+    name = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    if not name or not name[0].isalpha():
+        name = f"rollserve-{name}".strip("-")
+    return name[:MAX_NAME].rstrip("-")
+
+
+@dataclass(frozen=True, slots=True)
+class Manifests:
+    documents: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+    context: PodContext | None = None
+
+    def yaml(self) -> str:
+        return yaml.dump_all(self.documents, Dumper=_Dumper, sort_keys=False, explicit_start=True, width=120)
+
+
+def _check(req: Request) -> None:
+    if req.replicas < 1:
+        raise ConfigError(f"--replicas {req.replicas}: expected at least 1")
+    if req.max_replicas is not None and req.max_replicas < req.replicas:
+        raise ConfigError(f"--max-replicas {req.max_replicas}: expected at least --replicas ({req.replicas})")
+    if req.kserve and req.nodes > 1:
+        raise ConfigError("--kserve with --nodes: a model over several pods is a LeaderWorkerSet here; KServe's "
+                          "multi-node workerSpec is not generated")
+    if req.name is not None and (len(req.name) > MAX_NAME or not _DNS_LABEL.match(req.name)):
+        raise ConfigError(f"--name {req.name!r}: expected lowercase letters, digits and '-', starting with a letter, "
+                          f"at most {MAX_NAME} characters")
+    if req.namespace is not None and (len(req.namespace) > 63 or not _NAMESPACE.match(req.namespace)):
+        raise ConfigError(f"--namespace {req.namespace!r}: not a DNS-1123 label")
+
+
+def config_map(ctx: PodContext, model: ModelFolder, namespace: str | None) -> dict[str, Any]:
+    """The model folder's configuration files, mounted as the model folder in the pod."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": monitoring.metadata(ctx.config_map, namespace, "config", ctx.name),
+            "data": dict(sorted(model.files.items()))}
+
+
+def deployment(ctx: PodContext, namespace: str | None, replicas: int) -> dict[str, Any]:
+    template = pod_template(ctx, "server", ctx.sizing.leader)
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": monitoring.metadata(ctx.name, namespace, "server", ctx.name),
+            "spec": {"replicas": replicas,
+                     "selector": {"matchLabels": template["metadata"]["labels"]},
+                     # a new pod is ready before an old one goes (no capacity lost while a model loads)
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                     "progressDeadlineSeconds": max(600, ctx.sizing.startup_s + 120),
+                     "template": template}}
+
+
+def _notes(ctx: PodContext, req: Request) -> list[str]:
+    s, m, ns = ctx.sizing, ctx.model, f" -n {req.namespace}" if req.namespace else ""
+    tokens = " ".join(f"--from-literal={key}=$(openssl rand -hex 24)" for key in TOKEN_KEYS.values())
+    notes = [f"create the tokens first: kubectl create secret generic {ctx.tokens_secret}{ns} {tokens}"]
+    if req.nodes > 1:
+        notes.append(f"and the group's secret: kubectl create secret generic {ctx.cluster_secret}{ns} "
+                     f"--from-literal={CLUSTER_SECRET_KEY}=$(openssl rand -hex 32)")
+    if m.weights is not None:
+        notes.append(f"the PersistentVolumeClaim {ctx.weights_claim} must hold {m.claim_root} (its files at the "
+                     "claim's root)")
+    if m.fetched_model_id is not None:
+        notes.append(f"the pod fetches option.model_id={m.fetched_model_id} when it starts (network access needed)")
+    if s.memory_source == "fallback":
+        notes.append(f"memory: no plan before the model is fetched or loaded; {ctx.sizing.leader.memory} assumed "
+                     "(4 GiB a rank + overheads): pass --memory to set it")
+    notes.append(f"layout: {s.layout_reason}; {s.leader.cpus} CPUs, {s.leader.memory} memory"
+                 f"{f', {s.leader.gpus} GPUs' if s.leader.gpus else ''} a pod; startupProbe allows {s.startup_s} s")
+    return notes
+
+
+def build(req: Request) -> Manifests:
+    """The manifests for ``req``. Raises ``ConfigError``."""
+    _check(req)
+    model = read_model_folder(req.model_dir)
+    sizing = size_pods(model, cpus=req.cpus, nodes=req.nodes, gpu=req.gpu, memory=req.memory)
+    name = req.name or dns_name(model.name)
+    ctx = PodContext(name=name, model=model, sizing=sizing, image=req.image,
+                     weights_claim=req.weights_claim or f"{name}-weights", ports=server_ports())
+    ns, max_replicas = req.namespace, req.max_replicas or 4 * req.replicas
+    docs = [config_map(ctx, model, ns)]
+    if req.kserve:
+        docs += [kserve.serving_runtime(ctx, ns), kserve.inference_service(ctx, ns, req.replicas, max_replicas)]
+        return Manifests(docs, _notes(ctx, req), ctx)
+    if req.nodes > 1:
+        component = "leader"
+        workload = lws.leader_worker_set(ctx, ns, req.replicas)
+    else:
+        component = "server"
+        workload = deployment(ctx, ns, req.replicas)
+    target = {"apiVersion": workload["apiVersion"], "kind": workload["kind"], "name": name}
+    docs += [workload, monitoring.service(ctx, ns, component),
+             monitoring.autoscaler(ctx, ns, target, req.replicas, max_replicas),
+             monitoring.service_monitor(ctx, ns, component), monitoring.adapter_config_map(ctx, ns)]
+    return Manifests(docs, _notes(ctx, req), ctx)
+
+

@@ -1,0 +1,177 @@
+"""How much a rollserve pod asks of Kubernetes, and how long it may take to start.
+
+Workers and threads: the model's ``minWorkers`` / ``maxWorkers`` and ``option.num_threads`` as set, and where
+they are ``auto``, what the server would pick on ``--cpus`` cores (``serving.layout.auto_layout``; threads: the
+cores shared by the workers and their tensor-parallel ranks, as ``option.num_threads=auto``). The pod's
+environment then pins them (``SERVING_MIN_WORKERS``, ``SERVING_MAX_WORKERS``, ``OPTION_NUM_THREADS``): left to
+``auto`` in a pod, the server would size itself from the node's cores, not from its CPU request.
+
+CPU = maxWorkers x ranks x threads (every rank of every worker runs ``num_threads`` threads).
+
+Memory (bytes, rounded up to MiB) from the engine's memory preflight (``handlers.preflight.planned_memory``: the
+plan a worker makes before loading, with a budget no model reaches, so the KV cache is planned at its full size):
+per rank, its share of the weights, prepacked copies and activations, and of the KV cache -- divided by
+``kv_cache_memory_fraction`` when the cache is sized ``auto``, since the worker gives the cache only that share of
+what is left -- plus ``RANK_OVERHEAD`` (the process: Python, torch, transformers; 250 MiB measured, doubled).
+A pod adds ``PROCESS_OVERHEAD`` for its main process (the frontend, or ``serving worker``; 65 MiB of imports
+measured, with room for tokenizers and connections). On GPUs the KV cache and activations live on the device
+(sized there by ``option.gpu_memory_utilization``): a rank's host memory is its share of the weights, which pass
+through it, and each pod with several ranks on GPUs gets ``SHM`` of /dev/shm for NCCL. A model whose weights are
+fetched at start has no plan before it runs: ``FALLBACK_RANK`` per rank, or ``--memory``.
+
+Startup (the startupProbe's window, on the readiness route): ``STARTUP_FLOOR_S`` (start, imports, workers) +
+the checkpoint read at ``LOAD_RATE`` + GGUF files converted at ``GGUF_RATE`` + an eagerly populated KV cache
+touched at ``KV_TOUCH_RATE``; a model fetched at start: the floor + ``option.model_loading_timeout``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from handlers.preflight import PlannedMemory, planned_memory
+from rollcore.errors import ConfigError
+from serving.deploy import DEFAULT_CPUS
+from serving.deploy.model import ModelFolder
+from serving.layout import auto_layout
+
+MIB = 1 << 20
+GIB = 1 << 30
+PROCESS_OVERHEAD = 512 * MIB
+RANK_OVERHEAD = 512 * MIB
+FALLBACK_RANK = 4 * GIB
+SHM = 1 * GIB
+STARTUP_FLOOR_S = 120
+LOAD_RATE = 50 * MIB  # bytes/s: a network volume, conservatively
+GGUF_RATE = 2 * MIB  # bytes/s: dequantizing SmolLM2's 93 MB took about 40 s on 2 cores
+KV_TOUCH_RATE = 64 * MIB  # bytes/s: half of what a VM that backs memory on first touch managed
+PROBE_PERIOD_S = 10
+
+
+
+@dataclass(frozen=True, slots=True)
+class PodSize:
+    cpus: int
+    memory_bytes: int
+    gpus: int  # nvidia.com/gpu; 0: none
+
+    @property
+    def memory(self) -> str:
+        """The memory as a Kubernetes quantity (whole MiB, rounded up)."""
+        return f"{-(-self.memory_bytes // MIB)}Mi"
+
+    def resources(self) -> dict[str, dict[str, str]]:
+        """Requests equal to limits: Guaranteed QoS, so the kubelet's static CPU manager can give whole cores
+        (the threads then match the cores) and the memory the worker planned for is not taken back."""
+        amounts = {"cpu": str(self.cpus), "memory": self.memory}
+        if self.gpus:
+            amounts["nvidia.com/gpu"] = str(self.gpus)
+        return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    min_workers: int
+    max_workers: int
+    threads: int
+    tensor_parallel_degree: int
+    nodes: int
+    gpu: bool
+    leader: PodSize  # the pod running the frontend (every pod without --nodes)
+    worker: PodSize | None  # each other pod of a LeaderWorkerSet group
+    memory_source: str  # preflight | --memory | fallback
+    plan: PlannedMemory | None
+    startup_s: int
+    layout_reason: str
+
+    @property
+    def ranks_per_pod(self) -> int:
+        return self.tensor_parallel_degree // self.nodes
+
+    @property
+    def startup_failure_threshold(self) -> int:
+        return math.ceil(self.startup_s / PROBE_PERIOD_S)
+
+
+_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
+_UNITS = {None: 1, "Ki": 1 << 10, "Mi": MIB, "Gi": GIB, "Ti": 1 << 40}
+
+
+def parse_memory(value: str) -> int:
+    """``8Gi``, ``512Mi``, ``1048576`` -> bytes (binary units only). Raises ``ConfigError``."""
+    match = _QUANTITY.match(value.strip())
+    if not match or int(match.group(1)) == 0:
+        raise ConfigError(f"--memory {value!r}: expected a positive amount such as 8Gi, 512Mi or bytes")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def model_uses_gpus(model: ModelFolder, asked: bool) -> bool:
+    """``--gpu``, or ``load_on_devices`` naming device ids (only GPUs have those; ``*`` runs on what is there)."""
+    return asked or model.config.parallel.load_on_devices.strip() not in ("", "*")
+
+
+def layout(model: ModelFolder, cpus: int, nodes: int) -> tuple[int, int, int, str]:
+    """``(minWorkers, maxWorkers, threads per rank, why)`` for a pod of ``cpus`` cores (``--cpus``)."""
+    cfg = model.config
+    tp = cfg.parallel.tensor_parallel_degree
+    lo, hi, reason = cfg.min_workers, cfg.max_workers, "minWorkers/maxWorkers as set"
+    if nodes > 1:
+        lo, hi, reason = 1, 1, f"one worker: its {tp} ranks span {nodes} pods"
+    elif model.auto_min_workers or model.auto_max_workers:
+        auto = auto_layout(cpus, model.parameters, tp)
+        lo = auto.workers if model.auto_min_workers else lo
+        hi = max(auto.workers, lo) if model.auto_max_workers else hi
+        lo = min(lo, hi)
+        reason = f"workers auto on {cpus} cores: {auto.reason}"
+    ranks = tp // nodes
+    threads = max(1, cpus // (hi * ranks)) if model.auto_threads else int(cfg.options["num_threads"])
+    return lo, hi, threads, reason
+
+
+def _rank_bytes(plan: PlannedMemory, gpu: bool) -> int:
+    """One rank's planned bytes beyond its process (see the module note)."""
+    tp = plan.tensor_parallel_degree
+    if gpu:
+        return -(-plan.weight_bytes // tp)
+    kv = plan.kv_cache_bytes / plan.kv_fraction if plan.kv_source == "auto" else plan.kv_cache_bytes
+    return math.ceil((plan.weight_bytes + plan.prepack_bytes + plan.activation_bytes + kv) / tp)
+
+
+def startup_seconds(model: ModelFolder, plan: PlannedMemory | None, workers: int) -> int:
+    """The load-time estimate the startupProbe allows (see the module note)."""
+    if model.checkpoint_bytes is None:
+        return STARTUP_FLOOR_S + math.ceil(model.config.model_loading_timeout_s)
+    seconds = STARTUP_FLOOR_S + model.checkpoint_bytes / LOAD_RATE + model.gguf_bytes / GGUF_RATE
+    if plan is not None and model.config.options.get("kv_cache_populate", "eager") == "eager":
+        seconds += workers * plan.kv_cache_bytes / KV_TOUCH_RATE
+    return math.ceil(seconds)
+
+
+def size_pods(model: ModelFolder, *, cpus: int = DEFAULT_CPUS, nodes: int = 1, gpu: bool = False,
+              memory: str | None = None) -> Sizing:
+    """The pods' resources for ``model`` (see the module note). Raises ``ConfigError``."""
+    cfg = model.config
+    tp = cfg.parallel.tensor_parallel_degree
+    if cpus < 1:
+        raise ConfigError(f"--cpus {cpus}: expected at least 1")
+    if nodes < 1 or tp % nodes:
+        raise ConfigError(f"--nodes {nodes}: option.tensor_parallel_degree = {tp} ranks do not split evenly "
+                          f"over {nodes} pods")
+    gpu = model_uses_gpus(model, gpu)
+    lo, hi, threads, reason = layout(model, cpus, nodes)
+    ranks = tp // nodes
+    plan = planned_memory(model.path, cfg.model_id, cfg.handler_properties()) if cfg.batching.rolling else None
+    if memory is not None:
+        source, rank_bytes = "--memory", None
+        pod_bytes = parse_memory(memory)
+    elif plan is not None:
+        source, rank_bytes = "preflight", RANK_OVERHEAD + _rank_bytes(plan, gpu)
+    else:
+        source, rank_bytes = "fallback", RANK_OVERHEAD + FALLBACK_RANK
+    if rank_bytes is not None:  # every pod has one main process: the frontend, or `serving worker`
+        pod_bytes = PROCESS_OVERHEAD + hi * ranks * rank_bytes + (SHM if gpu and ranks > 1 else 0)
+    size = PodSize(hi * ranks * threads, pod_bytes, hi * ranks if gpu else 0)
+    return Sizing(min_workers=lo, max_workers=hi, threads=threads, tensor_parallel_degree=tp, nodes=nodes, gpu=gpu,
+                  leader=size, worker=size if nodes > 1 else None, memory_source=source, plan=plan,
+                  startup_s=startup_seconds(model, plan, hi), layout_reason=reason)

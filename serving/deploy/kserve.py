@@ -32,6 +32,7 @@ MODEL_FORMAT = "rollserve"
 MODEL_FORMAT_VERSION = "1"
 PROTOCOL_VERSIONS = ["grpc-v2"]
 KSERVE_MOUNT = "/mnt/models"  # where KServe mounts the storageUri
+CONTAINER = "kserve-container"  # KServe merges the InferenceService's model into the runtime's container of this name
 
 
 def serving_runtime(ctx: PodContext, namespace: str | None) -> dict[str, Any]:
@@ -43,7 +44,7 @@ def serving_runtime(ctx: PodContext, namespace: str | None) -> dict[str, Any]:
                      "protocolVersions": PROTOCOL_VERSIONS,
                      "multiModel": False,
                      "annotations": scrape_annotations(ctx),
-                     "containers": [{"name": "kserve-container", "image": ctx.image, "command": ["serving"],
+                     "containers": [{"name": CONTAINER, "image": ctx.image, "command": ["serving"],
                                      "args": ["--model-store", MODEL_STORE],
                                      "env": [e for e in server_env(ctx) if "valueFrom" not in e],
                                      "ports": [{"name": "h2c", "containerPort": p.grpc, "protocol": "TCP"}],
@@ -54,7 +55,7 @@ def serving_runtime(ctx: PodContext, namespace: str | None) -> dict[str, Any]:
 def inference_service(ctx: PodContext, namespace: str | None, replicas: int, max_replicas: int) -> dict[str, Any]:
     meta = metadata(ctx.name, namespace, "server", ctx.name)
     meta["annotations"] = {"serving.kserve.io/deploymentMode": "RawDeployment"}
-    model: dict[str, Any] = {"modelFormat": {"name": MODEL_FORMAT, "version": MODEL_FORMAT_VERSION},
+    model: dict[str, Any] = {"name": CONTAINER, "modelFormat": {"name": MODEL_FORMAT, "version": MODEL_FORMAT_VERSION},
                              "runtime": f"{ctx.name}-runtime", "protocolVersion": PROTOCOL_VERSIONS[0]}
     if ctx.model.weights is not None:
         model["storageUri"] = f"pvc://{ctx.weights_claim}"

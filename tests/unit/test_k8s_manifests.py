@@ -1,0 +1,476 @@
+"""``serving k8s``'s manifests (serving/deploy): every document valid for the API it names, sized from the engine's
+memory preflight, probing routes the server serves, scaling on a metric it exports, and carrying no secret.
+
+Standard kinds are validated by kubernetes-validate in strict mode (unknown fields fail) against ``K8S_VERSION``.
+The custom resources it does not know: KServe's objects are deserialized strictly into the kserve SDK's models
+(an unknown field fails) and must serialize back unchanged; LeaderWorkerSet and ServiceMonitor are checked against
+JSON schemas written here from their published CRDs (kubernetes-sigs/lws ``leaderworkerset.x-k8s.io_leaderworkersets
+.yaml``, prometheus-operator ``monitoring.coreos.com_servicemonitors.yaml``), covering the fields emitted, with
+``additionalProperties: false``; a LeaderWorkerSet's pod templates are validated as Kubernetes PodTemplates.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from handlers.preflight import planned_memory
+from handlers.synthetic_model import build_model
+from serving.config import load_model_config
+from serving.deploy import DEFAULT_CPUS
+from serving.deploy.k8s import Request
+from serving.deploy.manifests import Manifests, build, dns_name
+from serving.deploy.resources import (
+    GIB,
+    KV_TOUCH_RATE,
+    LOAD_RATE,
+    MIB,
+    PROCESS_OVERHEAD,
+    RANK_OVERHEAD,
+    SHM,
+    STARTUP_FLOOR_S,
+)
+from serving.frontends import openapi
+from serving.frontends.grpc import SERVICE_NAMES
+from serving.health import HealthRoutes
+from serving.layout import auto_layout, checkpoint_parameters
+from serving.metrics import ServingMetrics
+from serving.params import Limits
+from serving.server_config import load_server_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = ROOT / "model_store" / "smollm2"
+K8S_VERSION = "1.32.0"
+CANARY = "canary-token-value-that-must-not-leak"
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with tensor_parallel_degree=2, its weights in the folder."""
+    folder = build_model(tmp_path_factory.mktemp("models") / "Tiny_TP2", "llama", "tiny")
+    (folder / "serving.properties").write_text("option.rolling_batch=auto\noption.tensor_parallel_degree=2\n"
+                                               "option.max_rolling_batch_size=8\nminWorkers=auto\nmaxWorkers=auto\n")
+    return folder
+
+
+CASES = {
+    "default": (None, {}),
+    "default-kserve": (None, {"kserve": True, "replicas": 2}),
+    "tp2": ("tp2", {"namespace": "llm", "replicas": 2, "max_replicas": 5}),
+    "tp2-gpu": ("tp2", {"gpu": True, "cpus": 8}),
+    "tp2-nodes": ("tp2", {"nodes": 2, "namespace": "llm"}),
+    "tp2-nodes-gpu": ("tp2", {"nodes": 2, "gpu": True}),
+    "tp2-kserve": ("tp2", {"kserve": True, "weights_claim": "tiny-weights"}),
+}
+
+
+@pytest.fixture(params=sorted(CASES), scope="module")
+def case(request: pytest.FixtureRequest, tp2: Path) -> tuple[Request, Manifests]:
+    folder, options = CASES[request.param]
+    req = Request(model_dir=tp2 if folder == "tp2" else DEFAULT_MODEL, **options)
+    with pytest.MonkeyPatch.context() as mp:  # a token in the generating machine's environment must not leak
+        mp.setenv("SERVING_INFERENCE_TOKEN", CANARY)
+        mp.setenv("SERVING_MANAGEMENT_TOKEN", CANARY)
+        mp.setenv("OPTION_TENSOR_PARALLEL_DEGREE", "1")
+        return req, build(req)
+
+
+def by_kind(m: Manifests, kind: str) -> list[dict[str, Any]]:
+    return [d for d in m.documents if d["kind"] == kind]
+
+
+def pod_templates(m: Manifests) -> list[dict[str, Any]]:
+    """(Deployment's or the LeaderWorkerSet's leader and worker) pod templates."""
+    found = [d["spec"]["template"] for d in by_kind(m, "Deployment")]
+    for lws in by_kind(m, "LeaderWorkerSet"):
+        found += [lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"],
+                  lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]]
+    return found
+
+
+def server_containers(m: Manifests) -> list[dict[str, Any]]:
+    """The containers that run the frontend (probes, ports, tokens)."""
+    found = [t["spec"]["containers"][0] for t in pod_templates(m)
+             if t["metadata"]["labels"]["app.kubernetes.io/component"] != "worker"]
+    for runtime in by_kind(m, "ServingRuntime"):
+        found += runtime["spec"]["containers"]
+    return found
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+# ------------------------------------------------------------------------------------------------------ schemas
+def _strict(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+
+
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_METADATA = _strict({"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": _STRING_MAP,
+                     "annotations": _STRING_MAP}, ("name",))
+_TEMPLATE = _strict({"metadata": _strict({"labels": _STRING_MAP, "annotations": _STRING_MAP}),
+                     "spec": {"type": "object"}}, ("spec",))  # the pod spec: validated as a PodTemplate
+LWS_SCHEMA = _strict({
+    "apiVersion": {"const": "leaderworkerset.x-k8s.io/v1"}, "kind": {"const": "LeaderWorkerSet"},
+    "metadata": _METADATA,
+    "spec": _strict({
+        "replicas": {"type": "integer", "minimum": 0},
+        "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+        "leaderWorkerTemplate": _strict({
+            "size": {"type": "integer", "minimum": 1},
+            "restartPolicy": {"enum": ["Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"]},
+            "leaderTemplate": _TEMPLATE, "workerTemplate": _TEMPLATE}, ("workerTemplate",))},
+        ("leaderWorkerTemplate",))}, ("apiVersion", "kind", "metadata", "spec"))
+_DURATION = "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+SERVICE_MONITOR_SCHEMA = _strict({
+    "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "ServiceMonitor"},
+    "metadata": _METADATA,
+    "spec": _strict({
+        "selector": _strict({"matchLabels": _STRING_MAP}),
+        "endpoints": {"type": "array", "minItems": 1, "items": _strict({
+            "port": {"type": "string"}, "path": {"type": "string"},
+            "interval": {"type": "string", "pattern": _DURATION},
+            "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]}})}},
+        ("endpoints", "selector"))}, ("apiVersion", "kind", "metadata", "spec"))
+
+
+def _sdk() -> tuple[Any, Any, Any]:
+    """kserve's and kubernetes' generated model classes, loaded without their packages' ``__init__`` (kserve's
+    imports its model server, whose dependencies .ci/run leaves out; setup.cfg says why)."""
+    for name in ("kubernetes", "kserve"):
+        if name not in sys.modules:
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.submodule_search_locations is None:
+                pytest.skip(f"{name} is not installed (.ci/run installs it with --no-deps)")
+            package = types.ModuleType(name)
+            package.__path__ = list(spec.submodule_search_locations)
+            sys.modules[name] = package
+    import kserve.api_client
+    import kserve.models
+    import kubernetes.client.models
+
+    return kserve.models, kubernetes.client.models, kserve.api_client.ApiClient()
+
+
+def strict_load(data: Any, type_name: str) -> Any:
+    """``data`` as the SDK's ``type_name``; a field the model does not define fails."""
+    kserve_models, k8s_models, _ = _sdk()
+    if match := re.fullmatch(r"[Ll]ist\[(.+)\]", type_name):
+        assert isinstance(data, list), (type_name, data)
+        return [strict_load(item, match.group(1)) for item in data]
+    if match := re.fullmatch(r"[Dd]ict[(\[]str, (.+)[)\]]", type_name):
+        assert isinstance(data, dict), (type_name, data)
+        return {key: strict_load(value, match.group(1)) for key, value in data.items()}
+    primitives = {"str": str, "int": int, "bool": bool, "float": (int, float), "object": (str, int, dict, list)}
+    if type_name in primitives:
+        assert isinstance(data, primitives[type_name]), (type_name, data)
+        return data
+    cls = getattr(kserve_models, type_name, None) or getattr(k8s_models, type_name)
+    assert isinstance(data, dict), (type_name, data)
+    fields = {json_name: attr for attr, json_name in cls.attribute_map.items()}
+    unknown = sorted(set(data) - set(fields))
+    assert not unknown, f"{type_name} has no field {unknown}"
+    return cls(**{fields[key]: strict_load(value, cls.openapi_types[fields[key]]) for key, value in data.items()})
+
+
+SDK_TYPES = {"InferenceService": "V1beta1InferenceService", "ServingRuntime": "V1alpha1ServingRuntime"}
+STANDARD_KINDS = {"ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler"}
+
+
+def validate(doc: dict[str, Any]) -> None:
+    kind = doc["kind"]
+    if kind in STANDARD_KINDS:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    elif kind in SDK_TYPES:
+        obj = strict_load(doc, SDK_TYPES[kind])
+        assert _sdk()[2].sanitize_for_serialization(obj) == doc
+    elif kind == "LeaderWorkerSet":
+        jsonschema.validate(doc, LWS_SCHEMA)
+        for role in ("leaderTemplate", "workerTemplate"):
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                          "template": doc["spec"]["leaderWorkerTemplate"][role]},
+                                         K8S_VERSION, strict=True)
+    elif kind == "ServiceMonitor":
+        jsonschema.validate(doc, SERVICE_MONITOR_SCHEMA)
+    else:
+        raise AssertionError(f"no check for kind {kind}")
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+def test_every_document_validates_and_the_yaml_says_the_same(case: tuple[Request, Manifests]) -> None:
+    req, m = case
+    kinds = [d["kind"] for d in m.documents]
+    if req.kserve:
+        assert kinds == ["ConfigMap", "ServingRuntime", "InferenceService"]
+    else:
+        workload = "LeaderWorkerSet" if req.nodes > 1 else "Deployment"
+        assert kinds == ["ConfigMap", workload, "Service", "HorizontalPodAutoscaler", "ServiceMonitor", "ConfigMap"]
+    for doc in m.documents:
+        validate(doc)
+    assert list(yaml.safe_load_all(m.yaml())) == m.documents
+
+
+def test_names_labels_and_namespace(case: tuple[Request, Manifests]) -> None:
+    req, m = case
+    assert m.context is not None
+    name = m.context.name
+    for doc in m.documents:
+        meta = doc["metadata"]
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", meta["name"]) and len(meta["name"]) <= 63
+        assert meta["name"].startswith(name)
+        assert meta.get("namespace") == req.namespace
+        assert meta["labels"]["app.kubernetes.io/name"] == "rollserve"
+        assert meta["labels"]["app.kubernetes.io/instance"] == name
+        assert meta["labels"]["app.kubernetes.io/component"]
+    assert dns_name("SmolLM2_135M.Instruct") == "smollm2-135m-instruct"
+    assert dns_name("7b-chat") == "rollserve-7b-chat"
+    assert dns_name("__") == "rollserve"
+    assert len(dns_name("x" * 100)) == 40
+
+
+def test_resources_are_the_preflight_figures(case: tuple[Request, Manifests], tp2: Path) -> None:
+    """Memory from ``planned_memory`` (computed here, the same function) by the documented formula; CPU = workers x
+    ranks x threads as ``auto`` picks them on --cpus; GPUs = the pod's ranks on GPUs."""
+    req, m = case
+    assert m.context is not None
+    folder = tp2 if m.context.model.path == tp2.resolve() else DEFAULT_MODEL
+    cfg = load_model_config(folder, env={})
+    tp, nodes = cfg.parallel.tensor_parallel_degree, req.nodes
+    ranks = tp // nodes
+    plan = planned_memory(folder, cfg.model_id, cfg.handler_properties())
+    if folder == tp2:
+        assert plan is not None and plan.tensor_parallel_degree == 2
+        layout = auto_layout(req.cpus, checkpoint_parameters(tp2), tp)
+        workers = 1 if nodes > 1 else layout.workers
+        if req.gpu:
+            rank = math.ceil(plan.weight_bytes / tp)
+        else:
+            kv = plan.kv_cache_bytes / plan.kv_fraction
+            rank = math.ceil((plan.weight_bytes + plan.prepack_bytes + plan.activation_bytes + kv) / tp)
+        memory = PROCESS_OVERHEAD + workers * ranks * (RANK_OVERHEAD + rank) + (SHM if req.gpu and ranks > 1 else 0)
+        figures = (f"weights={plan.weight_bytes} prepacked={plan.prepack_bytes} activations={plan.activation_bytes} "
+                   f"kv-cache={plan.kv_cache_bytes} kv-source=auto kv-fraction=0.9 tensor-parallel-degree=2")
+    else:
+        assert plan is None  # fetched at start: no plan before it runs
+        layout = auto_layout(req.cpus, None, tp)
+        workers = layout.workers
+        memory = PROCESS_OVERHEAD + workers * ranks * (RANK_OVERHEAD + 4 * GIB)
+        figures = None
+    threads = layout.threads_per_worker if nodes == 1 else req.cpus // ranks
+    expected = {"cpu": str(workers * ranks * threads), "memory": f"{math.ceil(memory / MIB)}Mi"}
+    if req.gpu:
+        expected["nvidia.com/gpu"] = str(workers * ranks)
+    containers = [t["spec"]["containers"][0] for t in pod_templates(m)]
+    for isvc in by_kind(m, "InferenceService"):
+        containers.append(isvc["spec"]["predictor"]["model"])
+        annotations = isvc["spec"]["predictor"]["annotations"]
+    for c in containers:
+        assert c["resources"] == {"requests": expected, "limits": expected}
+        env = env_of(c)
+        assert env["SERVING_MAX_WORKERS"]["value"] == str(workers)
+        assert env["OPTION_NUM_THREADS"]["value"] == str(threads)
+        assert ("CUDA_VISIBLE_DEVICES" in env) == (not req.gpu)
+    for t in pod_templates(m):
+        annotations = t["metadata"]["annotations"]
+    assert annotations.get("rollserve/memory-plan") == figures
+    assert annotations["rollserve/memory-source"] == ("preflight" if figures else "fallback")
+
+
+def test_startup_probe_allows_the_load_estimate(case: tuple[Request, Manifests], tp2: Path) -> None:
+    req, m = case
+    assert m.context is not None
+    model = m.context.model
+    if model.checkpoint_bytes is None:
+        estimate = STARTUP_FLOOR_S + model.config.model_loading_timeout_s
+    else:
+        plan = m.context.sizing.plan
+        assert plan is not None and model.checkpoint_bytes == (tp2 / "model.safetensors").stat().st_size
+        estimate = (STARTUP_FLOOR_S + model.checkpoint_bytes / LOAD_RATE
+                    + m.context.sizing.max_workers * plan.kv_cache_bytes / KV_TOUCH_RATE)
+    for c in server_containers(m):
+        probe = c["startupProbe"]
+        assert probe["failureThreshold"] * probe["periodSeconds"] >= estimate
+        assert (probe["failureThreshold"] - 1) * probe["periodSeconds"] < estimate
+
+
+def test_probes_ports_and_binds_are_the_servers(case: tuple[Request, Manifests]) -> None:
+    """Probe paths are the server's health routes (readiness for startup and readiness, liveness for liveness);
+    the container's environment, read by the server's own config loader, binds every interface on the ports the
+    container declares, and fills the tokens from the variables the Secret feeds."""
+    _, m = case
+    routes = {r.path: r.endpoint.__name__ for r in HealthRoutes(None).routes()}  # type: ignore[arg-type]
+    served = openapi.inference_document(Limits())["paths"]
+    for c in server_containers(m):
+        for probe, endpoint in (("startupProbe", "ping"), ("readinessProbe", "ping"), ("livenessProbe", "live")):
+            path = c[probe]["httpGet"]["path"]
+            assert routes[path] == endpoint and path in served
+        env = env_of(c)
+        plain = {k: e["value"] for k, e in env.items() if "value" in e}
+        secret = {k: "x" * 16 for k, e in env.items() if "secretKeyRef" in e.get("valueFrom", {})}
+        model_env = {} if "SERVING_INFERENCE_TOKEN" in env else {  # KServe: the InferenceService adds the tokens
+            "SERVING_INFERENCE_TOKEN": "x" * 16, "SERVING_MANAGEMENT_TOKEN": "x" * 16}
+        server = load_server_config(None, env={**plain, **secret, **model_env})
+        assert server.inference_token and server.management_token and server.inference_auth_required()
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        probe_port = c["readinessProbe"]["httpGet"]["port"]  # a port's name, or (KServe: one port) a number
+        assert ports.get(probe_port, probe_port) == server.inference_host_port()[1]
+        listeners = [server.inference_host_port(), server.grpc_host_port(), server.metrics_host_port()]
+        assert all(hp is not None and hp[0] == "0.0.0.0" for hp in listeners)
+        assert server.grpc_host_port() == ("0.0.0.0", ports.get("grpc", ports.get("h2c")))
+        if "metrics" in ports:
+            assert server.metrics_host_port() == ("0.0.0.0", ports["metrics"])
+
+
+def _walk(node: Any) -> Any:
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _walk(value)
+
+
+def test_no_secret_value_inline(case: tuple[Request, Manifests]) -> None:
+    _, m = case
+    assert not by_kind(m, "Secret")
+    assert CANARY not in m.yaml()
+    env_vars = [n for doc in m.documents for n in _walk(doc) if "name" in n and ("value" in n or "valueFrom" in n)]
+    secret_like = [e for e in env_vars if re.search(r"TOKEN|SECRET|PASSWORD|KEY$", e["name"])]
+    assert {e["name"] for e in secret_like} >= {"SERVING_INFERENCE_TOKEN", "SERVING_MANAGEMENT_TOKEN"}
+    for e in secret_like:
+        assert "value" not in e and set(e["valueFrom"]) == {"secretKeyRef"}, e
+
+
+def test_scaling_and_scraping_use_what_the_server_exports(case: tuple[Request, Manifests]) -> None:
+    req, m = case
+    if req.kserve:
+        return
+    exported = {family.name for family in ServingMetrics().registry.collect()}
+    (hpa,) = by_kind(m, "HorizontalPodAutoscaler")
+    (metric,) = hpa["spec"]["metrics"]
+    name = metric["pods"]["metric"]["name"]
+    assert name in exported
+    workload = m.documents[1]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": workload["apiVersion"], "kind": workload["kind"],
+                                             "name": workload["metadata"]["name"]}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (
+        req.replicas, req.max_replicas or 4 * req.replicas)
+    adapter = [c for c in by_kind(m, "ConfigMap") if "config.yaml" in c["data"]]
+    (rule,) = yaml.safe_load(adapter[0]["data"]["config.yaml"])["rules"]
+    assert rule["name"]["as"] == name and rule["seriesQuery"].startswith(name + "{")
+    assert re.fullmatch(rule["name"]["matches"], name)
+    (service,) = by_kind(m, "Service")
+    (monitor,) = by_kind(m, "ServiceMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"] == service["metadata"]["labels"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] in openapi.management_document(Limits())["paths"]  # the metrics route
+    served = pod_templates(m)[0]
+    assert served["metadata"]["labels"] == service["spec"]["selector"]
+    assert served["metadata"]["annotations"]["prometheus.io/path"] == endpoint["path"]
+    ports = {p["name"]: p["containerPort"] for p in served["spec"]["containers"][0]["ports"]}
+    assert served["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
+
+
+def test_the_model_reaches_the_pod(case: tuple[Request, Manifests], tp2: Path) -> None:
+    """The ConfigMap holds serving.properties and is mounted as the model folder under the model store the server
+    is started on; a local checkpoint comes from the claim, where OPTION_MODEL_ID points."""
+    req, m = case
+    assert m.context is not None
+    folder = m.context.model.path
+    (config_map,) = [c for c in by_kind(m, "ConfigMap") if "serving.properties" in c["data"]]
+    assert config_map["data"]["serving.properties"] == (folder / "serving.properties").read_text()
+    for c in server_containers(m):
+        assert c["command"] == ["serving"] and c["args"][:2] == ["--model-store", "/opt/ml/model"]
+    specs = [(t["spec"]["containers"][0], t["spec"]["volumes"]) for t in pod_templates(m)]
+    specs += [(i["spec"]["predictor"]["model"], i["spec"]["predictor"]["volumes"])
+              for i in by_kind(m, "InferenceService")]
+    for container, volumes in specs:
+        mounts = {v["name"]: v for v in container["volumeMounts"]}
+        assert mounts["model"]["mountPath"] == f"/opt/ml/model/{folder.name}"
+        assert {v["name"]: v for v in volumes}["model"]["configMap"]["name"] == config_map["metadata"]["name"]
+        model_id = env_of(container).get("OPTION_MODEL_ID")
+        if folder == DEFAULT_MODEL.resolve():
+            assert model_id is None and "weights" not in mounts
+        elif req.kserve:
+            isvc = by_kind(m, "InferenceService")[0]["spec"]["predictor"]["model"]
+            assert isvc["storageUri"] == "pvc://tiny-weights" and model_id["value"] == "/mnt/models"
+        else:
+            claim = {v["name"]: v for v in volumes}["weights"]["persistentVolumeClaim"]
+            assert claim == {"claimName": f"{m.context.name}-weights", "readOnly": True}
+            assert model_id["value"] == mounts["weights"]["mountPath"]
+
+
+def test_leader_worker_set(case: tuple[Request, Manifests]) -> None:
+    req, m = case
+    if req.nodes == 1:
+        assert not by_kind(m, "LeaderWorkerSet")
+        return
+    (lws,) = by_kind(m, "LeaderWorkerSet")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == req.nodes and lws["spec"]["replicas"] == req.replicas
+    leader = template["leaderTemplate"]["spec"]["containers"][0]
+    worker = template["workerTemplate"]["spec"]["containers"][0]
+    assert leader["args"] == ["--model-store", "/opt/ml/model"]
+    assert worker["command"] + worker["args"] == ["serving", "worker", "--leader", "$(LWS_LEADER_ADDRESS):29500",
+                                                  "--model-store", "/opt/ml/model"]
+    for c in (leader, worker):
+        env = env_of(c)
+        secret = env["ROLLSERVE_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+        assert secret == {"name": f"{lws['metadata']['name']}-cluster", "key": "cluster-secret"}
+        assert env["MASTER_PORT"]["value"] == "29500"
+    assert "29500" in str(leader["ports"]) and "ports" not in worker and "startupProbe" not in worker
+    assert by_kind(m, "Service")[0]["spec"]["selector"] == template["leaderTemplate"]["metadata"]["labels"]
+
+
+def test_kserve_protocols_are_what_the_server_speaks(case: tuple[Request, Manifests]) -> None:
+    req, m = case
+    if not req.kserve:
+        return
+    (runtime,) = by_kind(m, "ServingRuntime")
+    (isvc,) = by_kind(m, "InferenceService")
+    protocols = runtime["spec"]["protocolVersions"]
+    rest_v2 = any(p.startswith("/v2/") for p in openapi.inference_document(Limits())["paths"])
+    assert ("v2" in protocols) == rest_v2
+    assert ("grpc-v2" in protocols) == ("inference.GRPCInferenceService" in SERVICE_NAMES)
+    model = isvc["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"] and model["protocolVersion"] in protocols
+    assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
+    assert isvc["spec"]["predictor"]["minReplicas"] == req.replicas
+
+
+def test_refusals() -> None:
+    for req, message in ((Request(DEFAULT_MODEL, nodes=2), "do not split"),
+                         (Request(DEFAULT_MODEL, kserve=True, nodes=2), "--kserve with --nodes"),
+                         (Request(DEFAULT_MODEL, name="Bad_Name"), "--name"),
+                         (Request(DEFAULT_MODEL, memory="lots"), "--memory")):
+        with pytest.raises(Exception, match=re.escape(message)):
+            build(req)
+
+
+def test_the_command_as_users_run_it() -> None:
+    """``python -m serving k8s``: YAML on stdout (what ``build`` makes), the notes on stderr, exit 2 on a refusal."""
+    run = subprocess.run([sys.executable, "-m", "serving", "k8s", str(DEFAULT_MODEL), "--namespace", "llm",
+                          "--replicas", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    docs = list(yaml.safe_load_all(run.stdout))
+    assert docs == build(Request(DEFAULT_MODEL, namespace="llm", replicas=2)).documents
+    assert "kubectl create secret generic smollm2-tokens -n llm" in run.stderr
+    assert f"{DEFAULT_CPUS} CPUs" in run.stderr
+    bad = subprocess.run([sys.executable, "-m", "serving", "k8s", str(DEFAULT_MODEL), "--nodes", "2"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.startswith("error: --nodes 2")

@@ -68,9 +68,9 @@ class HuggingFaceRollingHandler(RollingHandler):
                               max_num_batched_tokens=options.get("max_rolling_batch_prefill_tokens"))
 
     def healthy(self) -> bool:
-        """False once a tensor-parallel rank process has exited (the group cannot step any more)."""
+        """False once a tensor-parallel rank process has exited or a follower host left (the group cannot step)."""
         group = self._engine.tp_group if self._engine is not None else None
-        return group is None or all(child.poll() is None for child in group.children)
+        return group is None or group.healthy()
 
     def close(self) -> None:
         if self._engine is not None:

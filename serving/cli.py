@@ -6,6 +6,8 @@
     serving bench [MODEL_DIR] [--url URL] [--scenario PRESET|FILE] [--slo SPEC]
                                     open-loop load on a model (a folder it starts, or a running server):
                                     TTFT, TPOT, ITL, E2E, tokens/s, goodput; JSON and PNG figures
+    serving worker --leader HOST:PORT [--model-store DIR]
+                                    run this host's ranks of a tensor-parallel group led by another host
     serving tune MODEL_DIR --slo SPEC [--scenario FILE] [--budget 20m] [--dry-run]
                                     search the knobs on the live model for the highest goodput meeting the
                                     SLO; writes an annotated serving.properties and a report
@@ -125,6 +127,10 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:  # a follower host's agent: its own parser, no server configuration
+        from serving.worker.follower import main as worker_main
+
+        worker_main(argv[1:])
     if not argv or argv[0].startswith("-"):
         argv.insert(0, "start")
     elif argv[0] == "serve":

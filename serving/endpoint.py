@@ -98,6 +98,11 @@ class ModelEndpoint:
         """The handler's ``describe()`` (max_model_len, chat_template, ...) from the first ready worker."""
         return self.pool.info
 
+    @property
+    def available(self) -> bool:
+        """READY with a worker serving now (not while its only worker restarts, e.g. after losing a host)."""
+        return self.state is ModelState.READY and self.pool.num_serving > 0
+
     async def start(self) -> None:
         self.state = ModelState.LOADING
         t0 = time.monotonic()
@@ -344,6 +349,7 @@ class FailedEndpoint:
         self.reason = reason
         self.rolling = False
         self.info: dict[str, Any] = {}
+        self.available = False
 
     def submit(self, request: GenerationRequest) -> ResultStream:
         raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")

@@ -3,7 +3,8 @@
 Design note (Triton's split): *liveness* means the process answers (its event loop runs); an orchestrator
 restarts a server that is not live, so a FAILED model never makes it so. *Readiness* follows
 ``ping_requires``: ``all`` (default) -- every model of ``load_models`` (the startup set, minus those
-unregistered since) is READY; ``any`` -- at least one registered model is READY; ``none`` -- readiness is
+unregistered since) is READY with a worker serving (a model whose workers are all restarting is not ready);
+``any`` -- at least one registered model is; ``none`` -- readiness is
 liveness. Models registered later over the API never change readiness: ask ``/models/{name}`` or the
 per-model health for them. Draining (SIGTERM) makes the server not ready at once. Event loop only.
 """
@@ -15,8 +16,6 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-
-from rollcore.types import ModelState
 
 PING_REQUIRES = ("all", "any", "none")
 
@@ -56,11 +55,11 @@ class Health:
         if not endpoints:  # e.g. started outside the repository root: serving nothing is not "ready"
             return False
         if self.ping_requires == "any":
-            return any(ep.state is ModelState.READY for ep in endpoints.values())
+            return any(ep.available for ep in endpoints.values())
         startup = self.registry.startup_models
         if startup is None:
             return False
-        return all(name in endpoints and endpoints[name].state is ModelState.READY for name in startup)
+        return all(name in endpoints and endpoints[name].available for name in startup)
 
     def models(self) -> dict[str, str]:
         return {name: ep.state.value for name, ep in sorted(self.registry.endpoints.items())}

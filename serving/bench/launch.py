@@ -91,18 +91,19 @@ class ServerAddresses:
 
     ports: dict[str, int]
     tokens: dict[str, str]
+    host = "127.0.0.1"  # where the ports listen (a test may run a server in a network namespace of its own)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['inference']}"
+        return f"http://{self.host}:{self.ports['inference']}"
 
     @property
     def mgmt(self) -> str:
-        return f"http://127.0.0.1:{self.ports['management']}"
+        return f"http://{self.host}:{self.ports['management']}"
 
     @property
     def grpc_target(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
+        return f"{self.host}:{self.ports['grpc']}"
 
     @property
     def mgmt_headers(self) -> dict[str, str]:

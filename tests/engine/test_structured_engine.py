@@ -79,7 +79,8 @@ def test_constrained_and_free_rows_share_steps_and_each_gets_its_answer(engine: 
         assert [t.id for d in mixed[rid] for t in d.tokens] == [t.id for d in alone[rid] for t in d.tokens], rid
     longest = max(len(v) for v in mixed.values())
     assert engine.stats()["num_steps_total"] - steps_before <= longest + 2  # one batch: no separate path
-    assert engine._compiling.compiler is not None and len(engine._compiling.compiler._built) == 1  # compiled once, used four times
+    compiler = engine._compiling.compiler
+    assert compiler is not None and len(compiler._built) == 1  # compiled once, used four times
 
 
 def test_regex_choice_and_sampling_hold(engine: LLMEngine) -> None:

@@ -53,6 +53,7 @@ class ServerProcess(ServerAddresses):
     ports: dict[str, int] = field(default_factory=dict)
     log_path: Path | None = None
     tokens: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
 
     @property
     def inference_headers(self) -> dict[str, str]:
@@ -71,10 +72,11 @@ class ServerProcess(ServerAddresses):
     def start(cls, workdir: Path, models: dict[str, dict[str, str]] | None = None,
               config: dict[str, str] | None = None, env: dict[str, str] | None = None,
               sources: dict[str, Path] | None = None, files: dict[str, dict[str, str]] | None = None,
-              wait_ready: bool = True, timeout_s: float = 120.0, extra_args: list[str] | None = None
-              ) -> ServerProcess:
+              wait_ready: bool = True, timeout_s: float = 120.0, extra_args: list[str] | None = None,
+              prefix: list[str] | None = None, host: str = "127.0.0.1") -> ServerProcess:
         """``models``: name -> serving.properties dict (weights from ``sources[name]`` or the default
-        model for huggingface/rolling entry points)."""
+        model for huggingface/rolling entry points). ``prefix`` runs the server under another command (e.g.
+        ``ip netns exec NS``); ``host`` is the address its ports are reached at."""
         workdir.mkdir(parents=True, exist_ok=True)
         store = workdir / "model_store"
         store.mkdir(exist_ok=True)
@@ -93,11 +95,11 @@ class ServerProcess(ServerAddresses):
         log_path = workdir / "server.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "serving", "--config", str(workdir / "config.properties"),
+            [*(prefix or []), sys.executable, "-m", "serving", "--config", str(workdir / "config.properties"),
              "--ports-file", str(ports_file), *(extra_args or [])],
             cwd=workdir, env=full_env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
             start_new_session=True)
-        server = cls(proc, workdir, log_path=log_path)
+        server = cls(proc, workdir, log_path=log_path, host=host)
         deadline = time.monotonic() + timeout_s
         while not ports_file.exists():
             if proc.poll() is not None or time.monotonic() > deadline:

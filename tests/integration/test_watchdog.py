@@ -44,7 +44,8 @@ class Stream:
         self.thread.start()
 
     def _read(self, server: ServerProcess, model: str, body: dict[str, Any]) -> None:
-        with httpx.stream("POST", f"{server.url}/predictions/{model}", json=body, timeout=600) as r:
+        with httpx.stream("POST", f"{server.url}/predictions/{model}", json=body, timeout=600,
+                          headers=server.inference_headers) as r:
             for line in r.iter_lines():
                 if line.strip():
                     self.lines.append(json.loads(line))

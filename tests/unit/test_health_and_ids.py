@@ -15,6 +15,11 @@ from serving.live_requests import LiveRequests, counter_ids
 @dataclass
 class Ep:
     state: ModelState
+    serving_workers: int = 1
+
+    @property
+    def available(self) -> bool:
+        return self.state is ModelState.READY and self.serving_workers > 0
 
 
 @dataclass
@@ -34,6 +39,9 @@ def test_readiness_follows_ping_requires() -> None:
     state = State()
     assert not Health(reg, state, "all").ready()  # a startup model FAILED
     assert Health(reg, state, "any").ready()
+    reg.endpoints["a"].serving_workers = 0  # its only worker restarts (e.g. a tensor-parallel host was lost)
+    assert not Health(reg, state, "any").ready()
+    reg.endpoints["a"].serving_workers = 1
     assert Health(reg, state, "none").ready()
     reg.startup_models = {"a"}  # b was unregistered; "late" (registered later) never counts
     assert Health(reg, state, "all").ready()

@@ -101,11 +101,13 @@ def test_the_core_imports_neither_side() -> None:
 
 def test_the_frontend_reaches_the_backend_through_preflight_and_the_worker_entry_only() -> None:
     """``serving`` imports ``handlers.preflight`` (torch-free questions before a worker starts) and, in the
-    worker process's entry point (``serving.worker``), the handler API and loader; nothing else of
+    worker processes' entry points (``serving.worker``: a worker, a follower host's agent), the handler API, the
+    loader and the follower agent; nothing else of
     ``handlers``."""
     allowed = {"handlers", "handlers.preflight", "handlers.preflight.engine_admission",
                "handlers.preflight.memory_plan_text", "handlers.preflight.checkpoint_parameters"}
-    worker = {"handlers.base", "handlers.loader"}
+    worker = {"handlers.base", "handlers.loader", "handlers.engine.execution.follower",
+              "handlers.engine.execution.rendezvous", "handlers.engine.execution.cluster"}
     offenders = {}
     for m, deps in modules("serving").items():
         mine = {i for i in deps if _inside(i, "handlers")} - allowed

@@ -1,33 +1,28 @@
 """Tensor parallelism for the rolling engine: N ranks per worker through ``torch.distributed``.
 
-Design note (Megatron-style, on stock transformers modules): every rank holds 1/N of the attention heads
-(rows of ``q/k/v_proj``, columns of ``o_proj``) and 1/N of the MLP (rows of ``gate/up_proj``, columns of
-``down_proj``); a forward hook all-reduces the outputs of the attention and MLP blocks (after ``o_proj``
-and ``down_proj``). Embeddings, norms and
-``lm_head`` are replicated, so every rank computes the same logits. Transformers' attention reshapes with
-``-1`` heads, so sharded projections need no module changes; the paged attention sees ``Hkv / N`` heads and
-each rank's KV pool holds only its heads.
+Design note: rank 0 is the worker process: it owns scheduling, sampling and IPC, and broadcasts each step's flat
+batch (``StepInputs`` packed into one int64 tensor) before running it; the other ranks load their shard
+(``handlers.engine.execution.sharding``), then loop: receive a step, run the model, repeat. Every rank computes
+the same logits. A failed collective is fatal for the whole group: the worker exits and is restarted by the
+frontend's pool, which forms the group again.
 
-Rank 0 is the worker process: it owns scheduling, sampling and IPC, and broadcasts each step's flat batch
-(``StepInputs`` packed into one int64 tensor) before running it; ranks 1..N-1 are child processes started
-by rank 0 (``python -m handlers.engine.execution.parallel``) that load their shard, then loop: receive a step, run the
-model, repeat. A failed collective is fatal for the whole group: the worker exits and is restarted by the
-frontend's pool, which respawns its ranks. Single node; the group address is a loopback TCP port chosen by
-rank 0.
+Where the ranks run: on one host, ranks 1..N-1 are child processes of the worker (``python -m
+handlers.engine.execution.parallel``); across H hosts (``handlers.engine.execution.cluster``), rank 0's host runs
+N/H of them and each follower host's agent runs its N/H. Either way every rank meets the others through rank 0's
+``Rendezvous`` (an authenticated store: a peer must hold the group's secret), never through an open TCPStore.
 
 Devices: on CPU one gloo group does everything. On GPUs (the worker's ``CUDA_VISIBLE_DEVICES`` lists its group,
-``serving.devices``) rank r runs on ``cuda:r``; the all-reduces go through NCCL on device tensors, and the
+``serving.devices``) each rank runs on its own device; the all-reduces go through NCCL on device tensors, and the
 step broadcasts, which are host-side integers, through a second group on gloo, so no step is copied to a
 device and back. Each rank loads and shards its model on the host, then moves its shard to its device.
 """
-
 from __future__ import annotations
 
 import argparse
 import json
 import logging
 import os
-import socket
+import secrets
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -38,7 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from handlers.engine.execution.cluster import gloo_interface, leader_spec
+from handlers.engine.execution.rendezvous import SECRET_ENV, AuthStore, Rendezvous
 from handlers.engine.execution.runner import StepInputs
+from handlers.engine.execution.sharding import shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +74,11 @@ class TensorParallelGroup:
     world_size: int
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     control: Any = None  # the group that carries steps (host tensors): gloo beside NCCL on GPUs, else the default
+    rendezvous: Rendezvous | None = None  # rank 0: the group's store and the follower hosts' lifelines
+
+    def healthy(self) -> bool:
+        """False once a rank this host started has exited or a follower host has left."""
+        return all(c.poll() is None for c in self.children) and not (self.rendezvous and self.rendezvous.lost)
 
     def broadcast_step(self, inputs: StepInputs | None) -> StepInputs | None:
         """Rank 0 sends the step (``None`` = stop); other ranks receive it."""
@@ -112,35 +115,55 @@ class TensorParallelGroup:
                     child.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        if self.rendezvous is not None:
+            self.rendezvous.close()
 
 
 def start_group(world_size: int, model_dir: Path, options: Mapping[str, str],
                 gpu: bool = False) -> TensorParallelGroup:
-    """On the worker (rank 0): spawn ranks 1..N-1 and join the process group with them (``gpu``: rank r on
-    ``cuda:r``)."""
-    port = _free_port()
-    init_method = f"tcp://127.0.0.1:{port}"
-    children = [
-        subprocess.Popen([sys.executable, "-m", "handlers.engine.execution.parallel", "--rank", str(r),
-                          "--world-size", str(world_size), "--init-method", init_method,
-                          "--model-dir", str(model_dir), "--options", json.dumps(dict(options)),
-                          "--device", f"cuda:{r}" if gpu else "cpu"],
-                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        for r in range(1, world_size)
-    ]
-    control = _init(0, world_size, init_method, gpu)
-    logger.info("tensor parallel group of %d ranks up (%s)", world_size, dist.get_backend())
-    return TensorParallelGroup(0, world_size, children, control)
+    """On the worker (rank 0): form the group (``gpu``: each rank on its own device). On one host, start ranks
+    1..N-1 here; with follower hosts (``cluster.leader_spec``), wait until they join, hand each its ranks, and
+    start this host's share."""
+    spec = leader_spec(os.environ, world_size)
+    secret = spec.secret if spec is not None else secrets.token_hex(32)
+    host = spec.bind if spec is not None else "127.0.0.1"
+    rendezvous = Rendezvous(secret.encode(), host, spec.port if spec is not None else 0)
+    local = world_size // spec.nodes if spec is not None else world_size
+    env = {SECRET_ENV: secret}
+    try:
+        if spec is not None:
+            followers = rendezvous.wait_followers(spec.nodes - 1)
+            for node, follower in enumerate(followers, start=1):
+                rendezvous.assign(follower, {"world_size": world_size, "first_rank": node * local, "ranks": local,
+                                             "model": model_dir.name, "options": dict(options), "gpu": gpu})
+            env.update(gloo_interface(followers[0].local_address))
+            os.environ.update(env)  # rank 0 meets the remote ranks on the same interface as its children
+        store_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        children = [spawn_rank(r, world_size, (store_host, rendezvous.port), model_dir, options,
+                               f"cuda:{r}" if gpu else "cpu", env) for r in range(1, local)]
+        control = _init(0, world_size, AuthStore(store_host, rendezvous.port, secret.encode()),
+                        torch.device("cuda", 0) if gpu else torch.device("cpu"))
+    except BaseException:
+        rendezvous.close()
+        raise
+    where = f" on {spec.nodes} hosts" if spec is not None else ""
+    logger.info("tensor parallel group of %d ranks up%s (%s)", world_size, where, dist.get_backend())
+    return TensorParallelGroup(0, world_size, children, control, rendezvous)
+
+
+def spawn_rank(rank: int, world_size: int, store: tuple[str, int], model_dir: Path, options: Mapping[str, str],
+               device: str, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start rank ``rank`` as a child process that dies with this one; ``env`` carries the group's secret
+    (never the command line, which other users of the host can read)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "handlers.engine.execution.parallel", "--rank", str(rank), "--world-size",
+         str(world_size), "--store", f"{store[0]}:{store[1]}", "--model-dir", str(model_dir),
+         "--options", json.dumps(dict(options)), "--device", device],
+        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, env={**os.environ, **env})
 
 
 def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGKILL it when the worker (rank 0) dies, so no rank is orphaned."""
+    """Runs in the child before exec: SIGKILL it when its parent dies, so no rank is orphaned."""
     try:
         import ctypes
         import signal
@@ -150,132 +173,22 @@ def _die_with_parent() -> None:
         pass
 
 
-def _init(rank: int, world_size: int, init_method: str, gpu: bool) -> Any:
+def _init(rank: int, world_size: int, store: AuthStore, device: torch.device) -> Any:
     """Join the group; returns the group that carries steps (None: the default one, gloo on CPU)."""
-    if not gpu:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    if device.type != "cuda":
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         return None
-    device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size, device_id=device)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, device_id=device)
     return dist.new_group(backend="gloo")
 
 
-# ----------------------------------------------------------------------------------------- sharding
-def _keep_rows(linear: torch.nn.Linear, start: int, end: int) -> None:
-    linear.weight = torch.nn.Parameter(linear.weight.data[start:end].contiguous(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = torch.nn.Parameter(linear.bias.data[start:end].contiguous(), requires_grad=False)
-    linear.out_features = end - start
-
-
-def _keep_cols(linear: torch.nn.Linear, start: int, end: int, rank: int) -> None:
-    linear.weight = torch.nn.Parameter(linear.weight.data[:, start:end].contiguous(), requires_grad=False)
-    if linear.bias is not None and rank != 0:  # the all-reduce would add the bias N times
-        linear.bias = torch.nn.Parameter(torch.zeros_like(linear.bias.data), requires_grad=False)
-    linear.in_features = end - start
-
-
-def _all_reduce_hook(module: torch.nn.Module, args: object, output: object) -> None:
-    """Sum the partial outputs of a row-parallel block in place (attention returns a tuple)."""
-    dist.all_reduce(output[0] if isinstance(output, tuple) else output)  # type: ignore[arg-type]
-
-
-def head_ranges(heads: int, kv_heads: int, rank: int, world_size: int) -> tuple[int, int, int, int]:
-    """This rank's query heads [q0, q1) and KV heads [kv0, kv1). With fewer KV heads than ranks (multi-query,
-    or GQA with few groups) each KV head is replicated on the ranks whose query heads use it.
-    Raises ValueError when the heads do not split evenly."""
-    if heads % world_size:
-        raise ValueError(f"tensor_parallel_degree={world_size} does not divide num_attention_heads={heads}")
-    hq = heads // world_size
-    if kv_heads >= world_size:
-        if kv_heads % world_size:
-            raise ValueError(f"tensor_parallel_degree={world_size} does not divide num_key_value_heads={kv_heads}")
-        hkv = kv_heads // world_size
-        return rank * hq, (rank + 1) * hq, rank * hkv, (rank + 1) * hkv
-    if world_size % kv_heads:
-        raise ValueError(f"num_key_value_heads={kv_heads} cannot be replicated evenly over "
-                         f"tensor_parallel_degree={world_size} ranks (the degree must be a multiple of it)")
-    kv = rank * hq // (heads // kv_heads)
-    return rank * hq, (rank + 1) * hq, kv, kv + 1
-
-
-def shard_model(model: torch.nn.Module, rank: int, world_size: int) -> int:
-    """Shard a model in place for ``rank``; returns this rank's number of KV heads. Layouts: Llama-family
-    (q/k/v/o_proj, gate/up/down_proj) and Falcon (after ``handlers.engine.execution.adapters``: canonical fused QKV).
-
-    Raises ValueError for a model whose layout is not supported or whose heads do not divide evenly.
-    """
-    from handlers.engine.execution.runner import kv_geometry
-
-    cfg: Any = model.config
-    heads = int(cfg.num_attention_heads)
-    _, kv_heads, head_dim = kv_geometry(cfg)
-    q0, q1, kv0, kv1 = head_ranges(heads, kv_heads, rank, world_size)
-    if getattr(model, "rollserve_adapter", None) == "falcon":
-        _shard_falcon(model, rank, world_size, (q0, q1, kv0, kv1), heads, kv_heads, head_dim)
-        return kv1 - kv0
-    inter = int(getattr(cfg, "intermediate_size", 0))
-    if inter % world_size:
-        raise ValueError(f"tensor_parallel_degree={world_size} does not divide intermediate_size={inter}")
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: tensor parallelism supports Llama-family models "
-                         "(model.model.layers with q/k/v/o_proj and gate/up/down_proj) and Falcon")
-    hi = inter // world_size
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or \
-                not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            raise ValueError(f"{type(model).__name__}: unsupported layer layout for tensor parallelism")
-        _keep_rows(attn.q_proj, q0 * head_dim, q1 * head_dim)
-        _keep_rows(attn.k_proj, kv0 * head_dim, kv1 * head_dim)
-        _keep_rows(attn.v_proj, kv0 * head_dim, kv1 * head_dim)
-        _keep_cols(attn.o_proj, q0 * head_dim, q1 * head_dim, rank)
-        _keep_rows(mlp.gate_proj, rank * hi, (rank + 1) * hi)
-        _keep_rows(mlp.up_proj, rank * hi, (rank + 1) * hi)
-        _keep_cols(mlp.down_proj, rank * hi, (rank + 1) * hi, rank)
-        # On the blocks, not the projections: prepacking later swaps the Linear modules out.
-        attn.register_forward_hook(_all_reduce_hook)
-        mlp.register_forward_hook(_all_reduce_hook)
-    return kv1 - kv0
-
-
-def _shard_falcon(model: torch.nn.Module, rank: int, world_size: int, ranges: tuple[int, int, int, int],
-                  heads: int, kv_heads: int, head_dim: int) -> None:
-    """Falcon: rows of the canonical fused QKV ([queries | keys | values]) and of dense_h_to_4h; columns of
-    dense and dense_4h_to_h. The attention adapter reads its per-rank head counts from the module."""
-    q0, q1, kv0, kv1 = ranges
-    for layer in model.transformer.h:  # type: ignore[union-attr]
-        attn, mlp = layer.self_attention, layer.mlp
-        qkv = attn.query_key_value
-        k_base, v_base = heads * head_dim, (heads + kv_heads) * head_dim
-        rows = torch.cat([torch.arange(q0 * head_dim, q1 * head_dim),
-                          torch.arange(k_base + kv0 * head_dim, k_base + kv1 * head_dim),
-                          torch.arange(v_base + kv0 * head_dim, v_base + kv1 * head_dim)])
-        qkv.weight = torch.nn.Parameter(qkv.weight.data[rows].contiguous(), requires_grad=False)
-        if qkv.bias is not None:
-            qkv.bias = torch.nn.Parameter(qkv.bias.data[rows].contiguous(), requires_grad=False)
-        qkv.out_features = len(rows)
-        attn.rollserve_heads, attn.rollserve_kv_heads = q1 - q0, kv1 - kv0
-        _keep_cols(attn.dense, q0 * head_dim, q1 * head_dim, rank)
-        inter = mlp.dense_h_to_4h.out_features
-        if inter % world_size:
-            raise ValueError(f"tensor_parallel_degree={world_size} does not divide ffn_hidden_size={inter}")
-        hi = inter // world_size
-        _keep_rows(mlp.dense_h_to_4h, rank * hi, (rank + 1) * hi)
-        _keep_cols(mlp.dense_4h_to_h, rank * hi, (rank + 1) * hi, rank)
-        attn.register_forward_hook(_all_reduce_hook)
-        mlp.register_forward_hook(_all_reduce_hook)
-
-
-# ------------------------------------------------------------------------------------- other ranks
 def rank_main(argv: list[str] | None = None) -> None:
     """Entry point of ranks 1..N-1: load the shard, then run every step rank 0 broadcasts."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--store", required=True, help="HOST:PORT of rank 0's rendezvous")
     ap.add_argument("--model-dir", type=Path, required=True)
     ap.add_argument("--options", required=True)
     ap.add_argument("--device", default="cpu")
@@ -288,7 +201,8 @@ def rank_main(argv: list[str] | None = None) -> None:
 
     options = json.loads(args.options)
     device = torch.device(args.device)
-    control = _init(args.rank, args.world_size, args.init_method, device.type == "cuda")
+    host, _, port = args.store.rpartition(":")
+    control = _init(args.rank, args.world_size, AuthStore(host, int(port), os.environ[SECRET_ENV].encode()), device)
     group = TensorParallelGroup(args.rank, args.world_size, control=control)
     try:
         model, _, config = load_model_and_tokenizer(args.model_dir, options, dtype_for=device)

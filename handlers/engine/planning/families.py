@@ -36,7 +36,7 @@ ATTENTION_INTERFACE = frozenset({
 ADAPTED = frozenset({"falcon"})
 SUPPORTED = ATTENTION_INTERFACE | ADAPTED
 
-# Families whose layers tensor parallelism knows how to shard (``handlers.engine.execution.parallel.shard_model``):
+# Families whose layers tensor parallelism knows how to shard (``handlers.engine.execution.sharding.shard_model``):
 # separate q/k/v/o and gate/up/down projections, or Falcon's fused QKV (after its adapter). Not OLMo-2: its
 # q/k norms span all heads, which a head shard cannot compute without another all-reduce; not StableLM: its
 # attention reshapes with the configured head count.

@@ -58,10 +58,11 @@ def test_served_families_are_served_exactly_in_process() -> None:
     assert set(SERVED) <= set(EXACT)
 
 
-def test_families_through_http_equal_generate(tmp_path: Path, family_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("group", [SERVED], ids=["+".join(SERVED)])  # the id names the families (support matrix)
+def test_families_through_http_equal_generate(tmp_path: Path, family_models: dict[str, Path],
+                                              group: list[str]) -> None:
     from transformers import AutoTokenizer
 
-    group = SERVED
     prompts = text_prompts()
     server = ServerProcess.start(tmp_path, models={f: dict(PROPERTIES) for f in group},
                                  sources={f: family_models[f] for f in group}, timeout_s=300)

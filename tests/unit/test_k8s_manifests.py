@@ -12,6 +12,7 @@ JSON schemas written here from their published CRDs (kubernetes-sigs/lws ``leade
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import re
 import subprocess
@@ -252,6 +253,11 @@ def test_resources_are_the_preflight_figures(case: tuple[Request, Manifests], tp
     plan = planned_memory(folder, cfg.model_id, cfg.handler_properties())
     if folder == tp2:
         assert plan is not None and plan.tensor_parallel_degree == 2
+        # the KV cache at its full size, whatever this machine's memory: every sequence at the model's length
+        c = json.loads((tp2 / "config.json").read_text())
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4  # fp32 K and V
+        assert plan.kv_cache_bytes == cfg.batching.max_rolling_batch_size * c["max_position_embeddings"] * per_token
         layout = auto_layout(req.cpus, checkpoint_parameters(tp2), tp)
         workers = 1 if nodes > 1 else layout.workers
         if req.gpu:

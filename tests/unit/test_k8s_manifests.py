@@ -11,6 +11,7 @@ JSON schemas written here from their published CRDs (kubernetes-sigs/lws ``leade
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -26,6 +27,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from handlers.engine.execution.cluster import leader_spec
+from handlers.engine.execution.rendezvous import SECRET_ENV
 from handlers.preflight import planned_memory
 from handlers.synthetic_model import build_model
 from serving.config import load_model_config
@@ -49,6 +52,8 @@ from serving.layout import auto_layout, checkpoint_parameters
 from serving.metrics import ServingMetrics
 from serving.params import Limits
 from serving.server_config import load_server_config
+from serving.worker.follower import add_arguments as add_worker_arguments
+from serving.worker.follower import leader_address
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "model_store" / "smollm2"
@@ -440,6 +445,20 @@ def test_leader_worker_set(case: tuple[Request, Manifests]) -> None:
         assert secret == {"name": f"{lws['metadata']['name']}-cluster", "key": "cluster-secret"}
         assert env["MASTER_PORT"]["value"] == "29500"
     assert "29500" in str(leader["ports"]) and "ports" not in worker and "startupProbe" not in worker
+    # what the multi-host code makes of them, with the variables LeaderWorkerSet adds and the Secret's value
+    lws_env = {"LWS_GROUP_SIZE": str(req.nodes), "LWS_LEADER_ADDRESS": "tiny-tp2-0.tiny-tp2.llm"}
+    secret_value = {SECRET_ENV: "s" * 32}
+    leader_env = {**lws_env, **{k: e["value"] for k, e in env_of(leader).items() if "value" in e}, **secret_value}
+    cluster = leader_spec(leader_env, world_size=2)
+    assert cluster is not None and (cluster.nodes, cluster.port) == (req.nodes, 29500)
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    expanded = [a.replace("$(LWS_LEADER_ADDRESS)", lws_env["LWS_LEADER_ADDRESS"]) for a in worker["args"][1:]]
+    args = parser.parse_args(expanded)
+    worker_env = {**lws_env, **{k: e["value"] for k, e in env_of(worker).items() if "value" in e}}
+    assert leader_address(args.leader, worker_env) == (lws_env["LWS_LEADER_ADDRESS"], cluster.port)
+    assert str(args.model_store) == leader["args"][1]
+    assert SECRET_ENV in env_of(worker)
     assert by_kind(m, "Service")[0]["spec"]["selector"] == template["leaderTemplate"]["metadata"]["labels"]
 
 

@@ -175,6 +175,13 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("prompt_lookup_max", integer(1, 16), "3", (ENGINE,), "longest n-gram the ngram drafter matches"),
     _spec("speculative_max_batch_size", integer(0), "4", (ENGINE,),
           "guess only while at most this many sequences decode (larger batches are compute-bound); 0 = always"),
+    _spec("enable_lora", boolean, "false", (ENGINE,),
+          "serve the LoRA adapters of the model folder's adapters/NAME/ (PEFT format) and those registered at run "
+          "time; rows of different adapters and of the base model share each step (no weights merged)"),
+    _spec("max_loras", integer(1, 64), "4", (ENGINE,),
+          "adapters resident at once (a slot each per projection); others wait in host memory and swap in when "
+          "a slot's adapter has no sequence left, least recently used first"),
+    _spec("max_lora_rank", integer(1, 256), "16", (ENGINE,), "the largest adapter rank served (slots are this wide)"),
     # The echo handler (tests, load generation).
     _spec("echo_delay_ms", number(0), "0", (ECHO,), "sleep once per batch"),
     _spec("echo_fail_on", any_text, None, (ECHO,), "fail an item whose prompt contains this"),

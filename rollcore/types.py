@@ -68,6 +68,7 @@ class SamplingParams:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    adapter: str | None = None  # a LoRA adapter of the model by name (None: the base model)
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 
 from handlers.engine.execution.device import device_defaults, engine_device
 from handlers.engine.execution.loading import load_model_and_tokenizer
+from handlers.engine.execution.lora import folder_adapters
 from handlers.engine.execution.parallel import TensorParallelGroup, shard_model, start_group
 from handlers.engine.execution.quantize import check_layout, quantize_model
 from handlers.engine.planning.checkpoint import weights_dir
@@ -38,6 +39,7 @@ class LoadedModel:
     group: TensorParallelGroup | None  # rank 0's handle on the other ranks (None: one rank)
     num_kv_heads: int | None  # this rank's KV heads after sharding (None: the config's)
     memory_plan: MemoryPlan | None  # the preflight's (CPU); None: planned by the engine after loading
+    adapters: dict[str, Path]  # LoRA adapter folders of the model folder (adapters/NAME/)
 
 
 def load_for_engine(model_dir: Path, options: Mapping[str, str], device_id: int = -1) -> LoadedModel:
@@ -66,4 +68,4 @@ def load_for_engine(model_dir: Path, options: Mapping[str, str], device_id: int 
     if group is not None:
         kv_heads = shard_model(model, 0, group.world_size)
         model.to(device)
-    return LoadedModel(model, tokenizer, config, group, kv_heads, plan)
+    return LoadedModel(model, tokenizer, config, group, kv_heads, plan, folder_adapters(model_dir))

@@ -26,6 +26,7 @@ from handlers.engine.core.step_budget import PrefillBudget
 from handlers.engine.execution.device import device_budget
 from handlers.engine.execution.grammar import PendingGrammars
 from handlers.engine.execution.loading import eos_token_ids
+from handlers.engine.execution.lora import check_adapter, enable_lora
 from handlers.engine.execution.paged_attention import KVPool
 from handlers.engine.execution.parallel import TensorParallelGroup
 from handlers.engine.execution.runner import ModelRunner, kv_geometry
@@ -65,6 +66,7 @@ class _Request:
     matcher: Any = None  # structured output: the grammar's llguidance matcher (handlers.engine.execution.grammar)
     prompt_scores: list[TokenInfo | None] | None = None  # prompt_logprobs: one entry per prompt position
     sent_first: bool = False
+    lora_slot: int = -1  # the slot of its LoRA adapter while it holds one (-1: the base model)
 
 
 class LLMEngine:
@@ -72,9 +74,11 @@ class LLMEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EngineConfig | None = None,
                  available_bytes: int | None = None, tp_group: TensorParallelGroup | None = None,
-                 num_kv_heads: int | None = None, memory_plan: MemoryPlan | None = None) -> None:
+                 num_kv_heads: int | None = None, memory_plan: MemoryPlan | None = None,
+                 adapters: Mapping[str, Path] | None = None) -> None:
         """``memory_plan``: the preflight's (``from_options``); without one, the KV cache is planned for the
-        already-loaded ``model`` from ``available_bytes`` (default: measured now, on the model's device)."""
+        already-loaded ``model`` from ``available_bytes`` (default: measured now, on the model's device).
+        ``adapters``: LoRA adapter folders by name (with ``config.enable_lora``)."""
         config = config or EngineConfig()
         device = next(model.parameters()).device
         self.config = config
@@ -112,13 +116,17 @@ class LLMEngine:
                 raise UnsupportedModel(f"{arch}: tensor parallelism serves verified architectures only")
             probe = reference_logits(model, tokenizer, self.max_model_len, num_blocks * config.block_size,
                                      config.max_num_batched_tokens)
+        # before the runner: prepacking then swaps the linears inside the LoRA wrappers, and fused projections
+        # would bypass them
+        self.lora = enable_lora(model, config, tp_group is not None, adapters or {})
         self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
-                                  populate_kv=config.kv_cache_populate,
-                                  num_kv_heads=num_kv_heads, group=tp_group, fuse_weights=config.fuse_projections,
+                                  populate_kv=config.kv_cache_populate, num_kv_heads=num_kv_heads, group=tp_group,
+                                  fuse_weights=config.fuse_projections and self.lora is None,
                                   use_kernels=config.attention_kernel == "native",
                                   step_tokens=config.max_num_batched_tokens,
                                   cuda_graphs=0 if config.enforce_eager else config.max_num_seqs,
                                   max_model_len=self.max_model_len)
+        self.runner.lora = self.lora
         self.admitted = ADMITTED_BY_LIST if probe is None else verify(self.runner, probe, arch)
         self._kv_block_bytes = per_token * config.block_size
         self.scheduler = Scheduler(SchedulerConfig(
@@ -135,6 +143,7 @@ class LLMEngine:
         self._seed_source = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
         self._compiling: PendingGrammars[_Request] = PendingGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self._lora_waiting: list[_Request] = []  # LoRA requests waiting for a slot, in arrival order
         self._counters = {"num_steps_total": 0, "num_prefill_tokens_total": 0, "prompt_tokens_total": 0,
                           "generation_tokens_total": 0, "num_requests_finished_total": 0,
                           "num_requests_aborted_total": 0, "spec_draft_tokens_total": 0,
@@ -157,7 +166,7 @@ class LLMEngine:
         device (``handlers.engine.build``: checks, preflight, tensor-parallel ranks, loading)."""
         loaded = load_for_engine(model_dir, options, device_id)
         return cls(loaded.model, loaded.tokenizer, loaded.config, tp_group=loaded.group,
-                   num_kv_heads=loaded.num_kv_heads, memory_plan=loaded.memory_plan)
+                   num_kv_heads=loaded.num_kv_heads, memory_plan=loaded.memory_plan, adapters=loaded.adapters)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (no-op without tensor parallelism)."""
@@ -186,29 +195,59 @@ class LLMEngine:
             req.prompt_scores = [None] * seq.num_prompt_tokens
             first = seq.prompt_token_ids[0]
             req.prompt_scores[0] = TokenInfo(first, self.tokenizer.decode([first]))  # nothing before it: no score
+        if params.adapter is not None:
+            check_adapter(self.lora, params.adapter)
         if params.grammar is None:
-            self.scheduler.add(seq)
-            self._requests[request_id] = req
+            self._queue(req)
             return
         self._compiling.add(request_id, req, params.grammar)
 
     def abort(self, request_id: str) -> None:
         """Drop a request now (waiting or running); its blocks are free before the next step."""
-        if self._requests.pop(request_id, None) is not None or self._compiling.discard(request_id):
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self._release(req)
+        if req is not None or self._compiling.discard(request_id):
             self.scheduler.abort(request_id)
             self._counters["num_requests_aborted_total"] += 1
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._compiling)
+        return self.scheduler.has_work() or bool(self._compiling) or bool(self._lora_waiting)
+
+    def _queue(self, req: _Request) -> None:
+        """Hand a request to the scheduler; one whose adapter finds no free slot waits for one (in order)."""
+        self._requests[req.seq.request_id] = req
+        if req.seq.params.adapter is None:
+            self.scheduler.add(req.seq)
+        else:
+            self._lora_waiting.append(req)
+            self._admit_adapters()
+
+    def _admit_adapters(self) -> None:
+        while self._lora_waiting and self.lora is not None:
+            req = self._lora_waiting[0]
+            slot = self.lora.acquire(req.seq.params.adapter or "")
+            if slot is None:
+                return  # every slot is pinned by running sequences of other adapters
+            self._lora_waiting.pop(0)
+            req.lora_slot = slot
+            self.scheduler.add(req.seq)
+
+    def _release(self, req: _Request) -> None:
+        if req.lora_slot >= 0 and self.lora is not None:
+            self.lora.slots.release(req.lora_slot)
+            req.lora_slot = -1
+            self._admit_adapters()
+        elif req in self._lora_waiting:
+            self._lora_waiting.remove(req)
 
     def _admit_compiled(self) -> list[TokenDelta]:
         """Queue the requests whose grammar is built; a grammar that failed fails its request alone. With
         nothing else to run, wait briefly for a build instead of spinning."""
         built, failed = self._compiling.ready(wait_s=0 if self.scheduler.has_work() else 0.02)
-        for rid, req, matcher in built:
+        for _, req, matcher in built:
             req.matcher = matcher
-            self.scheduler.add(req.seq)
-            self._requests[rid] = req
+            self._queue(req)
         return [TokenDelta(rid, finish_reason=FinishReason.ERROR,
                            error=f"the constraint cannot be compiled for this model: {exc}") for rid, exc in failed]
 
@@ -235,7 +274,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return failed
-        logits = self.runner.execute(plan.chunks)
+        adapters = [self._requests[c.seq.request_id].lora_slot for c in plan.chunks] if self.lora else []
+        logits = self.runner.execute(plan.chunks, adapters if any(a >= 0 for a in adapters) else ())
         if any(c.num_prompt_rows for c in plan.chunks):
             logits = self._score_prompts(plan.chunks, logits)
         self.scheduler.commit(plan)
@@ -376,7 +416,7 @@ class LLMEngine:
         if finish is not None:
             seq.finish_reason = finish
             self.scheduler.finish(seq)
-            del self._requests[seq.request_id]
+            self._release(self._requests.pop(seq.request_id))
             self._counters["num_requests_finished_total"] += 1
         info = TokenInfo(token, piece, sampled.logprob, sampled.top_logprobs)
         return TokenDelta(seq.request_id, (info,), text, finish, prompt_tokens, prompt_logprobs=prompt_scores)

@@ -105,7 +105,8 @@ def test_the_frontend_reaches_the_backend_through_preflight_and_the_worker_entry
     loader and the follower agent; nothing else of
     ``handlers``."""
     allowed = {"handlers", "handlers.preflight", "handlers.preflight.engine_admission",
-               "handlers.preflight.memory_plan_text", "handlers.preflight.checkpoint_parameters"}
+               "handlers.preflight.memory_plan_text", "handlers.preflight.checkpoint_parameters",
+               "handlers.preflight.planned_memory", "handlers.preflight.PlannedMemory"}
     worker = {"handlers.base", "handlers.loader", "handlers.engine.execution.follower",
               "handlers.engine.execution.rendezvous", "handlers.engine.execution.cluster"}
     offenders = {}

@@ -31,6 +31,12 @@ def block_key(parent: bytes | None, tokens: Seq[int]) -> bytes:
     return hashlib.sha256((parent or _ROOT) + struct.pack(f"<{len(tokens)}Q", *tokens)).digest()
 
 
+def root_key(adapter: str | None) -> bytes | None:
+    """The parent key of a sequence's first block: None for the base model; for a LoRA adapter a key of its
+    own, since the same tokens under another adapter hold other KV."""
+    return None if adapter is None else hashlib.sha256(b"adapter\x00" + adapter.encode()).digest()
+
+
 class BlockAllocator:
     """Hands out KV blocks; shares full prefix blocks across sequences when prefix caching is on.
 
@@ -73,8 +79,10 @@ class BlockAllocator:
         return self._ref[block_id]
 
     # ----------------------------------------------------------- prefix cache
-    def match_prefix(self, token_ids: Seq[int], max_tokens: int) -> tuple[list[int], list[bytes]]:
-        """Cached full blocks covering the longest prefix of ``token_ids[:max_tokens]``.
+    def match_prefix(self, token_ids: Seq[int], max_tokens: int,
+                     root: bytes | None = None) -> tuple[list[int], list[bytes]]:
+        """Cached full blocks covering the longest prefix of ``token_ids[:max_tokens]`` (``root``: the first
+        block's parent key, ``root_key``).
 
         Returns (block ids, their keys) without taking references; call ``acquire`` to use them.
         """
@@ -83,7 +91,7 @@ class BlockAllocator:
         bs = self.block_size
         blocks: list[int] = []
         keys: list[bytes] = []
-        parent: bytes | None = None
+        parent = root
         for i in range(max_tokens // bs):
             key = block_key(parent, token_ids[i * bs:(i + 1) * bs])
             self.prefix_queries += 1

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from handlers.engine.core.kv_cache import BlockAllocator, block_key
+from handlers.engine.core.kv_cache import BlockAllocator, block_key, root_key
 from handlers.engine.core.sequence import FREED_BLOCK, Sequence, SequenceStatus
 from rollcore.errors import InvalidRequest
 
@@ -295,7 +295,7 @@ class Scheduler:
         bs = self.config.block_size
         while len(seq.block_hashes) < seq.num_computed_tokens // bs:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_key(seq.params.adapter)
             key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(key)
             self.allocator.register_full_block(seq.block_ids[i], key)
@@ -353,7 +353,7 @@ class Scheduler:
         # At least the last token is always computed so that its logits can be sampled; a request that wants
         # its prompt's log-probabilities computes the whole prompt (a cached block holds KV, not logits).
         reusable = 0 if seq.params.prompt_logprobs is not None else seq.num_tokens - 1
-        cached, keys = alloc.match_prefix(seq.token_ids, reusable)
+        cached, keys = alloc.match_prefix(seq.token_ids, reusable, root_key(seq.params.adapter))
         num_cached_tokens = len(cached) * self.config.block_size
         n = min(seq.num_tokens - num_cached_tokens, budget)
         total_blocks = -(-(num_cached_tokens + n) // self.config.block_size)

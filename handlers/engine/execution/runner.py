@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -41,6 +41,9 @@ from handlers.engine.execution.paged_attention import (
 )
 from handlers.engine.execution.prepack import prepack_linear_layers, warm_packed_kernels
 from handlers.engine.planning.families import UnsupportedModel
+
+if TYPE_CHECKING:
+    from handlers.engine.execution.lora import LoraLayers
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +84,8 @@ class StepInputs:
     """One step's flat batch as plain integers (what a tensor-parallel rank receives from rank 0).
 
     ``seqs`` holds, per sequence, ``(q_start, start, num_new, block_table)`` where the table lists the
-    blocks covering its first ``start + num_new`` tokens; ``keep`` holds the rows whose logits are sampled.
+    blocks covering its first ``start + num_new`` tokens; ``keep`` holds the rows whose logits are sampled;
+    ``adapters`` each sequence's LoRA slot (-1: the base model), empty when no sequence has one.
     """
 
     input_ids: list[int]
@@ -89,6 +93,7 @@ class StepInputs:
     slots: list[int]
     seqs: list[tuple[int, int, int, list[int]]]
     keep: list[int]
+    adapters: list[int] = field(default_factory=list)
 
 
 class StepBroadcaster(Protocol):
@@ -113,6 +118,7 @@ class ModelRunner:
         model.eval()
         use_paged_attention(model)
         self.device = next(model.parameters()).device
+        self.lora: LoraLayers | None = None  # the model's LoRA projections, when the engine wrapped them
         if fuse_weights:
             logger.info("fused %d projection groups (QKV, gate/up)", fuse_projections(model))
         if self.device.type != "cpu":
@@ -197,15 +203,16 @@ class ModelRunner:
         # One window shared by every layer: KV blocks that fell out of it can be freed (the scheduler does).
         self.sliding_window = windows.pop() if len(windows) == 1 else 0
 
-    def execute(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
+    def execute(self, chunks: Seq[ScheduledChunk], adapters: Seq[int] = ()) -> torch.Tensor:
         """Run the chunks as one flat batch; returns logits [kept rows, vocab] in chunk order: a chunk's prompt
-        rows first (``ScheduledChunk.num_prompt_rows``), then one row if it samples, 1 + len(draft) with guesses."""
-        inputs = self.prepare(chunks)
+        rows first (``ScheduledChunk.num_prompt_rows``), then one row if it samples, 1 + len(draft) with guesses.
+        ``adapters``: each chunk's LoRA slot (-1: the base model), or empty."""
+        inputs = self.prepare(chunks, adapters)
         if self.group is not None:
             self.group.broadcast_step(inputs)
         return self.forward(inputs)
 
-    def prepare(self, chunks: Seq[ScheduledChunk]) -> StepInputs:
+    def prepare(self, chunks: Seq[ScheduledChunk], adapters: Seq[int] = ()) -> StepInputs:
         """The step's flat batch: token ids, positions, KV slots and per-sequence attention inputs."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -226,12 +233,12 @@ class ModelRunner:
             keep.extend(range(q0, q0 + c.num_prompt_rows))
             if c.samples:  # a decode with guesses samples after its token and after each guess
                 keep.extend(range(len(input_ids) - 1 - len(c.draft), len(input_ids)))
-        return StepInputs(input_ids, positions, slots, seqs, keep)
+        return StepInputs(input_ids, positions, slots, seqs, keep, list(adapters))
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Run one prepared step through the model; returns the kept rows' logits [len(keep), vocab]."""
-        if self.graphs is not None and self.graphs.fits(inputs.seqs, inputs.keep):
+        if self.graphs is not None and not inputs.adapters and self.graphs.fits(inputs.seqs, inputs.keep):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.seqs)
         spans = tuple(SeqSpan(q0, start, num_new, tuple(table)) for q0, start, num_new, table in inputs.seqs)
         n = len(inputs.input_ids)
@@ -240,12 +247,16 @@ class ModelRunner:
                                       dtype=torch.long, device="cpu"), self.device)
         ids, positions, slots, keep = flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:]
         self.context.meta = StepMetadata(self.pool, slots, spans, self.block_size, self.kernels)
+        if self.lora is not None and inputs.adapters:
+            self.lora.set_step(inputs.seqs, inputs.adapters, self.device)
         try:
             if self.lean is not None:
                 return self.lean.forward(ids, positions, keep)
             out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=keep)
         finally:
             self.context.meta = None
+            if self.lora is not None:
+                self.lora.clear_step()
         return out.logits[0]
 
 

@@ -53,6 +53,9 @@ class EngineConfig:
     speculative_max_batch_size: int = 4  # guesses only while at most this many sequences decode (0: always)
     gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the worker may fill
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    enable_lora: bool = False  # LoRA adapters (handlers.engine.execution.lora)
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> EngineConfig:
@@ -102,6 +105,9 @@ class EngineConfig:
             speculative_max_batch_size=get("speculative_max_batch_size"),
             gpu_memory_utilization=get("gpu_memory_utilization"),
             enforce_eager=get("enforce_eager"),
+            enable_lora=get("enable_lora"),
+            max_loras=get("max_loras"),
+            max_lora_rank=get("max_lora_rank"),
         )
 
 

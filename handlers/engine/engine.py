@@ -21,12 +21,13 @@ from handlers.engine.build import load_for_engine
 from handlers.engine.core.detokenizer import IncrementalDetokenizer
 from handlers.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.core.sequence import Sequence
-from handlers.engine.core.speculative import NgramDrafter, accepted_prefix
+from handlers.engine.core.speculative import NgramDrafter
 from handlers.engine.core.step_budget import PrefillBudget
 from handlers.engine.execution.device import device_budget
+from handlers.engine.execution.drafts import check_drafts
 from handlers.engine.execution.grammar import PendingGrammars
 from handlers.engine.execution.loading import eos_token_ids
-from handlers.engine.execution.lora import check_adapter, enable_lora
+from handlers.engine.execution.lora import AdapterQueue, check_adapter, enable_lora
 from handlers.engine.execution.paged_attention import KVPool
 from handlers.engine.execution.parallel import TensorParallelGroup
 from handlers.engine.execution.runner import ModelRunner, kv_geometry
@@ -35,7 +36,6 @@ from handlers.engine.execution.sampling import (
     SampledToken,
     bad_words_ids,
     sample_batch,
-    sampled_token,
     scored_tokens,
 )
 from handlers.engine.execution.self_check import reference_logits, verify
@@ -143,7 +143,7 @@ class LLMEngine:
         self._seed_source = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
         self._compiling: PendingGrammars[_Request] = PendingGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
-        self._lora_waiting: list[_Request] = []  # LoRA requests waiting for a slot, in arrival order
+        self._lora_waiting: AdapterQueue[_Request] = AdapterQueue(self.lora, self._start_adapter)
         self._counters = {"num_steps_total": 0, "num_prefill_tokens_total": 0, "prompt_tokens_total": 0,
                           "generation_tokens_total": 0, "num_requests_finished_total": 0,
                           "num_requests_aborted_total": 0, "spec_draft_tokens_total": 0,
@@ -215,31 +215,23 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self._compiling) or bool(self._lora_waiting)
 
     def _queue(self, req: _Request) -> None:
-        """Hand a request to the scheduler; one whose adapter finds no free slot waits for one (in order)."""
+        """Hand a request to the scheduler; one of an adapter first needs a slot (``AdapterQueue``)."""
         self._requests[req.seq.request_id] = req
         if req.seq.params.adapter is None:
             self.scheduler.add(req.seq)
         else:
-            self._lora_waiting.append(req)
-            self._admit_adapters()
+            self._lora_waiting.push(req, req.seq.params.adapter)
 
-    def _admit_adapters(self) -> None:
-        while self._lora_waiting and self.lora is not None:
-            req = self._lora_waiting[0]
-            slot = self.lora.acquire(req.seq.params.adapter or "")
-            if slot is None:
-                return  # every slot is pinned by running sequences of other adapters
-            self._lora_waiting.pop(0)
-            req.lora_slot = slot
-            self.scheduler.add(req.seq)
+    def _start_adapter(self, req: _Request, slot: int) -> None:
+        req.lora_slot = slot
+        self.scheduler.add(req.seq)
 
     def _release(self, req: _Request) -> None:
-        if req.lora_slot >= 0 and self.lora is not None:
-            self.lora.slots.release(req.lora_slot)
+        if req.lora_slot >= 0:
+            self._lora_waiting.release(req.lora_slot)
             req.lora_slot = -1
-            self._admit_adapters()
-        elif req in self._lora_waiting:
-            self._lora_waiting.remove(req)
+        else:
+            self._lora_waiting.discard(req)
 
     def _admit_compiled(self) -> list[TokenDelta]:
         """Queue the requests whose grammar is built; a grammar that failed fails its request alone. With
@@ -336,34 +328,19 @@ class LLMEngine:
         return req.drafter.propose(seq.token_ids, k)
 
     def _verify(self, sampled: list[ScheduledChunk], reqs: list[_Request], logits: torch.Tensor) -> list[TokenDelta]:
-        """A step with guesses: chunks with a draft have 1 + len(draft) logits rows (greedy, see
-        ``handlers.engine.core.speculative``), the others one row sampled as usual."""
-        first: list[int] = []  # each chunk's first logits row
-        row = 0
-        for c in sampled:
-            first.append(row)
-            row += 1 + len(c.draft)
-        plain = [i for i, c in enumerate(sampled) if not c.draft]
-        plain_tokens = iter(sample_batch(logits[[first[i] for i in plain]], [sampled[i].seq.token_ids for i in plain],
-                                         [reqs[i].sampler for i in plain], self._allowed([reqs[i] for i in plain]))
-                            if plain else ())
-        verify_rows = [first[i] + j for i, c in enumerate(sampled) if c.draft for j in range(1 + len(c.draft))]
-        chosen = logits[verify_rows].argmax(-1).tolist()
+        """A step with guesses (``handlers.engine.execution.drafts``): confirmed guesses and each chunk's next
+        token become deltas."""
+        allowed = self._allowed([r for c, r in zip(sampled, reqs, strict=True) if not c.draft])
         deltas = []
-        at = 0
-        for i, (c, req) in enumerate(zip(sampled, reqs, strict=True)):
-            if not c.draft:
-                deltas.append(self._advance(req, next(plain_tokens)))
+        for req, checked in zip(reqs, check_drafts(sampled, [r.sampler for r in reqs], logits, allowed), strict=True):
+            if not checked.drafted:
+                deltas.append(self._advance(req, checked.tokens[0]))
                 continue
-            picks = chosen[at:at + 1 + len(c.draft)]
-            at += 1 + len(c.draft)
-            accepted = accepted_prefix(c.draft, picks)
             if req.drafter is not None:
-                req.drafter.record(len(c.draft), accepted)
-            self._counters["spec_draft_tokens_total"] += len(c.draft)
-            self._counters["spec_accepted_tokens_total"] += accepted
-            emitted = [sampled_token(logits[first[i] + j], t, req.sampler) for j, t in enumerate(picks[:accepted + 1])]
-            deltas.extend(self._advance_many(req, emitted))
+                req.drafter.record(checked.drafted, checked.accepted)
+            self._counters["spec_draft_tokens_total"] += checked.drafted
+            self._counters["spec_accepted_tokens_total"] += checked.accepted
+            deltas.extend(self._advance_many(req, checked.tokens))
         return deltas
 
     def _advance_many(self, req: _Request, tokens: list[SampledToken]) -> list[TokenDelta]:

@@ -16,10 +16,10 @@ import json
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from torch import nn
 from rollcore.errors import InvalidRequest, ModelNotFound
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PEFT_PREFIX = "base_model.model."
@@ -240,6 +241,41 @@ class LoraLayers:
 
     def clear_step(self) -> None:
         self.step.groups = []
+
+
+class AdapterQueue(Generic[T]):
+    """Requests of adapters waiting for a slot, in arrival order (the first waits, so none is starved);
+    ``start(item, slot)`` hands one to the scheduler once its adapter holds a pinned slot."""
+
+    def __init__(self, layers: LoraLayers | None, start: Callable[[T, int], None]) -> None:
+        self._layers = layers
+        self._start = start
+        self._waiting: list[tuple[T, str]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def push(self, item: T, adapter: str) -> None:
+        self._waiting.append((item, adapter))
+        self._drain()
+
+    def release(self, slot: int) -> None:
+        """A sequence holding ``slot`` left the engine: unpin it, maybe for a waiting request."""
+        assert self._layers is not None
+        self._layers.slots.release(slot)
+        self._drain()
+
+    def discard(self, item: T) -> None:
+        self._waiting = [(i, a) for i, a in self._waiting if i is not item]
+
+    def _drain(self) -> None:
+        while self._waiting and self._layers is not None:
+            item, adapter = self._waiting[0]
+            slot = self._layers.acquire(adapter)
+            if slot is None:
+                return  # every slot is pinned by running sequences of other adapters
+            self._waiting.pop(0)
+            self._start(item, slot)
 
 
 def enable_lora(model: nn.Module, config: Any, tensor_parallel: bool,

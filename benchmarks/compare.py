@@ -31,13 +31,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import shlex
-import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,15 +44,28 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import bench  # noqa: E402
-from benchmarks.bench import _warm_workload, code_state, engine_options, metrics, run_http  # noqa: E402
+from benchmarks import bench_servers  # noqa: E402
+from benchmarks.bench import RESULTS, _warm_workload  # noqa: E402
+from benchmarks.bench_configs import engine_options  # noqa: E402
+from benchmarks.bench_report import code_state  # noqa: E402
+from benchmarks.bench_servers import VLLM_PYTHON, run_http  # noqa: E402
 from benchmarks.build_models import model_dir  # noqa: E402
 from benchmarks.chat_workload import build_chat_workload  # noqa: E402
+from benchmarks.compare_report import SERVERS, markdown, parity_line, summarize  # noqa: E402
+from benchmarks.cpu_accounting import (  # noqa: E402
+    OwnLoad,
+    cpulist,
+    others_cores,
+    parse_cpulist,
+    pins,
+    read_proc,
+    snap,
+    tree,
+    wait_quiet,
+)
 from benchmarks.workload import Workload, build_workload  # noqa: E402
+from serving.bench.metrics import metrics  # noqa: E402
 
-HZ = os.sysconf("SC_CLK_TCK")
-SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-tokencap", "rollserve-r2", "rollserve-auto",
-           "rollserve-2w")
 DEFAULT_SERVERS = ("rollserve", "vllm")
 # rollserve with opt-in engine options (the same server otherwise): its ratios to vLLM and to plain rollserve print too
 VARIANTS: dict[str, dict[str, str]] = {
@@ -68,137 +78,18 @@ VARIANTS: dict[str, dict[str, str]] = {
 ROLLSERVE_ENV: dict[str, str] = {}  # --rollserve-env K=V (an experiment's knob, recorded with every run)
 VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
-RATIOS = (("rollserve", "vllm"), ("rollserve-ngram", "vllm"), ("rollserve-ngram", "rollserve"),
-          ("rollserve-tokencap", "vllm"), ("rollserve", "rollserve-tokencap"), ("rollserve-r2", "vllm"),
-          ("rollserve-auto", "vllm"), ("rollserve-auto", "rollserve-2w"))
 CHAT_MODELS = ("smollm2",)  # real chat models: the chat workload, natural EOS
-KEYS = ("output_tok_s", "cpu_s", "tok_per_cpu_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
-
-
-# --------------------------------------------------------------------------------------------- /proc
-def cpulist(cores: list[int]) -> str:
-    return ",".join(map(str, cores))
-
-
-def parse_cpulist(s: str) -> list[int]:
-    """'0,2-3' -> [0, 2, 3] (taskset / Cpus_allowed_list syntax)."""
-    return sorted({c for p in s.strip().split(",") for c in range(int(p.split("-")[0]), int(p.split("-")[-1]) + 1)})
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
-def _stat(path: str) -> list[str]:
-    """Fields of a /proc stat file after the command name (state is [0], ppid [1]); [] when gone."""
-    return _read(path).rpartition(")")[2].split()
-
-
-def _tasks(pid: int) -> list[str]:
-    with contextlib.suppress(OSError):
-        return os.listdir(f"/proc/{pid}/task")
-    return []
-
-
-def tree(root: int) -> list[int]:
-    """``root`` and all its descendants (by ppid)."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit() and (f := _stat(f"/proc/{d}/stat")):
-            kids.setdefault(int(f[1]), []).append(int(d))
-    out, todo = [], [root]
-    while todo:
-        out.append(todo.pop())
-        todo.extend(kids.get(out[-1], []))
-    return out
-
-
-def cpu_s(pids: list[int]) -> dict[int, float]:
-    """utime+stime (all threads, s) of each live process."""
-    return {p: (int(f[11]) + int(f[12])) / HZ for p in pids if (f := _stat(f"/proc/{p}/stat"))}
-
-
-def pins(root: int, cores: list[int]) -> dict[str, Any]:
-    """Cpus_allowed_list of every thread of every process of the tree; ok iff all within ``cores``."""
-    procs: dict[str, Any] = {}
-    for pid in tree(root):
-        lists: dict[str, int] = {}
-        for tid in _tasks(pid):
-            for line in _read(f"/proc/{pid}/task/{tid}/status").splitlines():
-                if line.startswith("Cpus_allowed_list:"):
-                    v = line.split(":", 1)[1].strip()
-                    lists[v] = lists.get(v, 0) + 1
-        cmd = _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()[:160]
-        procs[str(pid)] = {"cmd": cmd, "threads_by_cpus_allowed": lists}
-    seen = {k for v in procs.values() for k in v["threads_by_cpus_allowed"]}
-    ok = all(set(parse_cpulist(k)) <= set(cores) for k in seen)
-    n = sum(sum(v["threads_by_cpus_allowed"].values()) for v in procs.values())
-    summary = f"{len(procs)} processes, {n} threads, Cpus_allowed_list {sorted(seen)}: {'ok' if ok else 'ESCAPED'}"
-    return {"ok": ok, "summary": summary, "processes": procs}
-
-
-def machine_cpu() -> tuple[float, float]:
-    """(busy, steal) CPU-s of the machine since boot (/proc/stat: user+nice+system+irq+softirq; steal)."""
-    v = [int(x) for x in _read("/proc/stat").split("\n", 1)[0].split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / HZ, v[7] / HZ
-
-
-class OwnLoad(threading.Thread):
-    """Our share of the 1-minute load average: the kernel's EWMA (exp(-1/60) per 1 s sample) of the runnable (R/D)
-    threads of the live server trees and of this process (minus this sampler)."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.roots: list[int] = []
-        self.value = 0.0
-
-    def run(self) -> None:
-        decay, me = math.exp(-1 / 60), str(threading.get_native_id())
-        while True:
-            pids = [os.getpid()] + [p for r in list(self.roots) for p in tree(r)]
-            n = sum(1 for pid in pids for tid in _tasks(pid)
-                    if tid != me and (f := _stat(f"/proc/{pid}/task/{tid}/stat")) and f[0] in "RD")
-            self.value = self.value * decay + n * (1 - decay)
-            time.sleep(1.0)
-
-
-def snap(pids: list[int]) -> tuple[dict[int, float], float, float, float, float]:
-    """(the tree's CPU-s per pid, machine busy CPU-s, machine steal, this process's CPU-s, time)."""
-    t = os.times()
-    return (cpu_s(pids), *machine_cpu(), t.user + t.system, time.monotonic())
-
-
-def others_cores(a: tuple[Any, ...], b: tuple[Any, ...]) -> float:
-    """Cores used between two snaps by processes outside the tree and this one."""
-    return max(0.0, (b[1] - a[1]) - sum(b[0].values()) + sum(a[0].values()) - (b[3] - a[3])) / (b[4] - a[4])
-
-
-def wait_quiet(own: OwnLoad, pids: list[int], thr: float, settle_s: float) -> dict[str, Any]:
-    """Probe 3 s; every 5 s until quiet or ``settle_s``."""
-    t0 = time.monotonic()
-    while True:
-        a = snap(pids)
-        time.sleep(3.0)
-        la, others = [round(x, 2) for x in os.getloadavg()], others_cores(a, snap(pids))
-        p = {"load1": la[0], "loadavg": la, "own_load": round(own.value, 2), "others_cores": round(others, 2),
-             "quiet": others <= thr and la[0] - own.value <= thr, "waited_s": round(time.monotonic() - t0, 1)}
-        if p["quiet"] or time.monotonic() - t0 >= settle_s:
-            return p
-        time.sleep(2.0)
 
 
 # ------------------------------------------------------------------------------------------ servers
 @contextlib.contextmanager
 def pinned_launch(cores: list[int], env_over: dict[str, str], dtype_arg: str | None, rec: dict[str, Any],
                   own: OwnLoad) -> Iterator[None]:
-    """bench.py's starters build the command; this swaps ``bench.Subprocess`` for one that prefixes
+    """bench.py's starters build the command; this swaps ``bench_servers.Subprocess`` for one that prefixes
     ``taskset -c LIST``, sets the thread env vars and vLLM's ``--dtype``, and records the exact command."""
-    orig = bench.Subprocess
+    orig = bench_servers.Subprocess
 
-    def pinned(args: list[str], env: dict[str, str], log: Path, cwd: Path) -> bench.Subprocess:
+    def pinned(args: list[str], env: dict[str, str], log: Path, cwd: Path) -> bench_servers.Subprocess:
         args = list(args)
         if dtype_arg and "--dtype" in args:
             args[args.index("--dtype") + 1] = dtype_arg
@@ -210,11 +101,11 @@ def pinned_launch(cores: list[int], env_over: dict[str, str], dtype_arg: str | N
         own.roots.append(rec.setdefault("pid", proc.proc.pid))  # our load from the start on
         return proc
 
-    bench.Subprocess = pinned  # type: ignore[assignment, misc]
+    bench_servers.Subprocess = pinned  # type: ignore[assignment, misc]
     try:
         yield
     finally:
-        bench.Subprocess = orig  # type: ignore[misc]
+        bench_servers.Subprocess = orig  # type: ignore[misc]
 
 
 def start(server: str, path: Path, workdir: Path, cores: list[int], dtype: str, rec: dict[str, Any],
@@ -223,13 +114,13 @@ def start(server: str, path: Path, workdir: Path, cores: list[int], dtype: str, 
     workdir.mkdir(parents=True, exist_ok=True)
     if server == "rollserve" or server in VARIANTS:
         with pinned_launch(cores, {"OMP_NUM_THREADS": str(n), **ROLLSERVE_ENV}, None, rec, own):
-            proc, url = bench.start_rollserve(path, workdir, n,
-                                              engine_options(n) | {"dtype": dtype} | VARIANTS.get(server, {}))
+            proc, url = bench_servers.start_rollserve(path, workdir, n,
+                                                      engine_options(n) | {"dtype": dtype} | VARIANTS.get(server, {}))
         rec["serving_properties"] = (workdir / "model_store" / "bench" / "serving.properties").read_text()
         return proc, url, "lmi"
     with pinned_launch(cores, {"OMP_NUM_THREADS": str(n), "VLLM_CPU_OMP_THREADS_BIND": cpulist(cores)},
                        VLLM_DTYPE[dtype], rec, own):
-        proc, url = bench.start_vllm(path, workdir, n)
+        proc, url = bench_servers.start_vllm(path, workdir, n)
     return proc, url, "openai"
 
 
@@ -276,7 +167,7 @@ def run_one(server: str, cores: list[int], w: Workload, rate: float | None, args
     rec.update({"metrics": m, "cpu_s": tree_s, "tree_cores": tree_s / (b[4] - a[4]), "loadgen_cpu_s": b[3] - a[3],
                 "others_cores_during": others, "steal_s_during": b[2] - a[2],
                 "vanished_pids": [p for p in a[0] if p not in b[0]],
-                "cpu_s_by_process": {f"{p} {_read(f'/proc/{p}/cmdline').replace(chr(0), ' ')[:100]}":
+                "cpu_s_by_process": {f"{p} {read_proc(f'/proc/{p}/cmdline').replace(chr(0), ' ')[:100]}":
                                      round(b[0][p] - a[0].get(p, 0.0), 2) for p in b[0]}})
     if m.get("completed"):
         rec.update({"output_tok_s": m["output_tok_s"], "tok_per_cpu_s": m["output_tokens"] / max(tree_s, 1e-9),
@@ -296,95 +187,6 @@ def run_line(r: dict[str, Any]) -> str:
             f"{r['others_cores_during']:.2f} during{'  BUSY' if r['busy'] else ''} | {r['pins_after_pass']['summary']}")
 
 
-# ------------------------------------------------------------------------------------------ summary
-def parity(runs: list[dict[str, Any]], extra: list[dict[str, Any]]) -> dict[str, Any]:
-    """Output tokens of every run that completed all its requests, per server (``extra``: vLLM's capacity run);
-    ``same``: one total for all, and how many requests' lengths differ between those runs (greedy on the same
-    weights: none)."""
-    ok = [r for r in extra + runs if r["metrics"].get("completed") and not r["metrics"]["failed"]]
-    totals: dict[str, list[int]] = {}
-    for r in ok:
-        totals.setdefault(r["server"] + (" capacity" if r in extra else ""), []).append(r["metrics"]["output_tokens"])
-    differ = sum(1 for lengths in zip(*(r["output_lengths"] for r in ok), strict=True) if len(set(lengths)) > 1)
-    return {"output_tokens": totals, "same": len({t for v in totals.values() for t in v}) <= 1,
-            "requests_differing": differ}
-
-
-def parity_line(p: dict[str, Any]) -> str:
-    runs = "; ".join(f"{s} {', '.join(map(str, v))}" for s, v in p["output_tokens"].items())
-    verdict = "no complete run" if not runs else "same totals" if p["same"] else "DIFFERENT totals"
-    return f"output tokens per run: {runs} -> {verdict}, {p['requests_differing']} request(s) differ in length"
-
-
-def summarize(runs: list[dict[str, Any]], extra: list[dict[str, Any]], allow_busy: bool) -> dict[str, Any]:
-    """Median/min/max per server; the ratio of medians unless a run failed, escaped its cores, or was busy
-    (``extra``: the vLLM capacity run, whose busy flag counts too)."""
-    out: dict[str, Any] = {}
-    for s in SERVERS:
-        rs = [r for r in runs if r["server"] == s and "output_tok_s" in r]
-        if not any(r["server"] == s for r in runs):
-            continue
-        out[s] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} if (
-            v := [r[k] for r in rs]) else None for k in KEYS} | {"runs": len(rs)}
-    bad = [r for r in runs if "output_tok_s" not in r or r["metrics"]["failed"] or r["metrics"]["wrong_lengths"]]
-    escaped = [r for r in runs if not all(r.get(k, {"ok": 1})["ok"] for k in ("pins_after_start", "pins_after_pass"))]
-    busy = [r for r in runs + extra if r["busy"]]
-    loads = ", ".join(f"{r['load_check']['load1']:.1f}" for r in runs + extra if "load_check" in r)
-    pairs = [(a, b) for a, b in RATIOS if a in out and b in out]
-    if not pairs:
-        out["withheld"] = "one server only (--servers): no ratio"
-    elif bad or escaped:
-        out["withheld"] = f"ratio withheld: {len(bad)} run(s) failed or wrong lengths, {len(escaped)} escaped pinning"
-    elif busy and not allow_busy:
-        out["withheld"] = f"ratio withheld: machine busy (load {loads})"
-    else:
-        out["ratios"] = {f"{a} / {b}": {k: out[a][k]["median"] / out[b][k]["median"] for k in KEYS} for a, b in pairs}
-        if "rollserve / vllm" in out["ratios"]:
-            out["ratio"] = out["ratios"]["rollserve / vllm"]
-        out["flag"] = f"measured under load (load {loads})" if busy else ""
-    out["parity"] = parity(runs, extra)
-    return out
-
-
-def _cell(v: dict[str, float] | None) -> str:
-    """median (min-max); the median alone for one run."""
-    n = {k: f"{x:.0f}" if x >= 1000 else f"{x:.1f}" for k, x in (v or {}).items()}
-    return "-" if not v else n["median"] + (f" ({n['min']}-{n['max']})" if v["min"] != v["max"] else "")
-
-
-def markdown(res: dict[str, Any]) -> str:
-    e, wl = res["env"], res["workload"]
-    out = (f"chat, greedy to EOS or {wl['max_tokens']} tokens" if wl.get("kind") == "chat"
-           else f"{wl['output_tokens_total']} output tokens")
-    lines = [f"`{res['argv']}`: model {res['model']} ({wl['num_requests']} requests, {out}), {res['dtype']}, "
-             f"{res['pass']}, a fresh server per run (+ warm-up), {res['repeats']} alternating repeats; {e['cpu']} "
-             f"({e['cpus']} CPUs; {' '.join(e['flags'])}), torch {e['torch']}, "
-             f"vLLM {e['vllm']}, rollserve {e['code_state']}. Cells: median (min-max).", ""]
-    head = ("| cores (load gen.) | server | runs | out tok/s | CPU-s | tok/CPU-s | TTFT p50 ms | TTFT p99 ms | "
-            "ITL p50 ms | ITL p99 ms | load1 before (own) | others' cores during |")
-    lines += [head, "|---" * (head.count("|") - 1) + "|"]
-    for c in res["comparisons"]:
-        sm, cores = c["summary"], f"{c['cores']} ({c['loadgen_cores']})"
-        rate = f", Poisson {c['rate']:.2f} req/s" if c.get("rate") else ""
-        if c.get("capacity_run"):
-            rate += f" ({res['rate_from_vllm']} x vLLM's {c['capacity_run']['metrics']['request_s']:.2f})"
-        for s in SERVERS:
-            if s not in sm:
-                continue
-            rs = [r for r in c["runs"] if r["server"] == s and "load_check" in r]
-            cells = [_cell(sm[s][k]) for k in KEYS]
-            load = ", ".join(f"{r['load_check']['load1']:.2f} ({r['load_check']['own_load']:.2f})" for r in rs)
-            during = ", ".join(f"{r['others_cores_during']:.2f}" for r in rs)
-            lines.append(f"| {cores}{rate} | {s} | {sm[s]['runs']} | {' | '.join(cells)} | {load} | {during} |")
-        if "ratios" in sm:
-            for name, ratio in sm["ratios"].items():
-                ratios = " | ".join(f"{ratio[k]:.2f}x" for k in KEYS)
-                lines.append(f"| {cores} | **{name.replace('vllm', 'vLLM')}** {sm['flag']} | | {ratios} | | |")
-        else:
-            lines.append(f"| {cores} | **{sm['withheld']}** |" + " |" * 10)
-    lines += [""] + [f"cores {c['cores']}: {parity_line(c['summary']['parity'])}" for c in res["comparisons"]]
-    return "\n".join(lines) + "\n"
-
 
 def environment() -> dict[str, Any]:
     import torch
@@ -392,7 +194,7 @@ def environment() -> dict[str, Any]:
     info = dict(ln.split(":", 1) for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout
                 .splitlines() if ":" in ln)
     vq = "from importlib.metadata import version as v; print(v('torch'), v('vllm-cpu'))"
-    vv = subprocess.run([str(bench.VLLM_PYTHON), "-c", vq], capture_output=True, text=True).stdout.split() or ["?"]
+    vv = subprocess.run([str(VLLM_PYTHON), "-c", vq], capture_output=True, text=True).stdout.split() or ["?"]
     return {"cpu": info.get("Model name", "?").strip(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "flags": [f for f in FLAGS if f in info.get("Flags", "").split()], "vllm": vv[-1], "vllm_torch": vv[0],
             "code_state": code_state(), "python": sys.executable}
@@ -441,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         args.path = model_dir(args.model)
         w = build_workload(AutoTokenizer.from_pretrained(args.path), args.num_requests or 64, args.seed)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    stem, work = args.out or bench.RESULTS / f"compare-{stamp}", bench.RESULTS / f"compare-{stamp}-work"
+    stem, work = args.out or RESULTS / f"compare-{stamp}", RESULTS / f"compare-{stamp}-work"
     res: dict[str, Any] = {"stamp": stamp, "argv": shlex.join(["python", *sys.argv]), "model": args.model,
                            "model_dir": str(args.path), "dtype": args.dtype, "pass": args.pass_,
                            "repeats": args.repeats, "workload": w.summary(), "env": environment(),
@@ -450,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(res["env"]), flush=True)
     own = OwnLoad()
     own.start()
-    bench.RESULTS.mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     for cores in args.cores or [[0]]:
         gen = sorted(set(allowed) - set(cores)) or cores
         os.sched_setaffinity(0, gen)  # the load generator (this process) off the servers' cores where it can be

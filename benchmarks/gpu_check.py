@@ -29,32 +29,24 @@ import time
 import traceback
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import gpu_common  # noqa: E402
+from benchmarks.gpu_common import build_random, emit, llama_config, release, sync  # noqa: E402
 from handlers.engine.engine import LLMEngine  # noqa: E402
 from handlers.engine.planning.config import EngineConfig  # noqa: E402
 from handlers.synthetic_model import build_model, build_tokenizer  # noqa: E402
 from rollcore.types import SamplingParams  # noqa: E402
 
-DEV = torch.device("cuda", 0)
-SMOKE = False  # --smoke: tiny models, few requests, on any device (a dry run of the script on CPU)
-LINES: list[str] = []
-
-
-def emit(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
-
 
 def copy_bandwidth() -> float:
     """Bytes per second of a device-to-device copy of 2 GiB (read + write counted), median of 10."""
-    size = (2 << 30) if not SMOKE else (64 << 20)
-    src = torch.empty(size, dtype=torch.uint8, device=DEV)
+    size = (2 << 30) if not gpu_common.SMOKE else (64 << 20)
+    src = torch.empty(size, dtype=torch.uint8, device=gpu_common.DEV)
     dst = torch.empty_like(src)
     times = []
     for _ in range(13):
@@ -65,17 +57,6 @@ def copy_bandwidth() -> float:
         times.append(time.perf_counter() - t0)
     del src, dst
     return 2 * size / statistics.median(times[3:])
-
-
-def sync() -> None:
-    if DEV.type == "cuda":
-        torch.cuda.synchronize(DEV)
-
-
-def release() -> None:
-    """Hand cached device memory back (the next section, or the server's worker, measures what is free)."""
-    if DEV.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -99,18 +80,18 @@ def families(tmp: Path) -> None:
     rng = random.Random(1)
     prompts = [[rng.randint(5, 500) for _ in range(rng.randint(3, 45))] for _ in range(8)]
     max_new = 24
-    for arch in ("llama", "qwen2", "gemma2", "falcon-7b") if not SMOKE else ("llama",):
+    for arch in ("llama", "qwen2", "gemma2", "falcon-7b") if not gpu_common.SMOKE else ("llama",):
         folder = build_model(tmp / arch, arch=arch, size="small", seed=0)
         for dtype in (torch.float32, torch.bfloat16):
             try:
                 # the reference in transformers' eager attention: its exact math (SDPA leaves out soft-capping)
                 model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
-                                                             attn_implementation="eager").to(DEV).eval()
+                                                             attn_implementation="eager").to(gpu_common.DEV).eval()
                 model.generation_config.eos_token_id = None  # as the engine's ignore_eos: EOS may be chosen
                 want = []
                 with torch.no_grad():
                     for p in prompts:
-                        ids = torch.tensor([p], device=DEV)
+                        ids = torch.tensor([p], device=gpu_common.DEV)
                         gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                              max_new_tokens=max_new)
                         want.append(gen[0, len(p):].tolist())
@@ -130,33 +111,6 @@ def families(tmp: Path) -> None:
                 traceback.print_exc()
 
 
-def build_random(folder: Path, config: Any, tokenizer_vocab: int = 4096) -> None:
-    """A random-initialised bf16 model written to ``folder`` (built on the GPU: seconds, not minutes); its
-    vocabulary is its tokenizer's, so that every generated token has text to stream."""
-    from transformers import AutoModelForCausalLM
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config.vocab_size = build_tokenizer(folder, tokenizer_vocab, 0)
-    torch.manual_seed(0)
-    with torch.device(DEV):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02)
-    model.save_pretrained(folder, safe_serialization=True)
-    del model
-
-
-def llama_config(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                       max_position_embeddings=4096, rope_theta=500000.0, bos_token_id=1, eos_token_id=2,
-                       tie_word_embeddings=False)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -167,9 +121,9 @@ def http_server(tmp: Path) -> None:
     emit("## The HTTP server on the GPU: a 1.1B random Llama (bf16), 64 concurrent OpenAI streaming requests")
     store = tmp / "store"
     folder = store / "llama1b"
-    build_random(folder, llama_config(2048, 22, 32, 4, 5632, 32000) if not SMOKE else
+    build_random(folder, llama_config(2048, 22, 32, 4, 5632, 32000) if not gpu_common.SMOKE else
                  llama_config(128, 2, 4, 2, 256, 4096))
-    requests = 64 if not SMOKE else 8
+    requests = 64 if not gpu_common.SMOKE else 8
     (folder / "serving.properties").write_text("option.rolling_batch=auto\noption.max_rolling_batch_size=64\n"
                                                "option.max_model_len=1024\n")
     port, mport = free_port(), free_port()
@@ -256,8 +210,8 @@ def decode_speed(tmp: Path, bandwidth: float) -> None:
     emit("## Decode speed: Llama-3-8B layout (32 layers, hidden 4096, GQA 32/8, vocab 128256), random bf16, "
          "prompts of 128 tokens, in process")
     torch.manual_seed(0)
-    shape = (4096, 32, 32, 8, 14336, 128256) if not SMOKE else (128, 2, 4, 2, 256, 4096)
-    with torch.device(DEV):
+    shape = (4096, 32, 32, 8, 14336, 128256) if not gpu_common.SMOKE else (128, 2, 4, 2, 256, 4096)
+    with torch.device(gpu_common.DEV):
         model = AutoModelForCausalLM.from_config(llama_config(*shape), dtype=torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
@@ -282,7 +236,7 @@ def decode_speed(tmp: Path, bandwidth: float) -> None:
                                                           fuse_projections=fused))
         per_token_kv = 2 * shape[1] * shape[3] * (shape[0] // shape[2]) * 2
         base = None
-        for batch in batches if not SMOKE else (1, 8):
+        for batch in batches if not gpu_common.SMOKE else (1, 8):
             rng = random.Random(batch)
             params = SamplingParams(max_new_tokens=96, ignore_eos=True)
             for i in range(batch):
@@ -308,7 +262,8 @@ def decode_speed(tmp: Path, bandwidth: float) -> None:
             roof = (weight_bytes + statistics.median(contexts) * per_token_kv) / bandwidth / step
             graph = "-"
             graphs = engine.runner.graphs
-            if graphs is not None and DEV.type == "cuda":  # the captured forward alone: the device's share of a step
+            # the captured forward alone: the device's share of a step
+            if graphs is not None and gpu_common.DEV.type == "cuda":
                 replays = []
                 for _ in range(20):
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -331,8 +286,8 @@ def profile(tmp: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     emit("## Profile: one batch-1 decode step of the 8B layout (eager, fused projections), kernels by device time")
-    shape = (4096, 32, 32, 8, 14336, 128256) if not SMOKE else (128, 2, 4, 2, 256, 4096)
-    with torch.device(DEV):
+    shape = (4096, 32, 32, 8, 14336, 128256) if not gpu_common.SMOKE else (128, 2, 4, 2, 256, 4096)
+    with torch.device(gpu_common.DEV):
         model = AutoModelForCausalLM.from_config(llama_config(*shape), dtype=torch.bfloat16)
     build_tokenizer(tmp / "tokp", 4096, 0)
     engine = LLMEngine(model, AutoTokenizer.from_pretrained(tmp / "tokp"),
@@ -341,12 +296,12 @@ def profile(tmp: Path) -> None:
     engine.add("p", list(range(5, 133)), SamplingParams(max_new_tokens=64, ignore_eos=True))
     for _ in range(8):
         engine.step()
-    activities = [ProfilerActivity.CUDA] if DEV.type == "cuda" else [ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CUDA] if gpu_common.DEV.type == "cuda" else [ProfilerActivity.CPU]
     with torch_profile(activities=activities) as prof:
         for _ in range(4):
             engine.step()
         sync()
-    key = "self_device_time_total" if DEV.type == "cuda" else "self_cpu_time_total"
+    key = "self_device_time_total" if gpu_common.DEV.type == "cuda" else "self_cpu_time_total"
     rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0))[:14]
     total = sum(getattr(e, key, 0) for e in prof.key_averages()) / 4
     emit(f"- device time per step {total / 1e3:.2f} ms")
@@ -365,13 +320,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny models on --device (a dry run of this script)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    global DEV, SMOKE
-    DEV, SMOKE = torch.device(args.device), args.smoke
-    if DEV.type == "cuda" and DEV.index is None:
-        DEV = torch.device("cuda", 0)
+    gpu_common.DEV, gpu_common.SMOKE = torch.device(args.device), args.smoke
+    if gpu_common.DEV.type == "cuda" and gpu_common.DEV.index is None:
+        gpu_common.DEV = torch.device("cuda", 0)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons in true fp32
     torch.backends.cudnn.allow_tf32 = False
-    name = torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "cpu (smoke run)"
+    name = torch.cuda.get_device_name(gpu_common.DEV) if gpu_common.DEV.type == "cuda" else "cpu (smoke run)"
     emit(f"# gpu_check: {name}, torch {torch.__version__}, "
          f"{time.strftime('%Y-%m-%d %H:%M')}")
     t0 = time.perf_counter()
@@ -394,7 +348,7 @@ def main() -> None:
                 emit()
     emit(f"total {time.perf_counter() - t0:.0f} s")
     if args.out:
-        Path(args.out).write_text("\n".join(LINES) + "\n")
+        Path(args.out).write_text("\n".join(gpu_common.LINES) + "\n")
 
 
 if __name__ == "__main__":

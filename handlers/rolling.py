@@ -92,6 +92,7 @@ class HuggingFaceRollingHandler(RollingHandler):
             "admitted": engine.admitted,
             "structured_output": True,  # grammars are applied (handlers.engine.execution.grammar)
             "prompt_logprobs": True,
+            "adapters": sorted(engine.lora.adapters) if engine.lora is not None else [],
         }
 
 

@@ -143,7 +143,8 @@ class LmiParameters(StrictModel):
     guided_regex: str | None = Field(None, description="the answer matches this regular expression")
     guided_choice: list[str] | None = Field(None, description="the answer is one of these strings")
     guided_grammar: str | None = Field(None, description="the answer follows this grammar (Lark, or GBNF)")
-    adapter_id: None = Field(None, description="not supported: only null is accepted")
+    adapter_id: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        None, description="TGI's: the LoRA adapter to answer with (a model with option.enable_lora)")
 
 
 PARAMETERS = RequestSchema(LmiParameters, params_at=())
@@ -200,6 +201,7 @@ def lmi_sampling_params(p: LmiParameters, limits: Limits) -> SamplingParams:
         "bad_words": tuple(p.bad_words) if p.bad_words else None, "num_beams": p.num_beams,
         "length_penalty": p.length_penalty, "early_stopping": p.early_stopping,
         "include_stop_str_in_output": p.include_stop_str_in_output, "skip_special_tokens": p.skip_special_tokens,
+        "adapter": p.adapter_id,
         "prompt_logprobs": p.prompt_logprobs if p.prompt_logprobs is not None else (
             0 if p.decoder_input_details and p.details else None),
         "grammar": structured.one_of(

@@ -79,6 +79,7 @@ def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx
         best_of = (req.parameters.best_of if req.parameters else None) or 1
         was_list = isinstance(req.inputs, list)
         prompts = list(req.inputs) if isinstance(req.inputs, list) else [req.inputs]
+        adapters = _adapters(req.adapters, len(prompts), params.adapter)
         stream = _streams(ep, bool(req.stream), was_list) and best_of == 1
         check_best_of(best_of, params, bool(req.stream))
         # every streamed token carries its log-probability (DJL's token objects always have one); tgi_compat
@@ -98,10 +99,23 @@ def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx
         was_list = False
         payload = body
         best_of = 1  # parse_lmi_parameters refuses more
+        adapters = [params.adapter]
     reqs = [GenerationRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", model=ep.name, prompt=p,
-                              params=params, stream=stream, payload=payload, attributes=attributes)
-            for i, p in enumerate(prompts)]
+                              params=replace(params, adapter=a), stream=stream, payload=payload, attributes=attributes)
+            for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))]
     return reqs, was_list, stream, best_of
+
+
+def _adapters(value: str | list[str] | None, num_prompts: int, default: str | None) -> list[str | None]:
+    """LMI's ``adapters``: one name for every prompt or one per prompt (TGI's ``adapter_id`` when absent)."""
+    if value is None:
+        return [default] * num_prompts
+    if isinstance(value, str):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise InvalidRequest(f"'adapters' has {len(value)} names for {num_prompts} prompts: give one name, or one "
+                             "per prompt")
+    return list(value)
 
 
 def _tgi_compat(ep: Any) -> bool:

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rollcore.errors import InvalidRequest, ServingError, Unavailable
+from rollcore.errors import InvalidRequest, ModelNotFound, ServingError, Unavailable
 from rollcore.types import FinishReason, GenerationResult, TokenDelta, TokenInfo
 from serving.batching.streams import ResultStream
 from serving.frontends.httpio import (
@@ -86,6 +86,8 @@ class OpenAIRoutes:
             if isinstance(max_len, int):
                 entry["max_model_len"] = max_len
             data.append(entry)
+            data.extend({"id": a, "object": "model", "created": created, "owned_by": "rollserve", "parent": name,
+                         "status": ep.state.value} for a in adapters_of(ep))  # vLLM lists adapters with their parent
         return JSONResponse({"object": "list", "data": data}, headers={REQUEST_ID_HEADER: rid})
 
     async def completions(self, request: Request) -> Response:
@@ -110,13 +112,24 @@ class OpenAIRoutes:
             model = body.get("model") if isinstance(body, dict) else None
             if model is not None and not isinstance(model, str):
                 raise type_error("model", "a string", model)  # before the body: it picks the model
-            ep = self.ctx.registry.get(model) if model else self.ctx.registry.only()
+            ep, adapter = self._resolve(model) if model else (self.ctx.registry.only(), None)
             request.state.model = ep.name  # the metrics label
-            return await self._run(request, body, ep, rid, chat)
+            return await self._run(request, body, ep, rid, chat, adapter)
         except ServingError as exc:
             return error_response(exc, rid)
 
-    async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool) -> Response:
+    def _resolve(self, model: str) -> tuple[Any, str | None]:
+        """``model`` -> (endpoint, LoRA adapter): a model's name, or one of its adapters' (vLLM's convention)."""
+        try:
+            return self.ctx.registry.get(model), None
+        except ModelNotFound:
+            for ep in self.ctx.registry.endpoints.values():
+                if model in adapters_of(ep):
+                    return ep, model
+            raise
+
+    async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool,
+                   adapter: str | None = None) -> Response:
         text = self.texts.get(ep)
         args = (body, ep.name, text, rid, self.ctx.limits, strict_parameters(ep))
         if chat:
@@ -125,9 +138,12 @@ class OpenAIRoutes:
             parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse_completion, *args)
         if parsed.stream:
             require_streaming(ep)
-        streams = submit_all(ep, [c.request for c in parsed.choices])
+        requests = [c.request for c in parsed.choices]
+        if adapter is not None:
+            requests = [replace(r, params=replace(r.params, adapter=adapter)) for r in requests]
+        streams = submit_all(ep, requests)
         kind = "chat.completion" if chat else "text_completion"
-        answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{rid}", kind, ep.name, parsed, text)
+        answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{rid}", kind, adapter or ep.name, parsed, text)
         extra = ignored_headers(parsed.ignored, rid, ep.name)
         if parsed.stream:
             return StreamingResponse(answer.events(streams), media_type="text/event-stream",
@@ -139,6 +155,11 @@ class OpenAIRoutes:
         headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings), **extra}
         return JSONResponse(answer.whole(results), headers=headers)
 
+
+
+def adapters_of(ep: Any) -> list[str]:
+    """The LoRA adapters a model serves (its workers' ``describe``)."""
+    return list((getattr(ep, "info", None) or {}).get("adapters") or ())
 
 
 class Answer:

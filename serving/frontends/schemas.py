@@ -59,6 +59,9 @@ class LmiRequest(StrictModel):
     inputs: Annotated[Prompt | Annotated[list[Prompt], Field(min_length=1), Cap("max_sequences_per_request")],
                       BY_SHAPE, Field(description="the prompt, or a list of prompts (a list of answers)")]
     parameters: LmiParameters | None = None
+    adapters: Annotated[Text | Annotated[list[Text], Field(min_length=1)], BY_SHAPE] | None = Field(
+        None, description="DJL LMI's: the LoRA adapter of the answer, or one per prompt of a list (a model with "
+        "option.enable_lora; null or absent: the base model)")
     stream: bool | None = Field(None, description="a token stream (jsonlines; SSE with option.output_formatter=sse)"
                                 " of a single prompt on a rolling-batch model (always with "
                                 "option.output_formatter=jsonlines); dynamic batching answers whole")

@@ -31,12 +31,13 @@ DEFAULT_MODEL = REPO / "examples" / "models" / "tiny-llama"
 
 def write_model(store: Path, name: str, properties: dict[str, str], source: Path | None = None,
                 files: dict[str, str] | None = None) -> Path:
-    """A model folder in ``store``: weights linked from ``source`` (if any), a serving.properties, files."""
+    """A model folder in ``store``: weights (and folders such as ``adapters/``) linked from ``source`` (if any), a
+    serving.properties, files."""
     d = store / name
     d.mkdir(parents=True, exist_ok=True)
     if source is not None:
         for f in source.iterdir():
-            if f.name != "serving.properties" and f.is_file():
+            if f.name != "serving.properties" and (f.is_file() or f.is_dir()):
                 target = d / f.name
                 if not target.exists():
                     os.symlink(f, target)

@@ -95,6 +95,10 @@ def cross_field_rules(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("max_tokens") == 0 and "prompt" in body:
         body["echo"] = True  # "0 only with echo"
     body.pop("truncate_prompt_tokens", None)  # needs the model's tokenizer (tests/integration: real ones)
+    if isinstance(body.get("adapters"), list):  # "one per prompt of a list"
+        inputs = body.get("inputs")
+        body["adapters"] = (body["adapters"] * len(inputs))[:len(inputs)] if isinstance(inputs, list) else \
+            body["adapters"][0]
     # A constraint's content is a schema, a pattern or a grammar (llguidance checks it, tests/unit/test_structured.py
     # covers it), and tool_choice depends on the tools and the model's options (tests/unit/test_tools.py).
     params = body.get("parameters")

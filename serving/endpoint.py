@@ -50,6 +50,9 @@ class ModelEndpoint:
                  devices: DevicePlan | None = None) -> None:
         self.config = config
         self.name = config.name
+        self.version = "1"  # set by the registry (serving.versions)
+        # set when a reload replaced this endpoint: a request that resolved it before the switch is served there
+        self.successor: ModelEndpoint | None = None
         self._live = live if live is not None else LiveRequests()
         self.state = ModelState.PENDING
         self.reason: str | None = None
@@ -147,6 +150,8 @@ class ModelEndpoint:
     def submit(self, request: GenerationRequest) -> ResultStream:
         """Queue ``request`` (its ``request_id`` is the client's id; see ``GenerationRequest``). Raises
         ``Unavailable`` unless READY, ``Conflict`` for a client id already live, ``Overloaded``."""
+        if self.successor is not None:
+            return self.successor.submit(request)
         if self.state is not ModelState.READY:
             detail = f": {self.reason}" if self.reason else ""
             raise Unavailable(f"model {self.name!r} is {self.state.value}{detail}", retry_after_s=5)
@@ -324,7 +329,7 @@ class ModelEndpoint:
     def describe(self) -> dict[str, Any]:
         c = self.config
         return {
-            "model_name": self.name, "status": self.state.value, "reason": self.reason,
+            "model_name": self.name, "version": self.version, "status": self.state.value, "reason": self.reason,
             "model_dir": c.model_dir.name, "entry_point": c.entry_point,
             "batching": "rolling" if self.rolling else "dynamic",
             "rolling_batch": c.batching.describe_rolling_batch(),
@@ -345,6 +350,7 @@ class FailedEndpoint:
 
     def __init__(self, name: str, reason: str) -> None:
         self.name = name
+        self.version = "1"
         self.state = ModelState.FAILED
         self.reason = reason
         self.rolling = False
@@ -373,7 +379,8 @@ class FailedEndpoint:
         raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
 
     def describe(self) -> dict[str, Any]:
-        return {"model_name": self.name, "status": self.state.value, "reason": self.reason, "workers": []}
+        return {"model_name": self.name, "version": self.version, "status": self.state.value, "reason": self.reason,
+                "workers": []}
 
 
 AnyEndpoint = ModelEndpoint | FailedEndpoint

@@ -67,6 +67,15 @@ MODEL_KEYS = _table(
     KeySpec("gpu.maxWorkers", integer(0), None, _ACCEPTED),
     KeySpec("cpu.minWorkers", integer(0), None, _ACCEPTED),
     KeySpec("cpu.maxWorkers", integer(0), None, _ACCEPTED),
+    KeySpec("version", integer(1), None,
+            "the model's version (a positive integer; unset: 1); in a versioned folder (NAME/2/) the sub-folder's "
+            "name is the version and this key is not read (docs/model-store.md)"),
+)
+
+# ``NAME/model.properties`` in the model store: what applies to every version of a model (docs/model-store.md).
+STORE_KEYS = _table(
+    KeySpec("default_version", integer(1), None,
+            "the version that serves requests naming the model without a version (unset: the highest READY one)"),
 )
 
 SERVER_KEYS = _table(
@@ -106,4 +115,10 @@ SERVER_KEYS = _table(
     KeySpec("max_workers_per_model", integer(1, 1024), "16", "workers one model may ask for"),
     KeySpec("grpc_max_concurrent_rpcs", integer(1), "1000", "gRPC calls served at once; more: RESOURCE_EXHAUSTED"),
     KeySpec("grpc_max_stream_requests", integer(1), "64", "requests one gRPC stream may carry at once"),
+    KeySpec("model_store_watch", boolean, "false",
+            "watch the model store: a new complete folder loads, a removed one drains and unloads, a changed one "
+            "reloads without downtime (with or without enable_model_api; docs/model-store.md)"),
+    KeySpec("model_store_watch_quiet_ms", integer(50, 600000), "1000",
+            "milliseconds a watched folder must stay unchanged before it is loaded or reloaded (a copy in progress "
+            "keeps changing it)"),
 )

@@ -5,10 +5,14 @@ worker's engine statistics arrive with every ``Deltas`` frame over the existing 
 everything else is observed in the frontend (batchers call the ``BatchObserver`` hooks, the HTTP wrapper
 records each inference request's status class). Gauges that describe *current* state (queue depth,
 running requests, KV blocks, workers, model states) are read from the model registry at scrape time, so
-they can never drift from the truth. Label values are bounded: ``model`` is a registered model's name
-(a request naming any other model counts under ``__unknown__``), ``reason``/``status_class``/``kind``/
-``finished_reason``/``state`` come from closed sets; no request ids, paths or user strings as labels.
-``*_created`` series are dropped when rendering (registry-local; no process-global switch).
+they can never drift from the truth (``serving.metrics_state``). Label values are bounded: ``model`` is a
+registered model's name (a request naming any other model counts under ``__unknown__``), ``version`` one of its
+versions (``serving.versions``: ``1`` for a model without versions; empty for ``__unknown__``),
+``reason``/``status_class``/``kind``/``finished_reason``/``state`` come from closed sets; no request ids,
+paths or user strings as labels.
+``*_created`` series are dropped when rendering (registry-local; no process-global switch). Each endpoint's
+batcher reports through ``for_version(version)``, an observer that adds the version label; an HTTP request's
+version is the one the registry's lookup resolved for it (``serving.versions.RESOLVED``).
 """
 
 from __future__ import annotations
@@ -20,14 +24,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.metrics_core import Metric
 from starlette.requests import Request
 from starlette.responses import Response
 
 from rollcore.errors import ErrorKind
-from rollcore.types import ModelState
 from serving.batching.streams import ResultStream
+from serving.metrics_state import StateCollector, VersionSource
+from serving.versions import DEFAULT_VERSION, RESOLVED
 
 log = logging.getLogger("serving.requests")
 
@@ -62,12 +66,13 @@ class ServingMetrics:
     process-global ``prometheus_client.REGISTRY``). Event-loop only.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None, models: ModelSource = dict) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, models: ModelSource = dict,
+                 versions: VersionSource | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._models = models
-        self._engine_totals: dict[tuple[str, int], dict[str, float]] = {}
+        self._engine_totals: dict[tuple[str, str, int], dict[str, float]] = {}
         r = self.registry
-        m = ["model"]
+        m = ["model", "version"]
         self.requests = Counter("rollserve_requests", "Inference requests by HTTP status class",
                                 m + ["status_class"], registry=r)
         self.rejected = Counter("rollserve_requests_rejected", "Requests rejected or ended early, by reason "
@@ -107,20 +112,36 @@ class ServingMetrics:
                                    "decoding (option.speculative_draft)", m, registry=r)
         self.spec_accepted = Counter("rollserve_spec_decode_num_accepted_tokens", "Guessed tokens the model "
                                      "confirmed", m, registry=r)
-        r.register(_StateCollector(models))
+        r.register(StateCollector(versions if versions is not None else self._default_versions))
+
+    def _default_versions(self) -> list[tuple[str, str, Any]]:
+        return [(n, str(getattr(ep, "version", DEFAULT_VERSION)), ep) for n, ep in self._models().items()]
+
+    def for_version(self, version: str) -> VersionObserver:
+        """The ``BatchObserver`` of one version's batcher: these metrics, with its ``version`` label."""
+        return VersionObserver(self, version)
 
     # --- model label ---
     def model_label(self, model: str | None) -> str:
         """``model`` if it is a registered model, else ``__unknown__`` (keeps the label bounded)."""
         return model if model is not None and model in self._models() else UNKNOWN_MODEL
 
+    def version_label(self, model: str, version: str | None) -> str:
+        """The version that answered (else the model's default one); empty for ``__unknown__``."""
+        if model == UNKNOWN_MODEL:
+            return ""
+        if version is None:
+            version = str(getattr(self._models().get(model), "version", DEFAULT_VERSION))
+        return version
+
     # --- frontends ---
-    def record_request(self, model: str | None, status: int) -> None:
+    def record_request(self, model: str | None, status: int, version: str | None = None) -> None:
         """One inference request answered with HTTP ``status`` (frontends; unknown models are bucketed)."""
         label = self.model_label(model)
-        self.requests.labels(label, status_class(status)).inc()
+        v = self.version_label(label, version)
+        self.requests.labels(label, v, status_class(status)).inc()
         if status in INVALID_STATUSES:
-            self.rejected.labels(label, "invalid").inc()
+            self.rejected.labels(label, v, "invalid").inc()
 
     def instrument(self, app: Any) -> Callable[..., Any]:
         """Wrap an ASGI inference app: count every POST by model and status class and log one line per
@@ -131,6 +152,8 @@ class ServingMetrics:
                 return
             state = scope.setdefault("state", {})
             seen: dict[str, Any] = {"status": 500, "rid": "-"}
+            resolved: dict[str, str] = {}
+            token = RESOLVED.set(resolved)  # the registry's lookup notes the version that answers
             start = time.monotonic()
 
             async def send_wrapper(message: dict[str, Any]) -> None:
@@ -144,24 +167,26 @@ class ServingMetrics:
             try:
                 await app(scope, receive, send_wrapper)
             finally:
+                RESOLVED.reset(token)
                 model = self.model_label(state.get(MODEL_STATE_KEY))
-                self.record_request(model, seen["status"])
+                self.record_request(model, seen["status"], resolved.get("version"))
                 log.info("request %s model %s: %s -> %d in %.1f ms", seen["rid"], model, scope.get("path", ""),
                          seen["status"], (time.monotonic() - start) * 1000.0,
                          extra={"request_id": seen["rid"], "model": model})
         return wrapped
 
     # --- BatchObserver (batchers) ---
-    def on_batch(self, model: str, size: int) -> None:
-        self.batch_size.labels(model).observe(size)
+    def on_batch(self, model: str, size: int, version: str = DEFAULT_VERSION) -> None:
+        self.batch_size.labels(model, version).observe(size)
 
-    def on_rejected(self, model: str, reason: str) -> None:
-        self.rejected.labels(model, reason if reason in REJECT_REASONS else "other").inc()
+    def on_rejected(self, model: str, reason: str, version: str = DEFAULT_VERSION) -> None:
+        self.rejected.labels(model, version, reason if reason in REJECT_REASONS else "other").inc()
 
-    def on_step(self, model: str, worker_id: int, stats: dict[str, Any], step_s: float, num_deltas: int) -> None:
+    def on_step(self, model: str, worker_id: int, stats: dict[str, Any], step_s: float, num_deltas: int,
+                version: str = DEFAULT_VERSION) -> None:
         """One rolling-engine step: its time, and the growth of the engine's cumulative counters."""
-        self.step_time.labels(model).observe(step_s)
-        last = self._engine_totals.setdefault((model, worker_id), {})
+        self.step_time.labels(model, version).observe(step_s)
+        last = self._engine_totals.setdefault((model, version, worker_id), {})
         for key, counter in (("num_preemptions_total", self.preemptions),
                              ("prefix_cache_queries_total", self.prefix_queries),
                              ("prefix_cache_hits_total", self.prefix_hits),
@@ -172,40 +197,41 @@ class ServingMetrics:
                 continue
             previous = last.get(key, 0.0)
             grown = value - previous if value >= previous else value  # a restarted engine starts from 0
-            child = counter.labels(model)  # the series exists (at 0) from the first step on
+            child = counter.labels(model, version)  # the series exists (at 0) from the first step on
             if grown > 0:
                 child.inc(grown)
             last[key] = value
 
-    def on_finished(self, model: str, stream: ResultStream) -> None:
+    def on_finished(self, model: str, stream: ResultStream, version: str = DEFAULT_VERSION) -> None:
         """A request's stream ended (success, error or cancel); called exactly once per stream."""
+        v = version
         if stream.num_tokens:
-            self.generation_tokens.labels(model).inc(stream.num_tokens)
+            self.generation_tokens.labels(model, v).inc(stream.num_tokens)
         if stream.prompt_tokens:
-            self.prompt_tokens.labels(model).inc(stream.prompt_tokens)
+            self.prompt_tokens.labels(model, v).inc(stream.prompt_tokens)
         if stream.error is not None:
             kind = stream.error.kind
-            self.failures.labels(model, kind.value).inc()
+            self.failures.labels(model, v, kind.value).inc()
             if kind is ErrorKind.CANCELLED:
-                self.rejected.labels(model, "cancelled").inc()
+                self.rejected.labels(model, v, "cancelled").inc()
             elif kind is ErrorKind.TIMEOUT:
-                self.rejected.labels(model, "timeout").inc()
+                self.rejected.labels(model, v, "timeout").inc()
             return
         t = stream.timings()
-        self.e2e.labels(model).observe(t.e2e_s)
-        self.queue.labels(model).observe(t.queue_s)
-        self.ttft.labels(model).observe(t.ttft_s)
-        self.prefill.labels(model).observe(t.prefill_s)
-        self.decode.labels(model).observe(t.decode_s)
+        self.e2e.labels(model, v).observe(t.e2e_s)
+        self.queue.labels(model, v).observe(t.queue_s)
+        self.ttft.labels(model, v).observe(t.ttft_s)
+        self.prefill.labels(model, v).observe(t.prefill_s)
+        self.decode.labels(model, v).observe(t.decode_s)
         if stream.token_gaps_s and stream.num_tokens > 1:  # tokens streamed one by one (not a whole batch)
-            self.tpot.labels(model).observe((t.e2e_s - t.ttft_s) / (stream.num_tokens - 1))
-        itl = self.itl.labels(model)
+            self.tpot.labels(model, v).observe((t.e2e_s - t.ttft_s) / (stream.num_tokens - 1))
+        itl = self.itl.labels(model, v)
         for gap in stream.token_gaps_s:
             itl.observe(gap)
-        self.request_prompt_tokens.labels(model).observe(stream.prompt_tokens)
-        self.request_generation_tokens.labels(model).observe(stream.num_tokens)
+        self.request_prompt_tokens.labels(model, v).observe(stream.prompt_tokens)
+        self.request_generation_tokens.labels(model, v).observe(stream.num_tokens)
         reason = stream.finish_reason.value if stream.finish_reason is not None else "length"
-        self.success.labels(model, reason).inc()
+        self.success.labels(model, v, reason).inc()
 
     # --- exposition ---
     def render(self) -> bytes:
@@ -218,7 +244,27 @@ class ServingMetrics:
 
 
 def _hist(registry: CollectorRegistry, name: str, doc: str, buckets: Iterable[float]) -> Histogram:
-    return Histogram(name, doc, ["model"], buckets=tuple(buckets), registry=registry)
+    return Histogram(name, doc, ["model", "version"], buckets=tuple(buckets), registry=registry)
+
+
+class VersionObserver:
+    """A ``BatchObserver`` for one version's batcher: forwards to ``ServingMetrics`` with the version label."""
+
+    def __init__(self, metrics: ServingMetrics, version: str) -> None:
+        self._metrics = metrics
+        self.version = version
+
+    def on_batch(self, model: str, size: int) -> None:
+        self._metrics.on_batch(model, size, self.version)
+
+    def on_step(self, model: str, worker_id: int, stats: dict[str, Any], step_s: float, num_deltas: int) -> None:
+        self._metrics.on_step(model, worker_id, stats, step_s, num_deltas, self.version)
+
+    def on_rejected(self, model: str, reason: str) -> None:
+        self._metrics.on_rejected(model, reason, self.version)
+
+    def on_finished(self, model: str, stream: ResultStream) -> None:
+        self._metrics.on_finished(model, stream, self.version)
 
 
 class _WithoutCreated:
@@ -231,66 +277,3 @@ class _WithoutCreated:
         for family in self._registry.collect():
             family.samples = [s for s in family.samples if not s.name.endswith("_created")]
             yield family
-
-
-class _StateCollector(Collector):
-    """Current state read from the model registry at scrape time: queues, engines, workers, models."""
-
-    def __init__(self, models: ModelSource) -> None:
-        self._models = models
-
-    def collect(self) -> Iterator[Metric]:
-        m = ["model"]
-        running = GaugeMetricFamily("rollserve_num_requests_running", "Requests running on workers", labels=m)
-        waiting = GaugeMetricFamily("rollserve_num_requests_waiting", "Requests waiting (frontend queue and "
-                                    "engine waiting queue)", labels=m)
-        kv_ratio = GaugeMetricFamily("rollserve_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0-1)",
-                                     labels=m)
-        kv_total = GaugeMetricFamily("rollserve_kv_cache_blocks", "KV-cache blocks (capacity)", labels=m)
-        kv_used = GaugeMetricFamily("rollserve_kv_cache_used_blocks", "KV-cache blocks in use", labels=m)
-        workers = GaugeMetricFamily("rollserve_workers", "Worker processes by state", labels=m + ["state"])
-        restarts = CounterMetricFamily("rollserve_worker_restarts", "Worker processes restarted after an "
-                                       "unexpected exit", labels=m)
-        load_time = GaugeMetricFamily("rollserve_model_load_time_seconds", "Time the model took to load",
-                                      labels=m)
-        state = GaugeMetricFamily("rollserve_model_state", "1 for the model's current state", labels=m + ["state"])
-        for name, ep in sorted(self._models().items()):
-            for s in ModelState:
-                state.add_metric([name, s.value], 1.0 if ep.state is s else 0.0)
-            load_s = getattr(ep, "load_time_s", None)
-            if load_s is not None:
-                load_time.add_metric([name], load_s)
-            pool = getattr(ep, "pool", None)
-            if pool is not None:
-                ready = sum(1 for w in pool.workers.values() if w.alive)
-                workers.add_metric([name, "ready"], ready)
-                workers.add_metric([name, "starting"], getattr(pool, "num_starting", 0))
-                workers.add_metric([name, "stopped"], len(pool.workers) - ready)
-                restarts.add_metric([name], pool.num_restarts)
-            batcher = getattr(ep, "batcher", None)
-            if batcher is not None:
-                self._queues(name, batcher.describe(), batcher.num_pending(), running, waiting,
-                             kv_ratio, kv_total, kv_used)
-        yield from (running, waiting, kv_ratio, kv_total, kv_used, workers, restarts, load_time, state)
-
-    @staticmethod
-    def _queues(name: str, d: dict[str, Any], pending: int, running: GaugeMetricFamily,
-                waiting: GaugeMetricFamily, kv_ratio: GaugeMetricFamily, kv_total: GaugeMetricFamily,
-                kv_used: GaugeMetricFamily) -> None:
-        if d.get("mode") != "rolling":
-            queued = int(d.get("queued", 0))
-            running.add_metric([name], pending - queued)
-            waiting.add_metric([name], queued)
-            return
-        engines = list((d.get("engines") or {}).values())
-        if not engines:
-            running.add_metric([name], d.get("running", 0))
-            waiting.add_metric([name], d.get("waiting", 0))
-            return
-        running.add_metric([name], sum(e.get("num_running", 0) for e in engines))
-        waiting.add_metric([name], d.get("waiting", 0) + sum(e.get("num_waiting", 0) for e in engines))
-        total = sum(e.get("kv_blocks_total", 0) for e in engines)
-        used = sum(e.get("kv_blocks_used", 0) for e in engines)
-        kv_total.add_metric([name], total)
-        kv_used.add_metric([name], used)
-        kv_ratio.add_metric([name], used / total if total else 0.0)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from rollcore.options import OPTIONS, OptionSpec
-from serving.keys import MODEL_KEYS, SERVER_KEYS, KeySpec
+from serving.keys import MODEL_KEYS, SERVER_KEYS, STORE_KEYS, KeySpec
 
 PATH = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 _READERS = {"serving": "server", "loader": "custom entry points", "engine": "rolling engine",
@@ -58,6 +58,10 @@ def render() -> str:
     lines += _options(OPTIONS.values())
     lines += ["", "## config.properties: server keys", ""]
     lines += _keys(SERVER_KEYS.values())
+    lines += ["", "## model.properties: a model's versions", "",
+              "`model_store/NAME/model.properties`, beside the versions `NAME/1/`, `NAME/2/`: "
+              "[model-store.md](model-store.md).", ""]
+    lines += _keys(STORE_KEYS.values())
     return "\n".join(lines) + "\n"
 
 

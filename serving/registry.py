@@ -10,6 +10,12 @@ capped (``max_models`` models, ``max_workers_per_model`` workers). ``update_mode
 knobs (``serving.knobs``): batching and queue knobs need only the management token (the frontends check it),
 worker counts are scaling and need the model API too. ``startup_models`` are the models of
 ``load_models`` that readiness waits for (see ``serving.health``); ``live`` maps client request ids.
+
+Versions (``serving.versions``, ``serving.store_layout``): a model name holds one or more versions;
+``endpoints[NAME]`` is always the default version's endpoint, ``versions[NAME]`` all of them. ``lookup`` (also
+``get``) is the one place a client's ``NAME`` or ``NAME:VERSION`` becomes an endpoint. ``reload`` rebuilds a
+version from its folder without downtime (``serving.reload``); the watched store (``serving.store_watch``) adds,
+reloads and removes models through ``add_from_store``, ``reload`` and ``remove``, which need no model API.
 """
 
 from __future__ import annotations
@@ -20,23 +26,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rollcore.errors import ConfigError, Forbidden, InvalidRequest, ModelNotFound, Overloaded
+from rollcore.errors import ConfigError, InvalidRequest, ModelNotFound
 from rollcore.types import CORE_SHARERS_ENV
-from serving import knobs
 from serving.batching.ports import BatchObserver
 from serving.config import ModelConfig, load_model_config, validate_model_name
 from serving.devices import DevicePlan, plan_devices, visible_devices
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
 from serving.live_requests import LiveRequests
+from serving.registry_api import ModelApi
+from serving.reload import reload_version
 from serving.server_config import ServerConfig
 from serving.sources.cache import default_root
 from serving.sources.errors import SourceError
 from serving.sources.resolve import needs_resolving, resolve
+from serving.store_layout import is_versioned, pinned_default, versions_of
+from serving.versions import DEFAULT_VERSION, ModelVersions, note_resolved, split_ref
 
 log = logging.getLogger(__name__)
 
 
-class ModelRegistry:
+class ModelRegistry(ModelApi):
     """Holds every endpoint by name. Event-loop only."""
 
     def __init__(self, server: ServerConfig, env: Mapping[str, str], observer: BatchObserver | None = None) -> None:
@@ -44,7 +53,9 @@ class ModelRegistry:
         self._env = env
         self._observer = observer
         self._store = server.model_store.resolve()
-        self.endpoints: dict[str, AnyEndpoint] = {}
+        self.endpoints: dict[str, AnyEndpoint] = {}  # name -> its default version's endpoint
+        self.versions: dict[str, ModelVersions] = {}
+        self.retiring: set[AnyEndpoint] = set()  # replaced by a reload, finishing their requests
         self.startup_models: set[str] | None = None  # known once discover() ran
         self.live = LiveRequests()
         # GPUs the server may hand to workers, learned once without torch (serving.devices); none on a CPU host
@@ -95,22 +106,82 @@ class ModelRegistry:
             raise InvalidRequest(f"url {url!r} is not a model folder in the model store")
         return candidate
 
-    def get(self, name: str) -> AnyEndpoint:
-        ep = self.endpoints.get(name)
+    def lookup(self, ref: str) -> AnyEndpoint:
+        """``NAME`` (its default version) or ``NAME:VERSION`` -> the endpoint, or ``ModelNotFound`` (also for a
+        version that is not a number: the name may be something else's, e.g. a LoRA adapter's)."""
+        try:
+            name, version = split_ref(ref)
+        except InvalidRequest as exc:
+            raise ModelNotFound(f"model {ref!r} is not registered ({exc.message})") from None
+        if version is None:
+            ep = self.endpoints.get(name)
+        else:
+            mv = self.versions.get(name)
+            ep = mv.entries.get(version) if mv is not None else None
         if ep is None:
-            raise ModelNotFound(f"model {name!r} is not registered")
+            what = f"model {name!r}" + (f" version {version}" if version is not None else "")
+            raise ModelNotFound(f"{what} is not registered")
+        note_resolved(ep)
         return ep
+
+    def get(self, name: str) -> AnyEndpoint:
+        """As ``lookup``: every frontend resolves names here."""
+        return self.lookup(name)
+
+    def versions_of(self, name: str) -> list[str]:
+        mv = self.versions.get(name)
+        return sorted(mv.entries, key=int) if mv is not None else []
+
+    def version_info(self, ep: AnyEndpoint) -> dict[str, Any]:
+        """The version's place among its model's (``ModelVersions.describe``); {} for an unregistered one."""
+        mv = self.versions.get(ep.name)
+        return mv.describe(ep.version) if mv is not None and mv.entries.get(ep.version) is ep else {}
+
+    def all_endpoints(self) -> list[tuple[str, str, AnyEndpoint]]:
+        """``(name, version, endpoint)`` of every registered version."""
+        return [(name, v, ep) for name, mv in sorted(self.versions.items())
+                for v, ep in sorted(mv.entries.items(), key=lambda item: int(item[0]))]
+
+    def route(self, name: str) -> None:
+        """Point ``endpoints[name]`` at the model's default version (one assignment: atomic for requests)."""
+        mv = self.versions.get(name)
+        version = mv.default_version() if mv is not None else None
+        if mv is None or version is None:
+            self.versions.pop(name, None)
+            self.endpoints.pop(name, None)
+            return
+        ep = mv.entries[version]
+        if self.endpoints.get(name) is not ep:
+            if name in self.endpoints:
+                log.info("model %s: version %s now serves the name", name, version)
+            self.endpoints[name] = ep
+
+    def pin_from_store(self, name: str, folder: Path) -> None:
+        """``default_version`` of a versioned folder's ``model.properties`` (a pin set over the API stays)."""
+        mv = self.versions.get(name)
+        if mv is None or mv.pinned_by == "API" or not is_versioned(folder):
+            return
+        try:
+            mv.pinned = pinned_default(folder)
+        except ConfigError as exc:
+            log.error("model %s: %s (the highest version serves the name)", name,
+                      self._without_paths(str(exc), name, folder))
+            mv.pinned = None
+        mv.pinned_by = "model.properties" if mv.pinned is not None else None
 
     def only(self) -> AnyEndpoint:
         """The single model (SageMaker ``/invocations`` without ``model_name``)."""
         if len(self.endpoints) == 1:
-            return next(iter(self.endpoints.values()))
+            ep = next(iter(self.endpoints.values()))
+            note_resolved(ep)
+            return ep
         if not self.endpoints:
             raise ModelNotFound("no model is registered")
         raise InvalidRequest(f"{len(self.endpoints)} models are registered: name one with ?model_name= "
                              f"(one of {sorted(self.endpoints)})")
 
-    def build(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {}) -> AnyEndpoint:
+    def build(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {},
+              version: str = DEFAULT_VERSION) -> AnyEndpoint:
         """Parse the model's config and create its endpoint (FAILED endpoint on a config error)."""
         try:
             cfg: ModelConfig = load_model_config(model_dir, name=name, env=self._env, overrides=overrides,
@@ -119,14 +190,20 @@ class ModelRegistry:
                                                cfg.parallel.tensor_parallel_degree)
         except ConfigError as exc:
             log.error("model %s: invalid configuration: %s", name, exc)
-            return FailedEndpoint(name, self._without_paths(str(exc), name, model_dir))
+            failed = FailedEndpoint(name, self._without_paths(str(exc), name, model_dir))
+            failed.version = version
+            return failed
         for warning in cfg.warnings:  # an unknown option.* key that looks like a typo of a known one
             log.warning("model %s: %s", name, warning)
         # Workers of different models share the machine's cores: option.num_threads=auto divides the cores by
         # the models loaded at start too (more OpenMP threads than cores spin; benchmarks/README.md, Soak).
         env = {**self._env, CORE_SHARERS_ENV: str(max(1, len(self.startup_models or ())))}
-        return ModelEndpoint(cfg, self._observer, env=env, log_format=self._server.log_format, live=self.live,
-                             devices=devices)
+        for_version = getattr(self._observer, "for_version", None)  # the metrics' version label
+        observer = for_version(version) if for_version is not None else self._observer
+        ep = ModelEndpoint(cfg, observer, env=env, log_format=self._server.log_format, live=self.live,
+                           devices=devices)
+        ep.version = version
+        return ep
 
     def _without_paths(self, message: str, name: str, model_dir: Path) -> str:
         """Clients see a model's files by model name, never by where they live on the server."""
@@ -134,76 +211,59 @@ class ModelRegistry:
             message = message.replace(prefix, name)
         return message.replace(str(self._store), "<model_store>")
 
-    async def register(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {},
-                       wait: bool = True) -> AnyEndpoint:
-        """Add a model over the model API and start loading it (waits for the load when ``wait``).
-        Raises ``Forbidden`` (model API off), ``InvalidRequest``, ``Overloaded`` (``max_models``)."""
-        self.require_model_api("registering a model")
+    def _add(self, name: str, version: str, ep: AnyEndpoint, folder: Path, overrides: Mapping[str, str]) -> None:
+        self.versions.setdefault(name, ModelVersions(name)).add(version, ep, folder, overrides)
+        self.route(name)
+
+    async def _start(self, name: str, ep: AnyEndpoint) -> None:
+        await ep.start()
+        self.route(name)  # a version that became READY may now be the default
+
+    async def _prepare(self, name: str, version: str, folder: Path, overrides: Mapping[str, str]) -> AnyEndpoint:
+        """Resolve the version's source and build its endpoint (FAILED on an error), registered, not started."""
         try:
-            validate_model_name(name)
-        except ConfigError as exc:  # a client-supplied name: 400, not an internal error
-            raise InvalidRequest(str(exc)) from None
-        if name in self.endpoints:
-            raise InvalidRequest(f"model {name!r} is already registered")
-        if len(self.endpoints) >= self._server.max_models:
-            raise Overloaded(f"{len(self.endpoints)} models are registered; at most {self._server.max_models} "
-                             "(max_models in config.properties)")
-        for key in ("minWorkers", "maxWorkers"):
-            if key in overrides:
-                self.check_num_workers(int(overrides[key]), "min_worker" if key == "minWorkers" else "max_worker",
-                                       minimum=0 if key == "minWorkers" else 1)
-        try:
-            overrides = await self.resolve_source(name, model_dir, overrides)
+            resolved = await self.resolve_source(name, folder, overrides)
         except SourceError as exc:
-            raise InvalidRequest(f"model {name!r}: {self._without_paths(str(exc), name, model_dir)}") from None
-        ep = self.build(name, model_dir, overrides)
-        if isinstance(ep, FailedEndpoint):
-            raise InvalidRequest(f"model {name!r} has an invalid configuration: {ep.reason}")
-        self.endpoints[name] = ep
-        task = asyncio.ensure_future(ep.start())
-        if wait:
-            await task
+            log.error("model %s: %s", name, exc)
+            ep: AnyEndpoint = FailedEndpoint(name, self._without_paths(str(exc), name, folder))
+        else:
+            ep = self.build(name, folder, resolved, version)
+        self._add(name, version, ep, folder, overrides)
         return ep
 
-    async def unregister(self, name: str, drain_timeout_s: float) -> None:
-        """Remove a model over the model API; its pending requests end when the drain ends."""
-        self.require_model_api("unregistering a model")
-        ep = self.get(name)
-        del self.endpoints[name]
-        if self.startup_models is not None:
+    async def add_from_store(self, name: str, folder: Path, versions: Mapping[str, Path] | None = None) -> None:
+        """Register and start the versions of a model folder (all of them by default): the models loaded at start
+        and the watched store's. An invalid version is a FAILED one; others load. No model API needed."""
+        if name not in self.versions and len(self.endpoints) >= self._server.max_models:
+            log.error("model %s: not loaded: %d models are registered, at most %d (max_models)", name,
+                      len(self.endpoints), self._server.max_models)
+            return
+        found = versions_of(folder) if versions is None else versions
+        eps = [await self._prepare(name, v, f, {}) for v, f in sorted(found.items(), key=lambda i: int(i[0]))]
+        self.pin_from_store(name, folder)
+        await asyncio.gather(*(self._start(name, ep) for ep in eps))
+
+    async def remove(self, ref: str, drain_timeout_s: float) -> None:
+        """Unregister ``NAME`` (every version) or ``NAME:VERSION``: new requests get 404 at once, those in
+        flight finish within the drain. No model API check (``unregister`` is the API's)."""
+        name, version = split_ref(ref)
+        self.lookup(ref)  # ModelNotFound
+        mv = self.versions[name]
+        async with mv.lock:
+            if version is None:
+                gone = list(mv.entries.values())
+                mv.entries.clear()
+            else:
+                gone = [mv.remove(version)] if version in mv.entries else []
+            self.route(name)
+        if name not in self.endpoints and self.startup_models is not None:
             self.startup_models.discard(name)
-        await ep.drain(drain_timeout_s)
+        await asyncio.gather(*(ep.drain(drain_timeout_s) for ep in gone))
 
-    async def scale(self, name: str, num_workers: int) -> AnyEndpoint:
-        """Set a model's number of workers over the model API (1..``max_workers_per_model``)."""
-        self.require_model_api("scaling a model")
-        ep = self.get(name)
-        self.check_num_workers(num_workers, "the number of workers", minimum=1)
-        await ep.scale(num_workers)
-        return ep
-
-    async def update_model(self, name: str, values: Mapping[str, int]) -> dict[str, Any]:
-        """Change live knobs of a model (names and values checked by ``serving.knobs``). ``min_worker`` and
-        ``max_worker`` need the model API (as scaling) and lie in 1..``max_workers_per_model``."""
-        workers = [key for key in knobs.WORKER_KNOBS if key in values]
-        if workers:
-            self.require_model_api(f"changing a model's workers ({', '.join(workers)})")
-            for key in workers:
-                self.check_num_workers(values[key], key, minimum=1)
-        return await self.get(name).update(values)
-
-    def require_model_api(self, what: str) -> None:
-        """Raise ``Forbidden`` unless ``enable_model_api=true``."""
-        if not self._server.enable_model_api:
-            raise Forbidden(f"{what} needs the model API: set enable_model_api=true in config.properties "
-                            "(it is off by default; models of load_models load at start)")
-
-    def check_num_workers(self, value: int, field: str, minimum: int) -> int:
-        cap = self._server.max_workers_per_model
-        if not minimum <= value <= cap:
-            raise InvalidRequest(f"{field} must be between {minimum} and {cap} (max_workers_per_model), "
-                                 f"got {value}")
-        return value
+    async def reload(self, ref: str) -> dict[str, Any]:
+        """Rebuild a version (``NAME``: the default one) from its folder as it is now, without downtime
+        (``serving.reload``). No model API check: it adds no model."""
+        return await reload_version(self, ref, self._server.drain_timeout_s)
 
     async def start_all(self, models: Mapping[str, Path]) -> None:
         """Resolve, build and start every model, each on its own (a model that downloads delays no other)."""
@@ -216,14 +276,7 @@ class ModelRegistry:
                 if self.startup_models is not None:
                     self.startup_models.discard(name)
                 return
-            try:
-                overrides = await self.resolve_source(name, path, {})
-            except SourceError as exc:
-                log.error("model %s: %s", name, exc)
-                self.endpoints[name] = FailedEndpoint(name, self._without_paths(str(exc), name, path))
-                return
-            ep = self.endpoints[name] = self.build(name, path, overrides)
-            await ep.start()
+            await self.add_from_store(name, path)
 
         await asyncio.gather(*(one(name, path) for name, path in models.items()))
 
@@ -247,12 +300,10 @@ class ModelRegistry:
         return {**overrides, "option.model_id": str(local)}
 
     async def stop_all(self, drain_timeout_s: float) -> None:
-        await asyncio.gather(*(ep.drain(drain_timeout_s) for ep in self.endpoints.values()),
-                             return_exceptions=True)
+        eps = [ep for _, _, ep in self.all_endpoints()] + list(self.retiring)
+        await asyncio.gather(*(ep.drain(drain_timeout_s) for ep in eps), return_exceptions=True)
 
     def num_pending(self) -> int:
-        total = 0
-        for ep in self.endpoints.values():
-            if isinstance(ep, ModelEndpoint):
-                total += ep.batcher.num_pending()
-        return total
+        """Requests queued or running on every version, those being retired by a reload included."""
+        eps = [ep for _, _, ep in self.all_endpoints()] + list(self.retiring)
+        return sum(ep.batcher.num_pending() for ep in eps if isinstance(ep, ModelEndpoint))

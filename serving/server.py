@@ -8,7 +8,8 @@ writes the key file (``serving.auth``), binds the listeners (SageMaker wants con
 ``AuthInterceptor``. ``management_address=off`` binds no management listener and turns the gRPC management
 RPCs off. On SIGTERM or SIGINT the server drains: readiness and new requests get 503, in-flight requests
 finish within ``drain_timeout_s``, workers are stopped, listeners close, the default key file is removed;
-no worker process outlives the server.
+no worker process outlives the server. With ``model_store_watch=true`` a ``StoreWatcher`` follows the model store
+(``serving.store_watch``) until shutdown.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from serving.frontends.http_guard import ApiGuard
 from serving.frontends.httpio import HttpContext, ServerState
 from serving.frontends.lmi import LmiRoutes
 from serving.frontends.management import ManagementRoutes
+from serving.frontends.model_versions import VersionRoutes
 from serving.frontends.openai import OpenAIRoutes
 from serving.health import Health, HealthRoutes
 from serving.heap import trim_periodically
@@ -45,6 +47,7 @@ from serving.metrics import ServingMetrics
 from serving.params import Limits
 from serving.registry import ModelRegistry
 from serving.server_config import ServerConfig
+from serving.store_watch import StoreWatcher
 
 log = logging.getLogger("serving.server")
 KEEP_ALIVE_S = 75  # idle keep-alive connections are closed after this (see _serve_http)
@@ -79,7 +82,8 @@ class Server:
         self.extra_models = dict(extra_models)
         self.ports_file = ports_file
         self.state = ServerState(started_at=time.time())
-        self.metrics = ServingMetrics(CollectorRegistry(), models=lambda: self.registry.endpoints)
+        self.metrics = ServingMetrics(CollectorRegistry(), models=lambda: self.registry.endpoints,
+                                      versions=lambda: self.registry.all_endpoints())
         self.registry = ModelRegistry(config, env, self.metrics)
         self.limits = Limits(max_stop_sequences=config.max_stop_sequences, max_stop_length=config.max_stop_length,
                              max_stop_token_ids=config.max_stop_token_ids,
@@ -97,11 +101,14 @@ class Server:
         self.ports: dict[str, int] = {}
         self.grpc: Any = None
         self.lmi = LmiRoutes(self.http)
+        self.versions = VersionRoutes(self.registry, config.drain_timeout_s, self.lmi.predictions)
+        self.watcher: StoreWatcher | None = None
 
     def _inference_routes(self) -> list[Any]:
         openai_routes = OpenAIRoutes(self.http)
         self.state.extra["chat_handler"] = openai_routes.chat_for_lmi  # LMI bodies with `messages`
-        return [*HealthRoutes(self.health).routes(), *self.lmi.routes(), *openai_routes.routes(),
+        return [*HealthRoutes(self.health).routes(), *self.lmi.routes(), *self.versions.inference_routes(),
+                *openai_routes.routes(),
                 *tgi.routes(self.http),
                 openapi.route(lambda: openapi.inference_document(self.limits, sorted(self.registry.endpoints)))]
 
@@ -111,7 +118,7 @@ class Server:
         if reads_only:
             app = build_app(routes.read_routes())
         else:
-            app = build_app(routes.routes() + HealthRoutes(self.health).routes()
+            app = build_app(routes.routes() + self.versions.management_routes() + HealthRoutes(self.health).routes()
                             + [openapi.route(lambda: openapi.management_document(
                                 self.limits, sorted(self.registry.endpoints)))])
         c = self.config
@@ -149,9 +156,15 @@ class Server:
         self._write_ports()
         models = self.registry.discover(self.extra_models)
         load = asyncio.create_task(self.registry.start_all(models))
+        if self.config.model_store_watch:
+            self.watcher = StoreWatcher(self.registry, self.config.model_store_watch_quiet_ms / 1000.0,
+                                        self.config.drain_timeout_s)
+            self.watcher.start()
         trim = asyncio.create_task(trim_periodically())
         await self._stop.wait()
         trim.cancel()
+        if self.watcher is not None:
+            await self.watcher.stop()
         log.info("shutting down: draining in-flight requests (up to %.0fs)", self.config.drain_timeout_s)
         self.state.draining = True
         await self._drain()

@@ -64,6 +64,9 @@ class ServerConfig:
     max_workers_per_model: int = 16
     grpc_max_concurrent_rpcs: int = 1000
     grpc_max_stream_requests: int = 64
+    # the watched model store (serving.store_watch): folders load, reload and unload as they change on disk
+    model_store_watch: bool = False
+    model_store_watch_quiet_ms: int = 1000
     sources: Mapping[str, str] = field(default_factory=empty_mapping)
 
     def inference_host_port(self) -> tuple[str, int]:
@@ -190,6 +193,8 @@ def load_server_config(path: Path | None, *, env: Mapping[str, str] = EMPTY,
         management_allowed_hosts=values["management_allowed_hosts"],
         management_allowed_origins=values["management_allowed_origins"],
         **{key: values[key] for key in _CAP_KEYS},
+        model_store_watch=values["model_store_watch"],
+        model_store_watch_quiet_ms=values["model_store_watch_quiet_ms"],
         sources=MappingProxyType(sources),
     )
 

@@ -77,8 +77,8 @@ class RequestIds:
 
 
 class ModelReads:
-    """``GET /models`` and ``GET /models/{name}`` go to ``management`` (its own guard: the management token);
-    everything else to ``inference``."""
+    """``GET /models``, ``GET /models/{name}``, ``/models/{name}/all`` and ``/models/{name}/{version}`` go to
+    ``management`` (its own guard: the management token); everything else to ``inference``."""
 
     def __init__(self, inference: ASGIApp, management: ASGIApp) -> None:
         self.inference = inference
@@ -87,6 +87,8 @@ class ModelReads:
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         path = str(scope.get("path", ""))
         name = path[len("/models/"):] if path.startswith("/models/") else None
+        head, _, tail = (name or "").partition("/")
         read = scope["type"] == "http" and scope.get("method") in ("GET", "HEAD") and (
-            path == "/models" or (name is not None and name != "" and "/" not in name))
+            path == "/models" or (name is not None and head != "" and (
+                "/" not in name or ("/" not in tail and (tail == "all" or tail.isdigit())))))
         await (self.management if read else self.inference)(scope, receive, send)

@@ -5,7 +5,8 @@ Design note: DJL describes a model as a one-element list of workflows, each with
 ``{device, minWorkers, maxWorkers, workers: [{id, startTime, status, device}]}``); DJL's own clients and tests
 count ``models[0].workerGroups[0].workers``. rollserve's description of the model (``ModelEndpoint.describe``)
 goes inside the same model object, its state as ``state`` (DJL's ``status`` keeps DJL's words). ``model_entry``
-reads the model object back out of an answer (rollserve's own clients).
+reads the model object back out of an answer (rollserve's own clients). The workflow's ``version`` is the
+model version described; ``versions`` adds the version's place among the model's (``serving.versions``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import datetime
 from typing import Any
 
 
-def describe_model(ep: Any, loaded_at_startup: bool) -> list[dict[str, Any]]:
-    """DJL's ``GET /models/{name}`` answer for one endpoint (a ``ModelEndpoint`` or a ``FailedEndpoint``)."""
+def describe_model(ep: Any, loaded_at_startup: bool, versions: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """DJL's ``GET /models/{name}`` answer for one endpoint (a ``ModelEndpoint`` or a ``FailedEndpoint``);
+    ``versions``: ``ModelVersions.describe`` of its version (merged into the model object)."""
     ours = dict(ep.describe())
     state = ours.pop("status")
     workers = ours.get("workers") or []
@@ -28,8 +30,8 @@ def describe_model(ep: Any, loaded_at_startup: bool) -> list[dict[str, Any]]:
                              "status": _status(state, workers, ours.get("min_workers", 1)),
                              "loadedAtStartup": loaded_at_startup,
                              "workerGroups": _groups(workers, ours.get("min_workers", 0), ours.get("max_workers", 0)),
-                             "state": state, **ours}
-    return [{"workflowName": ep.name, "version": None, "models": [model]}]
+                             "state": state, **ours, **(versions or {})}
+    return [{"workflowName": ep.name, "version": getattr(ep, "version", None), "models": [model]}]
 
 
 def model_entry(body: Any) -> dict[str, Any]:

@@ -9,7 +9,8 @@ Back-pressure: at most ``max_stream_requests`` requests of one stream are in fli
 read further until one ends, so HTTP/2 flow control holds the client back) and at most
 ``STREAM_RESPONSE_BUFFER`` responses wait for a slow reader (generation of that stream pauses meanwhile).
 ``exclude_input_in_output`` unset means: whole answers start with the prompt, streamed tokens do not.
-The repository extension maps onto the registry (index, register, unregister).
+The repository extension maps onto the registry (index, register, unregister). ``model_version`` names a model's
+version (``serving.versions``; empty: the default one) and every answer carries the version that served it.
 """
 
 from __future__ import annotations
@@ -84,7 +85,10 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=ready)
 
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelReadyResponse:
-        ep = self.registry.endpoints.get(request.name)
+        try:
+            ep = self.registry.get(_ref(request.name, request.version))
+        except ServingError:
+            ep = None
         ready = ep is not None and ep.state is ModelState.READY and not self.ctx.state.draining
         return pb.ModelReadyResponse(ready=ready)
 
@@ -94,10 +98,10 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @guarded
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelMetadataResponse:
-        ep = self.registry.get(request.name)
+        ep = self.registry.get(_ref(request.name, request.version))
         platform = "rollserve_rolling" if getattr(ep, "rolling", False) else "rollserve_dynamic"
         return pb.ModelMetadataResponse(
-            name=ep.name, versions=["1"], platform=platform,
+            name=ep.name, versions=self.registry.versions_of(ep.name) or [_version(ep)], platform=platform,
             inputs=[_tensor("text_input", "BYTES", [-1]), _tensor("stream", "BOOL", [1]),
                     _tensor("sampling_parameters", "BYTES", [1]), _tensor("exclude_input_in_output", "BOOL", [1])],
             outputs=[_tensor("text_output", "BYTES", [-1])])
@@ -106,7 +110,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     def _requests(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[Any, TextInputs,
                                                                                   list[GenerationRequest]]:
         check_serving(self.ctx)
-        ep = self.registry.get(request.model_name)
+        ep = self.registry.get(_ref(request.model_name, request.model_version))
         inputs = decode_inputs(request)
         limits = self.ctx.limits
         ignored: list[str] = []
@@ -139,7 +143,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
                     s.cancel()
         include_prompt = inputs.exclude_input is False or inputs.exclude_input is None
         texts = [(q.prompt if include_prompt else "") + _text_of(r) for q, r in zip(reqs, results, strict=True)]
-        return text_response(request, texts, inputs.shape, parameters)
+        return text_response(request, texts, inputs.shape, parameters, version=_version(ep))
 
     @guarded
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
@@ -210,7 +214,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
                 raise InvalidRequest("'stream' takes a single element in 'text_input'")
             stream = ep.submit(reqs[0])
             prefix = reqs[0].prompt if inputs.exclude_input is False else ""
-            async for response in _token_responses(request, stream, prefix, empty_final):
+            async for response in _token_responses(request, stream, prefix, empty_final, _version(ep)):
                 await emit(pb.ModelStreamInferResponse(infer_response=response))
         except ServingError as exc:
             await emit(pb.ModelStreamInferResponse(error_message=exc.message,
@@ -230,10 +234,10 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RepositoryIndexResponse:
         response = pb.RepositoryIndexResponse()
         names = set(self.registry.endpoints)
-        for name, ep in sorted(self.registry.endpoints.items()):
+        for name, version, ep in self.registry.all_endpoints():
             if request.ready and ep.state is not ModelState.READY:
                 continue
-            response.models.add(name=name, version="1", state=REPOSITORY_STATE.get(ep.state, "UNAVAILABLE"),
+            response.models.add(name=name, version=version, state=REPOSITORY_STATE.get(ep.state, "UNAVAILABLE"),
                                 reason=ep.reason or "")
         store = self.registry.model_store
         if not request.ready and store.is_dir():
@@ -279,14 +283,23 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
 
+def _ref(name: str, version: str) -> str:
+    """The registry's reference for an OIP model name and version (``NAME:VERSION``; no version: the default)."""
+    return f"{name}:{version}" if version else name
+
+
+def _version(ep: Any) -> str:
+    return str(getattr(ep, "version", "1"))
+
+
 def _text_of(result: Any) -> str:
     if result.payload is not None and not result.text:
         return result.payload if isinstance(result.payload, str) else json.dumps(result.payload)
     return str(result.text)
 
 
-async def _token_responses(request: Any, stream: ResultStream, prefix: str,
-                           empty_final: bool) -> AsyncIterator[pb.ModelInferResponse]:
+async def _token_responses(request: Any, stream: ResultStream, prefix: str, empty_final: bool,
+                           version: str) -> AsyncIterator[pb.ModelInferResponse]:
     """One response per generated token (its released text); the last carries ``triton_final_response``."""
     async for delta in stream:
         last = delta.finish_reason is not None
@@ -295,10 +308,9 @@ async def _token_responses(request: Any, stream: ResultStream, prefix: str,
             continue
         for i, text in enumerate(pieces):
             final = last and i == len(pieces) - 1 and not empty_final
-            yield text_response(request, [prefix + text], [1], {FINAL: final})
+            yield text_response(request, [prefix + text], [1], {FINAL: final}, version=version)
             prefix = ""
     if empty_final:
-        response = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
-                                         id=request.id)
+        response = pb.ModelInferResponse(model_name=request.model_name, model_version=version, id=request.id)
         response.parameters[FINAL].bool_param = True
         yield response

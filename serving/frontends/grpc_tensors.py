@@ -158,9 +158,10 @@ def decode_inputs(request: Any) -> TextInputs:
 
 
 def text_response(request: Any, texts: Sequence[str], shape: Sequence[int],
-                  parameters: dict[str, bool] | None = None) -> pb.ModelInferResponse:
-    """A ModelInferResponse carrying ``text_output`` (BYTES, raw framing) for ``request``."""
-    response = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
+                  parameters: dict[str, bool] | None = None, version: str | None = None) -> pb.ModelInferResponse:
+    """A ModelInferResponse carrying ``text_output`` (BYTES, raw framing) for ``request``; ``version``: the model
+    version that answered (default: the request's)."""
+    response = pb.ModelInferResponse(model_name=request.model_name, model_version=version or request.model_version,
                                      id=request.id)
     response.outputs.add(name=OUTPUT_NAME, datatype="BYTES", shape=list(shape))
     response.raw_output_contents.append(frame_bytes([t.encode("utf-8") for t in texts]))

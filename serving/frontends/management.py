@@ -32,6 +32,8 @@ class Registry(Protocol):
     startup_models: set[str] | None
 
     def get(self, name: str) -> Any: ...
+    def versions_of(self, name: str) -> list[str]: ...
+    def version_info(self, ep: Any) -> dict[str, Any]: ...
     def resolve_url(self, url: str) -> Any: ...
     async def register(self, name: str, model_dir: Any, overrides: dict[str, str], wait: bool = True) -> Any: ...
     async def unregister(self, name: str, drain_timeout_s: float) -> None: ...
@@ -90,14 +92,16 @@ class ManagementRoutes:
 
     async def list_models(self, request: Request) -> Response:
         async def run() -> tuple[Any, int]:
-            return {"models": [{"modelName": n, "modelUrl": _folder(ep), "status": ep.state.value}
+            return {"models": [{"modelName": n, "modelUrl": _folder(ep), "status": ep.state.value,
+                                "version": ep.version, "versions": self.registry.versions_of(n)}
                                for n, ep in sorted(self.registry.endpoints.items())]}, 200
         return await self._guard(request, run)
 
     async def describe(self, request: Request) -> Response:
         async def run() -> tuple[Any, int]:
             ep = self.registry.get(request.path_params["name"])
-            return describe_model(ep, ep.name in (self.registry.startup_models or ())), 200
+            return describe_model(ep, ep.name in (self.registry.startup_models or ()),
+                                  self.registry.version_info(ep)), 200
         return await self._guard(request, run)
 
     async def register(self, request: Request) -> Response:

@@ -107,7 +107,7 @@ async def off_loop(pool: Executor | None, size_bytes: int, fn: Callable[..., T],
 
 
 class ModelTexts:
-    """One ``ModelText`` per endpoint, rebuilt when the endpoint object or its info changes."""
+    """One ``ModelText`` per model version, rebuilt when the endpoint object (a reload) or its info changes."""
 
     def __init__(self) -> None:
         self._cache: dict[str, tuple[int, int, ModelText]] = {}
@@ -115,13 +115,14 @@ class ModelTexts:
     def get(self, ep: Any) -> ModelText:
         info = dict(getattr(ep, "info", None) or {})
         key = (id(ep), len(info))
-        hit = self._cache.get(ep.name)
+        slot = f"{ep.name}:{getattr(ep, 'version', '')}"  # versions of one model alternate without a rebuild
+        hit = self._cache.get(slot)
         if hit is not None and hit[:2] == key:
             return hit[2]
         config = getattr(ep, "config", None)
         model_dir = _tokenizer_dir(config)
         text = ModelText(ep.name, model_dir, info)
-        self._cache[ep.name] = (*key, text)
+        self._cache[slot] = (*key, text)
         return text
 
 

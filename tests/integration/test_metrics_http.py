@@ -26,6 +26,9 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> Samples:
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
+    """A sample by its labels; a model's series carry its ``version`` (1 here; empty for ``__unknown__``)."""
+    if "model" in labels:
+        labels.setdefault("version", "" if labels["model"] == "__unknown__" else "1")
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 

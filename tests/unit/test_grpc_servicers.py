@@ -90,6 +90,12 @@ class FakeRegistry:
             raise ModelNotFound(f"model {name!r} is not registered")
         return self.endpoints[name]
 
+    def versions_of(self, name: str) -> list[str]:
+        return ["1"] if name in self.endpoints else []
+
+    def all_endpoints(self) -> list[tuple[str, str, Any]]:
+        return [(n, "1", ep) for n, ep in sorted(self.endpoints.items())]
+
 
 @dataclass
 class FakeCtx:

@@ -55,6 +55,9 @@ def scrape(m: ServingMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], fl
 
 
 def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    """A sample by its labels; a model's series carry its ``version`` (1 here unless named; empty for unknown)."""
+    if "model" in labels:
+        labels.setdefault("version", "" if labels["model"] == UNKNOWN_MODEL else "1")
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 

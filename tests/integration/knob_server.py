@@ -116,7 +116,9 @@ def metrics(server: ServerProcess) -> dict[tuple[str, frozenset[tuple[str, str]]
 
 
 def gauge(server: ServerProcess, name: str, model: str) -> float:
-    return metrics(server).get((name, frozenset({("model", model)})), 0.0)
+    """A per-model gauge, summed over the model's versions (its only other label)."""
+    return sum(v for (n, labels), v in metrics(server).items()
+               if n == name and ("model", model) in labels and {k for k, _ in labels} <= {"model", "version"})
 
 
 def batch_buckets(server: ServerProcess, model: str) -> dict[str, float]:

@@ -162,6 +162,9 @@ class ModelEndpoint:
         if request.params.num_beams > 1 and not self.info.get("beam_search"):
             raise InvalidRequest(f"model {self.name!r} does not run beam search (parameter 'num_beams' > 1): beam "
                                  "search runs on dynamic batching with the built-in handler (not the rolling engine)")
+        if request.params.adapter is not None and "adapters" not in self.info:
+            raise InvalidRequest(f"model {self.name!r} does not serve LoRA adapters ('adapters' / 'adapter_id'): they "
+                                 "run on the rolling engine (option.rolling_batch with option.enable_lora)")
         if request.params.prompt_logprobs is not None and not self.info.get("prompt_logprobs"):
             raise InvalidRequest(f"model {self.name!r} does not compute prompt log-probabilities (its handler is not "
                                  "one of the built-in text handlers)")

@@ -29,8 +29,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = ServerProcess.start(tmp_path_factory.mktemp("lora-server"), models={
-        "smollm2": {**ROLLING, "option.enable_lora": "true", "option.max_loras": "2"}, "plain": ROLLING},
-        sources={"smollm2": folder, "plain": folder}, timeout_s=600)
+        "smollm2": {**ROLLING, "option.enable_lora": "true", "option.max_loras": "2"}, "plain": ROLLING,
+        "dyn": {"option.max_model_len": "1024", "batch_size": "2"}},
+        sources={"smollm2": folder, "plain": folder, "dyn": folder}, timeout_s=600)
     try:
         yield srv
     finally:
@@ -88,7 +89,7 @@ def test_every_api_answers_with_the_adapter_asked_for(server: ServerProcess, fol
 def test_models_lists_the_adapters_and_unknown_ones_are_404(server: ServerProcess) -> None:
     listed = httpx.get(f"{server.url}/v1/models", headers=server.inference_headers, timeout=30).json()["data"]
     assert {(m["id"], m.get("parent")) for m in listed} == {
-        ("smollm2", None), ("plain", None), ("terse", "smollm2"), ("verbose", "smollm2")}
+        ("smollm2", None), ("plain", None), ("dyn", None), ("terse", "smollm2"), ("verbose", "smollm2")}
     r = lmi(server, {"inputs": "x", "adapters": "nope"})
     assert r.status_code == 404 and "LoRA adapter 'nope' is not registered" in r.text, r.text
     r = httpx.post(f"{server.url}/v1/completions", headers=server.inference_headers, timeout=60,
@@ -96,5 +97,7 @@ def test_models_lists_the_adapters_and_unknown_ones_are_404(server: ServerProces
     assert r.status_code == 404 and "nope" in r.text, r.text
     r = lmi(server, {"inputs": "x", "adapters": "terse"}, model="plain")
     assert r.status_code == 400 and "option.enable_lora is off" in r.text, r.text
+    r = lmi(server, {"inputs": "x", "adapters": "terse"}, model="dyn")  # dynamic batching: no adapters
+    assert r.status_code == 400 and "does not serve LoRA adapters" in r.text, r.text
     r = lmi(server, {"inputs": ["a", "b"], "adapters": ["terse"]})
     assert r.status_code == 400 and "'adapters' has 1 names for 2 prompts" in r.text, r.text

@@ -67,6 +67,10 @@ class HuggingFaceRollingHandler(RollingHandler):
         self.engine.configure(max_num_seqs=options.get("max_rolling_batch_size"),
                               max_num_batched_tokens=options.get("max_rolling_batch_prefill_tokens"))
 
+    def set_adapters(self, adapters: Mapping[str, str]) -> None:
+        """The LoRA adapters registered over the API (name -> folder), all of them: others are dropped."""
+        self.engine.set_runtime_adapters(adapters)
+
     def healthy(self) -> bool:
         """False once a tensor-parallel rank process has exited or a follower host left (the group cannot step)."""
         group = self._engine.tp_group if self._engine is not None else None

@@ -25,6 +25,7 @@ from typing import Any
 from rollcore.errors import HandlerError, InvalidRequest, Unavailable
 from rollcore.types import GenerationRequest, ModelState
 from serving import knobs
+from serving.adapters import ApiAdapters
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.ports import BatchObserver, Clock, NullObserver
 from serving.batching.rolling import RollingBatcher
@@ -67,7 +68,9 @@ class ModelEndpoint:
                                           config.predict_timeout_s, self._observer, clock,
                                           max_queue_time_s=b.max_queue_time_s,
                                           liveness_timeout_s=config.liveness_timeout_s)
+            self.adapters: ApiAdapters | None = ApiAdapters(self.name, self.batcher, config.liveness_timeout_s)
         else:
+            self.adapters = None
             self.batcher = DynamicBatcher(self.name, b.batch_size, b.max_batch_delay_ms, b.job_queue_size,
                                           config.predict_timeout_s, self._observer, clock,
                                           max_queue_time_s=b.max_queue_time_s)
@@ -98,8 +101,12 @@ class ModelEndpoint:
 
     @property
     def info(self) -> dict[str, Any]:
-        """The handler's ``describe()`` (max_model_len, chat_template, ...) from the first ready worker."""
-        return self.pool.info
+        """The handler's ``describe()`` (max_model_len, chat_template, ...) from the first ready worker; its
+        ``adapters`` include those registered over the API."""
+        info = self.pool.info
+        if "adapters" in info and self.adapters is not None and self.adapters.registered:
+            info = {**info, "adapters": sorted({*info["adapters"], *self.adapters.registered})}
+        return info
 
     @property
     def available(self) -> bool:

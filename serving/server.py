@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from serving.auth import Scope, build_authority
 from serving.frontends import openapi, tgi
+from serving.frontends.adapter_routes import AdapterRoutes
 from serving.frontends.apps import ModelReads, build_app
 from serving.frontends.grpc import GrpcFrontend
 from serving.frontends.http_guard import ApiGuard
@@ -118,7 +119,9 @@ class Server:
         if reads_only:
             app = build_app(routes.read_routes())
         else:
-            app = build_app(routes.routes() + self.versions.management_routes() + HealthRoutes(self.health).routes()
+            # adapters before versions: /models/{name}/adapters is not a version
+            app = build_app(routes.routes() + AdapterRoutes(self.registry).routes()
+                            + self.versions.management_routes() + HealthRoutes(self.health).routes()
                             + [openapi.route(lambda: openapi.management_document(
                                 self.limits, sorted(self.registry.endpoints)))])
         c = self.config

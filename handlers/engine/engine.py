@@ -27,7 +27,7 @@ from handlers.engine.execution.device import device_budget
 from handlers.engine.execution.drafts import check_drafts
 from handlers.engine.execution.grammar import PendingGrammars
 from handlers.engine.execution.loading import eos_token_ids
-from handlers.engine.execution.lora import AdapterQueue, check_adapter, enable_lora
+from handlers.engine.execution.lora import AdapterError, AdapterQueue, check_adapter, enable_lora
 from handlers.engine.execution.paged_attention import KVPool
 from handlers.engine.execution.parallel import TensorParallelGroup
 from handlers.engine.execution.runner import ModelRunner, kv_geometry
@@ -399,6 +399,12 @@ class LLMEngine:
         return TokenDelta(seq.request_id, (info,), text, finish, prompt_tokens, prompt_logprobs=prompt_scores)
 
     # ------------------------------------------------------------------ stats
+    def set_runtime_adapters(self, adapters: Mapping[str, str]) -> None:
+        """The LoRA adapters registered over the API (``LoraLayers.set_runtime``); on the engine's thread."""
+        if self.lora is None:
+            raise AdapterError("this model serves no LoRA adapters: option.enable_lora is off")
+        self.lora.set_runtime(adapters)
+
     def stats(self) -> dict[str, Any]:
         """Gauges and counters; ``blocks_held`` maps each live request id to its number of KV blocks;
         ``max_num_seqs``/``max_num_batched_tokens`` are the limits in force and ``limits`` what the steps since

@@ -83,6 +83,7 @@ class RollingBatcher:
         self.num_steps = 0
         self.num_watchdog_kills = 0
         self.engine_options: dict[str, int] = {}  # live options changed over the API (sent to every worker)
+        self.adapters: dict[str, str] | None = None  # LoRA adapters registered over the API (sent likewise)
         self._configure_seq = itertools.count(1)
         self._acks: dict[tuple[int, int], asyncio.Future[Configured | None]] = {}  # (worker id, seq)
         self._retiring: set[int] = set()  # worker ids admitting nothing new (scaled away)
@@ -179,7 +180,8 @@ class RollingBatcher:
 
     # --- live knobs ---
     def configure(self, max_rolling_batch_size: int | None = None, job_queue_size: int | None = None,
-                  engine_options: Mapping[str, int] | None = None) -> dict[int, asyncio.Future[Configured | None]]:
+                  engine_options: Mapping[str, int] | None = None,
+                  adapters: Mapping[str, str] | None = None) -> dict[int, asyncio.Future[Configured | None]]:
         """Apply new values (None keeps one). ``engine_options`` (``max_rolling_batch_size``,
         ``max_rolling_batch_prefill_tokens``) go to every worker's engine after the requests the new size
         admits; returns one future per worker id, resolved with its ``Configured`` answer (None when the
@@ -189,16 +191,18 @@ class RollingBatcher:
         if max_rolling_batch_size is not None:
             self.max_rolling_batch_size = max_rolling_batch_size
         self._pump()  # a raised size admits waiting requests now: their Add frames go before the Configure
-        if not engine_options:
+        if not engine_options and adapters is None:
             return {}
-        self.engine_options.update(engine_options)
+        self.engine_options.update(engine_options or {})
+        if adapters is not None:
+            self.adapters = dict(adapters)
         return {w.worker_id: self._send_configure(w) for w in self._workers if w.alive}
 
     def _send_configure(self, worker: Worker) -> asyncio.Future[Configured | None]:
         seq = next(self._configure_seq)
         future: asyncio.Future[Configured | None] = asyncio.get_running_loop().create_future()
         try:
-            worker.send(Configure(seq=seq, options=dict(self.engine_options)))
+            worker.send(Configure(seq=seq, options=dict(self.engine_options), adapters=self.adapters))
         except ConnectionError:
             future.set_result(None)  # a restarted worker gets the options when it is ready
             return future
@@ -218,7 +222,7 @@ class RollingBatcher:
         self._workers.append(worker)
         self._load[worker.worker_id] = 0
         self._progress[worker.worker_id] = self._clock()
-        if self.engine_options:  # changed over the API since this worker's Init was made: before any Add
+        if self.engine_options or self.adapters:  # changed over the API since this worker's Init: before any Add
             self._send_configure(worker)
         self._pump()
 

@@ -110,6 +110,7 @@ class Configure:
     TAG: ClassVar[str] = "configure"
     seq: int
     options: dict[str, int]
+    adapters: dict[str, str] | None = None  # LoRA adapters registered over the API, name -> folder (None: unchanged)
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,11 @@ class RollingLoop:
         live: frozenset[str] = getattr(self.handler, "live_options", frozenset())
         options = {key: value for key, value in msg.options.items() if key in live}
         try:
+            if msg.adapters is not None:
+                set_adapters = getattr(self.handler, "set_adapters", None)
+                if set_adapters is None:
+                    raise ValueError("this handler serves no LoRA adapters")
+                set_adapters(msg.adapters)
             if options:
                 self.handler.configure(options)
         except Exception as exc:  # noqa: BLE001 - a refused change leaves the engine as it was

@@ -1,10 +1,14 @@
 """LoRA adapters through the server, on the real SmolLM2-135M-Instruct with two adapters built by peft: LMI's
 ``adapters`` (one for all prompts or one each), OpenAI's ``model`` naming an adapter (vLLM's convention),
 TGI's ``adapter_id``; every answer equals peft's merged model; ``/v1/models`` lists the adapters with their
-parent; an unknown adapter is a 404 naming it, and so is one on a model without adapters."""
+parent; an unknown adapter is a 404 naming it; a model that cannot serve adapters says so. Adapters registered at
+run time (DJL LMI's adapter API) answer at once, survive a worker restart, and unregister."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from serving.bench.launch import wait_for
 from tests.integration.harness import ServerProcess
 from tests.lora_adapters import merged_greedy, model_with_adapters
 
@@ -31,7 +36,8 @@ def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     srv = ServerProcess.start(tmp_path_factory.mktemp("lora-server"), models={
         "smollm2": {**ROLLING, "option.enable_lora": "true", "option.max_loras": "2"}, "plain": ROLLING,
         "dyn": {"option.max_model_len": "1024", "batch_size": "2"}},
-        sources={"smollm2": folder, "plain": folder, "dyn": folder}, timeout_s=600)
+        sources={"smollm2": folder, "plain": folder, "dyn": folder}, config={"enable_model_api": "true"},
+        timeout_s=600)
     try:
         yield srv
     finally:
@@ -101,3 +107,32 @@ def test_models_lists_the_adapters_and_unknown_ones_are_404(server: ServerProces
     assert r.status_code == 400 and "does not serve LoRA adapters" in r.text, r.text
     r = lmi(server, {"inputs": ["a", "b"], "adapters": ["terse"]})
     assert r.status_code == 400 and "'adapters' has 1 names for 2 prompts" in r.text, r.text
+
+
+def test_adapters_registered_at_run_time(server: ServerProcess, folder: Path) -> None:
+    shutil.copytree(folder / "adapters" / "verbose", server.workdir / "model_store" / "loud-adapter")
+    api = f"{server.mgmt}/models/smollm2/adapters"
+    bad = httpx.post(api, params={"name": "broken", "src": "plain"}, headers=server.mgmt_headers, timeout=60)
+    assert bad.status_code == 400 and "adapter 'broken'" in bad.text and "adapter_config.json" in bad.text, bad.text
+    r = httpx.post(api, params={"name": "loud", "src": "loud-adapter"}, headers=server.mgmt_headers, timeout=60)
+    assert r.status_code == 200, r.text
+    listed = httpx.get(api, headers=server.mgmt_headers, timeout=30).json()["adapters"]
+    assert listed == [{"name": "loud", "src": "api"}, {"name": "terse", "src": "model folder"},
+                      {"name": "verbose", "src": "model folder"}]
+    want = merged_greedy(folder, "verbose", token_ids(folder, PROMPTS[0]), MAX_NEW)  # the same weights
+    assert ids_of(lmi(server, {"inputs": PROMPTS[0], "adapters": "loud"}).json()) == want
+    models = httpx.get(f"{server.url}/v1/models", headers=server.inference_headers, timeout=30).json()["data"]
+    assert ("loud", "smollm2") in {(m["id"], m.get("parent")) for m in models}
+
+    worker = int(server.describe("smollm2")["workers"][0]["pid"])
+    os.kill(worker, signal.SIGKILL)  # its replacement gets the registered set before its first request
+    wait_for(lambda: server.describe("smollm2")["state"] == "READY" and server.describe("smollm2")["workers"]
+             and server.describe("smollm2")["workers"][0]["pid"] != worker, "the worker's replacement", 300)
+    assert ids_of(lmi(server, {"inputs": PROMPTS[0], "adapters": "loud"}).json()) == want
+
+    r = httpx.delete(f"{api}/loud", headers=server.mgmt_headers, timeout=60)
+    assert r.status_code == 200, r.text
+    gone = lmi(server, {"inputs": PROMPTS[0], "adapters": "loud"})
+    assert gone.status_code == 404 and "LoRA adapter 'loud' is not registered" in gone.text, gone.text
+    again = httpx.delete(f"{api}/loud", headers=server.mgmt_headers, timeout=60)
+    assert again.status_code == 404, again.text

@@ -148,6 +148,7 @@ class AdapterSlots:
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._pins = [0] * max_loras
         self._holder: list[str | None] = [None] * max_loras
+        self._draining: set[int] = set()  # slots of forgotten adapters still used by running sequences
 
     def acquire(self, name: str) -> tuple[int, bool] | None:
         """A slot for ``name`` and whether it must be filled, or None when every slot is pinned by others."""
@@ -158,7 +159,7 @@ class AdapterSlots:
             if free:
                 slot = free[0]
             else:
-                victim = next((n for n, s in self._slot_of.items() if self._pins[s] == 0), None)
+                victim = next((n for n, s in self._slot_of.items() if self._pins[s] == 0), None)  # LRU first
                 if victim is None:
                     return None
                 slot = self._slot_of.pop(victim)
@@ -171,11 +172,18 @@ class AdapterSlots:
 
     def release(self, slot: int) -> None:
         self._pins[slot] -= 1
+        if self._pins[slot] == 0 and slot in self._draining:
+            self._draining.discard(slot)
+            self._holder[slot] = None
 
     def forget(self, name: str) -> None:
-        """Drop an unregistered adapter's slot (its sequences are gone: no pins remain)."""
+        """Drop an unregistered (or replaced) adapter's slot; sequences running on it keep it until they end."""
         slot = self._slot_of.pop(name, None)
-        if slot is not None:
+        if slot is None:
+            return
+        if self._pins[slot]:
+            self._draining.add(slot)
+        else:
             self._holder[slot] = None
 
     @property
@@ -191,6 +199,7 @@ class LoraLayers:
         self.step = StepAdapters()
         self.slots = AdapterSlots(max_loras)
         self.adapters: dict[str, Adapter] = {}
+        self.runtime: dict[str, str] = {}  # adapters registered over the API: name -> folder
         self.modules: dict[str, LoraLinear] = {}
         for name, module in list(model.named_modules()):
             if name.rsplit(".", 1)[-1] in TARGETS and isinstance(module, nn.Linear):
@@ -210,6 +219,24 @@ class LoraLayers:
     def unregister(self, name: str) -> None:
         self.adapters.pop(name, None)
         self.slots.forget(name)
+
+    def set_runtime(self, adapters: Mapping[str, str]) -> None:
+        """Make the adapters registered over the API exactly ``adapters`` (name -> folder); the model folder's
+        stay. Every new or changed one is read before anything changes (``AdapterError``: nothing changed).
+        Requests running on a removed or replaced adapter finish on the weights they started with."""
+        builtin = set(self.adapters) - set(self.runtime)
+        clash = sorted(set(adapters) & builtin)
+        if clash:
+            raise AdapterError(f"adapter {clash[0]!r} is one of the model folder's adapters (adapters/{clash[0]}/)")
+        modules = {n: m.base for n, m in self.modules.items()}
+        fresh = {name: read_adapter(name, Path(folder), modules, self.max_rank, self.dtype)
+                 for name, folder in adapters.items() if self.runtime.get(name) != folder}
+        for name in set(self.runtime) - set(adapters):
+            self.unregister(name)
+        for name, adapter in fresh.items():
+            self.slots.forget(name)
+            self.adapters[name] = adapter
+        self.runtime = dict(adapters)
 
     def acquire(self, name: str) -> int | None:
         """A pinned slot holding adapter ``name`` (filled from host memory if needed), or None when all are

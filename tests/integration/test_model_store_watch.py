@@ -96,7 +96,7 @@ def test_a_copied_folder_is_served_within_5s_of_its_last_file_while_another_mode
 
 def test_a_deleted_folder_finishes_its_requests_in_flight_then_answers_404(server: ServerProcess) -> None:
     write_model(store(server), "doomed", {**ECHO, "batch_size": "4", "max_batch_delay": "50",
-                                          "option.echo_delay_ms": "4000"})
+                                          "option.echo_delay_ms": "8000"})  # past a worker's 5 s stop grace
     wait_for(lambda: state(server, "doomed") == "READY", "doomed READY", 60, step_s=0.05)
     results: list[httpx.Response] = []
     threads = [threading.Thread(target=lambda i=i: results.append(httpx.post(
@@ -148,10 +148,12 @@ def test_a_folder_whose_weights_are_still_being_written_never_loads_half_way(
             out.write(data[i * len(data) // pieces:(i + 1) * len(data) // pieces])
             out.flush()
             time.sleep(2.5 * QUIET_S if i == pieces // 2 else 0.2)
+    written = time.monotonic()
     writing.clear()
     monitor.join(10)
     assert seen and set(seen) == {None}, sorted(set(map(str, seen)))  # not registered while being written
     wait_for(lambda: state(server, "half") == "READY", "the whole folder READY", 90, step_s=0.05)
+    print(f"watch latency of a torch model (weights whole -> READY): {time.monotonic() - written:.2f}s")
     assert greedy(server, "/predictions/half") == ref_a
     log = server.log()
     assert "half is not settled: weights not whole yet (model.safetensors)" in log

@@ -1,11 +1,12 @@
 """LoRA adapters through the server, on the real SmolLM2-135M-Instruct with two adapters built by peft: LMI's
 ``adapters`` (one for all prompts or one each), OpenAI's ``model`` naming an adapter (vLLM's convention),
-TGI's ``adapter_id``; every answer equals peft's merged model; ``/v1/models`` lists the adapters with their
-parent; an unknown adapter is a 404 naming it; a model that cannot serve adapters says so. Adapters registered at
-run time (DJL LMI's adapter API) answer at once, survive a worker restart, and unregister."""
+TGI's and KServe OIP's ``adapter_id``; every answer equals peft's merged model; ``/v1/models`` lists the adapters
+with their parent; an unknown adapter is a 404 naming it; a model that cannot serve adapters says so. Adapters
+registered at run time (DJL LMI's adapter API) answer at once, survive a worker restart, and unregister."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,11 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
 from serving.bench.launch import wait_for
+from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as oip_grpc
 from tests.integration.harness import ServerProcess
+from tests.integration.test_hostile_values import oip_request
 from tests.lora_adapters import merged_greedy, model_with_adapters
 
 PROMPTS = ["The capital of France is", "List three colours:", "Write a haiku about the sea."]
@@ -90,6 +94,13 @@ def test_every_api_answers_with_the_adapter_asked_for(server: ServerProcess, fol
     assert openai.json()["model"] == "verbose"
     lmi_text = lmi(server, {"inputs": PROMPTS[1], "adapters": "verbose"}).json()["generated_text"]
     assert openai.json()["choices"][0]["text"] == lmi_text
+
+    with grpc.insecure_channel(server.grpc_target) as channel:  # KServe's OIP: the adapter_id parameter
+        reply = oip_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+            oip_request("smollm2", PROMPTS[1], json.dumps({"max_new_tokens": MAX_NEW, "ignore_eos": True,
+                                                            "adapter_id": "verbose"})),
+            metadata=server.grpc_inference_metadata, timeout=300)
+    assert reply.raw_output_contents[0][4:].decode() == PROMPTS[1] + lmi_text  # Triton's text_output: the whole text
 
 
 def test_models_lists_the_adapters_and_unknown_ones_are_404(server: ServerProcess) -> None:

@@ -2,7 +2,8 @@
 
 Design note: ``reload_version`` builds a new endpoint from the version's folder as it is now (with the overrides
 it was registered with), starts its workers and sends it one warm-up request (one token; a custom handler gets
-the LMI body ``{"inputs", "parameters"}``). Only when that answered does routing switch: the version's entry
+the LMI body ``{"inputs", "parameters"}``); LoRA adapters registered over the API on the old endpoint are
+registered on the new one first. Only when that answered does routing switch: the version's entry
 is replaced and ``endpoints[NAME]`` re-pointed in one step on the event loop, so a request resolves either the
 old endpoint or the new one. The old endpoint forwards any request that resolved it before the switch but
 submits after it (``ModelEndpoint.successor``), keeps running what it had (in-flight streams finish on its
@@ -84,10 +85,11 @@ async def reload_version(registry: Any, ref: str, drain_timeout_s: float) -> dic
             await new.stop()
             raise fail(f"the new workers failed to load: {reason}")
         try:
+            await carry_adapters(old, new)
             await warm_up(new)
         except ServingError as exc:
             await new.stop()
-            raise fail(f"the warm-up request failed: {exc.message}") from None
+            raise fail(f"the new workers were not ready: {exc.message}") from None
         # the switch: one step on the event loop
         if target != version:
             mv.remove(version)
@@ -124,6 +126,15 @@ async def _retire(registry: Any, old: AnyEndpoint, drain_timeout_s: float) -> No
         await old.stop()
     finally:
         registry.retiring.discard(old)
+
+
+async def carry_adapters(old: AnyEndpoint, new: ModelEndpoint) -> None:
+    """The LoRA adapters registered over the API on the old endpoint (``serving.adapters``), registered on the new
+    one before it takes requests. Raises the engine's refusal."""
+    registered = getattr(getattr(old, "adapters", None), "registered", None) or {}
+    if registered and new.adapters is not None:
+        for name, folder in sorted(registered.items()):
+            await new.adapters.register(name, folder, [])
 
 
 async def warm_up(ep: ModelEndpoint) -> None:

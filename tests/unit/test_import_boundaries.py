@@ -108,7 +108,7 @@ def test_the_frontend_reaches_the_backend_through_preflight_and_the_worker_entry
                "handlers.preflight.memory_plan_text", "handlers.preflight.checkpoint_parameters",
                "handlers.preflight.planned_memory", "handlers.preflight.PlannedMemory"}
     worker = {"handlers.base", "handlers.loader", "handlers.engine.execution.follower",
-              "handlers.engine.execution.rendezvous", "handlers.engine.execution.cluster"}
+              "handlers.engine.execution.rendezvous", "handlers.engine.execution.cluster"}  # the agent: torch-free
     offenders = {}
     for m, deps in modules("serving").items():
         mine = {i for i in deps if _inside(i, "handlers")} - allowed
@@ -134,5 +134,13 @@ def test_the_engine_folder_by_role_and_its_torch_free_parts() -> None:
     names = sorted(m for part in ("handlers.engine.core", "handlers.engine.planning") for m in modules(part))
     code = ("import importlib, sys\n" + "".join(f"importlib.import_module({n!r})\n" for n in names)
             + f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_follower_hosts_agent_is_torch_free() -> None:
+    """``serving worker`` only supervises its ranks: it starts at once, and a torch import would double that."""
+    code = ("import sys, serving.worker.follower, handlers.engine.execution.follower\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -17,8 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from handlers.engine.execution.cluster import gloo_interface
-from handlers.engine.execution.parallel import spawn_rank
+from handlers.engine.execution.cluster import gloo_interface, spawn_rank
 from handlers.engine.execution.rendezvous import SECRET_ENV, AuthError, connect, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,6 @@ import logging
 import os
 import secrets
 import subprocess
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from handlers.engine.execution.cluster import gloo_interface, leader_spec
-from handlers.engine.execution.rendezvous import SECRET_ENV, AuthStore, Rendezvous
+from handlers.engine.execution.auth_store import AuthStore
+from handlers.engine.execution.cluster import gloo_interface, leader_spec, spawn_rank
+from handlers.engine.execution.rendezvous import SECRET_ENV, Rendezvous
 from handlers.engine.execution.runner import StepInputs
 from handlers.engine.execution.sharding import shard_model
 
@@ -149,28 +149,6 @@ def start_group(world_size: int, model_dir: Path, options: Mapping[str, str],
     where = f" on {spec.nodes} hosts" if spec is not None else ""
     logger.info("tensor parallel group of %d ranks up%s (%s)", world_size, where, dist.get_backend())
     return TensorParallelGroup(0, world_size, children, control, rendezvous)
-
-
-def spawn_rank(rank: int, world_size: int, store: tuple[str, int], model_dir: Path, options: Mapping[str, str],
-               device: str, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-    """Start rank ``rank`` as a child process that dies with this one; ``env`` carries the group's secret
-    (never the command line, which other users of the host can read)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "handlers.engine.execution.parallel", "--rank", str(rank), "--world-size",
-         str(world_size), "--store", f"{store[0]}:{store[1]}", "--model-dir", str(model_dir),
-         "--options", json.dumps(dict(options)), "--device", device],
-        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, env={**os.environ, **env})
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGKILL it when its parent dies, so no rank is orphaned."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _init(rank: int, world_size: int, store: AuthStore, device: torch.device) -> Any:

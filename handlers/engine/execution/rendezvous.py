@@ -4,10 +4,11 @@ the group's secret can reach, and the door through which follower hosts join a l
 Design note: torch's ``TCPStore`` accepts anyone who can reach its port, and a group spanning hosts must listen
 on the network. Here rank 0 runs ``Rendezvous``, a small threaded TCP server: every connection first proves it
 knows the shared secret (HMAC-SHA256 challenge and response, both ways, the secret never sent), then speaks
-length-prefixed msgpack requests. Ranks reach it through ``AuthStore``, a ``torch.distributed.Store`` that gloo
-and NCCL use like any store. A follower host's agent connects the same way and sends ``join``; the leader answers
-with its assignment (which ranks, which model, the options), and the connection stays open as the follower's
-lifeline: when it closes, the leader knows the follower is gone (and the follower knows the leader is).
+length-prefixed msgpack requests. Ranks reach it through ``auth_store.AuthStore``, a ``torch.distributed.Store``
+that gloo and NCCL use like any store. A follower host's agent connects the same way and sends ``join``; the
+leader answers with its assignment (which ranks, which model, the options), and the connection stays open as
+the follower's lifeline: when it closes, the leader knows the follower is gone (and the follower knows the
+leader is). Torch-free, like the agent that imports it.
 """
 
 from __future__ import annotations
@@ -20,19 +21,16 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import msgpack
-import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
 SECRET_ENV = "ROLLSERVE_CLUSTER_SECRET"
 NONCE = 32
 _MAX_FRAME = 64 << 20
-_WAIT_S = 600.0  # how long a store read waits for its key (ranks of one group start within minutes)
+WAIT_S = 600.0  # how long a store read waits for its key (ranks of one group start within minutes)
 
 
 class AuthError(Exception):
@@ -210,7 +208,7 @@ class Rendezvous:
                 return {"ok": True}
             if op in ("get", "wait"):
                 keys = [r["key"]] if op == "get" else r["keys"]
-                timeout = float(r.get("timeout") or _WAIT_S)
+                timeout = float(r.get("timeout") or WAIT_S)
                 if not self._cond.wait_for(lambda: all(k in data for k in keys), timeout):
                     return {"error": f"timed out after {timeout:g} s waiting for {keys}"}
                 return {"value": data[keys[0]]} if op == "get" else {"ok": True}
@@ -243,59 +241,3 @@ class Rendezvous:
                 f.sock.close()
             except OSError:
                 pass
-
-
-class AuthStore(dist.Store):
-    """A ``torch.distributed.Store`` served by a ``Rendezvous``; one authenticated connection per store."""
-
-    def __init__(self, host: str, port: int, secret: bytes, connect_timeout_s: float = 60.0) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-        self._timeout = timedelta(seconds=_WAIT_S)
-        deadline = time.monotonic() + connect_timeout_s
-        while True:
-            try:
-                self._sock = connect(host, port, secret)
-                break
-            except (ConnectionRefusedError, socket.timeout):
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.2)
-
-    def _call(self, request: dict[str, Any]) -> Any:
-        with self._lock:
-            send_frame(self._sock, request)
-            answer = recv_frame(self._sock)
-        if "error" in answer:
-            raise RuntimeError(f"rendezvous store: {answer['error']}")
-        return answer.get("value")
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self._call({"op": "set", "key": key, "value": value.encode() if isinstance(value, str) else bytes(value)})
-
-    def get(self, key: str) -> bytes:
-        return bytes(self._call({"op": "get", "key": key, "timeout": self._timeout.total_seconds()}))
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._call({"op": "add", "key": key, "amount": amount}))
-
-    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        enc: Callable[[str | bytes], bytes] = lambda v: v.encode() if isinstance(v, str) else bytes(v)  # noqa: E731
-        return bytes(self._call({"op": "compare_set", "key": key, "expected": enc(expected),
-                                 "desired": enc(desired)}))
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        seconds = (timeout or self._timeout).total_seconds()
-        self._call({"op": "wait", "keys": list(keys), "timeout": seconds})
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._call({"op": "check", "keys": list(keys)}))
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._call({"op": "delete", "key": key}))
-
-    def num_keys(self) -> int:
-        return int(self._call({"op": "num_keys"}))
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout = timeout

@@ -26,6 +26,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_with_adapters(tmp_path_factory.mktemp("lora"))
 
 
+@pytest.fixture(scope="module")
+def engine(folder: Path) -> LLMEngine:
+    """Two slots for two adapters, 4-token blocks (shared by the tests that leave it empty)."""
+    return engine_for(folder, max_loras="2", block_size="4")
+
+
 def engine_for(folder: Path, **options: str) -> LLMEngine:
     return LLMEngine.from_options(folder, {"enable_lora": "true", "max_model_len": "512", "num_kv_blocks": "128",
                                            **options})
@@ -52,8 +58,7 @@ def mixed_requests(engine: LLMEngine) -> tuple[dict[str, tuple[list[int], Sampli
     return requests, adapters
 
 
-def test_mixed_adapters_in_one_batch_equal_peft(folder: Path) -> None:
-    engine = engine_for(folder, max_loras="2")
+def test_mixed_adapters_in_one_batch_equal_peft(folder: Path, engine: LLMEngine) -> None:
     requests, adapters = mixed_requests(engine)
     steps_before = engine.stats()["num_steps_total"]
     got = run(engine, requests)
@@ -73,9 +78,8 @@ def test_one_slot_two_adapters_swap_and_stay_exact(folder: Path) -> None:
     assert engine.stats()["kv_blocks_used"] == 0
 
 
-def test_the_prefix_cache_keys_include_the_adapter(folder: Path) -> None:
-    engine = engine_for(folder, block_size="4")
-    ids = engine.tokenizer(PROMPTS[3]).input_ids
+def test_the_prefix_cache_keys_include_the_adapter(folder: Path, engine: LLMEngine) -> None:
+    ids = engine.tokenizer("Describe the smell of rain in one short sentence, please.").input_ids  # no other test's
     first = run(engine, {"a": (ids, SamplingParams(max_new_tokens=8, ignore_eos=True, adapter="terse"))})["a"]
     hits = engine.stats()["prefix_cache_hits_total"]
     second = run(engine, {"b": (ids, SamplingParams(max_new_tokens=8, ignore_eos=True, adapter="verbose"))})["b"]
@@ -85,8 +89,7 @@ def test_the_prefix_cache_keys_include_the_adapter(folder: Path) -> None:
     assert second == merged_greedy(folder, "verbose", ids, 8)
 
 
-def test_unknown_adapters_and_lora_off_are_refused(folder: Path, tmp_path: Path) -> None:
-    engine = engine_for(folder)
+def test_unknown_adapters_and_lora_off_are_refused(folder: Path, engine: LLMEngine, tmp_path: Path) -> None:
     with pytest.raises(ModelNotFound, match="LoRA adapter 'nope' is not registered for this model "
                                             r"\(registered: terse, verbose\)"):
         engine.add("x", [1, 2, 3], SamplingParams(adapter="nope"))

@@ -8,11 +8,13 @@ import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from serving.bench.launch import wait_for
 from tests.integration.harness import ServerProcess
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -91,9 +93,14 @@ def test_full_queue_moves_the_rejected_counter(server: ServerProcess) -> None:
 def test_request_logs_are_json_with_request_id_and_model_and_no_prompt(server: ServerProcess) -> None:
     httpx.post(server.url + "/predictions/echo", json={"inputs": f"{SECRET} again"},
                headers={"X-Request-Id": "log-check-1"}, timeout=30)
-    lines = [json.loads(line) for line in Path(server.log_path or "").read_text().splitlines()
-             if line.startswith("{")]
-    request_lines = [rec for rec in lines if rec.get("name") == "serving.requests"]
-    assert any(rec.get("request_id") == "log-check-1" and rec.get("model") == "echo" for rec in request_lines)
-    assert all(rec.get("request_id") and rec.get("model") for rec in request_lines)
+
+    def request_lines() -> list[dict[str, Any]]:
+        lines = [json.loads(line) for line in Path(server.log_path or "").read_text().splitlines()
+                 if line.startswith("{")]
+        return [rec for rec in lines if rec.get("name") == "serving.requests"]
+
+    # the access line is written once the answer has gone out: wait for it, not for a time
+    wait_for(lambda: any(rec.get("request_id") == "log-check-1" and rec.get("model") == "echo"
+                         for rec in request_lines()), "the request's log line", timeout_s=30)
+    assert all(rec.get("request_id") and rec.get("model") for rec in request_lines())
     assert SECRET not in server.log()

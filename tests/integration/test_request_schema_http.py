@@ -101,7 +101,9 @@ def fields_of(doc: Document, node: Any) -> set[str]:
 CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "structured_outputs", "grammar", "tools", "tool_choice",
                      # token ids of the model's vocabulary; at most max_tokens (test_structured_http.py)
-                     "logit_bias", "min_tokens")
+                     "logit_bias", "min_tokens",
+                     # a LoRA adapter's name, of a model with adapters (tests/integration/test_lora_http.py)
+                     "adapters", "adapter_id")
 
 
 def cross_field_rules(route: Route, body: dict[str, Any]) -> dict[str, Any]:

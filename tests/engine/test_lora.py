@@ -13,7 +13,8 @@ import pytest
 from handlers.engine.engine import LLMEngine
 from handlers.engine.execution.lora import AdapterError
 from rollcore.errors import InvalidRequest, ModelNotFound
-from rollcore.types import SamplingParams, TokenDelta
+from rollcore.types import SamplingParams
+from tests.engine.test_structured_engine import run as run_deltas
 from tests.lora_adapters import merged_greedy, model_with_adapters
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three colours:",
@@ -38,13 +39,8 @@ def engine_for(folder: Path, **options: str) -> LLMEngine:
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
-    for rid, (ids, params) in requests.items():
-        engine.add(rid, ids, params)
-    out: dict[str, list[TokenDelta]] = {rid: [] for rid in requests}
-    while engine.has_work():
-        for d in engine.step():
-            out[d.request_id].append(d)
-    return {rid: [t.id for d in deltas for t in d.tokens] for rid, deltas in out.items()}
+    """Each request's token ids, all added before the first step."""
+    return {rid: [t.id for d in deltas for t in d.tokens] for rid, deltas in run_deltas(engine, requests).items()}
 
 
 def mixed_requests(engine: LLMEngine) -> tuple[dict[str, tuple[list[int], SamplingParams]], dict[str, str | None]]:

@@ -75,10 +75,15 @@ class TensorParallelGroup:
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     control: Any = None  # the group that carries steps (host tensors): gloo beside NCCL on GPUs, else the default
     rendezvous: Rendezvous | None = None  # rank 0: the group's store and the follower hosts' lifelines
+    broken: bool = False  # a step failed on rank 0 (a dead peer's collective): the ranks are out of step
 
     def healthy(self) -> bool:
-        """False once a rank this host started has exited or a follower host has left."""
-        return all(c.poll() is None for c in self.children) and not (self.rendezvous and self.rendezvous.lost)
+        """False once a step failed on rank 0, a rank this host started has exited or a follower host has left."""
+        return not self.broken and all(c.poll() is None for c in self.children) and not (
+            self.rendezvous and self.rendezvous.lost)
+
+    def mark_broken(self) -> None:
+        self.broken = True
 
     def broadcast_step(self, inputs: StepInputs | None) -> StepInputs | None:
         """Rank 0 sends the step (``None`` = stop); other ranks receive it."""

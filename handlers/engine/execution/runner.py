@@ -101,6 +101,9 @@ class StepBroadcaster(Protocol):
 
     def broadcast_step(self, inputs: StepInputs | None) -> StepInputs | None: ...
 
+    def mark_broken(self) -> None:
+        """A step failed on this rank: the ranks no longer run the same steps."""
+
 
 class ModelRunner:
     """Owns the model and the KV pool; ``execute`` runs one scheduled step and returns sampled-row logits.
@@ -208,9 +211,16 @@ class ModelRunner:
         rows first (``ScheduledChunk.num_prompt_rows``), then one row if it samples, 1 + len(draft) with guesses.
         ``adapters``: each chunk's LoRA slot (-1: the base model), or empty."""
         inputs = self.prepare(chunks, adapters)
-        if self.group is not None:
+        if self.group is None:
+            return self.forward(inputs)
+        try:
             self.group.broadcast_step(inputs)
-        return self.forward(inputs)
+            return self.forward(inputs)
+        except BaseException:
+            # a collective failed (a rank died) or this rank stopped between them: either way the other ranks are
+            # no longer in step, so the group cannot go on, whatever the exception says
+            self.group.mark_broken()
+            raise
 
     def prepare(self, chunks: Seq[ScheduledChunk], adapters: Seq[int] = ()) -> StepInputs:
         """The step's flat batch: token ids, positions, KV slots and per-sequence attention inputs."""

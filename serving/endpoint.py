@@ -35,6 +35,7 @@ from serving.devices import DevicePlan
 from serving.ipc.messages import Init
 from serving.live_requests import LiveRequests
 from serving.redact import scrub_paths
+from serving.worker.launcher import Launcher
 from serving.worker.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class ModelEndpoint:
     def __init__(self, config: ModelConfig, observer: BatchObserver | None = None,
                  clock: Clock = time.monotonic, env: Mapping[str, str] | None = None,
                  log_format: str = "text", live: LiveRequests | None = None,
-                 devices: DevicePlan | None = None) -> None:
+                 devices: DevicePlan | None = None, launcher: Launcher | None = None) -> None:
         self.config = config
         self.name = config.name
         self.version = "1"  # set by the registry (serving.versions)
@@ -89,7 +90,8 @@ class ModelEndpoint:
         init = Init(model_name=self.name, model_dir=str(config.model_dir), entry_point=entry,
                     properties=config.handler_properties(), rolling=b.rolling, log_format=log_format)
         self.pool = WorkerPool(self.name, init, self.batcher, config.min_workers,
-                               config.model_loading_timeout_s, on_failed=self._failed, env=env, devices=devices)
+                               config.model_loading_timeout_s, on_failed=self._failed, env=env, devices=devices,
+                               launcher=launcher)
 
     @classmethod
     def failed(cls, name: str, reason: str) -> FailedEndpoint:

@@ -121,4 +121,10 @@ SERVER_KEYS = _table(
     KeySpec("model_store_watch_quiet_ms", integer(50, 600000), "1000",
             "milliseconds a watched folder must stay unchanged before it is loaded or reloaded (a copy in progress "
             "keeps changing it)"),
+    KeySpec("worker_fork_server", boolean, "true",
+            "start workers that need torch by forking a process that imported torch and transformers once "
+            "(seconds sooner per worker, restart and scale-up); false: each worker is a fresh interpreter"),
+    KeySpec("worker_preload", names, "",
+            "more modules the fork server imports before it forks workers (a custom handler's heavy imports), "
+            "comma-separated; a module that starts threads at import turns the fork server off (logged)"),
 )

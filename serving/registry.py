@@ -41,6 +41,7 @@ from serving.sources.errors import SourceError
 from serving.sources.resolve import needs_resolving, resolve
 from serving.store_layout import is_versioned, pinned_default, versions_of
 from serving.versions import DEFAULT_VERSION, ModelVersions, note_resolved, split_ref
+from serving.worker.launcher import ExecLauncher, ForkLauncher, Launcher
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class ModelRegistry(ModelApi):
         self.retiring: set[AnyEndpoint] = set()  # replaced by a reload, finishing their requests
         self.startup_models: set[str] | None = None  # known once discover() ran
         self.live = LiveRequests()
+        # every model's workers fork from one process that has torch imported (exec'd when it cannot)
+        self.launcher: Launcher = ForkLauncher(env, server.worker_preload) if server.worker_fork_server \
+            else ExecLauncher()
         # GPUs the server may hand to workers, learned once without torch (serving.devices); none on a CPU host
         self.visible_devices = visible_devices(env)
         if self.visible_devices:
@@ -201,7 +205,7 @@ class ModelRegistry(ModelApi):
         for_version = getattr(self._observer, "for_version", None)  # the metrics' version label
         observer = for_version(version) if for_version is not None else self._observer
         ep = ModelEndpoint(cfg, observer, env=env, log_format=self._server.log_format, live=self.live,
-                           devices=devices)
+                           devices=devices, launcher=self.launcher)
         ep.version = version
         return ep
 
@@ -302,6 +306,7 @@ class ModelRegistry(ModelApi):
     async def stop_all(self, drain_timeout_s: float) -> None:
         eps = [ep for _, _, ep in self.all_endpoints()] + list(self.retiring)
         await asyncio.gather(*(ep.drain(drain_timeout_s) for ep in eps), return_exceptions=True)
+        await self.launcher.close()
 
     def num_pending(self) -> int:
         """Requests queued or running on every version, those being retired by a reload included."""

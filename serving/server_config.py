@@ -67,6 +67,8 @@ class ServerConfig:
     # the watched model store (serving.store_watch): folders load, reload and unload as they change on disk
     model_store_watch: bool = False
     model_store_watch_quiet_ms: int = 1000
+    worker_fork_server: bool = True  # serving.worker.launcher
+    worker_preload: tuple[str, ...] = ()
     sources: Mapping[str, str] = field(default_factory=empty_mapping)
 
     def inference_host_port(self) -> tuple[str, int]:
@@ -195,6 +197,8 @@ def load_server_config(path: Path | None, *, env: Mapping[str, str] = EMPTY,
         **{key: values[key] for key in _CAP_KEYS},
         model_store_watch=values["model_store_watch"],
         model_store_watch_quiet_ms=values["model_store_watch_quiet_ms"],
+        worker_fork_server=values["worker_fork_server"],
+        worker_preload=values["worker_preload"],
         sources=MappingProxyType(sources),
     )
 

@@ -1,7 +1,8 @@
 """WorkerHandle: the frontend's view of one backend worker process.
 
-Design note: runs on the frontend's asyncio loop. ``start`` spawns ``python -m serving.worker.main`` with a
-private unix socket in a 0700 temp directory, sends ``Init`` and waits for ``Ready``/``LoadFailed`` within
+Design note: runs on the frontend's asyncio loop. ``start`` has the launcher start a worker process
+(``serving.worker.launcher``: exec'd, or forked from the fork server) with a private unix socket in a 0700 temp
+directory, sends ``Init`` and waits for ``Ready``/``LoadFailed`` within
 the loading timeout. Afterwards a reader task hands every frame to the ``listener`` (a batcher); when the
 process exits or the channel breaks, ``listener.on_worker_exit`` is called exactly once.
 """
@@ -14,13 +15,13 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from typing import Any, Protocol
 
 from serving.ipc import codec
 from serving.ipc.messages import Init, LoadFailed, Message, ProtocolError, Ready, Shutdown
+from serving.worker.launcher import ExecLauncher, Launcher, WorkerProcess
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ class WorkerLoadError(Exception):
 class WorkerHandle:
     """One worker process and its channel. Not thread-safe: use from the event loop only."""
 
-    def __init__(self, worker_id: int, init: Init, env: dict[str, str] | None = None) -> None:
+    def __init__(self, worker_id: int, init: Init, env: dict[str, str] | None = None,
+                 launcher: Launcher | None = None) -> None:
         self.worker_id = worker_id
         self.init = init
         self.info: dict[str, Any] = {}
@@ -46,8 +48,9 @@ class WorkerHandle:
         self.alive = False
         self.ready_at: float | None = None  # time.monotonic() when the worker answered Ready
         self.started_at = time.time()  # wall clock, for DJL's describe (``startTime``)
-        self._env = env
-        self._proc: asyncio.subprocess.Process | None = None
+        self._env = env if env is not None else dict(os.environ)
+        self._launcher = launcher or ExecLauncher()
+        self._proc: WorkerProcess | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._tmpdir: str | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -70,9 +73,8 @@ class WorkerHandle:
 
         server = await asyncio.start_unix_server(on_connect, path=path)
         try:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "serving.worker.main", "--socket", path,
-                env=self._env, stdin=asyncio.subprocess.DEVNULL, start_new_session=False)
+            self._proc = await self._launcher.spawn(["--socket", path], self._env,
+                                                    needs_torch=self.init.entry_point != "echo")
             self.pid = self._proc.pid
             reader, writer = await asyncio.wait_for(self._race(connected), timeout_s)
             self._writer = writer

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from serving.devices import DevicePlan, DeviceSlots
 from serving.ipc.messages import Init, Message
 from serving.worker.handle import WorkerHandle, WorkerLoadError
+from serving.worker.launcher import Launcher, worker_env
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,12 @@ class WorkerPool:
     def __init__(self, model: str, init: Init, batcher: WorkerEvents, num_workers: int, loading_timeout_s: float,
                  on_failed: Callable[[str], None], max_load_attempts: int = 3,
                  env: Mapping[str, str] | None = None, stable_after_s: float = 60.0,
-                 devices: DevicePlan | None = None) -> None:
+                 devices: DevicePlan | None = None, launcher: Launcher | None = None) -> None:
         self.model = model
+        self._launcher = launcher
         self.devices = DeviceSlots(devices or DevicePlan())
         self._init = init
-        # Workers inherit the server's environment, with hub progress bars off and never a network fetch.
-        self._env = {**(env or {}), "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1",
-                     "TOKENIZERS_PARALLELISM": "false"}
+        self._env = worker_env(env or {})
         self._batcher = batcher
         self.target = self.devices.plan.max_workers(max(1, num_workers))
         self._loading_timeout_s = loading_timeout_s
@@ -107,7 +107,8 @@ class WorkerPool:
                 log.error("model %s: %s", self.model, exc)
                 return False
             env = {**self._env, **self.devices.plan.worker_env(group)}
-            handle = WorkerHandle(wid, replace(self._init, worker_id=wid, device_id=-1 if group is None else 0), env)
+            handle = WorkerHandle(wid, replace(self._init, worker_id=wid, device_id=-1 if group is None else 0), env,
+                                  self._launcher)
             self._starting += 1
             try:
                 await handle.start(self, self._loading_timeout_s)

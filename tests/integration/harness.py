@@ -139,7 +139,14 @@ class ServerProcess(ServerAddresses):
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
 
     def worker_pids(self) -> list[int]:
-        return [int(p) for p in _children(self.proc.pid)]
+        """The server's worker processes: its children, and the fork server's (which is not a worker)."""
+        pids = []
+        for pid in _children(self.proc.pid):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "rollserve-fork":
+                pids += _children(int(pid))
+            else:
+                pids.append(pid)
+        return [int(p) for p in pids]
 
     def describe(self, model: str) -> dict[str, Any]:
         """The model object of ``GET /models/{model}`` (DJL's shape; rollserve's state is ``state``)."""

@@ -11,16 +11,36 @@ read exits 2 with transformers' own message on the last line of stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def _parsed_once() -> Iterator[None]:
+    """transformers parses the file's metadata (a vocabulary of strings) for the tokenizer, the config and the
+    weights, and builds the tensor-name map once per module of the model: both are pure functions of their
+    arguments, so each is computed once here (most of a conversion's time otherwise)."""
+    import gguf as gguf_py
+
+    reader, name_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
+    gguf_py.GGUFReader = functools.lru_cache(maxsize=2)(reader)
+    gguf_py.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
+    try:
+        yield
+    finally:
+        gguf_py.GGUFReader, gguf_py.get_tensor_name_map = reader, name_map
 
 
 def convert(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are dequantized already; transformers still marks the model as a GGUF one and refuses to save it.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

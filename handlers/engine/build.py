@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from handlers.engine.execution.device import device_defaults, engine_device
+from handlers.engine.execution.device import device_budget, device_defaults, engine_device
 from handlers.engine.execution.loading import load_model_and_tokenizer
 from handlers.engine.execution.lora import folder_adapters
 from handlers.engine.execution.parallel import TensorParallelGroup, shard_model, start_group
@@ -24,7 +24,8 @@ from handlers.engine.execution.quantize import check_layout, quantize_model
 from handlers.engine.planning.checkpoint import weights_dir
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.families import check_config, load_config_dict
-from handlers.engine.planning.memory import MemoryPlan, preflight
+from handlers.engine.planning.host_memory import MemoryBudget, memory_budget
+from handlers.engine.planning.memory import MemoryPlan, plan_loaded_model, preflight
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +70,21 @@ def load_for_engine(model_dir: Path, options: Mapping[str, str], device_id: int 
         kv_heads = shard_model(model, 0, group.world_size)
         model.to(device)
     return LoadedModel(model, tokenizer, config, group, kv_heads, plan, folder_adapters(model_dir))
+
+
+def plan_for_loaded_model(model: torch.nn.Module, config: EngineConfig, kv_bytes_per_token: int,
+                          available_bytes: int | None = None) -> MemoryPlan:
+    """The memory plan for a model the caller loaded (its weights are in memory already): from
+    ``available_bytes``, else what is free now on the model's device."""
+    device = next(model.parameters()).device
+    if available_bytes is not None:
+        budget = MemoryBudget(available_bytes)
+    elif device.type == "cuda":
+        budget = device_budget(device, config.gpu_memory_utilization)
+    else:
+        budget = memory_budget()
+    return plan_loaded_model(
+        model.config.to_dict(), config, dtype=str(next(model.parameters()).dtype),
+        param_bytes=sum(p.nbytes for p in model.parameters()),
+        linear_bytes=sum(m.weight.nbytes for m in model.modules() if type(m) is torch.nn.Linear),
+        kv_bytes_per_token=kv_bytes_per_token, budget=budget)

@@ -17,13 +17,12 @@ from typing import Any
 
 import torch
 
-from handlers.engine.build import load_for_engine
+from handlers.engine.build import load_for_engine, plan_for_loaded_model
 from handlers.engine.core.detokenizer import IncrementalDetokenizer
 from handlers.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.core.sequence import Sequence
 from handlers.engine.core.speculative import NgramDrafter
 from handlers.engine.core.step_budget import PrefillBudget
-from handlers.engine.execution.device import device_budget
 from handlers.engine.execution.drafts import check_drafts
 from handlers.engine.execution.grammar import PendingGrammars
 from handlers.engine.execution.loading import eos_token_ids
@@ -36,7 +35,7 @@ from handlers.engine.execution.sampling import (
     SampledToken,
     bad_words_ids,
     sample_batch,
-    scored_tokens,
+    score_prompt_rows,
 )
 from handlers.engine.execution.self_check import reference_logits, verify
 from handlers.engine.planning.config import EngineConfig
@@ -45,8 +44,7 @@ from handlers.engine.planning.families import (
     UnsupportedModel,
     needs_self_check,
 )
-from handlers.engine.planning.host_memory import MemoryBudget, memory_budget
-from handlers.engine.planning.memory import MemoryPlan, plan_loaded_model
+from handlers.engine.planning.memory import MemoryPlan
 from rollcore.errors import InvalidRequest
 from rollcore.step_cost import StepCost
 from rollcore.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
@@ -80,7 +78,6 @@ class LLMEngine:
         already-loaded ``model`` from ``available_bytes`` (default: measured now, on the model's device).
         ``adapters``: LoRA adapter folders by name (with ``config.enable_lora``)."""
         config = config or EngineConfig()
-        device = next(model.parameters()).device
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -90,16 +87,7 @@ class LLMEngine:
         dtype = next(model.parameters()).dtype
         per_token = KVPool.bytes_per_token(num_layers, num_kv_heads or config_kv_heads, head_dim, dtype)
         if memory_plan is None:  # the caller loaded the model: its weights are in memory already
-            if available_bytes is not None:
-                budget = MemoryBudget(available_bytes)
-            elif device.type == "cuda":
-                budget = device_budget(device, config.gpu_memory_utilization)
-            else:
-                budget = memory_budget()
-            memory_plan = plan_loaded_model(
-                model_cfg.to_dict(), config, dtype=str(dtype), param_bytes=sum(p.nbytes for p in model.parameters()),
-                linear_bytes=sum(m.weight.nbytes for m in model.modules() if type(m) is torch.nn.Linear),
-                kv_bytes_per_token=per_token, budget=budget)
+            memory_plan = plan_for_loaded_model(model, config, per_token, available_bytes)
         self.memory_plan = memory_plan.for_bytes_per_token(per_token)
         self.max_model_len = self.memory_plan.max_model_len
         num_blocks = self.memory_plan.num_kv_blocks
@@ -269,7 +257,7 @@ class LLMEngine:
         adapters = [self._requests[c.seq.request_id].lora_slot for c in plan.chunks] if self.lora else []
         logits = self.runner.execute(plan.chunks, adapters if any(a >= 0 for a in adapters) else ())
         if any(c.num_prompt_rows for c in plan.chunks):
-            logits = self._score_prompts(plan.chunks, logits)
+            logits = score_prompt_rows(plan.chunks, logits, self.tokenizer.batch_decode, self._record_prompt_scores)
         self.scheduler.commit(plan)
         self._counters["num_steps_total"] += 1
         prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
@@ -288,25 +276,11 @@ class LLMEngine:
             self.prefill_budget.record(plan.num_batched_tokens - prompt_tokens, prompt_tokens, seconds)
         return failed + deltas
 
-    def _score_prompts(self, chunks: tuple[ScheduledChunk, ...], logits: torch.Tensor) -> torch.Tensor:
-        """Record the prompt tokens' log-probabilities from the chunks' prompt rows; returns the sampled rows."""
-        sampled_rows: list[int] = []
-        row = 0
-        for c in chunks:
-            n = c.num_prompt_rows
-            if n:
-                req = self._requests[c.seq.request_id]
-                targets = c.seq.token_ids[c.start + 1:c.start + 1 + n]
-                texts = self.tokenizer.batch_decode([[t] for t in targets])
-                assert req.prompt_scores is not None
-                # a chunk recomputed after preemption writes the same values again
-                req.prompt_scores[c.start + 1:c.start + 1 + n] = scored_tokens(
-                    logits[row:row + n], targets, texts, c.seq.params.prompt_logprobs or 0)
-                row += n
-            if c.samples:
-                sampled_rows.extend(range(row, row + 1 + len(c.draft)))
-                row += 1 + len(c.draft)
-        return logits[sampled_rows]
+    def _record_prompt_scores(self, chunk: ScheduledChunk, infos: list[TokenInfo]) -> None:
+        scores = self._requests[chunk.seq.request_id].prompt_scores
+        assert scores is not None
+        # a chunk recomputed after preemption writes the same values again
+        scores[chunk.start + 1:chunk.start + 1 + len(infos)] = infos
 
     def _allowed(self, reqs: list[_Request]) -> dict[int, torch.Tensor] | None:
         """The grammar masks of the constrained rows among ``reqs`` (row index -> allowed tokens), or None."""

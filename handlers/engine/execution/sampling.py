@@ -15,6 +15,7 @@ row then shares the batched argmax. Log-probabilities stay the model's own (take
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from transformers import (
     TypicalLogitsWarper,
 )
 
+from handlers.engine.core.scheduler import ScheduledChunk
 from rollcore.types import SamplingParams, TokenInfo
 
 
@@ -231,3 +233,23 @@ def scored_tokens(logits: torch.Tensor, targets: Seq[int], texts: Seq[str], k: i
         values, ids = scores.topk(k)
         top = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
     return [TokenInfo(t, s, lp, alt) for t, s, lp, alt in zip(targets, texts, chosen, top, strict=True)]
+
+
+def score_prompt_rows(chunks: Seq[ScheduledChunk], logits: torch.Tensor,
+                      decode: Callable[[list[list[int]]], list[str]],
+                      record: Callable[[ScheduledChunk, list[TokenInfo]], None]) -> torch.Tensor:
+    """The prompt tokens' log-probabilities from the chunks' prompt rows (``prompt_logprobs``), handed to
+    ``record`` chunk by chunk; returns the rows that sample."""
+    sampled_rows: list[int] = []
+    row = 0
+    for c in chunks:
+        n = c.num_prompt_rows
+        if n:
+            targets = c.seq.token_ids[c.start + 1:c.start + 1 + n]
+            record(c, scored_tokens(logits[row:row + n], targets, decode([[t] for t in targets]),
+                                    c.seq.params.prompt_logprobs or 0))
+            row += n
+        if c.samples:
+            sampled_rows.extend(range(row, row + 1 + len(c.draft)))
+            row += 1 + len(c.draft)
+    return logits[sampled_rows]

@@ -1,7 +1,8 @@
 """The head-to-head at the end of a tune: the chosen configuration and the folder's, measured again,
 alternating, at the chosen one's rung. A configuration is chosen for its best run among many noisy ones, so
-that run flatters it (benchmarks/README.md, tune quality: a pick printed 1.71x over the folder's where,
-measured again, the two were level); the pick must hold up here or the folder's configuration is kept."""
+that run flatters it (benchmarks/README.md, "Tune quality", Run 9: a pick printed as much better than the
+folder's was level with it when both were measured again); the pick must hold up here or the folder's
+configuration is kept."""
 
 from __future__ import annotations
 

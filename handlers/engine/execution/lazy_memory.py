@@ -31,9 +31,9 @@ def huge_pages(region: mmap.mmap) -> bool:
     """Ask the kernel to back ``region`` with transparent huge pages (2 MiB on x86-64) before it is touched;
     True when it accepted. Where THP is ``madvise`` (the common default) memory is otherwise mapped in 4 KiB
     pages, and a decode step that reads KV blocks scattered over the pool misses the TLB at every 4 KiB block
-    of every head (on a virtual machine each miss walks two page tables): measured, the decode-attention kernel
-    over 32 sequences of 512 tokens in scattered blocks, 110m geometry, one core, 20.2/23.7 ms per layer with 4 KiB
-    pages against 16.6/18.3 ms with huge pages (benchmarks/README.md). A no-op where THP is off."""
+    of every head (on a virtual machine each miss walks two page tables); huge pages made the decode-attention
+    kernel faster over scattered blocks (benchmarks/README.md, "Prepacked weights and the lazy KV cache"). A
+    no-op where THP is off."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:
         return False

@@ -1,10 +1,10 @@
 """What this CPU can do, read once from /proc/cpuinfo (torch-free, so the memory plan can use it too).
 
-Design note: kernel choices follow the instruction set, not one machine's measurement. Measured with
-torch 2.13's oneDNN, one thread (see benchmarks/README.md): on AVX-512 CPUs the oneDNN-packed weight is
-as fast or faster than the plain one at every row count from 1 to 2048 (1.4-2x at 8-64 rows), so the
-plain copy that hybrid prepacking keeps for prefill is not needed there; on AVX2-only CPUs the packed
-weight is 10-30% slower for prefill-sized inputs, so hybrid keeps both.
+Design note: kernel choices follow the instruction set, not one machine's measurement. With torch 2.13's
+oneDNN, one thread (benchmarks/README.md, "Prepacked weights and the lazy KV cache"): on AVX-512 CPUs the
+oneDNN-packed weight is as fast or faster than the plain one at every row count from 1 to 2048, so the plain
+copy that hybrid prepacking keeps for prefill is not needed there; on AVX2-only CPUs the packed weight is
+slower for prefill-sized inputs, so hybrid keeps both.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def keep_freed_memory(max_block_bytes: int = _MMAP_THRESHOLD_MAX) -> bool:
     """Tell glibc's malloc to keep freed blocks (up to ``max_block_bytes``, at most 32 MiB) for reuse instead
     of returning them to the kernel. A step's activations are large (a 2048-token prefill of a 110M model allocates
     ~0.5 GB of temporaries); by default each is a fresh mmap whose pages fault in one by one and are unmapped
-    at free: measured 142,000 page faults and 0.26 s of system time per such step, ~0 with this. The heap then
+    at free (a page fault per page and system time every such step; benchmarks/README.md). The heap then
     holds the peak activation memory, which the memory plan budgets anyway. Returns False where it does not
     apply (not glibc). Process-wide: call it once in a worker process."""
     import ctypes

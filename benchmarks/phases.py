@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -36,7 +37,7 @@ def _medians(samples: list[tuple[float, float]]) -> list[float]:
     return [round(statistics.median(s[i] for s in samples) * 1e3, 1) for i in (0, 1)]
 
 
-def decode(model: str, batch: int, context: int, steps: int = 8) -> list[float]:
+def decode(model: Path, batch: int, context: int, steps: int = 8) -> list[float]:
     # no prefill cap while decodes run, and room for every prefill step: all ``batch`` sequences must still be
     # running when the decode steps are timed (with the cap, the first ones finished while the last prefilled)
     engine = LLMEngine.from_options(model, {**OPTIONS, "max_rolling_batch_size": str(batch),
@@ -54,7 +55,7 @@ def decode(model: str, batch: int, context: int, steps: int = 8) -> list[float]:
     return _medians(samples)
 
 
-def prefill(model: str, num_prompts: int, length: int, repeats: int = 3) -> list[float]:
+def prefill(model: Path, num_prompts: int, length: int, repeats: int = 3) -> list[float]:
     engine = LLMEngine.from_options(model, {**OPTIONS, "max_rolling_batch_prefill_tokens": str(num_prompts * length)})
     samples = []
     for rep in range(repeats + 1):  # the first one warms up
@@ -82,7 +83,7 @@ def main() -> None:
     OPTIONS.update(kv.split("=", 1) for kv in args.option)
     OPTIONS["num_threads"] = str(args.threads)
     torch.set_num_threads(args.threads)
-    model = args.model
+    model = Path(args.model)
     out: dict[str, list[float]] = {}
     chosen = bool(args.decode or args.prefill)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.decode] or \

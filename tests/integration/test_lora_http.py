@@ -137,8 +137,12 @@ def test_adapters_registered_at_run_time(server: ServerProcess, folder: Path) ->
 
     worker = int(server.describe("smollm2")["workers"][0]["pid"])
     os.kill(worker, signal.SIGKILL)  # its replacement gets the registered set before its first request
-    wait_for(lambda: server.describe("smollm2")["state"] == "READY" and server.describe("smollm2")["workers"]
-             and server.describe("smollm2")["workers"][0]["pid"] != worker, "the worker's replacement", 300)
+    def replaced() -> bool:  # one snapshot: between two reads the dead worker may be gone and none ready yet
+        model = server.describe("smollm2")
+        return model["state"] == "READY" and any(w["pid"] != worker and w["status"] == "READY"
+                                                 for w in model["workers"])
+
+    wait_for(replaced, "the worker's replacement", 300)
     assert ids_of(lmi(server, {"inputs": PROMPTS[0], "adapters": "loud"}).json()) == want
 
     r = httpx.delete(f"{api}/loud", headers=server.mgmt_headers, timeout=60)

@@ -97,9 +97,8 @@ class ForkServer:
         self._reader = reader
         self._writer = writer
         self._ids = 0
-        self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._replies: dict[int, asyncio.Future[ForkedProcess]] = {}
         self.children: dict[int, ForkedProcess] = {}
-        self._early_exits: dict[int, int] = {}  # an exit reported before the fork's reply was read
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -131,35 +130,34 @@ class ForkServer:
 
     async def spawn(self, module: str, argv: list[str], env: Mapping[str, str]) -> ForkedProcess:
         self._ids += 1
-        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        reply: asyncio.Future[ForkedProcess] = asyncio.get_running_loop().create_future()
         self._replies[self._ids] = reply
         request = {"id": self._ids, "module": module, "argv": argv, "env": dict(env)}
         self._writer.write(json.dumps(request).encode() + b"\n")
         await self._writer.drain()
-        answer = await reply
-        if "pid" not in answer:
-            raise OSError(f"the fork server could not fork: {answer.get('error')}")
-        child = ForkedProcess(answer["pid"])
-        self.children[child.pid] = child
-        if child.pid in self._early_exits:
-            self._exit(child.pid, self._early_exits.pop(child.pid))
-        return child
+        return await reply
 
-    def _exit(self, pid: int, code: int) -> None:
-        child = self.children.pop(pid, None)
-        if child is None:
-            self._early_exits[pid] = code
-        else:
-            child.exited(code)
+    def _answer(self, msg: dict[str, Any]) -> None:
+        """A fork's reply: the child is registered here, before any later line (its exit among them) is read;
+        the fork server always sends the reply before it reaps that child."""
+        reply = self._replies.pop(msg.get("id"), None)
+        if reply is None or reply.done():
+            return
+        if "pid" not in msg:
+            reply.set_exception(OSError(f"the fork server could not fork: {msg.get('error')}"))
+            return
+        child = self.children[msg["pid"]] = ForkedProcess(msg["pid"])
+        reply.set_result(child)
 
     async def _read(self) -> None:
         try:
             while line := await self._reader.readline():
                 msg = json.loads(line)
                 if "exit" in msg:
-                    self._exit(msg["exit"], msg["code"])
-                elif (reply := self._replies.pop(msg.get("id"), None)) is not None and not reply.done():
-                    reply.set_result(msg)
+                    if (child := self.children.pop(msg["exit"], None)) is not None:
+                        child.exited(msg["code"])
+                else:
+                    self._answer(msg)
         except (ConnectionError, ValueError) as exc:
             log.warning("fork server channel broke: %s", exc)
         finally:
@@ -198,7 +196,7 @@ class ForkLauncher:
         self._failed = False
 
     async def spawn(self, argv: list[str], env: Mapping[str, str], *, needs_torch: bool) -> WorkerProcess:
-        server = await self._fork_server() if needs_torch else None
+        server = await self.fork_server() if needs_torch else None
         if server is not None:
             try:
                 return await server.spawn(WORKER_MODULE, argv, env)
@@ -207,7 +205,8 @@ class ForkLauncher:
                 self._server = None
         return await self._exec.spawn(argv, env, needs_torch=needs_torch)
 
-    async def _fork_server(self) -> ForkServer | None:
+    async def fork_server(self) -> ForkServer | None:
+        """The running fork server (started or restarted now if need be), or None once it has failed to start."""
         if self._failed:
             return None
         if self._server is not None and self._server.alive:

@@ -62,7 +62,7 @@ def test_children_die_with_the_fork_server_and_the_next_worker_starts_a_new_one(
     async def run() -> None:
         launcher = ForkLauncher(os.environ)
         try:
-            first = await launcher._fork_server()
+            first = await launcher.fork_server()
             assert first is not None
             child = await first.spawn(PROBE, [str(tmp_path / "c.json"), "0", "wait"], ENV)
             facts = await wait_file(tmp_path / "c.json", child)
@@ -70,7 +70,7 @@ def test_children_die_with_the_fork_server_and_the_next_worker_starts_a_new_one(
             assert await child.wait() == -signal.SIGKILL
             while Path(f"/proc/{facts['pid']}").exists():  # PR_SET_PDEATHSIG: killed with its parent
                 await asyncio.sleep(0.02)
-            second = await launcher._fork_server()
+            second = await launcher.fork_server()
             assert second is not None and second is not first and second.proc.pid != first.proc.pid
         finally:
             await launcher.close()

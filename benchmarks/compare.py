@@ -74,6 +74,11 @@ VARIANTS: dict[str, dict[str, str]] = {
     "rollserve-r2": {"max_mixed_step_ratio": "2"},  # a tighter time bound: smoother streams, later first tokens
     "rollserve-auto": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto"},  # the layout from the cores
     "rollserve-2w": {"minWorkers": "2", "maxWorkers": "2", "num_threads": "auto"},  # the tiny model's old fixed layout
+    # the shipped layout with the GEMM kernel fixed by the old instruction-set rule, not measured at load:
+    # packed-only (what auto was on AVX-512 CPUs) and hybrid (what auto was on AVX2-only ones)
+    "rollserve-packed": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto", "prepack_weights": "true"},
+    "rollserve-hybrid": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto",
+                         "prepack_weights": "hybrid"},
 }
 ROLLSERVE_ENV: dict[str, str] = {}  # --rollserve-env K=V (an experiment's knob, recorded with every run)
 VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}

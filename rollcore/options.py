@@ -152,10 +152,13 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "prompt + generated tokens per sequence; absent or 0: the model's max_position_embeddings (capped there "
           "for learned positions, allowed with a warning above it for rotary ones)"),
     _spec("prepack_weights", choice(PREPACK_MODES, {w: str(v).lower() for w, v in BOOL_WORDS.items()}), "auto",
-          (ENGINE,), "oneDNN-packed linear weights: auto = packed on AVX-512 CPUs, hybrid elsewhere (packed for "
-          "inputs of 2 to 128 rows and the prefill row counts built at load, plain beyond; a second copy of the "
-          "weights); true; false. Packed layers run on a fixed set of row counts whose kernels are built at load, "
-          "so a worker's memory does not grow with traffic"),
+          (ENGINE,), "oneDNN-packed linear weights: auto = measured at load on this CPU: passes through the "
+          "model's first layers, plain against packed, at each row count a step can bring, and each row count of "
+          "the layers (and of the LM head) runs on the faster, a layer keeping only the copies it uses (the plan "
+          "counts two; one packed copy where two do not fit; timings cached per CPU); hybrid = packed for inputs "
+          "of 2 to 128 rows and the prefill row counts built at load, plain beyond (a second copy of the "
+          "weights); true = packed only; false. Packed layers run on a fixed set of row counts whose kernels are "
+          "built at load, so a worker's memory does not grow with traffic"),
     _spec("attention_kernel", choice(("native", "torch")), "native", (ENGINE,),
           "decode attention: native = rollserve's C kernel (built on first use with the system C compiler, cached; "
           "PyTorch's path without a compiler), torch = PyTorch SDPA per sequence"),

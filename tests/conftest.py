@@ -14,6 +14,9 @@ import pytest
 # The GPU decode kernel (handlers/engine/execution/triton_decode.py) runs in these CPU tests through Triton's
 # interpreter, which Triton reads once, before its first kernel is defined: so here, before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# As the launcher gives workers (serving.worker.launcher.worker_env): the engines these tests run in process see
+# MKL's GEMM buffers returned to malloc, not pooled; MKL reads it when torch is imported, so before that too.
+os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
 
 
 def _share_ssl_contexts() -> None:

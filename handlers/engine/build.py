@@ -55,6 +55,9 @@ def load_for_engine(model_dir: Path, options: Mapping[str, str], device_id: int 
     plan = None
     if device.type == "cpu":  # before anything loads (and before the other ranks start): refuse what cannot fit
         plan = preflight(source, config)
+        if plan.prepack_weights != config.prepack_weights:  # auto's one packed copy: this rank's and the others'
+            options = {**options, "prepack_weights": plan.prepack_weights}
+            config = EngineConfig.from_options(options)
         logger.info("%s", plan.describe().rstrip())
     group: TensorParallelGroup | None = None
     if config.tensor_parallel_degree > 1:

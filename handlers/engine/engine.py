@@ -108,6 +108,7 @@ class LLMEngine:
         # would bypass them
         self.lora = enable_lora(model, config, tp_group is not None, adapters or {})
         self.runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
+                                  measure_linears=config.measure_linears, max_seqs=config.max_num_seqs,
                                   populate_kv=config.kv_cache_populate, num_kv_heads=num_kv_heads, group=tp_group,
                                   fuse_weights=config.fuse_projections and self.lora is None,
                                   use_kernels=config.attention_kernel == "native",

@@ -27,9 +27,18 @@ log = logging.getLogger(__name__)
 WORKER_MODULE = "serving.worker.main"
 
 
+# MKL keeps the buffers of its GEMMs in a pool it grows as it meets new row counts (about 40 MiB over a range of
+# them with two threads, on an AVX-512 Xeon), so a worker's memory would grow with traffic after load; without the
+# pool the buffers return to malloc, which keeps freed blocks for reuse (handlers.engine.planning.cpu), and the
+# GEMMs measured as fast (benchmarks/README.md, "Measured kernel choice").
+MKL_DISABLE_FAST_MM = "1"
+
+
 def worker_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Workers inherit the server's environment, with hub progress bars off and never a network fetch."""
-    return {**env, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    """Workers inherit the server's environment, with hub progress bars off and never a network fetch, and MKL's
+    own buffer pool off unless the server's environment says otherwise (MKL reads it once, at torch's import)."""
+    return {"MKL_DISABLE_FAST_MM": MKL_DISABLE_FAST_MM, **env, "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 class WorkerProcess(Protocol):

@@ -139,12 +139,94 @@ def test_engine_memory_does_not_grow_with_new_row_counts(model_dirs: dict[str, P
     layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
     assert layers, "the engine prepacked nothing: the test would prove nothing"
     assert any(m.large_rows == 2048 for m in layers)
+    _assert_no_kernel_built_after_load(layers)
+
+
+def _assert_no_kernel_built_after_load(layers: list[PackedLinear], head: nn.Module | None = None) -> None:
+    """``head`` (the LM head, which sees one row per sequence) gets the decode row counts only."""
     before = heap_bytes_in_use()
     with torch.no_grad():
         # every row count a decode step brings, and prefill-sized ones up to the budget (some run packed)
         for rows in [*range(1, HYBRID_MAX_PACKED_ROWS + 1), *range(129, 2049, 61), 2048]:
             for layer in {(m.shape_key(), m.large_rows): m for m in layers}.values():
-                layer(torch.zeros(rows, layer.in_features))
+                if layer is not head or rows <= HYBRID_MAX_PACKED_ROWS:
+                    layer(torch.zeros(rows, layer.in_features))
     grown = heap_bytes_in_use() - before
     # Unwarmed, this loop builds ~5 shapes x 128 kernels x 0.55 MiB = ~350 MiB; allow a few stray allocations.
     assert grown < 4 * KERNEL_BYTES, f"heap grew {grown / 2**20:.1f} MiB: kernels were built after load"
+
+
+def _cached_timings(model_dir: Path, body_packed: set[int], head_packed: set[int], step_tokens: int,
+                    max_seqs: int) -> None:
+    """Write the linear-kernel timings ``prepack_weights=auto`` would measure for ``model_dir`` into the cache
+    under ``$HOME``, with the packed pass faster exactly at the given buckets (a real measurement's outcome
+    depends on the CPU; the routing it implies does not)."""
+    from transformers import AutoModelForCausalLM
+
+    from handlers.engine.execution import linear_choice as lc
+    from handlers.engine.execution.kernels import cache_dir
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    body = [m for m in linears if m is not model.lm_head]
+    layers = lc.streamed_layers(body, model.config.num_hidden_layers)
+    entries = {}
+    for group, rows, packed_at in ((layers, max(step_tokens, max_seqs), body_packed),
+                                   ([model.lm_head], max_seqs, head_packed)):
+        shapes = [lc.shape_of(m) for m in group]
+        buckets = lc.buckets_for(shapes, rows)
+        entries[lc.group_key(shapes, buckets)] = lc.Timing({b: 1.0 for b in buckets},
+                                                           {b: 0.5 if b in packed_at else 2.0 for b in buckets})
+    lc.TimingCache(cache_dir(), threads=1).save(entries)  # the engines below run one thread
+
+
+def test_auto_routes_rows_by_the_measured_timings_and_equals_generate(model_dirs: dict[str, Path],
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    """``prepack_weights=auto`` (the default) routes each row count of the body and of the LM head to the kernel
+    its bucket measured faster (here: the cache's timings), keeps both copies where both are used, and the
+    engine's greedy output over those routes (decode steps of 8 rows packed, of fewer plain) equals generate."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _cached_timings(model_dirs["llama"], {8, 16, 256, 512}, {1}, step_tokens=512, max_seqs=8)
+    options = {"num_kv_blocks": "256", "max_rolling_batch_size": "8", "max_rolling_batch_prefill_tokens": "512",
+               "num_threads": "1"}
+    engine = LLMEngine.from_options(model_dirs["llama"], options)
+    head = engine.model.get_submodule("lm_head")
+    body = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m is not head]
+    assert len(body) == 14 and all(m.weight is not None for m in body)  # 2 layers x 7, both copies
+    for m in body:
+        assert [r for r in range(1, 33) if m.runs_packed(r)] == [5, 6, 7, 8, *range(9, 17)]
+        assert m.runs_packed(250) and m.runs_packed(500) and not m.runs_packed(100)
+    assert isinstance(head, PackedLinear) and [r for r in range(1, 9) if head.runs_packed(r)] == [1]
+    calls: list[tuple[int, bool]] = []
+    for m in body:
+        m.register_forward_pre_hook(lambda _m, args: calls.append(
+            (args[0].numel() // _m.in_features, _m.runs_packed(args[0].numel() // _m.in_features))))
+    prompts = [torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (9, 17, 30, 41, 12, 25, 33, 20)]
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):  # ending one after another: decode steps of 8 rows down to 1
+        engine.add(f"r{i}", p, SamplingParams(max_new_tokens=4 + i))
+    while engine.has_work():
+        for d in engine.step():
+            got[d.request_id].extend(t.id for t in d.tokens)
+    assert (8, True) in calls and (3, False) in calls  # both kernels ran
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == reference_greedy(model_dirs["llama"], p, 4 + i), f"prompt {i} differs from generate"
+
+
+def test_auto_packed_everywhere_keeps_one_copy_and_builds_every_kernel_at_load(model_dirs: dict[str, Path],
+                                                                             monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    """Where the packed pass won every bucket, a layer keeps the packed copy only, and the prefill-sized kernels
+    are built at load for it too: no row count up to the token budget builds a kernel afterwards."""
+    from handlers.engine.execution.linear_choice import BUCKETS
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _cached_timings(model_dirs["llama"], set(BUCKETS), set(BUCKETS), step_tokens=2048, max_seqs=32)
+    engine = LLMEngine.from_options(model_dirs["llama"], {"num_kv_blocks": "64", "num_threads": "1"})
+    layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 15 and all(m.weight is None for m in layers)
+    head = engine.model.get_submodule("lm_head")
+    assert head in layers and head.large_rows == 0 and all(m.large_rows == 2048 for m in layers if m is not head)
+    _assert_no_kernel_built_after_load(layers, head)

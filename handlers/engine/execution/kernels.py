@@ -108,7 +108,7 @@ def shared_library(source_name: str, without: str) -> ctypes.CDLL | None:
     source = CSRC / source_name
     key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}-{key}.so"
+    target = cache_dir() / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
             _build(compiler, source, target)
@@ -133,7 +133,8 @@ def _build(compiler: str, source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """The folder of built kernels and kernel timings: ~/.cache/rollserve/kernels, else a temporary one."""
     for candidate in (Path.home() / ".cache" / "rollserve" / "kernels",
                       Path(tempfile.gettempdir()) / f"rollserve-kernels-{os.getuid()}"):
         try:

@@ -194,6 +194,7 @@ def rank_main(argv: list[str] | None = None) -> None:
         model.to(device)
         num_blocks = group.broadcast_int(0)
         runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
+                             measure_linears=config.measure_linears, max_seqs=config.max_num_seqs,
                              populate_kv=config.kv_cache_populate,
                              num_kv_heads=kv_heads, fuse_weights=config.fuse_projections,
                              use_kernels=config.attention_kernel == "native",

@@ -8,6 +8,8 @@ ops inductor emits with freezing). Numerics differ from ``F.linear`` only by sum
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,12 +71,17 @@ class PackedLinear(nn.Module):
         self.max_packed_rows = max_packed_rows
         self.large_rows = 0  # set by warm_packed_kernels: prefill-sized inputs whose kernels were built
         self.weight = None if max_packed_rows is None else nn.Parameter(linear.weight.detach(), requires_grad=False)
+        # hybrid only: which row counts run packed, as measured on this CPU (``linear_choice``); None: the fixed rule
+        self.router: Callable[[int], bool] | None = None
 
     def runs_packed(self, rows: int) -> bool:
         """Whether an input of ``rows`` rows runs on the packed weight (always, unless hybrid)."""
         if self.weight is None or self.max_packed_rows is None:
             return True
-        if rows < HYBRID_MIN_PACKED_ROWS:
+        if self.router is not None:
+            if not self.router(rows):
+                return False
+        elif rows < HYBRID_MIN_PACKED_ROWS:
             return False
         if rows <= self.max_packed_rows:
             return True
@@ -103,29 +110,29 @@ def warm_packed_kernels(model: nn.Module, max_rows: int = HYBRID_MAX_PACKED_ROWS
                         large_skip: tuple[nn.Module, ...] = ()) -> int:
     """Build oneDNN's kernel for every packed row count up to ``max_rows`` (``packed_row_counts``) and every
     distinct weight shape of ``model``, so the worker's memory does not grow with traffic; returns how many.
-    Costs one matmul per kernel (about 0.4 s for a 110M model on one core). In hybrid mode, with
-    ``large_rows`` (the token budget of a step), also the prefill-sized buckets up to it (``large_row_counts``)
-    for every layer but ``large_skip`` (the lm_head, which sees the sampled rows only), and lets those layers
-    run them packed (about 2 s more for a 110M model and a 2048-token budget)."""
+    Costs one matmul per kernel (about 0.4 s for a 110M model on one core). With ``large_rows`` (the token
+    budget of a step), also the prefill-sized buckets up to it (``large_row_counts``) for every layer but
+    ``large_skip`` (the lm_head, which sees the sampled rows only), and lets hybrid layers run them packed
+    (about 2 s more for a 110M model and a 2048-token budget)."""
     shapes: dict[tuple[int, int, bool, torch.dtype], PackedLinear] = {}
-    large: dict[tuple[int, int, bool, torch.dtype], PackedLinear] = {}
+    large: dict[tuple[int, int, bool, torch.dtype, bool], PackedLinear] = {}  # packed-only kept apart
     skip = {id(m) for m in large_skip}
     for module in model.modules():
         if isinstance(module, PackedLinear):
             shapes.setdefault(module.shape_key(), module)
-            if large_rows and module.max_packed_rows is not None and id(module) not in skip:
+            if large_rows and id(module) not in skip:
                 module.large_rows = large_rows  # its forward now routes these buckets to the packed weight
-                large.setdefault(module.shape_key(), module)
+                large.setdefault((*module.shape_key(), module.max_packed_rows is None), module)
     built = 0
     with torch.no_grad():
         for key, module in shapes.items():
             for rows in packed_row_counts(min(max_rows, module.max_packed_rows or max_rows)):
                 module(torch.zeros(rows, module.in_features, dtype=key[3]))
-                built += 1
+                built += module.runs_packed(rows)
         for key, module in large.items():
             for rows in large_row_counts(large_rows):
                 module(torch.zeros(rows, module.in_features, dtype=key[3]))
-                built += 1
+                built += module.runs_packed(rows)
     return built
 
 

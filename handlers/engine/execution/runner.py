@@ -29,6 +29,7 @@ from handlers.engine.execution.cuda_graphs import DecodeGraphs, capture_sizes
 from handlers.engine.execution.fusion import fuse_projections
 from handlers.engine.execution.kernels import load_kernels
 from handlers.engine.execution.lean import LeanDecoder, unsupported
+from handlers.engine.execution.linear_choice import apply_choice, timing_cache
 from handlers.engine.execution.paged_attention import (
     ATTN_IMPLEMENTATION,
     CONTEXT_ATTR,
@@ -39,7 +40,7 @@ from handlers.engine.execution.paged_attention import (
     on_device,
     paged_attention_forward,
 )
-from handlers.engine.execution.prepack import prepack_linear_layers, warm_packed_kernels
+from handlers.engine.execution.prepack import can_prepack, prepack_linear_layers, warm_packed_kernels
 from handlers.engine.planning.families import UnsupportedModel
 
 if TYPE_CHECKING:
@@ -115,9 +116,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, prepack_weights: str = "false",
                  num_kv_heads: int | None = None, group: StepBroadcaster | None = None,
                  fuse_weights: bool = False, use_kernels: bool = True, populate_kv: str = "eager",
-                 lean: bool = True, step_tokens: int = 0, cuda_graphs: int = 0, max_model_len: int = 0) -> None:
+                 lean: bool = True, step_tokens: int = 0, cuda_graphs: int = 0, max_model_len: int = 0,
+                 measure_linears: bool = False, max_seqs: int = 1) -> None:
         """``cuda_graphs`` > 0 (a GPU model): capture decode steps of up to that many sequences, each as long as
-        ``max_model_len`` at most."""
+        ``max_model_len`` at most. ``measure_linears``: prepack the layers whose shapes run faster packed on this
+        CPU, routed by the measurement (``linear_choice``; ``max_seqs``: the rows the LM head can see)."""
         model.eval()
         use_paged_attention(model)
         self.device = next(model.parameters()).device
@@ -127,7 +130,13 @@ class ModelRunner:
         if self.device.type != "cpu":
             prepack_weights = "false"  # oneDNN packing is a CPU layout
         if prepack_weights in ("true", "hybrid"):
-            n = prepack_linear_layers(model, hybrid=prepack_weights == "hybrid")
+            started = time.perf_counter()
+            if measure_linears and prepack_weights == "hybrid" and can_prepack(model):
+                n, plain = apply_choice(model, step_tokens, max_seqs, timing_cache())
+                logger.info("measured the linear kernels in %.1f s: %d layers packed, %d plain",
+                            time.perf_counter() - started, n, plain)
+            else:
+                n = prepack_linear_layers(model, hybrid=prepack_weights == "hybrid")
             started = time.perf_counter()
             # prefill-sized steps (up to the token budget) run packed too; the lm_head only sees sampled rows
             head = getattr(model, "lm_head", None)

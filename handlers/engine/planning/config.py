@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from handlers.engine.planning.cpu import packed_weights_win_everywhere
 from rollcore.errors import ConfigError
 from rollcore.options import option_value, parse_option
 from rollcore.values import AUTO
@@ -40,6 +39,7 @@ class EngineConfig:
     quantize: str = "none"  # int8 | int4: handlers.engine.execution.quantize
     quantize_group_size: int = 32
     prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.execution.prepack)
+    measure_linears: bool = False  # prepack_weights=auto: per weight shape, the faster kernel as measured here
     attention_kernel: str = "native"  # native (handlers.engine.execution.kernels, PyTorch when it cannot build) | torch
     fuse_projections: bool = False  # no faster on AVX2 CPUs (benchmarks/README.md); on by default on GPUs
     trust_remote_code: bool = False
@@ -92,6 +92,7 @@ class EngineConfig:
             quantize=get("quantize"),
             quantize_group_size=get("quantize_group_size"),
             prepack_weights=prepack_mode(options.get("prepack_weights")),
+            measure_linears=parse_option("prepack_weights", options.get("prepack_weights")) == "auto",
             fuse_projections=get("fuse_projections"),
             attention_kernel=get("attention_kernel"),
             trust_remote_code=get("trust_remote_code"),
@@ -111,13 +112,10 @@ class EngineConfig:
         )
 
 
-def prepack_mode(raw: str | None, packed_wins_everywhere: bool | None = None) -> str:
+def prepack_mode(raw: str | None) -> str:
     """``option.prepack_weights``: ``auto`` (default), ``hybrid``, or a boolean (``true`` = packed only).
-    ``auto`` is ``true`` on CPUs where packed weights win at every size (``handlers.engine.planning.cpu``: the plain
-    copy hybrid keeps for prefill would only cost memory there), else ``hybrid``."""
+    ``auto`` plans hybrid's two copies and lets the engine measure which kernel each layer's row counts run
+    faster on this CPU (``handlers.engine.execution.linear_choice``), keeping only the copies used; when two
+    copies do not fit, the engine's preflight falls back to one packed copy."""
     value = parse_option("prepack_weights", raw)
-    if value == "auto":
-        if packed_wins_everywhere is None:
-            packed_wins_everywhere = packed_weights_win_everywhere()
-        return "true" if packed_wins_everywhere else "hybrid"
-    return str(value)
+    return "hybrid" if value == "auto" else str(value)

@@ -1,10 +1,8 @@
 """What this CPU can do, read once from /proc/cpuinfo (torch-free, so the memory plan can use it too).
 
-Design note: kernel choices follow the instruction set, not one machine's measurement. With torch 2.13's
-oneDNN, one thread (benchmarks/README.md, "Prepacked weights and the lazy KV cache"): on AVX-512 CPUs the
-oneDNN-packed weight is as fast or faster than the plain one at every row count from 1 to 2048, so the plain
-copy that hybrid prepacking keeps for prefill is not needed there; on AVX2-only CPUs the packed weight is
-slower for prefill-sized inputs, so hybrid keeps both.
+Design note: what an instruction set decides is read here (fast bf16); which GEMM kernel a linear layer runs
+is measured at load instead (``handlers.engine.execution.linear_choice``), as it depends on the layer's shape
+as much as on the CPU.
 """
 
 from __future__ import annotations
@@ -30,11 +28,6 @@ def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
-
-
-def packed_weights_win_everywhere(flags: frozenset[str] | None = None) -> bool:
-    """True on AVX-512 CPUs, where packed weights beat plain ones for prefill-sized inputs too."""
-    return "avx512f" in (cpu_flags() if flags is None else flags)
 
 
 def has_fast_bf16(flags: frozenset[str] | None = None) -> bool:

@@ -261,9 +261,19 @@ def preflight(model_dir: str | Path, config: EngineConfig, *, meminfo: Path = ME
                                      f"({_size(weights.total_bytes)}) do not fit this worker's memory "
                                      f"({budget.describe()})")
         weights = quantized_weights(weights, config.quantize, config.quantize_group_size)
-    return plan_memory(model_geometry(model_config), weights, config, budget, dtype=dtype,
-                       max_model_len=resolve_max_model_len(config.max_model_len, model_config),
-                       position_limit=position_limit(model_config))
+    def plan(config: EngineConfig) -> MemoryPlan:
+        return plan_memory(model_geometry(model_config), weights, config, budget, dtype=dtype,
+                           max_model_len=resolve_max_model_len(config.max_model_len, model_config),
+                           position_limit=position_limit(model_config))
+
+    try:
+        return plan(config)
+    except InsufficientMemory:
+        if not (config.measure_linears and config.prepack_weights == "hybrid"):
+            raise
+        # prepack_weights=auto plans two copies of the linear weights; where they do not fit, one packed copy
+        logger.warning("prepack_weights=auto: two copies of the linear weights do not fit; one packed copy")
+        return plan(replace(config, prepack_weights="true", measure_linears=False))
 
 
 def plan_loaded_model(model_config: Mapping[str, Any], config: EngineConfig, *, dtype: str, param_bytes: int,

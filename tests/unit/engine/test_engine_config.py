@@ -59,25 +59,25 @@ def test_bad_options(options: dict[str, str], message: str) -> None:
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize(("raw", "avx512", "mode"), [
-    (None, True, "true"), (None, False, "hybrid"), ("auto", True, "true"), ("AUTO", False, "hybrid"),
-    ("hybrid", True, "hybrid"), ("false", True, "false"), ("yes", False, "true"),
+@pytest.mark.parametrize(("raw", "mode", "measured"), [
+    (None, "hybrid", True), ("auto", "hybrid", True), ("AUTO", "hybrid", True), ("hybrid", "hybrid", False),
+    ("false", "false", False), ("yes", "true", False),
 ])
-def test_prepack_auto_follows_the_cpu(raw: str | None, avx512: bool, mode: str) -> None:
-    from handlers.engine.planning.config import prepack_mode
-
-    assert prepack_mode(raw, packed_wins_everywhere=avx512) == mode
+def test_prepack_auto_plans_two_copies_and_measures(raw: str | None, mode: str, measured: bool) -> None:
+    options = {} if raw is None else {"prepack_weights": raw}
+    config = EngineConfig.from_options(options)
+    assert (config.prepack_weights, config.measure_linears) == (mode, measured)
 
 
 def test_cpu_flags_from_cpuinfo(tmp_path: Path) -> None:
-    from handlers.engine.planning.cpu import cpu_flags, has_fast_bf16, packed_weights_win_everywhere
+    from handlers.engine.planning.cpu import cpu_flags, has_fast_bf16
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\nprocessor\t: 1\n")
     flags = cpu_flags(info)
     assert {"avx2", "avx512f", "avx512_bf16"} <= flags
-    assert packed_weights_win_everywhere(flags) and has_fast_bf16(flags)
-    assert not packed_weights_win_everywhere(frozenset({"avx2"})) and not has_fast_bf16(frozenset({"avx2"}))
+    assert has_fast_bf16(flags)
+    assert not has_fast_bf16(frozenset({"avx2"}))
     assert cpu_flags(tmp_path / "missing") == frozenset()
 
 

@@ -391,3 +391,21 @@ def test_engine_sizes_its_pool_from_the_plan(llama: Path, gpt2: Path) -> None:
     loaded = LLMEngine(model, tokenizer, config, available_bytes=LINEAR + 64 * 64 * 64 + 2 * MIB)
     # The weights are not subtracted again: free = 2 MiB -> 0.9 x 2097152 = 1887436 B -> 230 blocks
     assert loaded.memory_plan.weights_resident and loaded.memory_plan.num_kv_blocks == 230
+
+
+def test_auto_prepacking_falls_back_to_one_packed_copy_where_two_do_not_fit(llama: Path, tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """``prepack_weights=auto`` plans hybrid's second copy of the linear weights; with memory for the weights, the
+    activations and a KV cache but not the second copy, the plan is one packed copy (``true``), said in the log;
+    an explicit ``hybrid`` is refused as before."""
+    activations = 256 * 64 * 64  # 256 batched tokens x 64 hidden x 64 B
+    kib = (WEIGHTS + activations + LINEAR // 2) // 1024  # half the second copy's bytes: room for a KV cache
+    options = {"max_model_len": "64", "max_rolling_batch_prefill_tokens": "256"}
+    with pytest.raises(InsufficientMemory, match="prepacked copies 416.0 KiB"):
+        fake_preflight(tmp_path, kib)(llama, EngineConfig.from_options({**options, "prepack_weights": "hybrid"}))
+    with caplog.at_level(logging.WARNING, logger="handlers.engine.planning.memory"):
+        plan = fake_preflight(tmp_path, kib)(llama, EngineConfig.from_options(options))
+    assert (plan.prepack_weights, plan.prepack_bytes) == ("true", 0) and plan.num_kv_blocks > 0
+    assert "two copies of the linear weights do not fit; one packed copy" in caplog.text
+    roomy = fake_preflight(tmp_path, 1 << 20)(llama, EngineConfig.from_options(options))
+    assert (roomy.prepack_weights, roomy.prepack_bytes) == ("hybrid", LINEAR)

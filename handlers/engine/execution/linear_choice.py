@@ -1,0 +1,218 @@
+"""Which GEMM runs the linear layers' inputs of each size: measured on this CPU for the model's own layers.
+
+Design note (why: no instruction-set rule gets it right): oneDNN's packed weight beats MKL's plain GEMM on
+large weights and skinny inputs (SmolLM2's 576 x 1536 projections from 4 rows on) and loses on small weights
+(a 3.4M model's 256-wide layers) and on single rows, with crossovers that move with the CPU, the shape, the
+row count and the threads (benchmarks/README.md, "Measured kernel choice"). Timing one shape alone misleads:
+in a step the layers' calls follow one another, and switching kernels between them costs more than either
+kernel alone (a 256-wide model's MLP on the packed weight measured faster alone and 15% slower in sequence).
+So with ``prepack_weights=auto`` the engine times passes through its first decoder layers' linear layers in
+their order (enough layers not to find a weight in cache), all plain against all packed, at the row counts a
+step gives them, and the LM head alone; each row-count bucket of the body, and of the head, goes to
+the faster. Layers keep only the copies their routes use (the memory plan counted both). Timings are cached
+per CPU, torch build and thread count, so the workers of a machine route alike and a restarted worker
+computes with the kernels of the one it replaces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from handlers.engine.execution.kernels import cache_dir
+from handlers.engine.execution.prepack import HYBRID_MAX_PACKED_ROWS, PackedLinear
+from handlers.engine.planning.cpu import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+# The row counts measured: the decode batches and prefill chunks, by powers of two; an input is routed by the
+# smallest measured bucket that holds it, inputs beyond the largest by the largest.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+MAX_MEASURED_FLOP = 4e9  # larger passes are GEMM-bound on either kernel; they follow the largest bucket measured
+ROUNDS = 3  # timed passes per kernel and bucket, alternating (after one warm-up pass each)
+STREAM_BYTES = 16 << 20  # a pass's weights: several times a core's L2 on the CPUs measured
+CACHE_VERSION = "4"
+
+Shape = tuple[int, int, bool, str]  # in_features, out_features, has bias, dtype
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds of one pass, per measured bucket: plain (``F.linear``) and packed (oneDNN)."""
+    plain: Mapping[int, float]
+    packed: Mapping[int, float]
+
+    def packed_buckets(self) -> frozenset[int]:
+        """The buckets that run packed: where its pass was the faster."""
+        return frozenset(r for r, t in self.packed.items() if t < self.plain[r])
+
+
+def shape_of(linear: nn.Linear) -> Shape:
+    return linear.in_features, linear.out_features, linear.bias is not None, str(linear.weight.dtype)
+
+
+def buckets_for(shapes: Sequence[Shape], max_rows: int) -> tuple[int, ...]:
+    """The buckets measured: up to ``max_rows`` (the rows a step can give these layers) and within
+    MAX_MEASURED_FLOP a pass, at least the first."""
+    flop_per_row = 2.0 * sum(s[0] * s[1] for s in shapes)
+    fits = [r for r in BUCKETS if r <= max(max_rows, 1) and r * flop_per_row <= MAX_MEASURED_FLOP]
+    return tuple(fits) or BUCKETS[:1]
+
+
+def measure(linears: Sequence[nn.Linear], buckets: Iterable[int]) -> Timing:
+    """Seconds of one pass through ``linears`` in order: ``F.linear`` on their weights against ``PackedLinear`` on
+    packed copies (made here, dropped after), the two alternating pass by pass, at each bucket's row count."""
+    packs = [PackedLinear(m) for m in linears]
+    kernels = {"plain": [lambda x, m=m: F.linear(x, m.weight, m.bias) for m in linears], "packed": packs}
+    gen = torch.Generator().manual_seed(0)
+    result: dict[str, dict[int, float]] = {"plain": {}, "packed": {}}
+    with torch.inference_mode():
+        for rows in buckets:
+            xs = [torch.randn(rows, m.in_features, generator=gen).to(m.weight.dtype) for m in linears]
+            times: dict[str, list[float]] = {"plain": [], "packed": []}
+            for i in range(ROUNDS + 1):
+                for name, calls in kernels.items():
+                    start = time.perf_counter()
+                    for call, x in zip(calls, xs, strict=True):
+                        call(x)
+                    if i:  # the first pass builds oneDNN's kernels
+                        times[name].append(time.perf_counter() - start)
+            for name, values in times.items():
+                result[name][rows] = statistics.median(values)
+    return Timing(result["plain"], result["packed"])
+
+
+def router(timing: Timing) -> Callable[[int], bool]:
+    """``rows -> runs packed``: the choice of the smallest measured bucket that holds ``rows`` (beyond the largest,
+    the largest's), looked up in a table (it runs on every call of the layer)."""
+    chosen = timing.packed_buckets()
+    table = [False] * (max(timing.plain) + 1)
+    previous = 0
+    for bucket in sorted(timing.plain):
+        for rows in range(previous + 1, bucket + 1):
+            table[rows] = bucket in chosen
+        previous = bucket
+    last = table[-1]
+    return lambda rows: table[rows] if rows < len(table) else last
+
+
+class TimingCache:
+    """Timings on disk, one JSON file per CPU, torch build and thread count (``key``)."""
+
+    def __init__(self, folder: Path, threads: int) -> None:
+        ident = "|".join([CACHE_VERSION, _cpu_name(), " ".join(sorted(cpu_flags())), torch.__version__, str(threads)])
+        self.path = folder / f"linear-times-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+
+    def load(self) -> dict[str, Timing]:
+        try:
+            raw = json.loads(self.path.read_text())
+            return {key: Timing({int(r): float(t) for r, t in v["plain"].items()},
+                                {int(r): float(t) for r, t in v["packed"].items()}) for key, v in raw.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # absent or damaged: measure again
+            return {}
+
+    def save(self, timings: Mapping[str, Timing]) -> None:
+        """Merged with what another worker wrote meanwhile; written atomically."""
+        merged = {**self.load(), **timings}
+        data = {k: {"plain": dict(t.plain), "packed": dict(t.packed)} for k, t in merged.items()}
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=self.path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+def timing_cache() -> TimingCache | None:
+    """The cache for this process's thread count; None (measure every load) without a writable folder."""
+    try:
+        return TimingCache(cache_dir(), torch.get_num_threads())
+    except OSError:
+        return None
+
+
+def group_key(shapes: Sequence[Shape], buckets: tuple[int, ...]) -> str:
+    layers = " ".join(f"{s[0]}x{s[1]}{'+b' if s[2] else ''}" for s in shapes)
+    return f"{layers}:{shapes[0][3]}:{','.join(map(str, buckets))}"
+
+
+def timed(linears: Sequence[nn.Linear], max_rows: int, cache: TimingCache | None) -> Timing:
+    """The timing of passes through ``linears`` (``measure``) from ``cache`` when there, else measured and cached."""
+    shapes = [shape_of(m) for m in linears]
+    buckets = buckets_for(shapes, max_rows)
+    key = group_key(shapes, buckets)
+    known = cache.load() if cache is not None else {}
+    if key in known:
+        return known[key]
+    timing = measure(linears, buckets)
+    if cache is not None:
+        try:
+            cache.save({key: timing})
+        except OSError as exc:
+            logger.warning("could not cache the linear kernel timings in %s: %s", cache.path, exc)
+    return timing
+
+
+def streamed_layers(body: Sequence[nn.Linear], num_layers: int) -> list[nn.Linear]:
+    """The body's linears a pass runs through: whole decoder layers (the body split in ``num_layers`` when it
+    divides evenly, else all of it), as many as fill STREAM_BYTES, so that no weight is found in a cache the
+    previous pass filled, as in a step; at least one layer."""
+    per_layer = len(body) // num_layers if num_layers > 0 and len(body) % num_layers == 0 else len(body)
+    chosen: list[nn.Linear] = []
+    for start in range(0, len(body), per_layer):
+        if chosen and sum(m.weight.nbytes for m in chosen) >= STREAM_BYTES:
+            break
+        chosen.extend(body[start:start + per_layer])
+    return chosen
+
+
+def apply_choice(model: nn.Module, step_tokens: int, max_seqs: int, cache: TimingCache | None) -> tuple[int, int]:
+    """Route the ``nn.Linear`` layers of ``model`` by measurement: the body's (the decoder layers') by passes
+    through its first layers, the LM head's (one row per sequence: up to ``max_seqs``) by its own. A layer
+    with some bucket on the packed weight becomes a ``PackedLinear`` (the plain copy kept where some bucket runs
+    plain); the others stay as they are. Returns (packed, plain) layers."""
+    head = getattr(model, "lm_head", None)
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    body = [m for _, m in targets if m is not head]
+    timings: dict[bool, Timing] = {}  # is the head -> its timing
+    if body:
+        layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0
+        timings[False] = timed(streamed_layers(body, layers), max(step_tokens, max_seqs), cache)
+    if type(head) is nn.Linear:
+        timings[True] = timed([head], max_seqs, cache)
+    packed = 0
+    for name, linear in targets:
+        timing = timings[linear is head]
+        chosen = timing.packed_buckets()
+        if not chosen:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        keep_plain = chosen != frozenset(timing.plain)
+        module = PackedLinear(linear, max_packed_rows=HYBRID_MAX_PACKED_ROWS if keep_plain else None)
+        if keep_plain:
+            module.router = router(timing)
+        setattr(parent, attr, module)
+        packed += 1
+    return packed, len(targets) - packed
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

@@ -1,0 +1,118 @@
+"""The measured GEMM choice (handlers.engine.execution.linear_choice): routing from timings, the layers a pass
+runs through, the timings cache, and a real measurement on small layers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from handlers.engine.execution import linear_choice as lc
+from handlers.engine.execution.prepack import PackedLinear
+
+
+def timing(packed_at: set[int], buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> lc.Timing:
+    """Timings where the packed pass is faster exactly at ``packed_at``."""
+    return lc.Timing({b: 1.0 for b in buckets}, {b: 0.5 if b in packed_at else 2.0 for b in buckets})
+
+
+def test_each_bucket_goes_to_the_faster_kernel() -> None:
+    assert timing({4, 8}).packed_buckets() == {4, 8}
+    tie = lc.Timing({1: 1.0, 2: 1.0}, {1: 1.0, 2: 0.999})
+    assert tie.packed_buckets() == {2}  # a tie keeps the plain weight (no second copy for nothing)
+
+
+def test_rows_are_routed_by_the_smallest_bucket_that_holds_them() -> None:
+    route = lc.router(timing({4, 8, 32}))
+    # 3 and 4 -> bucket 4; 5..8 -> 8; 9..16 -> 16 (plain); 17..32 -> 32; beyond the largest bucket -> its choice
+    assert [rows for rows in range(1, 41) if route(rows)] == [3, 4, 5, 6, 7, 8, *range(17, 41)]
+    assert lc.router(timing({1}))(1) and not lc.router(timing({1}))(2)
+    assert not lc.router(timing({1, 2}))(100)
+
+
+def test_buckets_stop_at_the_rows_a_step_gives_and_at_the_flop_cap() -> None:
+    small = [(64, 64, False, "torch.float32")]
+    assert lc.buckets_for(small, 32) == (1, 2, 4, 8, 16, 32)
+    assert lc.buckets_for(small, 3000) == lc.BUCKETS
+    wide = [(4096, 14336, False, "torch.float32")]  # 117 MFLOP a row: 32 rows is the last under the cap
+    assert lc.buckets_for(wide, 2048) == (1, 2, 4, 8, 16, 32)
+    huge = [(1 << 16, 1 << 16, False, "torch.float32")]
+    assert lc.buckets_for(huge, 2048) == (1,)  # at least one bucket
+
+
+def test_a_pass_runs_through_whole_layers_until_the_stream_is_filled() -> None:
+    layer = [nn.Linear(256, 256, bias=False), nn.Linear(256, 1024, bias=False)]  # 256 KiB + 1 MiB
+    body = [nn.Linear(m.in_features, m.out_features, bias=False) for _ in range(30) for m in layer]
+    chosen = lc.streamed_layers(body, 30)
+    per_layer = (256 * 256 + 256 * 1024) * 4
+    assert len(chosen) % 2 == 0 and chosen == body[: len(chosen)]  # whole layers, in order
+    assert (len(chosen) // 2 - 1) * per_layer < lc.STREAM_BYTES <= len(chosen) // 2 * per_layer
+    assert lc.streamed_layers(body, 7) == body  # layers that do not divide the body: all of it
+    big = [nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 4096, bias=False)]
+    assert lc.streamed_layers(big, 2) == big[:1]  # one layer over the stream size is enough
+
+
+def test_the_cache_round_trips_and_merges(tmp_path: Path) -> None:
+    cache = lc.TimingCache(tmp_path, threads=1)
+    cache.save({"a": timing({8})})
+    lc.TimingCache(tmp_path, threads=1).save({"b": timing({1, 2})})
+    loaded = cache.load()
+    assert set(loaded) == {"a", "b"}
+    assert loaded["a"].packed_buckets() == {8} and loaded["b"].packed_buckets() == {1, 2}
+    assert lc.TimingCache(tmp_path, threads=2).path != cache.path  # per thread count
+    for damaged in ("{not json", '{"a": {"plain": 3}}', '{"a": {"packed": {}}}', "[1, 2]"):
+        cache.path.write_text(damaged)
+        assert cache.load() == {}  # measured again, not a failed load
+
+
+def test_apply_choice_routes_the_body_and_the_head_from_the_cache(tmp_path: Path) -> None:
+    """Timings in the cache decide: the body packed at 4 and 8 rows (both copies kept), the head plain everywhere
+    (left an ``nn.Linear``); outputs match ``F.linear`` on every path."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32)) for _ in range(2))
+    model.lm_head = nn.Linear(32, 100, bias=False)
+    model.config = type("Config", (), {"num_hidden_layers": 2})()
+    body = [m for layer in model.layers for m in layer]
+    cache = lc.TimingCache(tmp_path, threads=torch.get_num_threads())
+    body_buckets = lc.buckets_for([lc.shape_of(m) for m in body], 64)
+    head_buckets = lc.buckets_for([lc.shape_of(model.lm_head)], 8)
+    cache.save({lc.group_key([lc.shape_of(m) for m in lc.streamed_layers(body, 2)], body_buckets):
+                timing({4, 8}, body_buckets),
+                lc.group_key([lc.shape_of(model.lm_head)], head_buckets): timing(set(), head_buckets)})
+    reference = {id(m): (m.weight.detach().clone(), m.bias.detach().clone()) for m in body}
+    assert lc.apply_choice(model, step_tokens=64, max_seqs=8, cache=cache) == (4, 1)
+    assert type(model.lm_head) is nn.Linear
+    for layer, originals in zip(model.layers, [body[0:2], body[2:4]], strict=True):
+        for module, original in zip(layer, originals, strict=True):
+            assert isinstance(module, PackedLinear) and module.weight is not None  # hybrid: both copies
+            assert [r for r in range(1, 65) if module.runs_packed(r)] == [3, 4, 5, 6, 7, 8]
+            w, b = reference[id(original)]
+            for rows in (1, 4, 8, 20):
+                x = torch.randn(rows, module.in_features)
+                torch.testing.assert_close(module(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_real_measurement_times_both_kernels_at_every_bucket_and_is_cached(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(48, 96, bias=False), nn.Linear(96, 48, bias=False))
+                                 for _ in range(3))
+    model.config = type("Config", (), {"num_hidden_layers": 3})()
+    cache = lc.TimingCache(tmp_path, threads=torch.get_num_threads())
+    packed, plain = lc.apply_choice(model, step_tokens=16, max_seqs=4, cache=cache)
+    assert packed + plain == 6
+    (key, entry), = json.loads(cache.path.read_text()).items()
+    assert key == "48x96 96x48 48x96 96x48 48x96 96x48:torch.float32:1,2,4,8,16"
+    for kernel in ("plain", "packed"):
+        assert sorted(map(int, entry[kernel])) == [1, 2, 4, 8, 16] and all(t > 0 for t in entry[kernel].values())
+    # a second model of the same shapes routes from the cache, measuring nothing
+    again = nn.Module()
+    again.layers = nn.ModuleList(nn.Sequential(nn.Linear(48, 96, bias=False), nn.Linear(96, 48, bias=False))
+                                 for _ in range(3))
+    again.config = model.config
+    before = cache.path.stat().st_mtime_ns
+    assert lc.apply_choice(again, step_tokens=16, max_seqs=4, cache=cache) == (packed, plain)
+    assert cache.path.stat().st_mtime_ns == before

@@ -24,11 +24,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MODEL_KEYS = ("minWorkers", "maxWorkers", "batch_size", "max_batch_delay")  # serving.properties keys without option.
+
+
 def start_rollserve(path: Path, workdir: Path, threads: int, options: dict[str, str]) -> tuple[Subprocess, str]:
     """``python -m serving`` on 127.0.0.1 ephemeral ports with the model in a rolling-batch folder ``bench``."""
     props = {"engine": "Python", "option.entryPoint": "huggingface", "option.rolling_batch": "auto",
              "option.dtype": "fp32", "minWorkers": "1", "maxWorkers": "1",
-             **{k if k in ("minWorkers", "maxWorkers") else f"option.{k}": v for k, v in options.items()}}
+             **{k if k in MODEL_KEYS else f"option.{k}": v for k, v in options.items()}}
     # the spawner is looked up here at call time: compare.py swaps ``Subprocess`` for a pinned one
     server = LocalServer.start(path, workdir, name="bench", properties=props, folder_properties=False,
                                env={"OMP_NUM_THREADS": str(threads)}, timeout_s=180,

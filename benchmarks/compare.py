@@ -79,6 +79,9 @@ VARIANTS: dict[str, dict[str, str]] = {
     "rollserve-packed": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto", "prepack_weights": "true"},
     "rollserve-hybrid": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto",
                          "prepack_weights": "hybrid"},
+    # dynamic batching (transformers' generate on batches of up to 8, 100 ms to fill one) in the shipped layout
+    "rollserve-dynamic": {"rolling_batch": "disable", "batch_size": "8", "max_batch_delay": "100",
+                          "minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto"},
 }
 ROLLSERVE_ENV: dict[str, str] = {}  # --rollserve-env K=V (an experiment's knob, recorded with every run)
 VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}

@@ -48,6 +48,10 @@ def _lmi_line(line: str, rec: Rec, t: float) -> bool:
     tok = obj.get("token")
     if tok is not None and tok.get("id", -1) >= 0:
         rec.token_times.append(t)
+    elif tok is None and not rec.token_times and "generated_tokens" in (obj.get("details") or {}):
+        # a whole answer to a streamed request (a dynamic-batching model has no tokens to stream): all at once
+        rec.n_out = int(obj["details"]["generated_tokens"])
+        rec.token_times.append(t)
     if obj.get("generated_text") is not None and (obj.get("details") or {}).get("finish_reason") == "error":
         rec.error = "stream ended with error"
     return False

@@ -133,8 +133,8 @@ class ModelRunner:
             started = time.perf_counter()
             if measure_linears and prepack_weights == "hybrid" and can_prepack(model):
                 n, plain = apply_choice(model, step_tokens, max_seqs, timing_cache())
-                logger.info("measured the linear kernels in %.1f s: %d layers packed, %d plain",
-                            time.perf_counter() - started, n, plain)
+                logger.info("linear kernels by measurement (timed on this CPU, or its cached timings) and packed in "
+                            "%.1f s: %d layers packed, %d plain", time.perf_counter() - started, n, plain)
             else:
                 n = prepack_linear_layers(model, hybrid=prepack_weights == "hybrid")
             started = time.perf_counter()

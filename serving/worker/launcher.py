@@ -27,10 +27,9 @@ log = logging.getLogger(__name__)
 WORKER_MODULE = "serving.worker.main"
 
 
-# MKL keeps the buffers of its GEMMs in a pool it grows as it meets new row counts (about 40 MiB over a range of
-# them with two threads, on an AVX-512 Xeon), so a worker's memory would grow with traffic after load; without the
-# pool the buffers return to malloc, which keeps freed blocks for reuse (handlers.engine.planning.cpu), and the
-# GEMMs measured as fast (benchmarks/README.md, "Measured kernel choice").
+# MKL keeps the buffers of its GEMMs in a pool it grows as it meets new row counts, so a worker's memory would
+# grow with traffic after load; without the pool the buffers return to malloc, which keeps freed blocks for reuse
+# (handlers.engine.planning.cpu), and the GEMMs measured as fast (benchmarks/README.md, "Measured kernel choice").
 MKL_DISABLE_FAST_MM = "1"
 
 

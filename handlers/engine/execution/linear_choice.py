@@ -5,7 +5,7 @@ large weights and skinny inputs (SmolLM2's 576 x 1536 projections from 4 rows on
 (a 3.4M model's 256-wide layers) and on single rows, with crossovers that move with the CPU, the shape, the
 row count and the threads (benchmarks/README.md, "Measured kernel choice"). Timing one shape alone misleads:
 in a step the layers' calls follow one another, and switching kernels between them costs more than either
-kernel alone (a 256-wide model's MLP on the packed weight measured faster alone and 15% slower in sequence).
+kernel alone (a 256-wide model's MLP on the packed weight measured faster alone and slower in sequence).
 So with ``prepack_weights=auto`` the engine times passes through its first decoder layers' linear layers in
 their order (enough layers not to find a weight in cache), all plain against all packed, at the row counts a
 step gives them, and the LM head alone; each row-count bucket of the body, and of the head, goes to

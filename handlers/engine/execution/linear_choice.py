@@ -123,14 +123,16 @@ class TimingCache:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):  # absent or damaged: measure again
             return {}
 
-    def save(self, timings: Mapping[str, Timing]) -> None:
-        """Merged with what another worker wrote meanwhile; written atomically."""
-        merged = {**self.load(), **timings}
+    def save(self, timings: Mapping[str, Timing]) -> dict[str, Timing]:
+        """Merged with what is there, written atomically; returns the merged timings. An entry already there wins:
+        workers that measured at once then route by the first one's timings."""
+        merged = {**timings, **self.load()}
         data = {k: {"plain": dict(t.plain), "packed": dict(t.packed)} for k, t in merged.items()}
         fd, tmp = tempfile.mkstemp(suffix=".json", dir=self.path.parent)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, sort_keys=True)
         os.replace(tmp, self.path)
+        return merged
 
 
 def timing_cache() -> TimingCache | None:
@@ -157,7 +159,7 @@ def timed(linears: Sequence[nn.Linear], max_rows: int, cache: TimingCache | None
     timing = measure(linears, buckets)
     if cache is not None:
         try:
-            cache.save({key: timing})
+            timing = cache.save({key: timing})[key]  # another worker's, when it saved first
         except OSError as exc:
             logger.warning("could not cache the linear kernel timings in %s: %s", cache.path, exc)
     return timing

@@ -61,6 +61,10 @@ def test_the_cache_round_trips_and_merges(tmp_path: Path) -> None:
     loaded = cache.load()
     assert set(loaded) == {"a", "b"}
     assert loaded["a"].packed_buckets() == {8} and loaded["b"].packed_buckets() == {1, 2}
+    # a worker that measured the same group later routes by the timings saved first
+    merged = cache.save({"a": timing({1}), "c": timing(set())})
+    assert merged["a"].packed_buckets() == {8} and cache.load()["a"].packed_buckets() == {8}
+    assert set(cache.load()) == {"a", "b", "c"}
     assert lc.TimingCache(tmp_path, threads=2).path != cache.path  # per thread count
     for damaged in ("{not json", '{"a": {"plain": 3}}', '{"a": {"packed": {}}}', "[1, 2]"):
         cache.path.write_text(damaged)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from handlers.engine.execution.paged_attention import UnsupportedAttentionFeature, paged_attention_forward
+from handlers.engine.execution.prepack import replace_module
 
 ADAPTED_ATTR = "rollserve_adapter"
 
@@ -59,8 +60,7 @@ def _plain_linears(model: nn.Module) -> None:
                               device="meta")
             plain.weight = module.weight
             plain.bias = module.bias
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, attr, plain)
+            replace_module(model, name, plain)
 
 
 def _adapt_falcon_attention(attn: Any) -> None:

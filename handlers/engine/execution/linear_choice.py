@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from handlers.engine.execution.kernels import cache_dir
-from handlers.engine.execution.prepack import HYBRID_MAX_PACKED_ROWS, PackedLinear
-from handlers.engine.planning.cpu import cpu_flags
+from handlers.engine.execution.prepack import HYBRID_MAX_PACKED_ROWS, PackedLinear, replace_module
+from handlers.engine.planning.cpu import cpu_flags, cpu_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ class TimingCache:
     """Timings on disk, one JSON file per CPU, torch build and thread count (``key``)."""
 
     def __init__(self, folder: Path, threads: int) -> None:
-        ident = "|".join([CACHE_VERSION, _cpu_name(), " ".join(sorted(cpu_flags())), torch.__version__, str(threads)])
+        ident = "|".join([CACHE_VERSION, cpu_model_name(), " ".join(sorted(cpu_flags())), torch.__version__,
+                          str(threads)])
         self.path = folder / f"linear-times-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
 
     def load(self) -> dict[str, Timing]:
@@ -198,23 +199,11 @@ def apply_choice(model: nn.Module, step_tokens: int, max_seqs: int, cache: Timin
         chosen = timing.packed_buckets()
         if not chosen:
             continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         keep_plain = chosen != frozenset(timing.plain)
         module = PackedLinear(linear, max_packed_rows=HYBRID_MAX_PACKED_ROWS if keep_plain else None)
         if keep_plain:
             module.router = router(timing)
-        setattr(parent, attr, module)
+        replace_module(model, name, module)
         packed += 1
     return packed, len(targets) - packed
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"

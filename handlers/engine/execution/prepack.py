@@ -151,7 +151,11 @@ def prepack_linear_layers(model: nn.Module, hybrid: bool = True) -> int:
         return 0
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(linear, max_packed_rows=HYBRID_MAX_PACKED_ROWS if hybrid else None))
+        replace_module(model, name, PackedLinear(linear, max_packed_rows=HYBRID_MAX_PACKED_ROWS if hybrid else None))
     return len(targets)
+
+
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` where ``model.get_submodule(name)`` is."""
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)

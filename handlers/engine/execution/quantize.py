@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from handlers.engine.execution.kernels import shared_library
+from handlers.engine.execution.prepack import replace_module
 from handlers.engine.planning.config import EngineConfig
 from rollcore.errors import ConfigError
 
@@ -154,9 +155,7 @@ def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> int:
                 raise ConfigError(f"option.quantize_group_size={group_size} does not divide {name}'s "
                                  f"{m.in_features} inputs")
     for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, QuantizedLinear(linear, 8 if linear is head else bits, group_size))
+        replace_module(model, name, QuantizedLinear(linear, 8 if linear is head else bits, group_size))
     return len(targets)
 
 

@@ -30,6 +30,19 @@ def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     return frozenset()
 
 
+@lru_cache(maxsize=1)
+def cpu_model_name(cpuinfo: Path = CPUINFO) -> str:
+    """The ``model name`` of the first CPU in ``cpuinfo`` ("unknown" when unreadable)."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def has_fast_bf16(flags: frozenset[str] | None = None) -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls run at 2x fp32 or more."""
     f = cpu_flags() if flags is None else flags

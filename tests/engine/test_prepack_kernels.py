@@ -169,14 +169,13 @@ def _cached_timings(model_dir: Path, body_packed: set[int], head_packed: set[int
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     body = [m for m in linears if m is not model.lm_head]
-    layers = lc.streamed_layers(body, model.config.num_hidden_layers)
     entries = {}
-    for group, rows, packed_at in ((layers, max(step_tokens, max_seqs), body_packed),
-                                   ([model.lm_head], max_seqs, head_packed)):
-        shapes = [lc.shape_of(m) for m in group]
-        buckets = lc.buckets_for(shapes, rows)
-        entries[lc.group_key(shapes, buckets)] = lc.Timing({b: 1.0 for b in buckets},
-                                                           {b: 0.5 if b in packed_at else 2.0 for b in buckets})
+    for passes, packed_at in ((lc.body_passes(body, model.config.num_hidden_layers, max(step_tokens, max_seqs)),
+                               body_packed),
+                              ({r: [model.lm_head] for r in lc.buckets_for([lc.shape_of(model.lm_head)], max_seqs)},
+                               head_packed)):
+        entries[lc.pass_key(passes)] = lc.Timing({b: 1.0 for b in passes},
+                                                 {b: 0.5 if b in packed_at else 2.0 for b in passes})
     lc.TimingCache(cache_dir(), threads=1).save(entries)  # the engines below run one thread
 
 

@@ -23,7 +23,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,17 +33,18 @@ from torch import nn
 
 from handlers.engine.execution.kernels import cache_dir
 from handlers.engine.execution.prepack import HYBRID_MAX_PACKED_ROWS, PackedLinear, replace_module
-from handlers.engine.planning.cpu import cpu_flags, cpu_model_name
+from handlers.engine.planning.cpu import cpu_flags, cpu_model_name, last_level_cache_bytes
 
 logger = logging.getLogger(__name__)
 
 # The row counts measured: the decode batches and prefill chunks, by powers of two; an input is routed by the
 # smallest measured bucket that holds it, inputs beyond the largest by the largest.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-MAX_MEASURED_FLOP = 4e9  # larger passes are GEMM-bound on either kernel; they follow the largest bucket measured
+MAX_MEASURED_FLOP = 4e9  # a bucket is measured when its shortest pass stays within this; larger ones follow it
+PASS_FLOP = 8e9  # a bucket's pass runs through as many layers as fit this (at least STREAM_BYTES' worth)
 ROUNDS = 3  # timed passes per kernel and bucket, alternating (after one warm-up pass each)
-STREAM_BYTES = 16 << 20  # a pass's weights: several times a core's L2 on the CPUs measured
-CACHE_VERSION = "4"
+STREAM_BYTES = 16 << 20  # the least weight a pass reads: several times a core's L2 on the CPUs measured
+CACHE_VERSION = "5"
 
 Shape = tuple[int, int, bool, str]  # in_features, out_features, has bias, dtype
 
@@ -71,15 +72,18 @@ def buckets_for(shapes: Sequence[Shape], max_rows: int) -> tuple[int, ...]:
     return tuple(fits) or BUCKETS[:1]
 
 
-def measure(linears: Sequence[nn.Linear], buckets: Iterable[int]) -> Timing:
-    """Seconds of one pass through ``linears`` in order: ``F.linear`` on their weights against ``PackedLinear`` on
-    packed copies (made here, dropped after), the two alternating pass by pass, at each bucket's row count."""
-    packs = [PackedLinear(m) for m in linears]
-    kernels = {"plain": [lambda x, m=m: F.linear(x, m.weight, m.bias) for m in linears], "packed": packs}
+def measure(passes: Mapping[int, Sequence[nn.Linear]]) -> Timing:
+    """Seconds of each bucket's pass through its linears in order (``passes``: rows -> the linears, each a prefix
+    of the longest): ``F.linear`` on their weights against ``PackedLinear`` on packed copies (made here, dropped
+    after), the two alternating pass by pass, at the bucket's row count."""
+    longest = max(passes.values(), key=len)
+    packs = {id(m): PackedLinear(m) for m in longest}
     gen = torch.Generator().manual_seed(0)
     result: dict[str, dict[int, float]] = {"plain": {}, "packed": {}}
     with torch.inference_mode():
-        for rows in buckets:
+        for rows, linears in passes.items():
+            kernels = {"plain": [lambda x, m=m: F.linear(x, m.weight, m.bias) for m in linears],
+                       "packed": [packs[id(m)] for m in linears]}
             xs = [torch.randn(rows, m.in_features, generator=gen).to(m.weight.dtype) for m in linears]
             times: dict[str, list[float]] = {"plain": [], "packed": []}
             for i in range(ROUNDS + 1):
@@ -144,20 +148,22 @@ def timing_cache() -> TimingCache | None:
         return None
 
 
-def group_key(shapes: Sequence[Shape], buckets: tuple[int, ...]) -> str:
-    layers = " ".join(f"{s[0]}x{s[1]}{'+b' if s[2] else ''}" for s in shapes)
-    return f"{layers}:{shapes[0][3]}:{','.join(map(str, buckets))}"
+def pass_key(passes: Mapping[int, Sequence[nn.Linear]]) -> str:
+    """The cache's key for a measurement: the longest pass's shapes (hashed), dtype, and each bucket's pass length."""
+    longest = max(passes.values(), key=len)
+    shapes = " ".join(f"{s[0]}x{s[1]}{'+b' if s[2] else ''}" for s in map(shape_of, longest))
+    digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+    lengths = ",".join(f"{rows}/{len(linears)}" for rows, linears in sorted(passes.items()))
+    return f"{digest}:{shape_of(longest[0])[3]}:{lengths}"
 
 
-def timed(linears: Sequence[nn.Linear], max_rows: int, cache: TimingCache | None) -> Timing:
-    """The timing of passes through ``linears`` (``measure``) from ``cache`` when there, else measured and cached."""
-    shapes = [shape_of(m) for m in linears]
-    buckets = buckets_for(shapes, max_rows)
-    key = group_key(shapes, buckets)
+def timed(passes: Mapping[int, Sequence[nn.Linear]], cache: TimingCache | None) -> Timing:
+    """The timing of ``passes`` (``measure``) from ``cache`` when there, else measured and cached."""
+    key = pass_key(passes)
     known = cache.load() if cache is not None else {}
     if key in known:
         return known[key]
-    timing = measure(linears, buckets)
+    timing = measure(passes)
     if cache is not None:
         try:
             timing = cache.save({key: timing})[key]  # another worker's, when it saved first
@@ -166,17 +172,49 @@ def timed(linears: Sequence[nn.Linear], max_rows: int, cache: TimingCache | None
     return timing
 
 
-def streamed_layers(body: Sequence[nn.Linear], num_layers: int) -> list[nn.Linear]:
-    """The body's linears a pass runs through: whole decoder layers (the body split in ``num_layers`` when it
-    divides evenly, else all of it), as many as fill STREAM_BYTES, so that no weight is found in a cache the
-    previous pass filled, as in a step; at least one layer."""
+def stream_bytes() -> int:
+    """The weight a pass must read for none of it to be found in a cache: twice the last-level cache, at least
+    STREAM_BYTES (a large shared L3 holds a small model's first layers: timed there, the plain GEMM looked as
+    fast as the packed one where a step, streaming every layer from memory, ran 10% slower on it)."""
+    return max(STREAM_BYTES, 2 * last_level_cache_bytes())
+
+
+def body_passes(body: Sequence[nn.Linear], num_layers: int, max_rows: int,
+                stream: int | None = None) -> dict[int, list[nn.Linear]]:
+    """Each measured bucket's pass through the body: its first whole decoder layers (the body split in
+    ``num_layers`` when that divides it, else all of it as one), as many as read ``stream`` bytes of weights
+    (``stream_bytes()``) or as fit PASS_FLOP at the bucket's rows, whichever is fewer, but at least STREAM_BYTES'
+    worth (and one layer). Buckets: ``buckets_for`` the shortest such pass."""
     per_layer = len(body) // num_layers if num_layers > 0 and len(body) % num_layers == 0 else len(body)
-    chosen: list[nn.Linear] = []
-    for start in range(0, len(body), per_layer):
-        if chosen and sum(m.weight.nbytes for m in chosen) >= STREAM_BYTES:
-            break
-        chosen.extend(body[start:start + per_layer])
-    return chosen
+    layers = [list(body[i:i + per_layer]) for i in range(0, len(body), per_layer)]
+    limit = stream_bytes() if stream is None else stream
+
+    def count(fits: Callable[[list[nn.Linear]], bool]) -> int:
+        """Layers taken until ``fits`` holds of them (all of them when it never does)."""
+        taken: list[nn.Linear] = []
+        for n, layer in enumerate(layers, 1):
+            taken.extend(layer)
+            if fits(taken):
+                return n
+        return len(layers)
+
+    def within_flop(rows: int) -> int:
+        """The most layers whose pass at ``rows`` stays within PASS_FLOP."""
+        total = 0.0
+        for n, layer in enumerate(layers):
+            total += rows * 2.0 * sum(m.in_features * m.out_features for m in layer)
+            if total > PASS_FLOP:
+                return n
+        return len(layers)
+
+    least = count(lambda taken: sum(m.weight.nbytes for m in taken) >= STREAM_BYTES)
+    most = max(least, count(lambda taken: sum(m.weight.nbytes for m in taken) >= limit))
+    shortest = [m for layer in layers[:least] for m in layer]
+    passes = {}
+    for rows in buckets_for([shape_of(m) for m in shortest], max_rows):
+        n = min(most, max(least, within_flop(rows)))
+        passes[rows] = [m for layer in layers[:n] for m in layer]
+    return passes
 
 
 def apply_choice(model: nn.Module, step_tokens: int, max_seqs: int, cache: TimingCache | None) -> tuple[int, int]:
@@ -190,9 +228,9 @@ def apply_choice(model: nn.Module, step_tokens: int, max_seqs: int, cache: Timin
     timings: dict[bool, Timing] = {}  # is the head -> its timing
     if body:
         layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0
-        timings[False] = timed(streamed_layers(body, layers), max(step_tokens, max_seqs), cache)
+        timings[False] = timed(body_passes(body, layers, max(step_tokens, max_seqs)), cache)
     if type(head) is nn.Linear:
-        timings[True] = timed([head], max_seqs, cache)
+        timings[True] = timed({rows: [head] for rows in buckets_for([shape_of(head)], max_seqs)}, cache)
     packed = 0
     for name, linear in targets:
         timing = timings[linear is head]

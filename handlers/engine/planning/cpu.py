@@ -96,3 +96,23 @@ def auto_threads(num_workers: int = 1, ranks_per_worker: int = 1, environ: Mappi
     except ValueError:
         models = 1
     return max(1, cores // max(1, num_workers * ranks_per_worker * models))
+
+
+CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+@lru_cache(maxsize=1)
+def last_level_cache_bytes(caches: Path = CACHES) -> int:
+    """The size of the first CPU's last-level cache, from sysfs (0 when unreadable)."""
+    best_level, size = 0, 0
+    try:
+        for index in caches.glob("index*"):
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            value = int(text.rstrip("KMG")) * scale
+            if (level, value) > (best_level, size):
+                best_level, size = level, value
+    except (OSError, ValueError):
+        return 0
+    return size

@@ -42,16 +42,38 @@ def test_buckets_stop_at_the_rows_a_step_gives_and_at_the_flop_cap() -> None:
     assert lc.buckets_for(huge, 2048) == (1,)  # at least one bucket
 
 
-def test_a_pass_runs_through_whole_layers_until_the_stream_is_filled() -> None:
+def test_each_bucket_passes_through_whole_layers_past_the_caches_within_its_flop() -> None:
     layer = [nn.Linear(256, 256, bias=False), nn.Linear(256, 1024, bias=False)]  # 256 KiB + 1 MiB
     body = [nn.Linear(m.in_features, m.out_features, bias=False) for _ in range(30) for m in layer]
-    chosen = lc.streamed_layers(body, 30)
     per_layer = (256 * 256 + 256 * 1024) * 4
-    assert len(chosen) % 2 == 0 and chosen == body[: len(chosen)]  # whole layers, in order
-    assert (len(chosen) // 2 - 1) * per_layer < lc.STREAM_BYTES <= len(chosen) // 2 * per_layer
-    assert lc.streamed_layers(body, 7) == body  # layers that do not divide the body: all of it
+    least = -(-lc.STREAM_BYTES // per_layer)  # the layers that fill STREAM_BYTES: 13
+    # a cache no larger than STREAM_BYTES: every bucket's pass is the shortest
+    small = lc.body_passes(body, 30, 2048, stream=lc.STREAM_BYTES)
+    assert small and all(p == body[: 2 * least] for p in small.values())
+    assert lc.body_passes(body, 30, 2048, stream=1 << 30)[1] == body  # a large last-level cache: all layers
+    # wide layers (20 MiB each, on the meta device): the whole body while PASS_FLOP allows, fewer layers at more
+    # rows, never fewer than the shortest pass
+    wide = [nn.Linear(i, o, bias=False, device="meta") for _ in range(30) for i, o in ((1024, 1024), (1024, 4096))]
+    large = lc.body_passes(wide, 30, 2048, stream=1 << 30)
+    flop_per_row = 2 * (1024 * 1024 + 1024 * 4096)
+    for rows, p in large.items():
+        assert len(p) % 2 == 0 and p == wide[: len(p)]  # whole layers, in order
+        assert len(p) // 2 == min(30, max(1, int(lc.PASS_FLOP // (rows * flop_per_row)))), rows
+    assert len(large[1]) == 60 and len(large[64]) == 2 * 11 and len(large[256]) == 2 * 2
+    assert lc.body_passes(body, 7, 8, stream=1 << 30)[8] == body  # layers that do not divide the body: one
     big = [nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 4096, bias=False)]
-    assert lc.streamed_layers(big, 2) == big[:1]  # one layer over the stream size is enough
+    assert lc.body_passes(big, 2, 1, stream=lc.STREAM_BYTES)[1] == big[:1]  # one layer over the stream size
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path: Path) -> None:
+    from handlers.engine.planning.cpu import last_level_cache_bytes
+
+    for name, level, size in (("index0", 1, "48K"), ("index2", 2, "2048K"), ("index3", 3, "491520K")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "level").write_text(f"{level}\n")
+        (tmp_path / name / "size").write_text(f"{size}\n")
+    assert last_level_cache_bytes.__wrapped__(tmp_path) == 480 << 20
+    assert last_level_cache_bytes.__wrapped__(tmp_path / "absent") == 0
 
 
 def test_the_cache_round_trips_and_merges(tmp_path: Path) -> None:
@@ -81,11 +103,10 @@ def test_apply_choice_routes_the_body_and_the_head_from_the_cache(tmp_path: Path
     model.config = type("Config", (), {"num_hidden_layers": 2})()
     body = [m for layer in model.layers for m in layer]
     cache = lc.TimingCache(tmp_path, threads=torch.get_num_threads())
-    body_buckets = lc.buckets_for([lc.shape_of(m) for m in body], 64)
-    head_buckets = lc.buckets_for([lc.shape_of(model.lm_head)], 8)
-    cache.save({lc.group_key([lc.shape_of(m) for m in lc.streamed_layers(body, 2)], body_buckets):
-                timing({4, 8}, body_buckets),
-                lc.group_key([lc.shape_of(model.lm_head)], head_buckets): timing(set(), head_buckets)})
+    body_passes = lc.body_passes(body, 2, 64)
+    head_passes = {rows: [model.lm_head] for rows in lc.buckets_for([lc.shape_of(model.lm_head)], 8)}
+    cache.save({lc.pass_key(body_passes): timing({4, 8}, tuple(body_passes)),
+                lc.pass_key(head_passes): timing(set(), tuple(head_passes))})
     reference = {id(m): (m.weight.detach().clone(), m.bias.detach().clone()) for m in body}
     assert lc.apply_choice(model, step_tokens=64, max_seqs=8, cache=cache) == (4, 1)
     assert type(model.lm_head) is nn.Linear
@@ -109,7 +130,9 @@ def test_a_real_measurement_times_both_kernels_at_every_bucket_and_is_cached(tmp
     packed, plain = lc.apply_choice(model, step_tokens=16, max_seqs=4, cache=cache)
     assert packed + plain == 6
     (key, entry), = json.loads(cache.path.read_text()).items()
-    assert key == "48x96 96x48 48x96 96x48 48x96 96x48:torch.float32:1,2,4,8,16"
+    body = [m for layer in model.layers for m in layer]
+    assert key == lc.pass_key(lc.body_passes(body, 3, 16))
+    assert key.endswith(":torch.float32:1/6,2/6,4/6,8/6,16/6")  # every bucket through the whole (small) body
     for kernel in ("plain", "packed"):
         assert sorted(map(int, entry[kernel])) == [1, 2, 4, 8, 16] and all(t > 0 for t in entry[kernel].values())
     # a second model of the same shapes routes from the cache, measuring nothing

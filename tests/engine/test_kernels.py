@@ -31,17 +31,20 @@ def test_kernel_builds_on_this_machine() -> None:
     assert load_kernels() is not None  # a C compiler is part of the supported setup (and CI's)
 
 
+# Head sizes and block sizes that reach each of the kernel's paths: with AVX-512, keys 16 at a time in blocks of 4
+# (partial), 16 and 32 (two per block), value rows with the accumulator in registers (64, 128), and the portable
+# loops (a head size that is no multiple of 16).
+@pytest.mark.parametrize(("d", "bs"), [(16, 4), (64, 16), (128, 32), (40, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "window", "softcap", "with_sinks"), [
     (4, 4, 0, None, False), (8, 2, 0, None, False), (4, 1, 0, None, False), (4, 2, 5, None, False),
     (4, 2, 0, 3.0, False), (4, 2, 7, None, True), (6, 3, 0, 2.0, True),
 ])
 def test_decode_kernel_equals_reference(dtype: torch.dtype, heads: int, kv_heads: int, window: int,
-                                        softcap: float | None, with_sinks: bool) -> None:
+                                        softcap: float | None, with_sinks: bool, d: int, bs: int) -> None:
     torch.manual_seed(0)
     k_impl = load_kernels()
     assert k_impl is not None
-    d, bs = 16, 4
     pool = KVPool(1, 64 * bs, kv_heads, d, dtype)
     pool.keys[0].normal_()
     pool.values[0].normal_()
@@ -101,6 +104,36 @@ def test_kv_write_kernel_equals_index_copy(dtype: torch.dtype, tokens: int) -> N
                                pool.keys[0], pool.values[0], slots)  # a dtype other than the pool's
     assert not k_impl.write_kv(key[0], value[0], pool.keys[0], pool.values[0], slots.int())
     assert torch.equal(pool.keys[0], before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_kernel_chooses_what_torch_argmax_chooses(threads: int) -> None:
+    """First index of the largest value, ties to the first, a NaN the largest (its first), all -inf -> 0, on
+    contiguous and row-strided logits; other layouts are left to torch."""
+    kernel = kernels.load_argmax()
+    assert kernel is not None
+    torch.manual_seed(0)
+    wide = torch.randn(9, 49_160)
+    logits = wide[:, :49_152]  # rows strided past their length, as a slice of a wider buffer
+    logits[1, 7] = logits[1, 40_000] = logits[1].max() + 1  # a tie: the first wins
+    logits[2, 30_000] = float("nan")
+    logits[2, 31_000] = float("nan")
+    logits[2, 5] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, -1] = 100.0  # the last column
+    logits[5, 255:257] = 50.0  # a tie across the kernel's chunk boundary
+    logits[6] = 0.0
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel.rows(logits)
+    finally:
+        torch.set_num_threads(previous)
+    assert got == logits.argmax(-1).tolist()
+    assert got[1] == 7 and got[2] == 30_000 and got[3] == 0 and got[4] == 49_151 and got[5] == 255 and got[6] == 0
+    assert kernel.rows(torch.randn(2, 5, dtype=torch.bfloat16)) is None
+    assert kernel.rows(torch.randn(5, 2).t()) is None  # columns not contiguous
+    assert kernel.rows(torch.randn(2, 0)) is None
 
 
 def test_engine_without_a_compiler_uses_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,11 +1,11 @@
 """Native kernels of the engine: built from C at first use, called through ctypes, optional.
 
-Design note: ``csrc/paged_attention.c`` is plain C (no torch headers), so building it takes about a second
-with the system compiler (``cc -O3 -march=native -fopenmp``). The shared object is cached per source,
-compiler flags and CPU (``~/.cache/rollserve/kernels``, else a temporary folder) and written atomically, so
-concurrent workers may build it at once. When no compiler is found or the build fails, ``load_kernels``
-returns None and the engine keeps its pure-PyTorch path (logged once): the kernel is a speed-up, never a
-requirement. Runs in the worker process (and every tensor-parallel rank).
+Design note: ``csrc/paged_attention.c`` (and ``csrc/argmax.c``) is plain C (no torch headers), so building
+it takes about a second with the system compiler (``cc -O3 -march=native -fopenmp``). The shared object is
+cached per source, compiler flags and CPU (``~/.cache/rollserve/kernels``, else a temporary folder) and written
+atomically, so concurrent workers may build it at once. When no compiler is found or the build fails,
+``load_kernels`` returns None and the engine keeps its pure-PyTorch path (logged once): the kernel is a
+speed-up, never a requirement. Runs in the worker process (and every tensor-parallel rank).
 """
 
 from __future__ import annotations
@@ -89,6 +89,33 @@ class PagedKernels:
                       meta.data_ptr(), tables.data_ptr(), meta.shape[0], num_heads, k_cache.shape[0], head_dim,
                       block_size, scale, float(softcap or 0.0), sink_ptr, torch.get_num_threads())
         return rc == 0
+
+
+class ArgmaxKernel:
+    """``csrc/argmax.c``: the greedy token of each row of a step's logits, as ``torch.argmax`` chooses it."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.rollserve_argmax_rows
+        self._fn.restype = None
+        self._fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int]
+
+    def rows(self, logits: torch.Tensor) -> list[int] | None:
+        """The first index of each row's largest value (NaN the largest); None for a layout it does not take
+        (not fp32 [rows, V] on the CPU with contiguous columns): the caller then uses ``torch.argmax``."""
+        if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+                or logits.shape[1] == 0 or logits.stride(1) != 1):
+            return None
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._fn(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(),
+                 torch.get_num_threads())
+        return out.tolist()
+
+
+@lru_cache(maxsize=1)
+def load_argmax() -> ArgmaxKernel | None:
+    """The greedy-choice kernel, built at first use; None where it cannot be built."""
+    lib = shared_library("argmax.c", "greedy rows use torch.argmax")
+    return None if lib is None else ArgmaxKernel(lib)
 
 
 @lru_cache(maxsize=1)

@@ -27,7 +27,7 @@ from handlers.engine.core.scheduler import ScheduledChunk
 from handlers.engine.execution.adapters import adapt_model
 from handlers.engine.execution.cuda_graphs import DecodeGraphs, capture_sizes
 from handlers.engine.execution.fusion import fuse_projections
-from handlers.engine.execution.kernels import load_kernels
+from handlers.engine.execution.kernels import load_argmax, load_kernels
 from handlers.engine.execution.lean import LeanDecoder, unsupported
 from handlers.engine.execution.linear_choice import apply_choice, timing_cache
 from handlers.engine.execution.paged_attention import (
@@ -285,4 +285,7 @@ def _kernels(device: torch.device) -> Any:
         from handlers.engine.execution.gpu_attention import TritonPagedKernels
 
         return TritonPagedKernels()
-    return load_kernels() if device.type == "cpu" else None
+    if device.type != "cpu":
+        return None
+    load_argmax()  # built at load, not in the first request's step
+    return load_kernels()

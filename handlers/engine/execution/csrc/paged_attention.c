@@ -4,9 +4,11 @@
  * (sequence, KV head) pairs, spread over OpenMP threads; the g query heads that share a KV head are processed
  * together, so each key and value row is read once. Per item, two passes walk the sequence's block table
  * block by block (a block's rows of one head are contiguous in the pool, so there is no per-key index
- * arithmetic): pass 1 computes every score (four keys at a time), then the softmax is taken over the whole
- * row (fp32, max-subtracted), and pass 2 sums the value rows weighted by it (four keys at a time, the
- * accumulator in registers). Scores live in a per-thread buffer sized by the longest sequence of the call.
+ * arithmetic): pass 1 computes every score (sixteen keys at a time with AVX-512, else four), then the softmax is
+ * taken over the whole row (fp32, max-subtracted), and pass 2 sums the value rows weighted by it (with AVX-512 and
+ * a head size of 64 or 128 each head's accumulator in registers for a whole block, else four keys at a time).
+ * Each pass prefetches the next block while it works on one. Scores live in a per-thread buffer sized by the
+ * longest sequence of the call.
  * Optional: logit soft-capping (tanh), a per-head sink logit, and a key range [kv_lo, kv_end) for sliding
  * windows. Layouts: q and out [T, H, D] with any row/head strides; the pool is [Hkv, S, D] (head-major) with D
  * contiguous; fp32 or bf16 pool, query and output (bf16 is converted to fp32 on load; all arithmetic is fp32;
@@ -78,9 +80,56 @@ static inline void prefetch_rows(const float* next, int64_t ks, int64_t d, int64
         for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(next + r * ks + i, 0, 3);
 }
 
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The transpose-and-add tree that turns 16 keys' partial-sum vectors (16 lanes each) into one vector of their 16
+ * scores: 15 adds and 30 shuffles where 16 horizontal sums take about twice that. */
+static inline __m512 pair_sum(__m512 a, __m512 b) { /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+static inline __m512 quad_sum(__m512 x, __m512 y) { /* per 128-bit lane: four keys' partial sums */
+    const __m512d xd = _mm512_castps_pd(x), yd = _mm512_castps_pd(y);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(xd, yd)), _mm512_castpd_ps(_mm512_unpackhi_pd(xd, yd)));
+}
+static inline __m512 lane_sum(__m512 x, __m512 y) { /* lanes [x0+x1, x2+x3, y0+y1, y2+y3] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+static inline __m512 reduce16(const __m512* a) {
+    const __m512 p0 = pair_sum(a[0], a[1]), p1 = pair_sum(a[2], a[3]), p2 = pair_sum(a[4], a[5]), p3 = pair_sum(a[6], a[7]);
+    const __m512 p4 = pair_sum(a[8], a[9]), p5 = pair_sum(a[10], a[11]), p6 = pair_sum(a[12], a[13]), p7 = pair_sum(a[14], a[15]);
+    const __m512 q0 = quad_sum(p0, p1), q1 = quad_sum(p2, p3), q2 = quad_sum(p4, p5), q3 = quad_sum(p6, p7);
+    return lane_sum(lane_sum(q0, q1), lane_sum(q2, q3));
+}
+#endif
+
 static inline void score_rows(const float* restrict qv, int64_t g, int64_t d, const float* restrict k, int64_t ks,
                               int64_t n, float* restrict sc, int64_t ld, const float* next, int64_t next_n) {
     int64_t t = 0;
+#if defined(__AVX512F__)
+    if (d % 16 == 0) { /* sixteen keys at a time, one partial-sum vector each, reduced together */
+        for (; t < n; t += 16) {
+            const int64_t m = n - t < 16 ? n - t : 16;
+            const __mmask16 keep = (__mmask16)((1u << m) - 1u);
+            const float* rows[16];
+            for (int r = 0; r < 16; r++) rows[r] = k + (t + (r < m ? r : m - 1)) * ks;
+            if (next != 0) /* the next block's rows, as far as this chunk's */
+                for (int64_t r = t; r < t + 16 && r < next_n; r++)
+                    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(next + r * ks + i, 0, 3);
+            for (int64_t j = 0; j < g; j++) {
+                const float* qj = qv + j * d;
+                __m512 acc[16];
+                for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < d; i += 16) {
+                    const __m512 qc = _mm512_loadu_ps(qj + i);
+                    for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[r] + i), acc[r]);
+                }
+                _mm512_mask_storeu_ps(sc + j * ld + t, keep, reduce16(acc));
+            }
+        }
+        return;
+    }
+#endif
     for (; t + ROWS <= n; t += ROWS) {
         prefetch_rows(next, ks, d, t, next_n);
         const float* restrict k0 = k + t * ks;
@@ -116,10 +165,43 @@ static inline void score_rows(const float* restrict qv, int64_t g, int64_t d, co
     }
 }
 
+#if defined(__AVX512F__)
+/* accumulate_rows for a head size known at compile time (64 or 128): each query head's accumulator stays in
+ * registers across the block, one broadcast weight and d/16 fused multiply-adds per value row. */
+static inline __attribute__((always_inline)) void accumulate_fixed(float* restrict acc, int64_t g, const int64_t d,
+        const float* restrict v, int64_t vs, int64_t n, const float* restrict p, int64_t ld, const float* next,
+        int64_t next_n) {
+    if (next != 0)
+        for (int64_t r = 0; r < next_n; r++)
+            for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(next + r * vs + i, 0, 3);
+    for (int64_t j = 0; j < g; j++) {
+        __m512 a[8];
+        for (int64_t c = 0; c < d / 16; c++) a[c] = _mm512_loadu_ps(acc + j * d + 16 * c);
+        const float* pj = p + j * ld;
+        for (int64_t t = 0; t < n; t++) {
+            const __m512 w = _mm512_set1_ps(pj[t]);
+            const float* vr = v + t * vs;
+            for (int64_t c = 0; c < d / 16; c++) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * c), a[c]);
+        }
+        for (int64_t c = 0; c < d / 16; c++) _mm512_storeu_ps(acc + j * d + 16 * c, a[c]);
+    }
+}
+#endif
+
 /* acc[j] += sum_t p[j * ld + t] * v[t] over n contiguous value rows (row stride vs). */
 static inline void accumulate_rows(float* restrict acc, int64_t g, int64_t d, const float* restrict v, int64_t vs,
                                    int64_t n, const float* restrict p, int64_t ld, const float* next, int64_t next_n) {
     int64_t t = 0;
+#if defined(__AVX512F__)
+    if (d == 64) {
+        accumulate_fixed(acc, g, 64, v, vs, n, p, ld, next, next_n);
+        return;
+    }
+    if (d == 128) {
+        accumulate_fixed(acc, g, 128, v, vs, n, p, ld, next, next_n);
+        return;
+    }
+#endif
     for (; t + ROWS <= n; t += ROWS) {
         prefetch_rows(next, vs, d, t, next_n);
         const float* restrict v0 = v + t * vs;
@@ -189,6 +271,7 @@ static void attend_one(const Call* c, const int64_t* meta, int64_t kvh, float* s
         if (c->softcap > 0.0f)
             for (int64_t t = 0; t < len; t++) sj[t] = tanhf(sj[t] / c->softcap) * c->softcap;
         float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
         for (int64_t t = 0; t < len; t++) m = sj[t] > m ? sj[t] : m;
         const float sink = c->sinks != 0 ? c->sinks[kvh * g + j] : -INFINITY;
         m = sink > m ? sink : m;

@@ -136,6 +136,27 @@ def test_argmax_kernel_chooses_what_torch_argmax_chooses(threads: int) -> None:
     assert kernel.rows(torch.randn(2, 0)) is None
 
 
+def test_rotary_kernel_is_bitwise_the_torch_operations_it_replaces() -> None:
+    """One pass in C gives every bit of torch's five operations (it is built without fused multiply-adds), on
+    contiguous and strided projections (a slice of a fused QKV output); layouts it does not take are declined."""
+    from handlers.engine.execution.lean import _rotate
+
+    kernel = kernels.load_rotary()
+    assert kernel is not None
+    torch.manual_seed(0)
+    for tokens, heads, d in ((1, 9, 64), (37, 3, 64), (300, 4, 128), (3, 2, 10)):
+        wide = torch.randn(tokens, heads * d + 24) * 30
+        for x in (wide[:, :heads * d].view(tokens, heads, d), wide[:, :heads * d].contiguous().view(tokens, heads, d)):
+            angles = torch.randn(1, tokens, d) * 100
+            cos, sin = angles.cos()[0, :, None], angles.sin()[0, :, None]
+            got = kernel.apply(x, cos, sin)
+            assert got is not None and torch.equal(got, _rotate(x, cos, sin)), (tokens, heads, d)
+    x, cos, sin = torch.randn(4, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8)
+    assert kernel.apply(x.bfloat16(), cos, sin) is None
+    assert kernel.apply(x, torch.randn(8, 1, 4).transpose(0, 2), sin) is None  # a table not [T, D] contiguous
+    assert kernel.apply(torch.randn(4, 8, 2).transpose(1, 2), cos, sin) is None  # D not contiguous
+
+
 def test_engine_without_a_compiler_uses_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
     load_kernels.cache_clear()

@@ -1,9 +1,9 @@
 """Native kernels of the engine: built from C at first use, called through ctypes, optional.
 
-Design note: ``csrc/paged_attention.c`` (and ``csrc/argmax.c``) is plain C (no torch headers), so building
-it takes about a second with the system compiler (``cc -O3 -march=native -fopenmp``). The shared object is
-cached per source, compiler flags and CPU (``~/.cache/rollserve/kernels``, else a temporary folder) and written
-atomically, so concurrent workers may build it at once. When no compiler is found or the build fails,
+Design note: ``csrc/paged_attention.c`` (and ``argmax.c``, ``rotary.c``) is plain C (no torch headers), so
+building it takes about a second with the system compiler (``cc -O3 -march=native -fopenmp``). The shared
+object is cached per source, compiler flags and CPU (``~/.cache/rollserve/kernels``, else a temporary folder)
+and written atomically, so concurrent workers may build it at once. When no compiler is found or the build fails,
 ``load_kernels`` returns None and the engine keeps its pure-PyTorch path (logged once): the kernel is a
 speed-up, never a requirement. Runs in the worker process (and every tensor-parallel rank).
 """
@@ -118,6 +118,36 @@ def load_argmax() -> ArgmaxKernel | None:
     return None if lib is None else ArgmaxKernel(lib)
 
 
+class RotaryKernel:
+    """``csrc/rotary.c``: transformers' rotate-half rotary embedding in one pass, bitwise torch's result."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.rollserve_rotary
+        self._fn.restype = None
+        self._fn.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """``x * cos + rotate_half(x) * sin`` for ``x`` [T, H, D] and ``cos``/``sin`` [T, 1, D] (broadcast over
+        heads); None for a layout it does not take (not fp32 on the CPU, D not contiguous or odd, tables not
+        [T, D] contiguous): the caller then runs torch's operations."""
+        t, heads, d = x.shape
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(2) != 1 or d % 2
+                or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape != (t, 1, d)
+                or sin.shape != (t, 1, d) or not cos.is_contiguous() or not sin.is_contiguous()):
+            return None
+        out = torch.empty(t, heads, d)
+        self._fn(x.data_ptr(), t, heads, d, x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                 torch.get_num_threads())
+        return out
+
+
+@lru_cache(maxsize=1)
+def load_rotary() -> RotaryKernel | None:
+    """The rotary kernel, built at first use; None where it cannot be built."""
+    lib = shared_library("rotary.c", "the rotary embedding runs as torch operations", ("-ffp-contract=off",))
+    return None if lib is None else RotaryKernel(lib)
+
+
 @lru_cache(maxsize=1)
 def load_kernels() -> PagedKernels | None:
     """Build (or find in the cache) and load the kernels; None when they cannot be built here."""
@@ -125,20 +155,22 @@ def load_kernels() -> PagedKernels | None:
     return None if lib is None else PagedKernels(lib)
 
 
-def shared_library(source_name: str, without: str) -> ctypes.CDLL | None:
-    """``csrc/source_name`` built with FLAGS for this CPU (cached by source, flags and CPU features) and
-    loaded; None, logged once with ``without`` (what the caller does instead), when it cannot be built."""
+def shared_library(source_name: str, without: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """``csrc/source_name`` built with FLAGS (and ``extra``) for this CPU (cached by source, flags and CPU
+    features) and loaded; None, logged once with ``without`` (what the caller does instead), when it cannot be
+    built."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: %s", without)
         return None
     source = CSRC / source_name
-    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()
+    flags = (*FLAGS, *extra)
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
-            _build(compiler, source, target)
+            _build(compiler, source, target, flags)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
@@ -147,11 +179,11 @@ def shared_library(source_name: str, without: str) -> ctypes.CDLL | None:
         return None
 
 
-def _build(compiler: str, source: Path, target: Path) -> None:
+def _build(compiler: str, source: Path, target: Path, flags: tuple[str, ...]) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(source), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, "-o", tmp, str(source), "-lm"], check=True, capture_output=True,
                        timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent builder's identical file is fine either way
         logger.info("built %s", target)

@@ -25,11 +25,13 @@ KV_UTIL_DEF = ("KV utilisation = tokens whose KV is stored for live sequences / 
 
 
 def code_state() -> str:
-    """HEAD commit + a hash of the working-tree engine/handler sources (others edit them during runs)."""
+    """HEAD commit + a hash of the working-tree engine/handler sources, C kernels included (others edit them
+    during runs)."""
     import hashlib
 
     h = hashlib.sha256()
-    for f in sorted((REPO / "handlers").rglob("*.py")) + sorted((REPO / "serving").rglob("*.py")):
+    sources = [f for d in ("handlers", "serving") for pattern in ("*.py", "*.c") for f in (REPO / d).rglob(pattern)]
+    for f in sorted(sources):
         h.update(f.read_bytes())
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,

@@ -2,7 +2,9 @@
 
 A stack of the 110m model's linear shapes (12 layers of fused QKV 2304x768, output 768x768, fused gate/up
 6144x768, down 768x3072, then the lm_head 8192x768: 340 MB of fp32 weights, streamed from memory every step
-as in the engine) run on ``--rows`` rows; prints the median step time and the CPU time per step.
+as in the engine) run on ``--rows`` rows; prints the median step time and the CPU time per step. ``--shapes
+smollm2`` runs SmolLM2-135M's 30 layers as the engine has them (q, k, v, o, gate, up, down: 424 MB), ``--shapes
+smollm2-fused`` with QKV and gate/up fused, ``--no-head`` leaves the LM head out.
 
     .venv/bin/python benchmarks/gemm.py packed --threads 2           # handlers.engine.execution.prepack.PackedLinear
     .venv/bin/python benchmarks/gemm.py plain --threads 2            # F.linear on the plain weight
@@ -31,6 +33,12 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 LAYER_SHAPES = [(2304, 768), (768, 768), (6144, 768), (768, 3072)]  # (out, in) per decoder layer
 LM_HEAD = (8192, 768)
+SHAPES = {  # name -> (layer shapes (out, in), layers, LM head)
+    "110m": (LAYER_SHAPES, 12, LM_HEAD),
+    "smollm2": ([(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)], 30,
+                (49152, 576)),
+    "smollm2-fused": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),
+}
 
 
 def build(mode: str, weights: list[torch.Tensor]) -> list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]]:
@@ -69,10 +77,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, default=32, help="rows of each matmul (decode: running sequences)")
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="110m", help="whose linear layers")
+    ap.add_argument("--no-head", action="store_true", help="the decoder layers only")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    shapes = LAYER_SHAPES * 12 + [LM_HEAD]
+    layer, layers, head = SHAPES[args.shapes]
+    shapes = layer * layers + ([] if args.no_head else [head])
     fns = build(args.mode, [torch.randn(n, k) * 0.02 for n, k in shapes])
     xs = {k: torch.randn(args.rows, k) for _, k in shapes}
 

@@ -1,10 +1,10 @@
 /* Greedy choice for a step's rows of logits: the first index of each row's largest value, a NaN counting as the
  * largest (torch.argmax's rule), so the tokens are the same as torch's.
  *
- * torch.argmax on one CPU thread takes about ten times as long as the row's maximum alone (it tracks the index
- * element by element), and a 32-row step of a 49k vocabulary ran it for several milliseconds. Here the maximum
- * (and whether there is a NaN) is a vectorized reduction, then a search for its first position, a chunk at a
- * time. Rows are spread over OpenMP threads. Built at first use by handlers/engine/execution/kernels.py.
+ * torch.argmax on one CPU thread takes several times as long as the row's maximum alone (it tracks the index
+ * element by element), milliseconds for a 32-row step of a 49k vocabulary. Here the maximum (and whether there is
+ * a NaN) is a vectorized reduction, then a vectorized search for its first position, a chunk at a time: bound by
+ * reading the row twice (benchmarks/README.md has the figures). Rows are spread over OpenMP threads. Built at first use by handlers/engine/execution/kernels.py.
  */
 #include <math.h>
 #include <stdint.h>

@@ -53,7 +53,7 @@ def pytest_configure(config: pytest.Config) -> None:
     count, index = int(workerinput["workercount"]), int(str(workerinput["workerid"]).removeprefix("gw"))
     cores = sorted(os.sched_getaffinity(0))
     if count > 1 and len(cores) >= count:
-        os.sched_setaffinity(0, cores[index::count])
+        os.sched_setaffinity(0, cores[index % count::count])  # a replacement for a crashed worker: gw2, ...
 
 
 _TIERS = {"unit": "unit", "engine": "engine", "handlers": "engine", "integration": "integration"}

@@ -105,7 +105,7 @@ class ArgmaxKernel:
         if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
                 or logits.shape[1] == 0 or logits.stride(1) != 1):
             return None
-        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         self._fn(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(),
                  torch.get_num_threads())
         return out.tolist()
@@ -135,7 +135,7 @@ class RotaryKernel:
                 or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape != (t, 1, d)
                 or sin.shape != (t, 1, d) or not cos.is_contiguous() or not sin.is_contiguous()):
             return None
-        out = torch.empty(t, heads, d)
+        out = torch.empty(t, heads, d, device=x.device)
         self._fn(x.data_ptr(), t, heads, d, x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                  torch.get_num_threads())
         return out

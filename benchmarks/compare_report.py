@@ -6,11 +6,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-tokencap", "rollserve-r2", "rollserve-auto",
-           "rollserve-2w", "rollserve-packed", "rollserve-hybrid", "rollserve-dynamic")
+SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-tokencap", "rollserve-r2", "rollserve-r8",
+           "rollserve-auto", "rollserve-2w", "rollserve-packed", "rollserve-hybrid", "rollserve-dynamic")
 RATIOS = (("rollserve", "vllm"), ("rollserve-ngram", "vllm"), ("rollserve-ngram", "rollserve"),
           ("rollserve-tokencap", "vllm"), ("rollserve", "rollserve-tokencap"), ("rollserve-r2", "vllm"),
-          ("rollserve-auto", "vllm"), ("rollserve-auto", "rollserve-2w"), ("rollserve-packed", "vllm"),
+          ("rollserve-r8", "vllm"), ("rollserve-auto", "vllm"), ("rollserve-auto", "rollserve-2w"),
+          ("rollserve-packed", "vllm"),
           ("rollserve-auto", "rollserve-packed"), ("rollserve-hybrid", "vllm"), ("rollserve-auto", "rollserve-hybrid"),
           ("rollserve-auto", "rollserve-dynamic"))
 KEYS = ("output_tok_s", "cpu_s", "tok_per_cpu_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")

@@ -174,8 +174,8 @@ def timed(passes: Mapping[int, Sequence[nn.Linear]], cache: TimingCache | None) 
 
 def stream_bytes() -> int:
     """The weight a pass must read for none of it to be found in a cache: twice the last-level cache, at least
-    STREAM_BYTES (a large shared L3 holds a small model's first layers: timed there, the plain GEMM looked as
-    fast as the packed one where a step, streaming every layer from memory, ran 10% slower on it)."""
+    STREAM_BYTES (a VM's large L3 held a small model's first layers, and timed there the plain GEMM looked as fast
+    as the packed one where a step, streaming every layer from memory, ran slower on it: benchmarks/README.md)."""
     return max(STREAM_BYTES, 2 * last_level_cache_bytes())
 
 
@@ -187,28 +187,29 @@ def body_passes(body: Sequence[nn.Linear], num_layers: int, max_rows: int,
     worth (and one layer). Buckets: ``buckets_for`` the shortest such pass."""
     per_layer = len(body) // num_layers if num_layers > 0 and len(body) % num_layers == 0 else len(body)
     layers = [list(body[i:i + per_layer]) for i in range(0, len(body), per_layer)]
-    limit = stream_bytes() if stream is None else stream
+    nbytes = [sum(m.weight.nbytes for m in layer) for layer in layers]
+    flop_per_row = [2.0 * sum(m.in_features * m.out_features for m in layer) for layer in layers]
 
-    def count(fits: Callable[[list[nn.Linear]], bool]) -> int:
-        """Layers taken until ``fits`` holds of them (all of them when it never does)."""
-        taken: list[nn.Linear] = []
-        for n, layer in enumerate(layers, 1):
-            taken.extend(layer)
-            if fits(taken):
+    def reaching(total: float) -> int:
+        """The fewest first layers whose weights add up to ``total`` bytes (all of them when they never do)."""
+        read = 0
+        for n, size in enumerate(nbytes, 1):
+            read += size
+            if read >= total:
                 return n
         return len(layers)
 
     def within_flop(rows: int) -> int:
-        """The most layers whose pass at ``rows`` stays within PASS_FLOP."""
+        """The most first layers whose pass at ``rows`` stays within PASS_FLOP."""
         total = 0.0
-        for n, layer in enumerate(layers):
-            total += rows * 2.0 * sum(m.in_features * m.out_features for m in layer)
+        for n, flop in enumerate(flop_per_row):
+            total += rows * flop
             if total > PASS_FLOP:
                 return n
         return len(layers)
 
-    least = count(lambda taken: sum(m.weight.nbytes for m in taken) >= STREAM_BYTES)
-    most = max(least, count(lambda taken: sum(m.weight.nbytes for m in taken) >= limit))
+    least = reaching(STREAM_BYTES)
+    most = max(least, reaching(stream_bytes() if stream is None else stream))
     shortest = [m for layer in layers[:least] for m in layer]
     passes = {}
     for rows in buckets_for([shape_of(m) for m in shortest], max_rows):

@@ -153,7 +153,8 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "for learned positions, allowed with a warning above it for rotary ones)"),
     _spec("prepack_weights", choice(PREPACK_MODES, {w: str(v).lower() for w, v in BOOL_WORDS.items()}), "auto",
           (ENGINE,), "oneDNN-packed linear weights: auto = measured at load on this CPU: passes through the "
-          "model's first layers, plain against packed, at each row count a step can bring, and each row count of "
+          "model's layers (as a step streams them from memory), plain against packed, at each row count a step "
+          "can bring, and each row count of "
           "the layers (and of the LM head) runs on the faster, a layer keeping only the copies it uses (the plan "
           "counts two; one packed copy where two do not fit; timings cached per CPU); hybrid = packed for inputs "
           "of 2 to 128 rows and the prefill row counts built at load, plain beyond (a second copy of the "

@@ -7,8 +7,9 @@ row count and the threads (benchmarks/README.md, "Measured kernel choice"). Timi
 in a step the layers' calls follow one another, and switching kernels between them costs more than either
 kernel alone (a 256-wide model's MLP on the packed weight measured faster alone and slower in sequence).
 So with ``prepack_weights=auto`` the engine times passes through its first decoder layers' linear layers in
-their order (enough layers not to find a weight in cache), all plain against all packed, at the row counts a
-step gives them, and the LM head alone; each row-count bucket of the body, and of the head, goes to
+their order (twice the last-level cache in weights where the model has that much, so that none is found in a
+cache, as in a step; fewer layers at large row counts, bound by arithmetic), all plain against all packed, at
+the row counts a step gives them, and the LM head alone; each row-count bucket of the body, and of the head, goes to
 the faster. Layers keep only the copies their routes use (the memory plan counted both). Timings are cached
 per CPU, torch build and thread count, so the workers of a machine route alike and a restarted worker
 computes with the kernels of the one it replaces.

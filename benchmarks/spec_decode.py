@@ -1,10 +1,12 @@
 """Prompt-lookup speculative decoding in the engine, by batch size: plain decoding vs ``speculative_draft=ngram``.
 
 For each ``--batch`` B, the first B prompts of the benchmark workload each generate ``--tokens`` tokens (greedy,
-EOS ignored) in an ``LLMEngine`` with bench.py's engine options, once plain and once with n-gram guesses, alternating
-``--rounds`` times (a fresh engine each time; the model loaded once per variant). Prints per B: the median output
-tok/s of each (min-max), their ratio, the share of guesses the model confirmed and tokens per step. Both variants'
-outputs are compared token for token (they must be equal).
+EOS ignored) in an ``LLMEngine`` with bench.py's engine options, plain and with n-gram guesses under each
+``--max-batch`` (``option.speculative_max_batch_size``: auto = the cost gate, 0 = guesses at every batch size, N),
+alternating ``--rounds`` times. One engine per variant serves every round and batch size, as a server would (the
+gate's step fit and confirmed shares carry over). Prints per B: the median output tok/s of each (min-max), each
+variant's ratio to plain, the share of guesses the model confirmed and tokens per step. Every variant's outputs are
+compared with plain decoding's token for token (they must be equal).
 
 ``--model smollm2``: the real SmolLM2-135M-Instruct on the chat workload of real English text
 (``chat_workload.py``: paragraphs, then summarise / list / explain / rewrite / quote), each request generating
@@ -58,10 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--requests", type=int, default=8, help="smollm2: the chat requests run at every batch size")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-batch", default="0", help="option.speculative_max_batch_size of the ngram variant "
-                    "(default 0: guesses at every batch size, to see where they pay)")
+    ap.add_argument("--max-batch", action="append", help="option.speculative_max_batch_size of an ngram variant, "
+                    "repeatable (default: auto, the cost gate, and 0, guesses at every batch size)")
     args = ap.parse_args(argv)
-    variants = {"plain": {}, "ngram": {"speculative_draft": "ngram", "speculative_max_batch_size": args.max_batch}}
+    variants: dict[str, dict[str, str]] = {"plain": {}}
+    for m in args.max_batch or ["auto", "0"]:
+        variants[f"ngram-{m}"] = {"speculative_draft": "ngram", "speculative_max_batch_size": m}
+    spec = [name for name in variants if name != "plain"]
 
     import torch
 
@@ -86,13 +91,15 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [list(r.prompt_token_ids) for r in w.requests]
     print(f"model {args.model}, {args.tokens} tokens per request, {torch.get_num_threads()} thread(s), "
           f"{args.rounds} alternating rounds; cells: median (min-max)")
-    print("| batch | plain tok/s | ngram tok/s | ngram / plain | guesses confirmed | tokens per step (plain, ngram) |")
-    print("|---|---|---|---|---|---|")
+    print("| batch | " + " | ".join(f"{n} tok/s" for n in variants) + " | "
+          + " | ".join(f"{n} / plain" for n in spec) + " | " + " | ".join(f"{n} guesses confirmed" for n in spec)
+          + " | tokens per step (" + ", ".join(variants) + ") |")
+    print("|---" * (2 + 3 * len(spec) + 1) + "|")
     for batch in args.batch or [1, 4, 32]:
         rates: dict[str, list[float]] = {name: [] for name in variants}
         outs: dict[str, dict[str, list[int]]] = {}
         steps: dict[str, int] = {}
-        before = dict(engines["ngram"].stats())
+        before = {n: dict(engines[n].stats()) for n in spec}
         for _ in range(args.rounds):
             for name, engine in engines.items():
                 if real:  # the same --requests prompts at every batch size, B at a time
@@ -104,19 +111,22 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     seconds, outs[name], steps[name] = run(engine, prompts[:batch], args.tokens)
                 rates[name].append(sum(map(len, outs[name].values())) / seconds)
-        if outs["plain"] != outs["ngram"]:
-            differ = [k for k in outs["plain"] if outs["plain"][k] != outs["ngram"][k]]
-            print(f"batch {batch}: outputs differ for {differ} (a near-tie resolved differently by another matmul "
-                  "shape)")
-        after = engines["ngram"].stats()
-        drafted = after["spec_draft_tokens_total"] - before["spec_draft_tokens_total"]
-        confirmed = after["spec_accepted_tokens_total"] - before["spec_accepted_tokens_total"]
-        p, n = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
+        for n in spec:
+            if outs["plain"] != outs[n]:
+                differ = [k for k in outs["plain"] if outs["plain"][k] != outs[n][k]]
+                print(f"batch {batch}: {n}'s outputs differ for {differ} (a near-tie resolved differently by another "
+                      "matmul shape)")
+        p = statistics.median(rates["plain"])
         cells = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for v in rates.values()]
-        share = f"{confirmed}/{drafted} ({confirmed / drafted:.0%})" if drafted else "no guesses"
-        made = {name: sum(map(len, out.values())) for name, out in outs.items()}
-        per_step = f"{made['plain'] / steps['plain']:.2f}, {made['ngram'] / steps['ngram']:.2f}"
-        print(f"| {batch} | {cells[0]} | {cells[1]} | {n / p:.2f}x | {share} | {per_step} |", flush=True)
+        ratios = [f"{statistics.median(rates[n]) / p:.2f}x" for n in spec]
+        shares = []
+        for n in spec:
+            after = engines[n].stats()
+            drafted = after["spec_draft_tokens_total"] - before[n]["spec_draft_tokens_total"]
+            confirmed = after["spec_accepted_tokens_total"] - before[n]["spec_accepted_tokens_total"]
+            shares.append(f"{confirmed}/{drafted} ({confirmed / drafted:.0%})" if drafted else "no guesses")
+        per_step = ", ".join(f"{sum(map(len, out.values())) / steps[name]:.2f}" for name, out in outs.items())
+        print(f"| {batch} | " + " | ".join(cells + ratios + shares) + f" | {per_step} |", flush=True)
 
 
 if __name__ == "__main__":

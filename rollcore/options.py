@@ -177,8 +177,10 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("num_speculative_tokens", integer(1, 16), "4", (ENGINE,), "guesses checked per sequence and step"),
     _spec("prompt_lookup_min", integer(1, 16), "1", (ENGINE,), "shortest n-gram the ngram drafter matches"),
     _spec("prompt_lookup_max", integer(1, 16), "3", (ENGINE,), "longest n-gram the ngram drafter matches"),
-    _spec("speculative_max_batch_size", integer(0), "4", (ENGINE,),
-          "guess only while at most this many sequences decode (larger batches are compute-bound); 0 = always"),
+    _spec("speculative_max_batch_size", integer(0, auto=True), "auto", (ENGINE,),
+          "auto = guess while the step's measured cost says a guess pays for its row (the model's confirmed share "
+          "of earlier guesses against what a row costs beside the sequences decoding: guesses on memory-bound "
+          "steps, none on compute-bound ones); N = only while at most N sequences decode; 0 = always"),
     _spec("enable_lora", boolean, "false", (ENGINE,),
           "serve the LoRA adapters of the model folder's adapters/NAME/ (PEFT format) and those registered at run "
           "time; rows of different adapters and of the base model share each step (no weights merged)"),

@@ -19,10 +19,11 @@ import torch
 
 from handlers.engine.build import load_for_engine, plan_for_loaded_model
 from handlers.engine.core.detokenizer import IncrementalDetokenizer
+from handlers.engine.core.draft_gate import DraftGate, DraftOdds
 from handlers.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.core.sequence import Sequence
 from handlers.engine.core.speculative import NgramDrafter
-from handlers.engine.core.step_budget import PrefillBudget
+from handlers.engine.core.step_budget import PrefillBudget, StepFit
 from handlers.engine.execution.drafts import check_drafts
 from handlers.engine.execution.grammar import PendingGrammars
 from handlers.engine.execution.loading import eos_token_ids
@@ -138,16 +139,23 @@ class LLMEngine:
                           "num_requests_aborted_total": 0, "spec_draft_tokens_total": 0,
                           "spec_accepted_tokens_total": 0}
         self.step_cost = StepCost()  # every step's tokens and seconds (``rollcore.step_cost``: serving tune fits it)
+        # what a step costs, fitted over the steps run: prices the prefill bound's tokens and the guesses' rows
+        self.step_fit = StepFit()
         # the prefill a step may carry while sequences decode, bounded by time (``handlers.engine.core.step_budget``)
         self.prefill_budget: PrefillBudget | None = None
         if config.max_mixed_step_ratio:
-            self.prefill_budget = PrefillBudget(config.max_mixed_step_ratio, floor=config.block_size)
+            self.prefill_budget = PrefillBudget(config.max_mixed_step_ratio, floor=config.block_size, fit=self.step_fit)
             self.scheduler.prefill_limit = self.prefill_budget.limit
+        self.draft_gate: DraftGate | None = None
         if config.speculative_draft == "ngram":
             self.scheduler.drafter = self._draft
-            logger.info("speculative decoding: n-gram prompt lookup, up to %d tokens a step (n-grams of %d-%d) while "
-                        "at most %s sequences decode", config.num_speculative_tokens, config.prompt_lookup_min,
-                        config.prompt_lookup_max, config.speculative_max_batch_size or "any number of")
+            if config.speculative_max_batch_size is None:  # auto: the guesses' cost decides
+                self.draft_gate = DraftGate(self.step_fit, DraftOdds(config.num_speculative_tokens))
+                self.scheduler.draft_length = self.draft_gate
+            logger.info("speculative decoding: n-gram prompt lookup, up to %d tokens a step (n-grams of %d-%d) %s",
+                        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+                        "while the step cost says they pay" if self.draft_gate else
+                        f"while at most {config.speculative_max_batch_size or 'any number of'} sequences decode")
 
     @classmethod
     def from_options(cls, model_dir: Path, options: Mapping[str, str], device_id: int = -1) -> LLMEngine:
@@ -273,8 +281,7 @@ class LLMEngine:
             deltas = [self._advance(r, t) for r, t in zip(reqs, tokens, strict=True)]
         seconds = time.perf_counter() - t0
         self.step_cost.add(plan.num_batched_tokens, seconds)
-        if self.prefill_budget is not None:
-            self.prefill_budget.record(plan.num_batched_tokens - prompt_tokens, prompt_tokens, seconds)
+        self.step_fit.record(plan.num_batched_tokens - prompt_tokens, prompt_tokens, seconds)
         return failed + deltas
 
     def _record_prompt_scores(self, chunk: ScheduledChunk, infos: list[TokenInfo]) -> None:
@@ -313,6 +320,8 @@ class LLMEngine:
                 continue
             if req.drafter is not None:
                 req.drafter.record(checked.drafted, checked.accepted)
+            if self.draft_gate is not None:
+                self.draft_gate.odds.record(checked.drafted, checked.accepted)
             self._counters["spec_draft_tokens_total"] += checked.drafted
             self._counters["spec_accepted_tokens_total"] += checked.accepted
             deltas.extend(self._advance_many(req, checked.tokens))
@@ -406,6 +415,7 @@ class LLMEngine:
             "limits": self.scheduler.limits.as_dict(),
             "step_cost": self.step_cost.as_dict(),
             "prefill_budget": self.prefill_budget.as_dict() if self.prefill_budget is not None else None,
+            "draft_gate": self.draft_gate.as_dict() if self.draft_gate is not None else None,
             "blocks_held": {s.request_id: s.num_live_blocks for s in self.scheduler.live_sequences()},
         }
 

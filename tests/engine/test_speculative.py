@@ -301,3 +301,27 @@ def test_sampled_and_logprobs_requests_share_the_batch_unchanged(model_dirs: dic
             assert all(len(t.top_logprobs) == 2 for t in got)
     assert sum(spec.confirmed_runs(f"r{i}") for i in (2, 5, 8)) > 0  # logprobs requests guessed too
     assert engine.stats()["spec_accepted_tokens_total"] > 0
+
+
+QUOTES = ["Repeat this sentence word for word: The library opens at nine in the morning and closes at six in the "
+          "evening, except on Sundays, when it stays closed all day.",
+          "Copy the following list exactly: apples, pears, plums, cherries, grapes, lemons, oranges, peaches."]
+
+
+def test_the_cost_gate_lets_guesses_through_on_the_real_model_and_keeps_greedy_output() -> None:
+    """SmolLM2 asked to quote its prompt, one request at a time with the default ``speculative_max_batch_size``
+    (auto): a one-row step is mostly the reading of the weights, so the gate gives guesses, the model confirms many,
+    and every token is still transformers' greedy choice."""
+    from tests.real_model import smollm2_folder
+
+    folder = smollm2_folder()
+    engine = LLMEngine.from_options(folder, {"num_kv_blocks": "128", "speculative_draft": "ngram"})
+    assert engine.draft_gate is not None and engine.config.speculative_max_batch_size is None
+    for i, question in enumerate(QUOTES):
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                    add_generation_prompt=True)
+        prompt = list(engine.tokenizer(text)["input_ids"])
+        run = run_all(engine, [prompt], [SamplingParams(max_new_tokens=MAX_NEW)])  # its answer, to its EOS
+        assert ids(run["r0"]) == reference_greedy(folder, prompt, MAX_NEW), f"request {i}"
+    stats = engine.stats()
+    assert stats["spec_accepted_tokens_total"] > 0 and stats["draft_gate"]["guesses_at_batch"][1] > 0

@@ -118,6 +118,8 @@ class Scheduler:
         self.limits = LimitsRecord()
         # Speculative decoding: guesses of a decoding sequence's next tokens (the engine's drafter; None: off).
         self.drafter: Callable[[Sequence], list[int]] | None = None
+        # decode rows planned -> guesses each may carry (the engine's cost gate); None: as many as the budget allows
+        self.draft_length: Callable[[int], int] | None = None
         # (decode rows planned, token cap, requests waiting for a first token) -> prefill tokens allowed beside the
         # decode rows (0: no cap); None: the cap alone
         self.prefill_limit: Callable[[int, int, int], int] | None = None
@@ -203,7 +205,9 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING and budget > 0 and self._plan(seq, 1, planned, preempted):
                 budget -= 1
         if self.drafter is not None and budget > 0 and len(decodes) <= self.config.max_speculative_batch:
-            budget = self._add_drafts(decodes, planned, budget)
+            per_seq = budget if self.draft_length is None else self.draft_length(len(decodes))
+            if per_seq > 0:
+                budget = self._add_drafts(decodes, planned, budget, per_seq)
         prefill_budget = budget
         if planned:  # a long prefill chunk stalls every running decode for its whole step (inter-token latency)
             cap = self.config.max_prefill_tokens_while_decoding
@@ -231,9 +235,11 @@ class Scheduler:
         self._record(admitted)
         return SchedulerOutput(tuple(planned.values()), tuple(preempted))
 
-    def _add_drafts(self, decodes: list[Sequence], planned: dict[int, ScheduledChunk], budget: int) -> int:
-        """Extend the planned decodes with the drafter's guesses, within the token budget and the free blocks
-        beyond one per running sequence (a guess never preempts anyone). Returns the budget left."""
+    def _add_drafts(self, decodes: list[Sequence], planned: dict[int, ScheduledChunk], budget: int,
+                    per_seq: int) -> int:
+        """Extend the planned decodes with the drafter's guesses, at most ``per_seq`` each, within the token
+        budget and the free blocks beyond one per running sequence (a guess never preempts anyone). Returns the
+        budget left."""
         assert self.drafter is not None
         bs = self.config.block_size
         spare = self.allocator.num_free_blocks - len(self.running)
@@ -241,7 +247,7 @@ class Scheduler:
             chunk = planned.get(id(seq))
             if chunk is None or budget <= 0:
                 continue
-            draft = self.drafter(seq)[:budget]
+            draft = self.drafter(seq)[:min(budget, per_seq)]
             # positions start .. start + len(draft) must have slots: the blocks held plus the spare ones
             room = (len(seq.block_ids) + max(0, spare)) * bs - chunk.start - 1
             draft = draft[:max(0, room)]

@@ -37,16 +37,14 @@ class StepModel:
         return self.fixed + self.per_row * decode_rows
 
 
-class PrefillBudget:
-    """The prefill tokens a step may add to ``d`` decode rows so that it lasts at most ``ratio`` decode steps."""
+class StepFit:
+    """Least squares of the steps the engine ran: ``seconds = fixed + per_row x decode rows + per_token x prompt
+    tokens``, over sums that fade (halved each time ``window`` steps accumulate). Read by the prefill bound below
+    and by the speculative guesses' gate (``handlers.engine.core.draft_gate``)."""
 
     _KEYS = ("n", "d", "p", "y", "dd", "dp", "pp", "dy", "py")
 
-    def __init__(self, ratio: float, floor: int, window: int = 128, min_steps: int = 8) -> None:
-        if ratio <= 1.0:
-            raise ValueError(f"ratio must be > 1, got {ratio!r}")
-        self.ratio = ratio
-        self.floor = max(1, floor)
+    def __init__(self, window: int = 128, min_steps: int = 8) -> None:
         self.window = window
         self.min_steps = min_steps
         self._sums = dict.fromkeys(self._KEYS, 0.0)
@@ -90,11 +88,29 @@ class PrefillBudget:
     def model(self) -> StepModel | None:
         return self._model
 
+
+class PrefillBudget:
+    """The prefill tokens a step may add to ``d`` decode rows so that it lasts at most ``ratio`` decode steps."""
+
+    def __init__(self, ratio: float, floor: int, fit: StepFit | None = None) -> None:
+        if ratio <= 1.0:
+            raise ValueError(f"ratio must be > 1, got {ratio!r}")
+        self.ratio = ratio
+        self.floor = max(1, floor)
+        self.fit = fit if fit is not None else StepFit()
+
+    def record(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
+        self.fit.record(decode_rows, prompt_tokens, seconds)
+
+    @property
+    def model(self) -> StepModel | None:
+        return self.fit.model
+
     def limit(self, decode_rows: int, cap: int, waiting: int = 0) -> int:
         """Prompt tokens the next step may prefill beside ``decode_rows`` decode rows while ``waiting`` requests
         wait for their first token: ``cap`` (0: no cap) until the costs are known, then the time bound (grown by
         ``waiting / decode_rows`` when that exceeds 1), within [floor, cap]."""
-        m = self._model
+        m = self.fit.model
         decode = m.decode_seconds(decode_rows) if m is not None else 0.0
         if m is None or decode <= 0:
             return cap
@@ -104,6 +120,6 @@ class PrefillBudget:
 
     def as_dict(self) -> dict[str, float | None]:
         """What the engine reports in its stats (seconds; None until fitted)."""
-        m = self._model
+        m = self.fit.model
         return {"ratio": self.ratio, "fixed_s": m.fixed if m else None, "per_decode_row_s": m.per_row if m else None,
                 "per_prompt_token_s": m.per_token if m else None}

@@ -50,7 +50,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
-    speculative_max_batch_size: int = 4  # guesses only while at most this many sequences decode (0: always)
+    # guesses only while at most this many sequences decode (0: always); None (auto): while the step cost says
+    # they pay (handlers.engine.core.draft_gate)
+    speculative_max_batch_size: int | None = None
     gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the worker may fill
     enforce_eager: bool = False  # GPU: no CUDA graphs
     enable_lora: bool = False  # LoRA adapters (handlers.engine.execution.lora)
@@ -68,6 +70,10 @@ class EngineConfig:
         def auto_is_zero(key: str) -> int:
             value = get(key)
             return 0 if value == AUTO else int(value)
+
+        def auto_is_none(key: str) -> int | None:
+            value = get(key)
+            return None if value == AUTO else int(value)
 
         if get("prompt_lookup_min") > get("prompt_lookup_max"):
             raise ConfigError(f"option.prompt_lookup_min = {get('prompt_lookup_min')} exceeds option.prompt_lookup_max "
@@ -103,7 +109,7 @@ class EngineConfig:
             num_speculative_tokens=get("num_speculative_tokens"),
             prompt_lookup_min=get("prompt_lookup_min"),
             prompt_lookup_max=get("prompt_lookup_max"),
-            speculative_max_batch_size=get("speculative_max_batch_size"),
+            speculative_max_batch_size=auto_is_none("speculative_max_batch_size"),
             gpu_memory_utilization=get("gpu_memory_utilization"),
             enforce_eager=get("enforce_eager"),
             enable_lora=get("enable_lora"),

@@ -8,7 +8,7 @@ import pytest
 
 from handlers.engine.core.scheduler import Scheduler, SchedulerConfig
 from handlers.engine.core.sequence import Sequence
-from handlers.engine.core.step_budget import PrefillBudget
+from handlers.engine.core.step_budget import PrefillBudget, StepFit
 from rollcore.types import SamplingParams
 
 FIXED, PER_ROW, PER_TOKEN = 0.050, 0.004, 0.0035  # seconds: a 135M-class model on one CPU core
@@ -84,7 +84,7 @@ def test_collinear_steps_fall_back_to_one_line() -> None:
 
 def test_old_steps_fade() -> None:
     """After the machine slows down threefold, the fit follows within a couple of windows."""
-    budget = PrefillBudget(ratio=2.0, floor=1, window=32)
+    budget = PrefillBudget(ratio=2.0, floor=1, fit=StepFit(window=32))
     rng = random.Random(2)
     for slow in (1.0, 3.0):
         for _ in range(200):
@@ -149,7 +149,7 @@ def test_a_ratio_of_one_or_less_is_refused_by_name(value: str) -> None:
 def test_a_step_that_breaks_the_fit_keeps_the_last_good_one() -> None:
     """On a busy machine one slow step can make the least-squares slope negative; the bound stays on with the
     last fit instead of switching off."""
-    b = PrefillBudget(4.0, floor=16, min_steps=4)
+    b = PrefillBudget(4.0, floor=16, fit=StepFit(min_steps=4))
     for d in range(1, 9):
         b.record(decode_rows=d, prompt_tokens=0, seconds=0.01 + 0.001 * d)
     good = b.model

@@ -62,10 +62,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-batch", action="append", help="option.speculative_max_batch_size of an ngram variant, "
                     "repeatable (default: auto, the cost gate, and 0, guesses at every batch size)")
+    ap.add_argument("--guesses", type=int, action="append", help="option.num_speculative_tokens of the ngram "
+                    "variants, repeatable (default: the option's default)")
     args = ap.parse_args(argv)
     variants: dict[str, dict[str, str]] = {"plain": {}}
     for m in args.max_batch or ["auto", "0"]:
         variants[f"ngram-{m}"] = {"speculative_draft": "ngram", "speculative_max_batch_size": m}
+        if args.guesses:
+            opts = variants.pop(f"ngram-{m}")
+            variants |= {f"ngram-{m}-k{k}": opts | {"num_speculative_tokens": str(k)} for k in args.guesses}
     spec = [name for name in variants if name != "plain"]
 
     import torch
@@ -127,6 +132,11 @@ def main(argv: list[str] | None = None) -> None:
             shares.append(f"{confirmed}/{drafted} ({confirmed / drafted:.0%})" if drafted else "no guesses")
         per_step = ", ".join(f"{sum(map(len, out.values())) / steps[name]:.2f}" for name, out in outs.items())
         print(f"| {batch} | " + " | ".join(cells + ratios + shares) + f" | {per_step} |", flush=True)
+    for n in spec:  # what the cost gate ended with (its step fit, the confirmed shares, its choices)
+        st = engines[n].stats()
+        if st["draft_gate"] is not None:
+            fit = engines[n].step_fit.model
+            print(f"{n}: gate {st['draft_gate']}; step fit {fit}")
 
 
 if __name__ == "__main__":

@@ -174,7 +174,8 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "from what followed an earlier occurrence of the sequence's last n-gram, checked by the model in the "
           "same step; the output stays greedy decoding's). A sequence whose guesses miss pauses 1, 2, 4 .. 16 "
           "steps"),
-    _spec("num_speculative_tokens", integer(1, 16), "4", (ENGINE,), "guesses checked per sequence and step"),
+    _spec("num_speculative_tokens", integer(1, 16), "8", (ENGINE,),
+          "most guesses checked per sequence and step (the auto gate gives fewer where rows are dear)"),
     _spec("prompt_lookup_min", integer(1, 16), "1", (ENGINE,), "shortest n-gram the ngram drafter matches"),
     _spec("prompt_lookup_max", integer(1, 16), "3", (ENGINE,), "longest n-gram the ngram drafter matches"),
     _spec("speculative_max_batch_size", integer(0, auto=True), "auto", (ENGINE,),

@@ -74,7 +74,7 @@ def test_prompt_lookup_sizes_are_checked() -> None:
         EngineConfig.from_options({"prompt_lookup_min": "4", "prompt_lookup_max": "2"})
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         EngineConfig.from_options({"num_speculative_tokens": "17"})
-    assert EngineConfig.from_options({"speculative_draft": "ngram"}).num_speculative_tokens == 4
+    assert EngineConfig.from_options({"speculative_draft": "ngram"}).num_speculative_tokens == 8
 
 
 # --------------------------------------------------------------- the scheduler

@@ -47,7 +47,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_degree: int = 1
     speculative_draft: str = "none"  # none | ngram (handlers.engine.core.speculative)
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     # guesses only while at most this many sequences decode (0: always); None (auto): while the step cost says

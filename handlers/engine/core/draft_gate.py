@@ -73,6 +73,6 @@ class DraftGate:
 
     def as_dict(self) -> dict[str, object]:
         """What the engine reports in its stats: each position's chance to stand and the guesses the gate gives at
-        a few batch sizes."""
+        a few batch sizes (string keys: the stats cross the worker channel as msgpack, which takes no int keys)."""
         return {"standing": [round(p, 4) for p in self.odds.standing()],
-                "guesses_at_batch": {d: self(d) for d in (1, 2, 4, 8, 16, 32)}}
+                "guesses_at_batch": {str(d): self(d) for d in (1, 2, 4, 8, 16, 32)}}

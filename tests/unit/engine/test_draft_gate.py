@@ -84,7 +84,7 @@ def test_the_gate_picks_the_most_tokens_per_second(d: int) -> None:
 def test_no_guesses_until_the_step_cost_is_known() -> None:
     gate = DraftGate(StepFit(), DraftOdds(4))
     assert gate(1) == 0
-    assert gate.as_dict()["guesses_at_batch"] == {1: 0, 2: 0, 4: 0, 8: 0, 16: 0, 32: 0}
+    assert gate.as_dict()["guesses_at_batch"] == {"1": 0, "2": 0, "4": 0, "8": 0, "16": 0, "32": 0}
 
 
 def test_the_scheduler_cuts_each_draft_to_the_gates_length() -> None:

@@ -16,6 +16,8 @@ from handlers.engine.execution.sampling import SampledToken
 from handlers.engine.planning.config import EngineConfig
 from rollcore.errors import ConfigError
 from rollcore.types import FinishReason, SamplingParams, TokenDelta
+from serving.ipc.codec import decode_body, encode
+from serving.ipc.messages import Deltas
 from tests.engine.conftest import make_prompts, reference_greedy
 
 SPEC = {"num_kv_blocks": "256", "speculative_draft": "ngram", "num_speculative_tokens": "4",
@@ -324,4 +326,6 @@ def test_the_cost_gate_lets_guesses_through_on_the_real_model_and_keeps_greedy_o
         run = run_all(engine, [prompt], [SamplingParams(max_new_tokens=MAX_NEW)])  # its answer, to its EOS
         assert ids(run["r0"]) == reference_greedy(folder, prompt, MAX_NEW), f"request {i}"
     stats = engine.stats()
+    # the stats ride every step's frame to the frontend: they must survive the worker channel's codec
+    assert decode_body(encode(Deltas(step=1, deltas=[], stats=stats))[4:]) == Deltas(step=1, deltas=[], stats=stats)
     assert stats["spec_accepted_tokens_total"] > 0 and stats["draft_gate"]["guesses_at_batch"]["1"] > 0

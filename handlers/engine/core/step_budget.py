@@ -99,9 +99,6 @@ class PrefillBudget:
         self.floor = max(1, floor)
         self.fit = fit if fit is not None else StepFit()
 
-    def record(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
-        self.fit.record(decode_rows, prompt_tokens, seconds)
-
     @property
     def model(self) -> StepModel | None:
         return self.fit.model

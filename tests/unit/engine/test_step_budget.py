@@ -24,7 +24,7 @@ def test_fit_recovers_the_three_costs_from_mixed_steps() -> None:
     rng = random.Random(0)
     for _ in range(40):
         d, p = rng.randint(1, 32), rng.choice([0, 16, 64, 256])
-        budget.record(d, p, cost(d, p))
+        budget.fit.record(d, p, cost(d, p))
     m = budget.model
     assert m is not None
     assert (m.fixed, m.per_row, m.per_token) == pytest.approx((FIXED, PER_ROW, PER_TOKEN), rel=1e-6)
@@ -35,7 +35,7 @@ def test_limit_makes_a_mixed_step_last_ratio_decode_steps() -> None:
     rng = random.Random(1)
     for _ in range(40):
         d, p = rng.randint(1, 32), rng.choice([0, 32, 128])
-        budget.record(d, p, cost(d, p))
+        budget.fit.record(d, p, cost(d, p))
     for d in (1, 8, 32):
         tokens = budget.limit(d, cap=0)
         assert tokens == int((cost(d, 0)) / PER_TOKEN)  # ratio 2: the prefill costs one more decode step
@@ -44,7 +44,7 @@ def test_limit_makes_a_mixed_step_last_ratio_decode_steps() -> None:
     three = PrefillBudget(ratio=3.0, floor=1)
     for _ in range(40):
         d, p = rng.randint(1, 32), rng.choice([0, 32, 128])
-        three.record(d, p, cost(d, p))
+        three.fit.record(d, p, cost(d, p))
     assert three.limit(8, cap=0) == int(2 * cost(8, 0) / PER_TOKEN)
 
 
@@ -55,7 +55,7 @@ def test_more_waiting_than_decoding_grows_the_allowance() -> None:
     rng = random.Random(3)
     for _ in range(40):
         d, p = rng.randint(1, 32), rng.choice([0, 32, 128])
-        budget.record(d, p, cost(d, p))
+        budget.fit.record(d, p, cost(d, p))
     alone = budget.limit(8, cap=0)
     assert alone == int(3 * cost(8, 0) / PER_TOKEN)
     assert budget.limit(8, cap=0, waiting=4) == alone
@@ -67,8 +67,8 @@ def test_cap_until_fitted_and_floor_after() -> None:
     budget = PrefillBudget(ratio=1.5, floor=16)
     assert budget.limit(4, cap=256) == 256 and budget.limit(4, cap=0) == 0  # nothing measured: the cap alone
     for d in range(1, 9):  # prompt tokens cost far more than a decode step: the bound would be 0 tokens
-        budget.record(d, 0, 0.001 * d)
-        budget.record(d, 64, 0.001 * d + 64 * 1.0)
+        budget.fit.record(d, 0, 0.001 * d)
+        budget.fit.record(d, 64, 0.001 * d + 64 * 1.0)
     assert budget.limit(4, cap=256) == 16  # a prompt still moves
 
 
@@ -76,7 +76,7 @@ def test_collinear_steps_fall_back_to_one_line() -> None:
     """A burst where every step carried rows and prompt tokens in the same proportion: one line over all rows."""
     budget = PrefillBudget(ratio=2.0, floor=1)
     for d in range(1, 12):
-        budget.record(d, 10 * d, 0.01 + 0.001 * 11 * d)
+        budget.fit.record(d, 10 * d, 0.01 + 0.001 * 11 * d)
     m = budget.model
     assert m is not None and m.per_row == m.per_token == pytest.approx(0.001)
     assert m.fixed == pytest.approx(0.01)
@@ -89,7 +89,7 @@ def test_old_steps_fade() -> None:
     for slow in (1.0, 3.0):
         for _ in range(200):
             d, p = rng.randint(1, 32), rng.choice([0, 32, 128])
-            budget.record(d, p, slow * cost(d, p))
+            budget.fit.record(d, p, slow * cost(d, p))
     m = budget.model
     assert m is not None and m.per_token == pytest.approx(3 * PER_TOKEN, rel=1e-3)
 
@@ -151,8 +151,8 @@ def test_a_step_that_breaks_the_fit_keeps_the_last_good_one() -> None:
     last fit instead of switching off."""
     b = PrefillBudget(4.0, floor=16, fit=StepFit(min_steps=4))
     for d in range(1, 9):
-        b.record(decode_rows=d, prompt_tokens=0, seconds=0.01 + 0.001 * d)
+        b.fit.record(decode_rows=d, prompt_tokens=0, seconds=0.01 + 0.001 * d)
     good = b.model
     assert good is not None
-    b.record(decode_rows=40, prompt_tokens=0, seconds=0.0)  # a step "faster" than nothing: the slope turns negative
+    b.fit.record(decode_rows=40, prompt_tokens=0, seconds=0.0)  # a step "faster" than nothing: the slope turns negative
     assert b.model == good

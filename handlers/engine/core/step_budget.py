@@ -4,17 +4,17 @@ Every decoding stream waits for the whole step that carries its next token, so a
 for as long as it computes. A token cap alone (``max_prefill_tokens_while_decoding``) cannot say how long that
 is: 256 prompt tokens are a few milliseconds on a GPU and about a second on one CPU core with a 135M model.
 
-``PrefillBudget`` fits every step the engine runs to ``seconds = fixed + per_row x decode_rows + per_token x
+``StepFit`` fits every step the engine runs to ``seconds = fixed + per_row x decode_rows + per_token x
 prompt_tokens`` (least squares over recent steps: the weights are read once per step, a decode row also pays the
-output projection, a prompt row does not) and turns a time bound into tokens: a step beside ``d`` decode rows may
-prefill ``(ratio - 1) x (fixed + per_row x d) / per_token`` tokens, so that it lasts about ``ratio`` decode-only
-steps. While more requests wait for their first token than sequences decode (a burst), the allowance grows by that
-proportion: a second of prefill delays ``d`` streams by a second, while a second given to the decodes delays every
-waiting request's first token by as much, so the time goes to the side where more requests wait (the fixed ratio
-alone cost a burst its TTFT and some throughput: benchmarks/README.md, "Smooth streams"). Mixed steps inform the fit as
-much as pure ones, which matters under a burst, where every step prefills something for a long time. When the two
-kinds of rows never varied apart (collinear), one line over all rows is used; until a fit exists the token cap
-alone applies. The result is within ``[floor, cap]``: a prompt always moves.
+output projection, a prompt row does not); ``PrefillBudget`` turns a time bound into tokens with it: a step beside
+``d`` decode rows may prefill ``(ratio - 1) x (fixed + per_row x d) / per_token`` tokens, so that it lasts about
+``ratio`` decode-only steps. While more requests wait for their first token than sequences decode (a burst), the
+allowance grows by that proportion: a second of prefill delays ``d`` streams by a second, while a second given to
+the decodes delays every waiting request's first token by as much, so the time goes to the side where more requests
+wait (the fixed ratio alone cost a burst its TTFT and some throughput: benchmarks/README.md, "Smooth streams").
+Mixed steps inform the fit as much as pure ones, which matters under a burst, where every step prefills something
+for a long time. When the two kinds of rows never varied apart (collinear), one line over all rows is used; until a
+fit exists the token cap alone applies. The result is within ``[floor, cap]``: a prompt always moves.
 
 The sums fade (halved each time ``window`` steps accumulate) so the fit follows contexts that grow and a machine
 whose load changes.

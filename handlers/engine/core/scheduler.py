@@ -120,9 +120,9 @@ class Scheduler:
         self.drafter: Callable[[Sequence], list[int]] | None = None
         # decode rows planned -> guesses each may carry (the engine's cost gate); None: as many as the budget allows
         self.draft_length: Callable[[int], int] | None = None
-        # (decode rows planned, token cap, requests waiting for a first token) -> prefill tokens allowed beside the
-        # decode rows (0: no cap); None: the cap alone
-        self.prefill_limit: Callable[[int, int, int], int] | None = None
+        # (decode rows planned with their guesses, token cap, requests waiting for a first token, sequences
+        # decoding) -> prefill tokens allowed beside the decode rows (0: no cap); None: the cap alone
+        self.prefill_limit: Callable[[int, int, int, int], int] | None = None
 
     def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         """Change the batch size and the token budget of the coming steps (None keeps a value). Sequences
@@ -213,7 +213,7 @@ class Scheduler:
             cap = self.config.max_prefill_tokens_while_decoding
             if self.prefill_limit is not None:  # waiting: requests without their first token yet
                 cap = self.prefill_limit(self.config.max_num_batched_tokens - budget, cap,
-                                         len(self.waiting) + len(prefills))
+                                         len(self.waiting) + len(prefills), len(decodes))
             if cap:
                 prefill_budget = min(budget, cap)
         for seq in prefills:

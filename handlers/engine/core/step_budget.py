@@ -103,15 +103,17 @@ class PrefillBudget:
     def model(self) -> StepModel | None:
         return self.fit.model
 
-    def limit(self, decode_rows: int, cap: int, waiting: int = 0) -> int:
-        """Prompt tokens the next step may prefill beside ``decode_rows`` decode rows while ``waiting`` requests
-        wait for their first token: ``cap`` (0: no cap) until the costs are known, then the time bound (grown by
-        ``waiting / decode_rows`` when that exceeds 1), within [floor, cap]."""
+    def limit(self, decode_rows: int, cap: int, waiting: int = 0, decoding: int | None = None) -> int:
+        """Prompt tokens the next step may prefill beside ``decode_rows`` decode rows (guesses included) of
+        ``decoding`` sequences (default: one per row) while ``waiting`` requests wait for their first token:
+        ``cap`` (0: no cap) until the costs are known, then the time bound (grown by ``waiting / decoding`` when
+        that exceeds 1), within [floor, cap]."""
         m = self.fit.model
         decode = m.decode_seconds(decode_rows) if m is not None else 0.0
         if m is None or decode <= 0:
             return cap
-        pressure = max(1.0, waiting / max(1, decode_rows))
+        # streams, not rows: a sequence carrying seven guesses is still one stream the prefill delays
+        pressure = max(1.0, waiting / max(1, decode_rows if decoding is None else decoding))
         tokens = max(self.floor, int((self.ratio - 1.0) * pressure * decode / m.per_token))
         return min(tokens, cap) if cap else tokens
 

@@ -110,3 +110,25 @@ def test_the_scheduler_cuts_each_draft_to_the_gates_length() -> None:
     sched2.draft_length = lambda d: 0
     (chunk,) = sched2.schedule().chunks
     assert chunk.draft == () and called == []  # no guesses asked for: a paused drafter keeps its count
+
+
+def test_the_prefill_bound_sees_streams_not_guess_rows() -> None:
+    """Three decoding sequences with two guesses each beside five waiting prompts: the prefill bound is told 9 rows
+    and 3 streams (rows as streams made a burst's waiting requests look outnumbered by the guesses)."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=256, max_num_batched_tokens=256,
+                                      max_prefill_tokens_while_decoding=64))
+    seqs = [Sequence(f"s{i}", [1, 2, 1], SamplingParams(max_new_tokens=20)) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    sched.commit(sched.schedule())
+    for seq in seqs:
+        seq.append_token(2)
+    for i in range(5):
+        sched.add(Sequence(f"w{i}", [3] * 10, SamplingParams(max_new_tokens=4)))
+    asked: list[tuple[int, int, int, int]] = []
+    sched.drafter = lambda s: [1, 2, 1, 2]
+    sched.draft_length = lambda d: 2
+    sched.prefill_limit = lambda rows, cap, waiting, decoding: asked.append((rows, cap, waiting, decoding)) or 20
+    plan = sched.schedule()
+    assert asked == [(9, 64, 5, 3)]
+    assert sorted(c.num_tokens for c in plan.chunks if c.seq.request_id.startswith("w")) == [10, 10]

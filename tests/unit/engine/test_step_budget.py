@@ -63,6 +63,19 @@ def test_more_waiting_than_decoding_grows_the_allowance() -> None:
     assert budget.limit(8, cap=100, waiting=24) == 100
 
 
+def test_guess_rows_do_not_count_as_streams() -> None:
+    """Four sequences carrying seven guesses each are 32 rows but four streams: beside 28 waiting requests the
+    allowance grows sevenfold over the rows' decode time (counting rows as streams gave no growth at all)."""
+    budget = PrefillBudget(ratio=4.0, floor=1)
+    rng = random.Random(4)
+    for _ in range(40):
+        d, p = rng.randint(1, 32), rng.choice([0, 32, 128])
+        budget.fit.record(d, p, cost(d, p))
+    seven = 3 * 7 * cost(32, 0) / PER_TOKEN  # the fit is exact to ~1e-9, so a token either side of the floor
+    assert budget.limit(32, cap=0, waiting=28, decoding=4) in (int(seven) - 1, int(seven))
+    assert budget.limit(32, cap=0, waiting=28) in (int(seven / 7) - 1, int(seven / 7))
+
+
 def test_cap_until_fitted_and_floor_after() -> None:
     budget = PrefillBudget(ratio=1.5, floor=16)
     assert budget.limit(4, cap=256) == 256 and budget.limit(4, cap=0) == 0  # nothing measured: the cap alone
@@ -103,10 +116,10 @@ def test_scheduler_chunks_a_prompt_by_the_limit_while_decodes_run() -> None:
     """The scheduler asks the limit with the decode rows it planned; alone, a prompt takes the whole budget."""
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, block_size=16, num_blocks=512,
                                       max_prefill_tokens_while_decoding=256))
-    asked: list[tuple[int, int, int]] = []
+    asked: list[tuple[int, int, int, int]] = []
 
-    def limit(decode_rows: int, cap: int, waiting: int) -> int:
-        asked.append((decode_rows, cap, waiting))
+    def limit(decode_rows: int, cap: int, waiting: int, decoding: int) -> int:
+        asked.append((decode_rows, cap, waiting, decoding))
         return 40 * decode_rows
 
     sched.prefill_limit = limit
@@ -133,7 +146,7 @@ def test_scheduler_chunks_a_prompt_by_the_limit_while_decodes_run() -> None:
         if sum(sizes) == 500:
             break
     assert sizes == [80] * 6 + [20]
-    assert asked[0] == (2, 256, 1) and asked[-1] == (2, 256, 1)  # "long" waits for its first token throughout
+    assert asked[0] == (2, 256, 1, 2) and asked[-1] == (2, 256, 1, 2)  # "long" waits for its first token throughout
 
 
 @pytest.mark.parametrize("value", ["0.5", "1"])

@@ -72,6 +72,50 @@ def test_decode_kernel_equals_reference(dtype: torch.dtype, heads: int, kv_heads
             torch.testing.assert_close(out[0, i], torch_rows[0, :, 0].float(), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("d", "bs"), [(16, 4), (64, 16), (128, 32), (40, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "window", "softcap", "with_sinks"), [
+    (9, 3, 0, None, False), (8, 1, 0, None, False), (4, 2, 6, None, False), (6, 3, 0, 2.0, True),
+])
+def test_rows_with_guesses_equal_one_row_at_a_time(dtype: torch.dtype, heads: int, kv_heads: int, window: int,
+                                                   softcap: float | None, with_sinks: bool, d: int, bs: int) -> None:
+    """A decode row and its guesses (rows reading 1, 2, .. keys more) are one work item in the kernel, which reads
+    each key once for all of them: every row's output is still exactly what it gets alone, and the reference's.
+    Ten rows with eight query heads a KV head exceed one item's 64 queries (split into two items)."""
+    torch.manual_seed(1)
+    k_impl = load_kernels()
+    assert k_impl is not None
+    pool = KVPool(1, 64 * bs, kv_heads, d, dtype)
+    pool.keys[0].normal_()
+    pool.values[0].normal_()
+    tables = [(7, 8, 9, 10, 19, 21, 22, 23, 24, 25), (3, 9 + 30, 1, 20, 44, 45, 46, 47), (40, 2, 33, 5, 6, 11, 12, 60)]
+    starts, rows = [5, 13, 1], [4, 10, 1]  # cached tokens before the rows, rows (a decode and its guesses)
+    spans, q_start = [], 0
+    for start, n, table in zip(starts, rows, tables, strict=True):
+        spans.append(SeqSpan(q_start, start, n, table))
+        q_start += n
+    meta = StepMetadata(pool, torch.zeros(q_start, dtype=torch.long), tuple(spans), bs, k_impl)
+    q = torch.randn(1, q_start, heads, d).to(dtype).transpose(1, 2)
+    sinks = torch.randn(heads) if with_sinks else None
+    plan = meta.decode_plan(window)
+    assert plan is not None and plan.rest == () and plan.meta.shape[0] == q_start
+    together = torch.empty(1, q_start, heads, d, dtype=dtype)
+    assert k_impl.decode(q, pool.keys[0], pool.values[0], together, plan.meta, plan.tables, bs, d ** -0.5, softcap,
+                         sinks)
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    for r in range(q_start):
+        alone = torch.zeros(1, q_start, heads, d, dtype=dtype)
+        assert k_impl.decode(q, pool.keys[0], pool.values[0], alone, plan.meta[r:r + 1].contiguous(), plan.tables, bs,
+                             d ** -0.5, softcap, sinks)
+        assert torch.equal(together[0, r], alone[0, r]), f"row {r}"
+        row, lo, end, offset = plan.meta[r].tolist()
+        table = plan.tables[offset:].tolist()
+        slots = [table[p // bs] * bs + p % bs for p in range(lo, end)]
+        want = reference(q[0, :, row].float(), pool.keys[0][:, slots].float(), pool.values[0][:, slots].float(),
+                         softcap, sinks)
+        torch.testing.assert_close(together[0, r].double(), want, **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [3, 300])  # below and above the kernel's threshold for threads
 def test_kv_write_kernel_equals_index_copy(dtype: torch.dtype, tokens: int) -> None:

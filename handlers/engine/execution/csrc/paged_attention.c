@@ -1,8 +1,11 @@
 /* Paged attention for decode rows, reading K/V where they sit in the pool (no gather, no padding).
  *
- * One call per layer serves every sequence of the step that has exactly one query row. The work items are
- * (sequence, KV head) pairs, spread over OpenMP threads; the g query heads that share a KV head are processed
- * together, so each key and value row is read once. Per item, two passes walk the sequence's block table
+ * One call per layer serves every decode row of the step. The work items are (sequence, KV head) pairs, spread
+ * over OpenMP threads; the g query heads that share a KV head are processed together, and so are the rows of one
+ * sequence that read the same keys from the same first position (a decode row and its speculative guesses: row i
+ * reads one key more than row i - 1), so each key and value row is read once per item, not once per guess.
+ * Every query keeps its own key range, softmax and sum, in the order a lone row would use: the outputs are those
+ * of one row at a time, bit for bit. Per item, two passes walk the sequence's block table
  * block by block (a block's rows of one head are contiguous in the pool, so there is no per-key index
  * arithmetic): pass 1 computes every score (sixteen keys at a time with AVX-512, else four), then the softmax is
  * taken over the whole row (fp32, max-subtracted), and pass 2 sums the value rows weighted by it (with AVX-512 and
@@ -169,8 +172,8 @@ static inline void score_rows(const float* restrict qv, int64_t g, int64_t d, co
 /* accumulate_rows for a head size known at compile time (64 or 128): each query head's accumulator stays in
  * registers across the block, one broadcast weight and d/16 fused multiply-adds per value row. */
 static inline __attribute__((always_inline)) void accumulate_fixed(float* restrict acc, int64_t g, const int64_t d,
-        const float* restrict v, int64_t vs, int64_t n, const float* restrict p, int64_t ld, const float* next,
-        int64_t next_n) {
+        const float* restrict v, int64_t vs, const int64_t* lim, const float* restrict p, int64_t ld,
+        const float* next, int64_t next_n) {
     if (next != 0)
         for (int64_t r = 0; r < next_n; r++)
             for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(next + r * vs + i, 0, 3);
@@ -178,7 +181,7 @@ static inline __attribute__((always_inline)) void accumulate_fixed(float* restri
         __m512 a[8];
         for (int64_t c = 0; c < d / 16; c++) a[c] = _mm512_loadu_ps(acc + j * d + 16 * c);
         const float* pj = p + j * ld;
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = 0; t < lim[j]; t++) {
             const __m512 w = _mm512_set1_ps(pj[t]);
             const float* vr = v + t * vs;
             for (int64_t c = 0; c < d / 16; c++) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * c), a[c]);
@@ -188,41 +191,43 @@ static inline __attribute__((always_inline)) void accumulate_fixed(float* restri
 }
 #endif
 
-/* acc[j] += sum_t p[j * ld + t] * v[t] over n contiguous value rows (row stride vs). */
+/* acc[j] += sum_t p[j * ld + t] * v[t] over the first lim[j] of n contiguous value rows (row stride vs). A query
+ * adds its rows four at a time while four remain in its own range, then one at a time: the order a lone row
+ * with n = lim[j] uses. */
 static inline void accumulate_rows(float* restrict acc, int64_t g, int64_t d, const float* restrict v, int64_t vs,
-                                   int64_t n, const float* restrict p, int64_t ld, const float* next, int64_t next_n) {
-    int64_t t = 0;
+                                   int64_t n, const int64_t* lim, const float* restrict p, int64_t ld,
+                                   const float* next, int64_t next_n) {
 #if defined(__AVX512F__)
     if (d == 64) {
-        accumulate_fixed(acc, g, 64, v, vs, n, p, ld, next, next_n);
+        accumulate_fixed(acc, g, 64, v, vs, lim, p, ld, next, next_n);
         return;
     }
     if (d == 128) {
-        accumulate_fixed(acc, g, 128, v, vs, n, p, ld, next, next_n);
+        accumulate_fixed(acc, g, 128, v, vs, lim, p, ld, next, next_n);
         return;
     }
 #endif
-    for (; t + ROWS <= n; t += ROWS) {
+    for (int64_t t = 0; t < n; t += ROWS) {
         prefetch_rows(next, vs, d, t, next_n);
         const float* restrict v0 = v + t * vs;
-        const float* restrict v1 = v0 + vs;
-        const float* restrict v2 = v1 + vs;
-        const float* restrict v3 = v2 + vs;
         for (int64_t j = 0; j < g; j++) {
             const float* pj = p + j * ld + t;
-            const float p0 = pj[0], p1 = pj[1], p2 = pj[2], p3 = pj[3];
             float* restrict aj = acc + j * d;
+            if (t + ROWS <= lim[j]) {
+                const float* restrict v1 = v0 + vs;
+                const float* restrict v2 = v1 + vs;
+                const float* restrict v3 = v2 + vs;
+                const float p0 = pj[0], p1 = pj[1], p2 = pj[2], p3 = pj[3];
 #pragma omp simd
-            for (int64_t i = 0; i < d; i++) aj[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i];
-        }
-    }
-    for (; t < n; t++) {
-        const float* restrict vr = v + t * vs;
-        for (int64_t j = 0; j < g; j++) {
-            const float pt = p[j * ld + t];
-            float* restrict aj = acc + j * d;
+                for (int64_t i = 0; i < d; i++) aj[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i];
+                continue;
+            }
+            for (int64_t u = 0; t + u < lim[j] && u < ROWS; u++) {
+                const float pt = pj[u];
+                const float* restrict vr = v0 + u * vs;
 #pragma omp simd
-            for (int64_t i = 0; i < d; i++) aj[i] += pt * vr[i];
+                for (int64_t i = 0; i < d; i++) aj[i] += pt * vr[i];
+            }
         }
     }
 }
@@ -238,64 +243,77 @@ typedef struct {
     const float* sinks;
 } Call;
 
-/* One (sequence, KV head): sc holds group x (kv_end - kv_lo) scores, rows 2 x block_size x d floats. */
-static void attend_one(const Call* c, const int64_t* meta, int64_t kvh, float* sc, float* rows) {
-    const int64_t q_row = meta[0], kv_lo = meta[1], kv_end = meta[2];
+/* One (sequence, KV head) over `nrows` consecutive meta rows of that sequence with the same first key position:
+ * gq = g x nrows queries (query j: row j / g, head j % g), each with its own end. sc holds gq x (longest end -
+ * kv_lo) scores, rows 2 x block_size x d floats. */
+static void attend_one(const Call* c, const int64_t* meta, int64_t nrows, int64_t kvh, float* sc, float* rows) {
+    const int64_t kv_lo = meta[1];
     const int32_t* table = c->tables + meta[3];
-    const int64_t g = c->group, d = c->d, bs = c->block_size, len = kv_end - kv_lo;
+    const int64_t g = c->group, gq = g * nrows, d = c->d, bs = c->block_size;
     const int64_t head = kvh * c->c_stride_h, ks = c->is_bf16 ? d : c->c_stride_s;
     float qv[MAX_GROUP * MAX_DIM];
     float acc[MAX_GROUP * MAX_DIM];
-    for (int64_t j = 0; j < g; j++) {
-        const int64_t q_off = q_row * c->q_stride_t + (kvh * g + j) * c->q_stride_h;
+    int64_t lens[MAX_GROUP], lim[MAX_GROUP];
+    int64_t kv_end = kv_lo;
+    for (int64_t j = 0; j < gq; j++) {
+        const int64_t* m = meta + 4 * (j / g);
+        const int64_t q_off = m[0] * c->q_stride_t + (kvh * g + j % g) * c->q_stride_h;
         for (int64_t i = 0; i < d; i++) {
             const float x = c->q_bf16 ? bf16_to_float(((const uint16_t*)c->q)[q_off + i]) : ((const float*)c->q)[q_off + i];
             qv[j * d + i] = x * c->scale;
             acc[j * d + i] = 0.0f;
         }
+        lens[j] = m[2] - kv_lo;
+        kv_end = m[2] > kv_end ? m[2] : kv_end;
     }
-    /* pass 1: scores, block by block */
+    const int64_t len = kv_end - kv_lo;
+    /* pass 1: scores, block by block (a query's scores past its own end are computed and never read) */
     for (int64_t pos = kv_lo; pos < kv_end;) {
         const int64_t off = pos % bs, n = bs - off < kv_end - pos ? bs - off : kv_end - pos;
         const int64_t row = (int64_t)table[pos / bs] * bs + off;
         const float* k = rows_f32(c->k_cache, c->is_bf16, head, row, c->c_stride_s, n, d, rows);
         const int64_t nxt = pos + n, nn = kv_end - nxt < bs ? kv_end - nxt : bs;
         const float* next = nxt < kv_end && !c->is_bf16 ? (const float*)c->k_cache + head + (int64_t)table[nxt / bs] * bs * c->c_stride_s : 0;
-        score_rows(qv, g, d, k, ks, n, sc + (pos - kv_lo), len, next, nn);
+        score_rows(qv, gq, d, k, ks, n, sc + (pos - kv_lo), len, next, nn);
         pos += n;
     }
-    /* softmax over each query head's row (the sink, when given, joins the max and the sum) */
+    /* softmax over each query's own keys (the sink, when given, joins the max and the sum) */
     float denom[MAX_GROUP];
-    for (int64_t j = 0; j < g; j++) {
+    for (int64_t j = 0; j < gq; j++) {
         float* sj = sc + j * len;
+        const int64_t lj = lens[j];
         if (c->softcap > 0.0f)
-            for (int64_t t = 0; t < len; t++) sj[t] = tanhf(sj[t] / c->softcap) * c->softcap;
+            for (int64_t t = 0; t < lj; t++) sj[t] = tanhf(sj[t] / c->softcap) * c->softcap;
         float m = -INFINITY;
         #pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < len; t++) m = sj[t] > m ? sj[t] : m;
-        const float sink = c->sinks != 0 ? c->sinks[kvh * g + j] : -INFINITY;
+        for (int64_t t = 0; t < lj; t++) m = sj[t] > m ? sj[t] : m;
+        const float sink = c->sinks != 0 ? c->sinks[kvh * g + j % g] : -INFINITY;
         m = sink > m ? sink : m;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = 0; t < lj; t++) {
             sj[t] = exp_nonpositive(sj[t] - m);
             sum += sj[t];
         }
         if (c->sinks != 0) sum += expf(sink - m);
         denom[j] = sum;
     }
-    /* pass 2: weighted sum of the value rows */
+    /* pass 2: weighted sum of the value rows, each query over its own range */
     for (int64_t pos = kv_lo; pos < kv_end;) {
         const int64_t off = pos % bs, n = bs - off < kv_end - pos ? bs - off : kv_end - pos;
         const int64_t row = (int64_t)table[pos / bs] * bs + off;
         const float* v = rows_f32(c->v_cache, c->is_bf16, head, row, c->c_stride_s, n, d, rows);
         const int64_t nxt = pos + n, nn = kv_end - nxt < bs ? kv_end - nxt : bs;
         const float* next = nxt < kv_end && !c->is_bf16 ? (const float*)c->v_cache + head + (int64_t)table[nxt / bs] * bs * c->c_stride_s : 0;
-        accumulate_rows(acc, g, d, v, ks, n, sc + (pos - kv_lo), len, next, nn);
+        for (int64_t j = 0; j < gq; j++) {
+            const int64_t left = lens[j] - (pos - kv_lo);
+            lim[j] = left < 0 ? 0 : (left < n ? left : n);
+        }
+        accumulate_rows(acc, gq, d, v, ks, n, lim, sc + (pos - kv_lo), len, next, nn);
         pos += n;
     }
-    for (int64_t j = 0; j < g; j++) {
-        const int64_t o_off = q_row * c->o_stride_t + (kvh * g + j) * c->o_stride_h;
+    for (int64_t j = 0; j < gq; j++) {
+        const int64_t o_off = meta[4 * (j / g)] * c->o_stride_t + (kvh * g + j % g) * c->o_stride_h;
         const float inv = denom[j] > 0.0f ? 1.0f / denom[j] : 0.0f;
         if (c->q_bf16) {
             for (int64_t i = 0; i < d; i++) ((uint16_t*)c->out)[o_off + i] = float_to_bf16(acc[j * d + i] * inv);
@@ -306,8 +324,9 @@ static void attend_one(const Call* c, const int64_t* meta, int64_t kvh, float* s
 }
 
 /* meta: num_seqs x 4 int64 (query row, first key position, end key position, offset of its block table in
- * tables). Returns 0, or -1 when the shapes exceed the kernel's fixed buffers or memory runs out (the
- * caller falls back). */
+ * tables); consecutive rows with the same table and first key position (a decode row and its guesses) form one
+ * work item, up to MAX_GROUP / group rows. Returns 0, or -1 when the shapes exceed the kernel's fixed buffers or
+ * memory runs out (the caller falls back). */
 int rollserve_paged_decode(const void* q, int q_bf16, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
                            const void* v_cache, int is_bf16, int64_t c_stride_h, int64_t c_stride_s, void* out,
                            int64_t o_stride_t, int64_t o_stride_h, const int64_t* meta, const int32_t* tables,
@@ -315,17 +334,29 @@ int rollserve_paged_decode(const void* q, int q_bf16, int64_t q_stride_t, int64_
                            int64_t block_size, float scale, float softcap, const float* sinks, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
     const int64_t group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || d > MAX_DIM || block_size <= 0) return -1;
-    int64_t longest = 1;
+    if (group > MAX_GROUP || d > MAX_DIM || block_size <= 0 || num_seqs <= 0) return -1;
+    for (int64_t s = 0; s < num_seqs; s++)
+        if (meta[4 * s + 2] < meta[4 * s + 1]) return -1;
+    int64_t* starts = (int64_t*)malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    if (starts == 0) return -1;
+    const int64_t max_rows = MAX_GROUP / group;
+    int64_t items = 0, most = 1;
     for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t len = meta[4 * s + 2] - meta[4 * s + 1];
-        if (len < 0) return -1;
-        longest = len > longest ? len : longest;
+        const int64_t* m = meta + 4 * s;
+        if (items > 0 && s - starts[items - 1] < max_rows && m[3] == m[3 - 4] && m[1] == m[1 - 4]) continue;
+        starts[items++] = s;
+    }
+    starts[items] = num_seqs;
+    for (int64_t it = 0; it < items; it++) { /* the score buffer: queries x the item's longest range */
+        int64_t end = meta[4 * starts[it] + 1];
+        for (int64_t s = starts[it]; s < starts[it + 1]; s++) end = meta[4 * s + 2] > end ? meta[4 * s + 2] : end;
+        const int64_t need = group * (starts[it + 1] - starts[it]) * (end - meta[4 * starts[it] + 1]);
+        most = need > most ? need : most;
     }
     const Call c = {q, k_cache, v_cache, out, meta, tables, q_stride_t, q_stride_h, c_stride_h, c_stride_s,
                     o_stride_t, o_stride_h, group, d, block_size, q_bf16, is_bf16, scale, softcap, sinks};
-    const int64_t work = num_seqs * num_kv_heads;
-    const size_t floats = (size_t)(group * longest + (is_bf16 ? block_size * d : 0) + 16);
+    const int64_t work = items * num_kv_heads;
+    const size_t floats = (size_t)(most + (is_bf16 ? block_size * d : 0) + 16);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && work > 1)
     {
@@ -336,10 +367,13 @@ int rollserve_paged_decode(const void* q, int q_bf16, int64_t q_stride_t, int64_
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < work; w++) {
-            if (buf != 0) attend_one(&c, meta + 4 * (w / num_kv_heads), w % num_kv_heads, buf, buf + group * longest);
+            const int64_t it = w / num_kv_heads;
+            if (buf != 0)
+                attend_one(&c, meta + 4 * starts[it], starts[it + 1] - starts[it], w % num_kv_heads, buf, buf + most);
         }
         free(buf);
     }
+    free(starts);
     return failed ? -1 : 0;
 }
 

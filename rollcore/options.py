@@ -129,8 +129,9 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "stalls every running stream); 0 = up to the whole budget"),
     _spec("max_mixed_step_ratio", number(0), "4", (ENGINE,),
           "while sequences decode, a step that also prefills lasts at most this many decode-only steps (by the "
-          "step costs the engine fits: fixed + per decode row + per prompt token); 0 = the token cap alone. Off "
-          "on GPUs"),
+          "step costs the engine fits: fixed + per decode row + per prompt token), times waiting / decoding "
+          "sequences while more requests wait for a first token than decode (a burst); 0 = the token cap alone. "
+          "Off on GPUs"),
     _spec("block_size", integer(1), "16", (ENGINE,), "tokens per KV-cache block"),
     _spec("kv_cache_memory_mb", integer(0, auto=True), "auto", (ENGINE,),
           "KV cache of a worker (all its ranks) in MiB; auto or 0: kv_cache_memory_fraction of the memory left "

@@ -27,6 +27,17 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float 
     return torch.einsum("hl,hld->hd", p, v)
 
 
+def filled_pool(kv_heads: int, d: int, bs: int, dtype: torch.dtype, seed: int) -> tuple[kernels.PagedKernels, KVPool]:
+    """The kernels and a 64-block pool of random keys and values."""
+    torch.manual_seed(seed)
+    k_impl = load_kernels()
+    assert k_impl is not None
+    pool = KVPool(1, 64 * bs, kv_heads, d, dtype)
+    pool.keys[0].normal_()
+    pool.values[0].normal_()
+    return k_impl, pool
+
+
 def test_kernel_builds_on_this_machine() -> None:
     assert load_kernels() is not None  # a C compiler is part of the supported setup (and CI's)
 
@@ -42,12 +53,7 @@ def test_kernel_builds_on_this_machine() -> None:
 ])
 def test_decode_kernel_equals_reference(dtype: torch.dtype, heads: int, kv_heads: int, window: int,
                                         softcap: float | None, with_sinks: bool, d: int, bs: int) -> None:
-    torch.manual_seed(0)
-    k_impl = load_kernels()
-    assert k_impl is not None
-    pool = KVPool(1, 64 * bs, kv_heads, d, dtype)
-    pool.keys[0].normal_()
-    pool.values[0].normal_()
+    k_impl, pool = filled_pool(kv_heads, d, bs, dtype, seed=0)
     # Three sequences with scattered (non-contiguous) blocks, one decode row each, contexts 1, 13 and 30.
     tables = [(7,), (3, 9, 1, 20), (40, 2, 33, 5, 6, 11, 12, 60)]
     lengths = [1, 13, 30]
@@ -82,12 +88,7 @@ def test_rows_with_guesses_equal_one_row_at_a_time(dtype: torch.dtype, heads: in
     """A decode row and its guesses (rows reading 1, 2, .. keys more) are one work item in the kernel, which reads
     each key once for all of them: every row's output is still exactly what it gets alone, and the reference's.
     Ten rows with eight query heads a KV head exceed one item's 64 queries (split into two items)."""
-    torch.manual_seed(1)
-    k_impl = load_kernels()
-    assert k_impl is not None
-    pool = KVPool(1, 64 * bs, kv_heads, d, dtype)
-    pool.keys[0].normal_()
-    pool.values[0].normal_()
+    k_impl, pool = filled_pool(kv_heads, d, bs, dtype, seed=1)
     tables = [(7, 8, 9, 10, 19, 21, 22, 23, 24, 25), (3, 9 + 30, 1, 20, 44, 45, 46, 47), (40, 2, 33, 5, 6, 11, 12, 60)]
     starts, rows = [5, 13, 1], [4, 10, 1]  # cached tokens before the rows, rows (a decode and its guesses)
     spans, q_start = [], 0

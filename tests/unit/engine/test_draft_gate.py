@@ -87,14 +87,20 @@ def test_no_guesses_until_the_step_cost_is_known() -> None:
     assert gate.as_dict()["guesses_at_batch"] == {"1": 0, "2": 0, "4": 0, "8": 0, "16": 0, "32": 0}
 
 
-def test_the_scheduler_cuts_each_draft_to_the_gates_length() -> None:
-    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64))
+def three_decoding(config: SchedulerConfig) -> Scheduler:
+    """A scheduler whose three sequences have prefilled and each holds one token to decode."""
+    sched = Scheduler(config)
     seqs = [Sequence(f"s{i}", [1, 2, 1], SamplingParams(max_new_tokens=20)) for i in range(3)]
     for seq in seqs:
         sched.add(seq)
     sched.commit(sched.schedule())
     for seq in seqs:
         seq.append_token(2)
+    return sched
+
+
+def test_the_scheduler_cuts_each_draft_to_the_gates_length() -> None:
+    sched = three_decoding(SchedulerConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64))
     asked: list[int] = []
     sched.drafter = lambda s: [1, 2, 1, 2]
     sched.draft_length = lambda d: asked.append(d) or 2
@@ -115,14 +121,8 @@ def test_the_scheduler_cuts_each_draft_to_the_gates_length() -> None:
 def test_the_prefill_bound_sees_streams_not_guess_rows() -> None:
     """Three decoding sequences with two guesses each beside five waiting prompts: the prefill bound is told 9 rows
     and 3 streams (rows as streams made a burst's waiting requests look outnumbered by the guesses)."""
-    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=256, max_num_batched_tokens=256,
-                                      max_prefill_tokens_while_decoding=64))
-    seqs = [Sequence(f"s{i}", [1, 2, 1], SamplingParams(max_new_tokens=20)) for i in range(3)]
-    for seq in seqs:
-        sched.add(seq)
-    sched.commit(sched.schedule())
-    for seq in seqs:
-        seq.append_token(2)
+    sched = three_decoding(SchedulerConfig(block_size=4, num_blocks=256, max_num_batched_tokens=256,
+                                           max_prefill_tokens_while_decoding=64))
     for i in range(5):
         sched.add(Sequence(f"w{i}", [3] * 10, SamplingParams(max_new_tokens=4)))
     asked: list[tuple[int, int, int, int]] = []

@@ -1,11 +1,11 @@
 """Native kernels of the engine: built from C at first use, called through ctypes, optional.
 
-Design note: ``csrc/paged_attention.c`` (and ``argmax.c``, ``rotary.c``) is plain C (no torch headers), so
-building it takes about a second with the system compiler (``cc -O3 -march=native -fopenmp``). The shared
-object is cached per source, compiler flags and CPU (``~/.cache/rollserve/kernels``, else a temporary folder)
-and written atomically, so concurrent workers may build it at once. When no compiler is found or the build fails,
-``load_kernels`` returns None and the engine keeps its pure-PyTorch path (logged once): the kernel is a
-speed-up, never a requirement. Runs in the worker process (and every tensor-parallel rank).
+Design note: ``csrc/paged_attention.c`` (and ``prefill_attention.c``, ``argmax.c``, ``rotary.c``) is plain C (no
+torch headers), so building it takes about a second with the system compiler (``cc -O3 -march=native -fopenmp``).
+The shared object is cached per source, headers, compiler flags and CPU (``~/.cache/rollserve/kernels``, else a
+temporary folder) and written atomically, so concurrent workers may build it at once. When no compiler is found or
+the build fails, ``load_kernels`` returns None and the engine keeps its pure-PyTorch path (logged once): the kernel
+is a speed-up, never a requirement. Runs in the worker process (and every tensor-parallel rank).
 """
 
 from __future__ import annotations
@@ -33,10 +33,17 @@ _PTR = ctypes.c_void_p
 
 
 class PagedKernels:
-    """The loaded shared object; ``decode`` runs one layer's decode rows of every sequence in one call,
-    ``write_kv`` writes one layer's new keys and values into their pool slots."""
+    """The loaded shared objects; ``decode`` runs one layer's decode rows of every sequence in one call,
+    ``write_kv`` writes one layer's new keys and values into their pool slots, ``prefill`` attends a prompt chunk
+    (when ``csrc/prefill_attention.c`` built)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, prefill_lib: ctypes.CDLL | None = None) -> None:
+        self._prefill = None
+        if prefill_lib is not None:
+            self._prefill = prefill_lib.rollserve_prefill_attention
+            self._prefill.restype = ctypes.c_int
+            self._prefill.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64,
+                                      _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
         self._fn = lib.rollserve_paged_decode
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _I64, _I64,
@@ -88,6 +95,27 @@ class PagedKernels:
                       k_cache.stride(0), k_cache.stride(1), out.data_ptr(), out.stride(1), out.stride(2),
                       meta.data_ptr(), tables.data_ptr(), meta.shape[0], num_heads, k_cache.shape[0], head_dim,
                       block_size, scale, float(softcap or 0.0), sink_ptr, torch.get_num_threads())
+        return rc == 0
+
+
+    def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, window: int,
+                scale: float) -> bool:
+        """Causal attention of a prompt chunk (``csrc/prefill_attention.c``): ``query`` [n, H, D], ``out`` [n, H, D]
+        with any row and head strides, ``key``/``value`` [Hkv, L, D] (L >= n: the chunk's rows are the last n keys'
+        positions), all fp32 with D contiguous; ``window`` 0 or the sliding window. Returns False, having written
+        nothing that counts, when the shapes are beyond the kernel (the caller then uses SDPA)."""
+        if self._prefill is None:
+            return False
+        tensors = (query, key, value, out)
+        if not (all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 3 and t.stride(2) == 1
+                    for t in tensors)
+                and key.shape == value.shape and query.shape == out.shape and key.shape[2] == query.shape[2]):
+            return False
+        n, heads, d = query.shape
+        rc = self._prefill(query.data_ptr(), query.stride(0), query.stride(1), key.data_ptr(), key.stride(0),
+                           key.stride(1), value.data_ptr(), value.stride(0), value.stride(1), out.data_ptr(),
+                           out.stride(0), out.stride(1), n, key.shape[1], window, heads, key.shape[0], d, scale,
+                           torch.get_num_threads())
         return rc == 0
 
 
@@ -152,7 +180,9 @@ def load_rotary() -> RotaryKernel | None:
 def load_kernels() -> PagedKernels | None:
     """Build (or find in the cache) and load the kernels; None when they cannot be built here."""
     lib = shared_library("paged_attention.c", "the engine uses its PyTorch attention path (slower decode)")
-    return None if lib is None else PagedKernels(lib)
+    if lib is None:
+        return None
+    return PagedKernels(lib, shared_library("prefill_attention.c", "prompt chunks use SDPA"))
 
 
 def shared_library(source_name: str, without: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
@@ -165,7 +195,8 @@ def shared_library(source_name: str, without: str, extra: tuple[str, ...] = ()) 
         return None
     source = CSRC / source_name
     flags = (*FLAGS, *extra)
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     try:

@@ -10,17 +10,19 @@ otherwise its slots are gathered.
 
 Devices: the pool, the step's slot mapping and every index or mask built here live on the pool's device;
 decode rows go to ``meta.kernels`` (the C kernel on CPU, ``gpu_attention``'s Triton kernel on a GPU), prefill
-chunks to SDPA, which picks the device's fused kernel.
+chunks to the C prefill kernel on CPU (``csrc/prefill_attention.c``), else to SDPA, which picks the device's fused
+kernel.
 
 Attention features: per-layer sliding windows (a query at position p sees keys (p - window, p], as
 transformers' masks), logit soft-capping (Gemma-2) and attention sinks (gpt-oss ``s_aux``). Plain
-attention runs SDPA's fused CPU kernel; soft-capping and sinks run an exact eager path. Any other
+attention runs the native kernels (else SDPA's fused kernel); soft-capping and sinks run an exact eager path. Any other
 attention argument with a value raises ``UnsupportedAttentionFeature``: the engine probes one forward
 at load, so a model needing a feature the engine lacks is refused by name, never served wrongly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +109,8 @@ class SeqAttention:
 
 
 _CPU = torch.device("cpu")
+# kernels.prefill(query [n, H, D], key [Hkv, L, D], value, out [n, H, D], window, scale) -> done
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], bool]
 
 
 def seq_attention(span: SeqSpan, block_size: int, window: int = 0, device: torch.device = _CPU) -> SeqAttention:
@@ -243,25 +247,35 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     eager = softcap is not None or s_aux is not None
     window = int(sliding_window or 0)
     context.windows[layer] = window
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [1, T, H, D]
+    prefill = meta.kernels.prefill if meta.kernels is not None and not eager else None
+    views: tuple[SeqAttention, ...] | None = None
     if meta.kernels is not None and query.stride(3) == 1:
         plan = meta.decode_plan(window)
-        if plan is not None:
-            out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T, H, D]
-            if meta.kernels.decode(query, k_cache, v_cache, out, plan.meta, plan.tables, meta.block_size, scaling,
-                                   softcap, s_aux):
-                for s in plan.rest:
-                    rows = _attend(query[:, :, s.q_start:s.q_end], k_cache, v_cache, s, scaling, eager, softcap,
-                                   s_aux)
-                    out[:, s.q_start:s.q_end] = rows.transpose(1, 2)
-                return out, None
-    views = meta.views(window)
-    if len(views) == 1:
-        return _attend(query, k_cache, v_cache, views[0], scaling, eager, softcap, s_aux).transpose(1, 2), None
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [1, T, H, D]
+        if plan is not None and meta.kernels.decode(query, k_cache, v_cache, out, plan.meta, plan.tables,
+                                                    meta.block_size, scaling, softcap, s_aux):
+            views = plan.rest
+    if views is None:
+        views = meta.views(window)
+        if len(views) == 1 and prefill is None:  # SDPA's result as a view, without a copy into ``out``
+            return _attend(query, k_cache, v_cache, views[0], scaling, eager, softcap, s_aux).transpose(1, 2), None
     for s in views:
-        rows = _attend(query[:, :, s.q_start:s.q_end], k_cache, v_cache, s, scaling, eager, softcap, s_aux)
-        out[:, s.q_start:s.q_end] = rows.transpose(1, 2)
+        q = query[:, :, s.q_start:s.q_end]
+        if prefill is None or not _prefill_kernel(prefill, q, k_cache, v_cache, s, out, window, scaling):
+            out[:, s.q_start:s.q_end] = _attend(q, k_cache, v_cache, s, scaling, eager, softcap, s_aux).transpose(1, 2)
     return out, None
+
+
+def _prefill_kernel(prefill: PrefillKernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    s: SeqAttention, out: torch.Tensor, window: int, scaling: float) -> bool:
+    """One sequence's chunk through the native prefill kernel, written into its rows of ``out``; False when the
+    kernel declines (the caller then runs SDPA)."""
+    if s.kv_index is None:
+        k = k_cache[:, s.kv_slot_start:s.kv_slot_start + s.kv_len]  # [Hkv, L, D], a view
+        v = v_cache[:, s.kv_slot_start:s.kv_slot_start + s.kv_len]
+    else:
+        k, v = k_cache.index_select(1, s.kv_index), v_cache.index_select(1, s.kv_index)
+    return prefill(q[0].transpose(0, 1), k, v, out[0, s.q_start:s.q_end], window, scaling)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: SeqAttention, scaling: float,

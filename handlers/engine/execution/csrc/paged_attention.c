@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 #define MAX_GROUP 64
 #define MAX_DIM 512
 #define ROWS 4 /* keys per inner iteration */
@@ -42,27 +44,6 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
-}
-
-/* exp(x) for x <= 0 (softmax arithmetic), written so that the compiler vectorizes a loop of it:
- * 2^(x log2 e) split into integer and fraction, degree-6 polynomial for 2^f (relative error ~2e-7). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float t = x * 1.4426950408889634f;
-    const float fi = floorf(t);
-    const float f = t - fi;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += ((int32_t)fi) << 23;
-    memcpy(&p, &bits, sizeof p);
-    return p;
 }
 
 /* n rows of the pool starting at row `row` of head base `head`, as fp32: in place for an fp32 pool, else

@@ -51,12 +51,39 @@ def test_the_lean_forward_gives_transformers_logits_bit_for_bit(tmp_path: Path, 
                                                                 ) -> None:
     lean_runner = runner_for(build_model(tmp_path / arch, arch, "tiny"), dtype)
     assert lean_runner.lean is not None
+    assert (lean_runner.lean.fused is not None) == (dtype == torch.float32)  # the C element-wise steps: fp32, CPU
+    lean_runner.lean.fused = None  # the exact forward; the fused one is checked against it below
     plain_runner = runner_for(tmp_path / arch, dtype, lean=False)
     assert plain_runner.lean is None
     for step in mixed_steps():
         got, want = lean_runner.forward(step), plain_runner.forward(step)
         assert got.shape == want.shape == (len(step.keep), lean_runner.model.config.vocab_size)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_fused_element_wise_steps_stay_close_to_the_exact_forward(tmp_path: Path, arch: str) -> None:
+    """Norms, residual adds and silu * up in C: the same logits within a few float32 roundings per layer, the
+    same greedy tokens."""
+    fused = runner_for(build_model(tmp_path / arch, arch, "tiny"))
+    exact = runner_for(tmp_path / arch)
+    assert fused.lean is not None and fused.lean.fused is not None and exact.lean is not None
+    exact.lean.fused = None
+    for step in mixed_steps():
+        got, want = fused.forward(step), exact.forward(step)
+        assert not torch.equal(got, want)  # the C arithmetic did run (its exp and sums round differently)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_probe_turns_off_fused_steps_that_compute_something_else(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from handlers.engine.execution.kernels import ElementwiseKernels
+
+    original = ElementwiseKernels.silu_mul
+    monkeypatch.setattr(ElementwiseKernels, "silu_mul", lambda self, g, u: original(self, g, u) * 1.01)
+    runner = runner_for(build_model(tmp_path / "llama", "llama", "tiny"))
+    assert runner.lean is not None and runner.lean.fused is None
 
 
 @pytest.mark.parametrize("arch", ["qwen2-swa", "mistral", "gemma", "qwen3", "phi3"])

@@ -1,11 +1,12 @@
 """Native kernels of the engine: built from C at first use, called through ctypes, optional.
 
-Design note: ``csrc/paged_attention.c`` (and ``prefill_attention.c``, ``argmax.c``, ``rotary.c``) is plain C (no
-torch headers), so building it takes about a second with the system compiler (``cc -O3 -march=native -fopenmp``).
-The shared object is cached per source, headers, compiler flags and CPU (``~/.cache/rollserve/kernels``, else a
-temporary folder) and written atomically, so concurrent workers may build it at once. When no compiler is found or
-the build fails, ``load_kernels`` returns None and the engine keeps its pure-PyTorch path (logged once): the kernel
-is a speed-up, never a requirement. Runs in the worker process (and every tensor-parallel rank).
+Design note: ``csrc/paged_attention.c`` (and ``prefill_attention.c``, ``elementwise.c``, ``argmax.c``, ``rotary.c``)
+is plain C (no torch headers), so building it takes about a second with the system compiler (``cc -O3 -march=native
+-fopenmp``). The shared object is cached per source, headers, compiler flags and CPU
+(``~/.cache/rollserve/kernels``, else a temporary folder) and written atomically, so concurrent workers may build it
+at once. When no compiler is found or the build fails, ``load_kernels`` returns None and the engine keeps its pure-
+PyTorch path (logged once): the kernel is a speed-up, never a requirement. Runs in the worker process (and every
+tensor-parallel rank).
 """
 
 from __future__ import annotations
@@ -174,6 +175,58 @@ def load_rotary() -> RotaryKernel | None:
     """The rotary kernel, built at first use; None where it cannot be built."""
     lib = shared_library("rotary.c", "the rotary embedding runs as torch operations", ("-ffp-contract=off",))
     return None if lib is None else RotaryKernel(lib)
+
+
+class ElementwiseKernels:
+    """``csrc/elementwise.c``: RMSNorm, the residual add fused with the next RMSNorm, and silu(gate) * up, each one
+    pass over fp32 rows on the CPU (the last bits differ from torch's: ``lean.py`` checks the forward at load)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._norm = lib.rollserve_rms_norm
+        self._norm.restype = None
+        self._norm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR, _I64, ctypes.c_int]
+        self._add_norm = lib.rollserve_add_rms_norm
+        self._add_norm.restype = None
+        self._add_norm.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR, _I64, ctypes.c_int]
+        self._silu_mul = lib.rollserve_silu_mul
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int]
+
+    @staticmethod
+    def takes(*tensors: torch.Tensor) -> bool:
+        """Whether every tensor is one the kernels read: fp32 on the CPU, 2-D rows (1-D weights) with contiguous
+        columns."""
+        return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() in (1, 2) and t.stride(-1) == 1
+                   for t in tensors)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * (x * rsqrt(mean(x^2) + eps))`` per row of ``x`` [T, C]."""
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self._norm(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr(),
+                   out.stride(0), torch.get_num_threads())
+        return out
+
+    def add_rms_norm(self, a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``residual += a`` (in place), then returns its RMSNorm; both [T, C]."""
+        out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        self._add_norm(a.data_ptr(), a.stride(0), residual.data_ptr(), residual.stride(0), residual.shape[0],
+                       residual.shape[1], weight.data_ptr(), eps, out.data_ptr(), out.stride(0),
+                       torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up``, both [T, I] (rows may be slices of one wider tensor)."""
+        out = torch.empty(gate.shape, dtype=gate.dtype)
+        self._silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), gate.shape[0], gate.shape[1],
+                       out.data_ptr(), out.stride(0), torch.get_num_threads())
+        return out
+
+
+@lru_cache(maxsize=1)
+def load_elementwise() -> ElementwiseKernels | None:
+    """The fused element-wise kernels, built at first use; None where they cannot be built."""
+    lib = shared_library("elementwise.c", "norms and the MLP's activation run as torch operations")
+    return None if lib is None else ElementwiseKernels(lib)
 
 
 @lru_cache(maxsize=1)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from handlers.engine.execution.kernels import RotaryKernel, load_rotary
+from handlers.engine.execution.kernels import ElementwiseKernels, RotaryKernel, load_rotary
 
 # Families whose decoder layer is Llama's: pre-norm RMSNorm, q/k/v/o projections, rotate-half rotary, gated
 # SiLU MLP, residual adds. (Qwen2 adds a bias to q/k/v, which the projection modules carry.)
@@ -95,6 +95,8 @@ class LeanDecoder:
         self.rms_norm = _rms_norm_fp32 if dtype == torch.float32 and on_cpu else _rms_norm_upcast
         kernel = load_rotary() if dtype == torch.float32 and on_cpu else None
         self.rotate = _rotate if kernel is None else _rotate_in_c(kernel)
+        self.fuses = dtype == torch.float32 and on_cpu  # where ``fused`` may be set
+        self.fused: ElementwiseKernels | None = None  # set by the runner once the exact forward is checked
         self.layers = [
             _Layer(layer.self_attn, (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon)),
                    (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon)),
@@ -106,21 +108,44 @@ class LeanDecoder:
         x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary(x, positions[None])  # [1, T, D] each
         cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]: broadcast over heads
-        t, d = x.shape[0], self.head_dim
+        if self.fused is not None and self.fused.takes(x):
+            return self._forward_fused(self.fused, x.contiguous(), cos, sin, keep)
+        t = x.shape[0]
         for layer in self.layers:
             residual = x
             h = self.rms_norm(x, *layer.in_norm)
-            q = self.rotate(layer.q(h).view(t, -1, d), cos, sin)
-            k = self.rotate(layer.k(h).view(t, -1, d), cos, sin)
-            v = layer.v(h).view(t, -1, d)
-            out, _ = self.attention(layer.attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                    v.transpose(0, 1)[None], None, scaling=layer.scaling)
-            x = residual + layer.o(out.reshape(t, -1))
+            x = residual + layer.o(self._attend(layer, h, cos, sin).reshape(t, -1))
             residual = x
             h = self.rms_norm(x, *layer.post_norm)
             x = residual + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         x = self.rms_norm(x[keep], *self.norm)
         return self.lm_head(x)  # type: ignore[no-any-return,operator]
+
+    def _attend(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The layer's attention of the normed input ``h`` [T, hidden]: [1, T, H, D]."""
+        t, d = h.shape[0], self.head_dim
+        q = self.rotate(layer.q(h).view(t, -1, d), cos, sin)
+        k = self.rotate(layer.k(h).view(t, -1, d), cos, sin)
+        v = layer.v(h).view(t, -1, d)
+        out, _ = self.attention(layer.attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                v.transpose(0, 1)[None], None, scaling=layer.scaling)
+        return out
+
+    def _forward_fused(self, ew: ElementwiseKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       keep: torch.Tensor) -> torch.Tensor:
+        """``forward`` with the element-wise steps in C: each residual add fused with the norm after it, and
+        silu(gate) * up in one pass. ``x`` [T, hidden] fp32 contiguous (the residual stream, updated in place)."""
+        t = x.shape[0]
+        last = len(self.layers) - 1
+        h = ew.rms_norm(x, *self.layers[0].in_norm)
+        for i, layer in enumerate(self.layers):
+            h = ew.add_rms_norm(layer.o(self._attend(layer, h, cos, sin).reshape(t, -1)), x, *layer.post_norm)
+            mlp = layer.down(ew.silu_mul(layer.gate(h), layer.up(h)))
+            if i < last:
+                h = ew.add_rms_norm(mlp, x, *self.layers[i + 1].in_norm)
+            else:
+                x += mlp
+        return self.lm_head(ew.rms_norm(x[keep], *self.norm))  # type: ignore[no-any-return,operator]
 
 
 def unsupported(model: nn.Module) -> str | None:

@@ -27,7 +27,7 @@ from handlers.engine.core.scheduler import ScheduledChunk
 from handlers.engine.execution.adapters import adapt_model
 from handlers.engine.execution.cuda_graphs import DecodeGraphs, capture_sizes
 from handlers.engine.execution.fusion import fuse_projections
-from handlers.engine.execution.kernels import load_argmax, load_kernels
+from handlers.engine.execution.kernels import load_argmax, load_elementwise, load_kernels
 from handlers.engine.execution.lean import LeanDecoder, unsupported
 from handlers.engine.execution.linear_choice import apply_choice, timing_cache
 from handlers.engine.execution.paged_attention import (
@@ -47,6 +47,9 @@ if TYPE_CHECKING:
     from handlers.engine.execution.lora import LoraLayers
 
 logger = logging.getLogger(__name__)
+# The fused element-wise kernels round differently from torch (their own exp and order of summing): the probe's
+# logits may move by this much relative to the largest of them (a wrong kernel moves them by orders more).
+FUSED_TOLERANCE = 1e-3
 
 
 def use_paged_attention(model: torch.nn.Module) -> None:
@@ -172,30 +175,44 @@ class ModelRunner:
 
     def _lean_decoder(self) -> LeanDecoder | None:
         """``LeanDecoder`` when it reproduces the model: its structure is one the lean forward knows, and a
-        probe step of both forwards (a 5-token prompt, then one decode token) gives bitwise the same logits."""
+        probe step of both forwards (a 5-token prompt, then one decode token) gives bitwise the same logits. Its
+        fused element-wise kernels (on the CPU) are then kept when the same probe stays within FUSED_TOLERANCE."""
         why = unsupported(self.model)
         if why is None and self.num_blocks * self.block_size < 6:
             why = "the KV pool is smaller than the probe"
         if why is None:
             lean = LeanDecoder(self.model, paged_attention_forward)
-            table = list(range(-(-6 // self.block_size)))  # blocks 0.. in order: slot = position
-            probe = [StepInputs([1, 2, 3, 4, 5], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [(0, 0, 5, table)], [4]),
-                     StepInputs([6], [5], [5], [(0, 5, 1, table)], [0])]
-            for step in probe:
-                want = self.forward(step)
-                self.lean = lean
-                try:
-                    got = self.forward(step)
-                finally:
-                    self.lean = None
-                if not torch.equal(want, got):
-                    why = f"its logits differ from transformers' forward by up to {(want - got).abs().max():.3g}"
-                    break
-            else:
+            pairs = self._lean_probe(lean)
+            worst = max((want - got).abs().max().item() for want, got in pairs)
+            if worst == 0.0 and all(torch.equal(want, got) for want, got in pairs):
+                lean.fused = load_elementwise() if self.kernels is not None and lean.fuses else None
+                if lean.fused is not None:
+                    pairs = self._lean_probe(lean)
+                    err = max(float((want - got).abs().max() / want.abs().max().clamp(min=1.0)) for want, got in pairs)
+                    if not err <= FUSED_TOLERANCE:  # NaN included
+                        lean.fused = None
+                    logger.info("fused element-wise kernels: %s (probe logits within %.3g of the exact forward's)",
+                                "on" if lean.fused is not None else "off", err)
                 logger.info("decoder: lean forward (%s)", type(self.model).__name__)
                 return lean
+            why = f"its logits differ from transformers' forward by up to {worst:.3g}"
         logger.info("decoder: transformers' forward (the lean one does not apply: %s)", why)
         return None
+
+    def _lean_probe(self, lean: LeanDecoder) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(transformers' logits, the lean forward's) of each probe step."""
+        table = list(range(-(-6 // self.block_size)))  # blocks 0.. in order: slot = position
+        probe = [StepInputs([1, 2, 3, 4, 5], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [(0, 0, 5, table)], [4]),
+                 StepInputs([6], [5], [5], [(0, 5, 1, table)], [0])]
+        pairs = []
+        for step in probe:
+            want = self.forward(step)
+            self.lean = lean
+            try:
+                pairs.append((want, self.forward(step)))
+            finally:
+                self.lean = None
+        return pairs
 
     def _probe(self, num_layers: int) -> None:
         """Run one token through the model at load: an attention argument the engine does not implement

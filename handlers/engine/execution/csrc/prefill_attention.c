@@ -9,8 +9,8 @@
  * vectors of the head size); O is divided by the sum at the end. Tiles wholly above the causal diagonal, or
  * before a sliding window, are never visited; the one that crosses the diagonal is masked per row.
  *
- * Vectors are GCC vector extensions of VW floats: one AVX-512 register (VW 16, R 6: 24 accumulators of 32
- * registers), else two AVX2 halves (VW 8, R 2). Needs the head size to be a multiple of VW and fp32 tensors; the
+ * Vectors are vec_math.h's VW floats: one AVX-512 register (VW 16, R 6: 24 accumulators of 32 registers), else
+ * two AVX2 halves (VW 8, R 2). Needs the head size to be a multiple of VW and fp32 tensors; the
  * caller uses SDPA otherwise. Layouts: q [n, H, D] and out [n, H, D] with any row/head strides, k and v [Hkv, L, D]
  * with any head/row strides, D contiguous. Built at first use by handlers/engine/execution/kernels.py.
  */
@@ -22,43 +22,14 @@
 #include "vec_math.h"
 
 #if defined(__AVX512F__)
-#define VW 16
 #define R 6
 #else
-#define VW 8
 #define R 2
 #endif
 #define BK (4 * VW)   /* keys per tile */
 #define ROWS_PER_ITEM 48 /* query vectors (rows x heads of a group) per work item */
 #define MAX_DIM 512
 #define PACK_BYTES (16 << 20) /* transposed keys packed at once, at most (unless one head needs more) */
-
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
-typedef float vfu __attribute__((vector_size(VW * 4), aligned(4))); /* an unaligned load or store */
-
-static inline vf load(const float* p) { return *(const vfu*)p; }
-static inline void store(float* p, vf x) { *(vfu*)p = x; }
-static inline vf splat(float x) { return x - (vf){0}; } /* x - 0 is x for every x: the subtraction folds away */
-static inline vf pick(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); } /* m ? a : b per lane */
-
-/* exp_nonpositive of every lane (x <= 0), and exactly 0 below -87 (masked scores are -inf): the power of two
- * from a rounded exponent and a degree-6 polynomial on [-1/2, 1/2]. */
-static inline vf exp_lanes(vf x) {
-    const vi gone = x < -87.0f;
-    const vf t = pick(gone, splat(-87.0f), x) * 1.4426950408889634f;
-    const vf r = (t + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 drops the fraction */
-    const vf f = t - r;
-    vf p = splat(1.5403530e-4f);
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    const vi bits = (vi)p + (__builtin_convertvector(r, vi) << 23);
-    return (vf)(bits & ~gone);
-}
 
 typedef struct {
     const float *q, *k, *v;
@@ -199,7 +170,7 @@ static void attend_tile(const Call* c, int64_t kvh, int64_t i0, int64_t i1, cons
             const float a = m[j] == -INFINITY ? 0.0f : exp_nonpositive(m[j] - mx); /* O and l are 0 until then */
             vf sum = load(l + j * VW) * a;
             for (int u = 0; u < 4; u++) {
-                const vf p = exp_lanes(x[u] - mx);
+                const vf p = exp_lanes_or_zero(x[u] - mx);
                 store(s + u * VW, p);
                 sum += p;
             }

@@ -162,8 +162,9 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "weights); true = packed only; false. Packed layers run on a fixed set of row counts whose kernels are "
           "built at load, so a worker's memory does not grow with traffic"),
     _spec("attention_kernel", choice(("native", "torch")), "native", (ENGINE,),
-          "decode attention: native = rollserve's C kernel (built on first use with the system C compiler, cached; "
-          "PyTorch's path without a compiler), torch = PyTorch SDPA per sequence"),
+          "CPU kernels: native = rollserve's C kernels for decode and prompt attention and the fused norm and "
+          "activation steps (built on first use with the system C compiler, cached; PyTorch's path without a "
+          "compiler), torch = PyTorch's operations (SDPA per sequence)"),
     _spec("gpu_memory_utilization", number(0, 1, exclusive=True), "0.9", (ENGINE,),
           "GPU workers: share of the device's memory the worker may fill (weights, activations, KV cache)"),
     _spec("enforce_eager", boolean, "false", (ENGINE,), "GPU workers: no CUDA graphs for decode steps"),

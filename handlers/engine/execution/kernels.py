@@ -216,7 +216,7 @@ class ElementwiseKernels:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up``, both [T, I] (rows may be slices of one wider tensor)."""
-        out = torch.empty(gate.shape, dtype=gate.dtype)
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         self._silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), gate.shape[0], gate.shape[1],
                        out.data_ptr(), out.stride(0), torch.get_num_threads())
         return out

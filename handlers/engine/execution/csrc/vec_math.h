@@ -5,23 +5,21 @@
 #include <stdint.h>
 #include <string.h>
 
-/* exp(x) for x in [-87, 88]: 2^(x log2 e) split into the nearest integer and a fraction in [-1/2, 1/2], the
- * degree-6 Taylor polynomial of 2^f there (relative error ~2e-7), written so that the compiler vectorizes a loop of
- * it. */
+/* 2^(x log2 e) = exp(x) split into the nearest integer r of t = x log2 e and a fraction f = t - r in [-1/2, 1/2],
+ * 2^f by its degree-6 Taylor polynomial (relative error ~2e-7); the same expression for a float and for a vector
+ * (scalars broadcast), so both round alike. 1.5 * 2^23 added and taken away rounds t to the nearest integer. */
+#define ROUNDED(t) (((t) + 12582912.0f) - 12582912.0f)
+#define POW2_FRACTION(f) ((((((1.5403530e-4f * (f) + 1.3333558e-3f) * (f) + 9.6181291e-3f) * (f) + 5.5504109e-2f) \
+                           * (f) + 2.4022651e-1f) * (f) + 6.9314718e-1f) * (f) + 1.0f)
+
+/* exp(x) for x in [-87, 88], written so that the compiler vectorizes a loop of it. */
 static inline float exp_in_range(float x) {
     const float t = x * 1.4426950408889634f;
-    const float fi = (t + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 drops the fraction */
-    const float f = t - fi;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
+    const float r = ROUNDED(t);
+    float p = POW2_FRACTION(t - r);
     int32_t bits;
     memcpy(&bits, &p, sizeof bits);
-    bits += ((int32_t)fi) << 23;
+    bits += ((int32_t)r) << 23;
     memcpy(&p, &bits, sizeof p);
     return p;
 }
@@ -49,15 +47,8 @@ static inline vf pick(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)
 
 /* exp_in_range of every lane, given t = x log2(e). */
 static inline vf exp2_lanes(vf t) {
-    const vf r = (t + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 drops the fraction */
-    const vf f = t - r;
-    vf p = splat(1.5403530e-4f);
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
+    const vf r = ROUNDED(t);
+    const vf p = POW2_FRACTION(t - r);
     return (vf)((vi)p + (__builtin_convertvector(r, vi) << 23));
 }
 

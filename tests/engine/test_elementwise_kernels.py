@@ -61,9 +61,19 @@ def test_silu_times_up(rows: int, cols: int) -> None:
     assert ((got.double() - want).abs() <= 1e-6 * want.abs() + 1e-30).all()
 
 
-def test_takes_only_what_it_reads() -> None:
+def test_layouts_it_does_not_read_get_torchs_operations() -> None:
+    """A projection of another kind may hand over bf16, a 3-D or a transposed tensor: torch computes those."""
     ew = kernels()
     assert ew.takes(torch.zeros(3, 4), torch.zeros(4))
     assert not ew.takes(torch.zeros(3, 4, dtype=torch.bfloat16))
     assert not ew.takes(torch.zeros(4, 3).t())  # columns not contiguous
-    assert not ew.takes(torch.zeros(2, 3, 4))
+    torch.manual_seed(0)
+    weight = torch.rand(8) + 0.5
+    for x in (torch.randn(5, 8, dtype=torch.bfloat16), torch.randn(8, 5).t(), torch.randn(2, 5, 8)):
+        assert torch.equal(ew.rms_norm(x, weight.to(x.dtype), 1e-5), F.rms_norm(x, (8,), weight.to(x.dtype), 1e-5))
+        residual, a = torch.randn(x.shape).to(x.dtype), x
+        want = residual + a
+        assert torch.equal(ew.add_rms_norm(a, residual, weight.to(x.dtype), 1e-5),
+                           F.rms_norm(want, (8,), weight.to(x.dtype), 1e-5))
+        assert torch.equal(residual, want)
+        assert torch.equal(ew.silu_mul(x, x), F.silu(x) * x)

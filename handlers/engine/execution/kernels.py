@@ -22,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from handlers.engine.planning.cpu import cpu_flags
 
@@ -199,16 +200,25 @@ class ElementwiseKernels:
         return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() in (1, 2) and t.stride(-1) == 1
                    for t in tensors)
 
+    def _fits(self, rows: torch.Tensor, weight: torch.Tensor) -> bool:
+        return self.takes(rows, weight) and rows.dim() == 2 and weight.shape == rows.shape[1:]
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """``weight * (x * rsqrt(mean(x^2) + eps))`` per row of ``x`` [T, C]."""
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        """``weight * (x * rsqrt(mean(x^2) + eps))`` per row of ``x`` [T, C] (torch's where the layout is not the
+        kernel's: a projection of some other kind may hand over another dtype)."""
+        if not self._fits(x, weight):
+            return F.rms_norm(x, x.shape[-1:], weight, eps)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         self._norm(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr(),
                    out.stride(0), torch.get_num_threads())
         return out
 
     def add_rms_norm(self, a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``residual += a`` (in place), then returns its RMSNorm; both [T, C]."""
-        out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        if not (self._fits(residual, weight) and self.takes(a) and a.shape == residual.shape):
+            residual += a
+            return self.rms_norm(residual, weight, eps)
+        out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
         self._add_norm(a.data_ptr(), a.stride(0), residual.data_ptr(), residual.stride(0), residual.shape[0],
                        residual.shape[1], weight.data_ptr(), eps, out.data_ptr(), out.stride(0),
                        torch.get_num_threads())
@@ -216,6 +226,8 @@ class ElementwiseKernels:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up``, both [T, I] (rows may be slices of one wider tensor)."""
+        if not (self.takes(gate, up) and gate.dim() == 2 and gate.shape == up.shape):
+            return F.silu(gate) * up
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         self._silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), gate.shape[0], gate.shape[1],
                        out.data_ptr(), out.stride(0), torch.get_num_threads())

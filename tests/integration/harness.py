@@ -142,7 +142,11 @@ class ServerProcess(ServerAddresses):
         """The server's worker processes: its children, and the fork server's (which is not a worker)."""
         pids = []
         for pid in _children(self.proc.pid):
-            if Path(f"/proc/{pid}/comm").read_text().strip() == "rollserve-fork":
+            try:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+            except FileNotFoundError:  # it exited since the listing: it is not a worker any more
+                continue
+            if name == "rollserve-fork":
                 pids += _children(int(pid))
             else:
                 pids.append(pid)

@@ -2,9 +2,9 @@
  * gated MLP's silu(gate) * up.
  *
  * torch runs transformers' RMSNorm on the CPU as six passes over the tensor (pow, mean, add, rsqrt, two multiplies),
- * the residual add as a seventh, and the MLP's activation and product as two more with a temporary each; for a
- * 512-token prompt of a 135M model they take about a tenth of the prefill, and on a decode step each is one more
- * operator call per layer. Here each is one pass per row, rows spread over OpenMP threads when there are many.
+ * the residual add as a seventh, and the MLP's activation and product as two more with a temporary each: passes
+ * over memory in a prefill, operator calls in a decode step (benchmarks/README.md has what they cost). Here each is
+ * one pass per row, rows spread over OpenMP threads when there are many.
  * The arithmetic is fp32 and in transformers' order (the residual sum as torch adds it, x * rsqrt(mean(x^2) + eps)
  * then times the weight); the sum of squares and exp are our own, so the results differ from torch's in the last
  * bits (handlers/engine/execution/lean.py checks the whole forward against the exact one at load). Built at first

@@ -48,9 +48,7 @@ class TritonPagedKernels:
                  slots: torch.Tensor) -> bool:
         return False  # the caller's index_copy_ is already one kernel per tensor on a GPU
 
-    def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, window: int,
-                scale: float) -> bool:
-        return False  # SDPA takes the device's flash kernel for prompt chunks
+    prefill = None  # prompt chunks: SDPA takes the device's flash kernel (and its result is used as a view)
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                meta: torch.Tensor, tables: torch.Tensor, block_size: int, scale: float, softcap: float | None,

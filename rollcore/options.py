@@ -154,13 +154,13 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "for learned positions, allowed with a warning above it for rotary ones)"),
     _spec("prepack_weights", choice(PREPACK_MODES, {w: str(v).lower() for w, v in BOOL_WORDS.items()}), "auto",
           (ENGINE,), "oneDNN-packed linear weights: auto = measured at load on this CPU: passes through the "
-          "model's layers (as a step streams them from memory), plain against packed, at each row count a step "
-          "can bring, and each row count of "
-          "the layers (and of the LM head) runs on the faster, a layer keeping only the copies it uses (the plan "
-          "counts two; one packed copy where two do not fit; timings cached per CPU); hybrid = packed for inputs "
-          "of 2 to 128 rows and the prefill row counts built at load, plain beyond (a second copy of the "
-          "weights); true = packed only; false. Packed layers run on a fixed set of row counts whose kernels are "
-          "built at load, so a worker's memory does not grow with traffic"),
+          "model's layers (as a step streams them from memory), plain against packed against the panel kernel "
+          "(fp32), at each row count a step can bring, and each row count of "
+          "the layers (and of the LM head) runs on the fastest, a layer keeping only the copies it uses (at most "
+          "two, as the plan counts; one packed copy where two do not fit; timings cached per CPU); hybrid = "
+          "packed for inputs of 2 to 128 rows and the prefill row counts built at load, plain beyond (a second "
+          "copy of the weights); true = packed only; false. Packed layers run on a fixed set of row counts whose "
+          "kernels are built at load, so a worker's memory does not grow with traffic"),
     _spec("attention_kernel", choice(("native", "torch")), "native", (ENGINE,),
           "CPU kernels: native = rollserve's C kernels for decode and prompt attention and the fused norm and "
           "activation steps (built on first use with the system C compiler, cached; PyTorch's path without a "

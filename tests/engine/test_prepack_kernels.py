@@ -157,10 +157,12 @@ def _assert_no_kernel_built_after_load(layers: list[PackedLinear], head: nn.Modu
 
 
 def _cached_timings(model_dir: Path, body_packed: set[int], head_packed: set[int], step_tokens: int,
-                    max_seqs: int) -> None:
+                    max_seqs: int, body_panel: frozenset[int] = frozenset(),
+                    head_panel: frozenset[int] = frozenset()) -> None:
     """Write the linear-kernel timings ``prepack_weights=auto`` would measure for ``model_dir`` into the cache
-    under ``$HOME``, with the packed pass faster exactly at the given buckets (a real measurement's outcome
-    depends on the CPU; the routing it implies does not)."""
+    under ``$HOME``, with the packed pass faster than the plain one exactly at the given buckets and the panel
+    kernel's the fastest at its own (a real measurement's outcome depends on the CPU; the routing it implies
+    does not)."""
     from transformers import AutoModelForCausalLM
 
     from handlers.engine.execution import linear_choice as lc
@@ -170,12 +172,14 @@ def _cached_timings(model_dir: Path, body_packed: set[int], head_packed: set[int
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     body = [m for m in linears if m is not model.lm_head]
     entries = {}
-    for passes, packed_at in ((lc.body_passes(body, model.config.num_hidden_layers, max(step_tokens, max_seqs)),
-                               body_packed),
-                              ({r: [model.lm_head] for r in lc.buckets_for([lc.shape_of(model.lm_head)], max_seqs)},
-                               head_packed)):
+    for passes, packed_at, panel_at in (
+            (lc.body_passes(body, model.config.num_hidden_layers, max(step_tokens, max_seqs)), body_packed,
+             body_panel),
+            ({r: [model.lm_head] for r in lc.buckets_for([lc.shape_of(model.lm_head)], max_seqs)}, head_packed,
+             head_panel)):
         entries[lc.pass_key(passes)] = lc.Timing({b: 1.0 for b in passes},
-                                                 {b: 0.5 if b in packed_at else 2.0 for b in passes})
+                                                 {b: 0.5 if b in packed_at else 2.0 for b in passes},
+                                                 {b: 0.25 if b in panel_at else 3.0 for b in passes})
     lc.TimingCache(cache_dir(), threads=1).save(entries)  # the engines below run one thread
 
 
@@ -229,3 +233,37 @@ def test_auto_packed_everywhere_keeps_one_copy_and_builds_every_kernel_at_load(m
     head = engine.model.get_submodule("lm_head")
     assert head in layers and head.large_rows == 0 and all(m.large_rows == 2048 for m in layers if m is not head)
     _assert_no_kernel_built_after_load(layers, head)
+
+
+def test_auto_runs_decode_rows_on_the_panel_kernel_and_equals_generate(model_dirs: dict[str, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """Where the panel kernel's passes were the fastest (here: 1-8 rows of the body, every row count of the
+    head), decode steps run on it, prefill chunks on the packed copy, and the greedy output equals generate."""
+    from handlers.engine.execution.panel_linear import PanelLinear
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _cached_timings(model_dirs["llama"], {16, 32, 64, 128, 256, 512}, set(), step_tokens=512, max_seqs=8,
+                    body_panel=frozenset({1, 2, 4, 8}), head_panel=frozenset({1, 2, 4, 8}))
+    options = {"num_kv_blocks": "256", "max_rolling_batch_size": "8", "max_rolling_batch_prefill_tokens": "512",
+               "num_threads": "1"}
+    engine = LLMEngine.from_options(model_dirs["llama"], options)
+    head = engine.model.get_submodule("lm_head")
+    assert isinstance(head, PanelLinear) and head.rest is None  # the panel copy only
+    body = [m for m in engine.model.modules() if isinstance(m, PanelLinear) and m is not head]
+    assert len(body) == 14 and all(isinstance(m.rest, PackedLinear) and m.rest.weight is None for m in body)
+    calls: list[tuple[int, bool]] = []
+    for m in body:
+        m.register_forward_pre_hook(lambda _m, args: calls.append(
+            (args[0].numel() // _m.in_features, _m.runs_panel(args[0].numel() // _m.in_features))))
+    prompts = [torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (9, 17, 30, 41, 12, 25, 33, 20)]
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.add(f"r{i}", p, SamplingParams(max_new_tokens=4 + i))
+    while engine.has_work():
+        for d in engine.step():
+            got[d.request_id].extend(t.id for t in d.tokens)
+    assert (8, True) in calls and (1, True) in calls and any(not panel for _, panel in calls)  # both kernels ran
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == reference_greedy(model_dirs["llama"], p, 4 + i), f"prompt {i} differs from generate"

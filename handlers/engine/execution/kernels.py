@@ -1,6 +1,7 @@
 """Native kernels of the engine: built from C at first use, called through ctypes, optional.
 
-Design note: ``csrc/paged_attention.c`` (and ``prefill_attention.c``, ``elementwise.c``, ``argmax.c``, ``rotary.c``)
+Design note: ``csrc/paged_attention.c`` (and ``prefill_attention.c``, ``elementwise.c``, ``argmax.c``, ``rotary.c``,
+``panel_linear.c``)
 is plain C (no torch headers), so building it takes about a second with the system compiler (``cc -O3 -march=native
 -fopenmp``). The shared object is cached per source, headers, compiler flags and CPU
 (``~/.cache/rollserve/kernels``, else a temporary folder) and written atomically, so concurrent workers may build it

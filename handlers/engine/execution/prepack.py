@@ -73,6 +73,8 @@ class PackedLinear(nn.Module):
         self.weight = None if max_packed_rows is None else nn.Parameter(linear.weight.detach(), requires_grad=False)
         # hybrid only: which row counts run packed, as measured on this CPU (``linear_choice``); None: the fixed rule
         self.router: Callable[[int], bool] | None = None
+        # the row counts another kernel takes before this layer sees them (``PanelLinear``): none built for them
+        self.taken: Callable[[int], bool] | None = None
 
     def runs_packed(self, rows: int) -> bool:
         """Whether an input of ``rows`` rows runs on the packed weight (always, unless hybrid)."""
@@ -114,25 +116,24 @@ def warm_packed_kernels(model: nn.Module, max_rows: int = HYBRID_MAX_PACKED_ROWS
     budget of a step), also the prefill-sized buckets up to it (``large_row_counts``) for every layer but
     ``large_skip`` (the lm_head, which sees the sampled rows only), and lets hybrid layers run them packed
     (about 2 s more for a 110M model and a 2048-token budget)."""
-    shapes: dict[tuple[int, int, bool, torch.dtype], PackedLinear] = {}
-    large: dict[tuple[int, int, bool, torch.dtype, bool], PackedLinear] = {}  # packed-only kept apart
+    shapes: dict[tuple[int, int, bool, torch.dtype, int], PackedLinear] = {}  # + the rows it leaves to another
+    large: dict[tuple[int, int, bool, torch.dtype, bool, int], PackedLinear] = {}  # packed-only kept apart
     skip = {id(m) for m in large_skip}
     for module in model.modules():
         if isinstance(module, PackedLinear):
-            shapes.setdefault(module.shape_key(), module)
+            shapes.setdefault((*module.shape_key(), id(module.taken)), module)
             if large_rows and id(module) not in skip:
                 module.large_rows = large_rows  # its forward now routes these buckets to the packed weight
-                large.setdefault((*module.shape_key(), module.max_packed_rows is None), module)
+                large.setdefault((*module.shape_key(), module.max_packed_rows is None, id(module.taken)), module)
     built = 0
     with torch.no_grad():
-        for key, module in shapes.items():
-            for rows in packed_row_counts(min(max_rows, module.max_packed_rows or max_rows)):
-                module(torch.zeros(rows, module.in_features, dtype=key[3]))
-                built += module.runs_packed(rows)
-        for key, module in large.items():
-            for rows in large_row_counts(large_rows):
-                module(torch.zeros(rows, module.in_features, dtype=key[3]))
-                built += module.runs_packed(rows)
+        for module, counts in [*((m, packed_row_counts(min(max_rows, m.max_packed_rows or max_rows)))
+                                   for m in shapes.values()),
+                               *((m, large_row_counts(large_rows)) for m in large.values())]:
+            for rows in counts:
+                if module.taken is None or not module.taken(rows):
+                    module(torch.zeros(rows, module.in_features, dtype=module.get_buffer("packed_weight").dtype))
+                    built += module.runs_packed(rows)
     return built
 
 

@@ -135,9 +135,11 @@ class ModelRunner:
         if prepack_weights in ("true", "hybrid"):
             started = time.perf_counter()
             if measure_linears and prepack_weights == "hybrid" and can_prepack(model):
-                n, plain = apply_choice(model, step_tokens, max_seqs, timing_cache())
-                logger.info("linear kernels by measurement (timed on this CPU, or its cached timings) and packed in "
-                            "%.1f s: %d layers packed, %d plain", time.perf_counter() - started, n, plain)
+                counts = apply_choice(model, step_tokens, max_seqs, timing_cache())
+                n = counts["packed"]
+                logger.info("linear kernels by measurement (timed on this CPU, or its cached timings) and laid out in "
+                            "%.1f s: layers running some rows %s", time.perf_counter() - started,
+                            ", ".join(f"{kernel} {count}" for kernel, count in counts.items()))
             else:
                 n = prepack_linear_layers(model, hybrid=prepack_weights == "hybrid")
             started = time.perf_counter()

@@ -108,7 +108,7 @@ def test_apply_choice_routes_the_body_and_the_head_from_the_cache(tmp_path: Path
     cache.save({lc.pass_key(body_passes): timing({4, 8}, tuple(body_passes)),
                 lc.pass_key(head_passes): timing(set(), tuple(head_passes))})
     reference = {id(m): (m.weight.detach().clone(), m.bias.detach().clone()) for m in body}
-    assert lc.apply_choice(model, step_tokens=64, max_seqs=8, cache=cache) == (4, 1)
+    assert lc.apply_choice(model, step_tokens=64, max_seqs=8, cache=cache) == {"plain": 5, "packed": 4, "panel": 0}
     assert type(model.lm_head) is nn.Linear
     for layer, originals in zip(model.layers, [body[0:2], body[2:4]], strict=True):
         for module, original in zip(layer, originals, strict=True):
@@ -120,20 +120,20 @@ def test_apply_choice_routes_the_body_and_the_head_from_the_cache(tmp_path: Path
                 torch.testing.assert_close(module(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_a_real_measurement_times_both_kernels_at_every_bucket_and_is_cached(tmp_path: Path) -> None:
+def test_a_real_measurement_times_every_kernel_at_every_bucket_and_is_cached(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Module()
     model.layers = nn.ModuleList(nn.Sequential(nn.Linear(48, 96, bias=False), nn.Linear(96, 48, bias=False))
                                  for _ in range(3))
     model.config = type("Config", (), {"num_hidden_layers": 3})()
+    body = [m for layer in model.layers for m in layer]  # before they are replaced
     cache = lc.TimingCache(tmp_path, threads=torch.get_num_threads())
-    packed, plain = lc.apply_choice(model, step_tokens=16, max_seqs=4, cache=cache)
-    assert packed + plain == 6
+    counts = lc.apply_choice(model, step_tokens=16, max_seqs=4, cache=cache)
+    assert 6 <= sum(counts.values()) <= 12  # every layer runs one or two kernels
     (key, entry), = json.loads(cache.path.read_text()).items()
-    body = [m for layer in model.layers for m in layer]
     assert key == lc.pass_key(lc.body_passes(body, 3, 16))
     assert key.endswith(":torch.float32:1/6,2/6,4/6,8/6,16/6")  # every bucket through the whole (small) body
-    for kernel in ("plain", "packed"):
+    for kernel in ("plain", "packed", "panel"):
         assert sorted(map(int, entry[kernel])) == [1, 2, 4, 8, 16] and all(t > 0 for t in entry[kernel].values())
     # a second model of the same shapes routes from the cache, measuring nothing
     again = nn.Module()
@@ -141,5 +141,64 @@ def test_a_real_measurement_times_both_kernels_at_every_bucket_and_is_cached(tmp
                                  for _ in range(3))
     again.config = model.config
     before = cache.path.stat().st_mtime_ns
-    assert lc.apply_choice(again, step_tokens=16, max_seqs=4, cache=cache) == (packed, plain)
+    assert lc.apply_choice(again, step_tokens=16, max_seqs=4, cache=cache) == counts
     assert cache.path.stat().st_mtime_ns == before
+
+
+def three(panel_at: set[int], packed_at: set[int], buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> lc.Timing:
+    """Timings where the panel pass is the fastest at ``panel_at`` and packed beats plain at ``packed_at``."""
+    return lc.Timing({b: 1.0 for b in buckets}, {b: 0.5 if b in packed_at else 2.0 for b in buckets},
+                     {b: 0.25 if b in panel_at else 3.0 for b in buckets})
+
+
+def test_the_panel_kernel_takes_the_buckets_it_wins_and_leaves_two_copies_at_most() -> None:
+    # 4 would run plain, 8-32 packed: all packed, whose passes over them sum less (3.5 against 4)
+    assert three({1, 2}, {8, 16, 32}).kernels() == {1: "panel", 2: "panel", 4: "packed", 8: "packed",
+                                                    16: "packed", 32: "packed"}
+    # packed would win 8 and 16, plain 32: the others all go to the one whose passes sum less (plain: 3 < 5)
+    split = lc.Timing({b: 1.0 for b in (1, 2, 8, 16, 32)}, {1: 2.0, 2: 2.0, 8: 0.5, 16: 0.5, 32: 4.0},
+                      {1: 0.1, 2: 0.1, 8: 3.0, 16: 3.0, 32: 3.0})
+    assert split.kernels() == {1: "panel", 2: "panel", 8: "plain", 16: "plain", 32: "plain"}
+    # without the panel kernel winning anywhere, each bucket keeps the faster of the other two
+    assert three(set(), {8}).kernels() == {1: "plain", 2: "plain", 4: "plain", 8: "packed", 16: "plain", 32: "plain"}
+    assert lc.Timing({1: 1.0}, {1: 2.0}, {1: 1.0}).kernels() == {1: "plain"}  # a tie keeps the plain weight
+    route = lc.router(three({1, 2, 4}, set()), "panel")
+    assert [rows for rows in range(1, 40) if route(rows)] == [1, 2, 3, 4]
+
+
+def test_apply_choice_wraps_the_layers_the_panel_kernel_wins(tmp_path: Path) -> None:
+    """Body: panel at 1-4 rows, packed beyond (packed copy only, which builds no kernel for the panel's rows);
+    head: panel everywhere (one copy, the panel's). Outputs match ``F.linear`` on every path."""
+    from handlers.engine.execution.panel_linear import PanelLinear
+    from handlers.engine.execution.prepack import warm_packed_kernels
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32)) for _ in range(2))
+    model.lm_head = nn.Linear(32, 100, bias=False)
+    model.config = type("Config", (), {"num_hidden_layers": 2})()
+    body = [m for layer in model.layers for m in layer]
+    cache = lc.TimingCache(tmp_path, threads=torch.get_num_threads())
+    body_passes = lc.body_passes(body, 2, 64)
+    head_passes = {rows: [model.lm_head] for rows in lc.buckets_for([lc.shape_of(model.lm_head)], 8)}
+    cache.save({lc.pass_key(body_passes): three({1, 2, 4}, set(body_passes), tuple(body_passes)),
+                lc.pass_key(head_passes): three(set(head_passes), set(), tuple(head_passes))})
+    reference = {id(m): (m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone())
+                 for m in [*body, model.lm_head]}
+    originals = [*body, model.lm_head]
+    assert lc.apply_choice(model, step_tokens=64, max_seqs=8, cache=cache) == {"plain": 0, "packed": 4, "panel": 5}
+    modules = [m for layer in model.layers for m in layer] + [model.lm_head]
+    for module, original in zip(modules, originals, strict=True):
+        assert isinstance(module, PanelLinear)
+        if module is model.lm_head:
+            assert module.rest is None  # the panel copy only
+        else:
+            assert isinstance(module.rest, PackedLinear) and module.rest.weight is None  # no plain copy
+            assert [r for r in range(1, 65) if module.runs_panel(r)] == [1, 2, 3, 4]
+        w, b = reference[id(original)]
+        for rows in (1, 3, 4, 5, 20):
+            x = torch.randn(rows, module.in_features)
+            torch.testing.assert_close(module(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # oneDNN kernels for the row counts above 4 only: those below never reach the packed copy
+    built = warm_packed_kernels(model)
+    assert built == 2 * len([r for r in (*range(5, 33), 48, 64, 80, 96, 112, 128)])

@@ -10,12 +10,14 @@ smollm2-fused`` with QKV and gate/up fused, ``--no-head`` leaves the LM head out
     .venv/bin/python benchmarks/gemm.py plain --threads 2            # F.linear on the plain weight
     benchmarks/.venv-vllm/bin/python benchmarks/gemm.py vllm --threads 2   # vLLM's create_onednn_mm/onednn_mm
     .venv/bin/python benchmarks/gemm.py packed-all --rows 2048              # the packed weight at any row count
+    .venv/bin/python benchmarks/gemm.py panel --shapes smollm2 --rows 8     # handlers.engine.execution.panel_linear
     OPENBLAS_NUM_THREADS=2 .venv/bin/python benchmarks/gemm.py openblas --threads 2 --rows 2048
                                          # numpy's OpenBLAS (sgemm into the torch tensor), for comparison only
 
 ``plain`` is MKL's sgemm (what ``F.linear`` runs for fp32 on x86), ``packed`` the engine's hybrid
 ``PackedLinear`` (oneDNN up to 128 rows, then the plain weight), ``packed-all`` oneDNN at every row count
-(rounded up to ``packed_rows``), ``vllm`` vLLM's oneDNN matmul.
+(rounded up to ``packed_rows``), ``panel`` the panel kernel at every row count (``PanelLinear``, fp32), ``vllm``
+vLLM's oneDNN matmul.
 """
 
 from __future__ import annotations
@@ -54,6 +56,16 @@ def build(mode: str, weights: list[torch.Tensor]) -> list[tuple[int, Callable[[t
             lin.weight.data = w
             fns.append((w.shape[1], PackedLinear(lin, max_packed_rows=HYBRID_MAX_PACKED_ROWS
                                                  if mode == "packed" else None)))
+        elif mode == "panel":
+            sys.path.insert(0, str(REPO))
+            from handlers.engine.execution.panel_linear import PanelLinear, load_panel_kernel
+
+            kernel = load_panel_kernel()
+            if kernel is None:
+                raise SystemExit("the panel kernel did not build here (no C compiler?)")
+            lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+            lin.weight.data = w
+            fns.append((w.shape[1], PanelLinear(lin, kernel)))
         elif mode == "openblas":
             import numpy as np
 
@@ -73,7 +85,7 @@ def build(mode: str, weights: list[torch.Tensor]) -> list[tuple[int, Callable[[t
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["packed", "packed-all", "plain", "openblas", "vllm"])
+    ap.add_argument("mode", choices=["packed", "packed-all", "plain", "panel", "openblas", "vllm"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, default=32, help="rows of each matmul (decode: running sequences)")
     ap.add_argument("--steps", type=int, default=15)

@@ -72,8 +72,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "rollserve-ngram": {"speculative_draft": "ngram"},
     "rollserve-tokencap": {"max_mixed_step_ratio": "0"},  # the prefill bound by tokens alone, as before the time bound
     "rollserve-r2": {"max_mixed_step_ratio": "2"},  # a tighter time bound: smoother streams, later first tokens
-    "rollserve-r8": {"max_mixed_step_ratio": "8"},  # a looser one: first tokens sooner, longer stalls
-    "rollserve-ngram-r8": {"speculative_draft": "ngram", "max_mixed_step_ratio": "8"},  # the shipped one, looser
+    "rollserve-r4": {"max_mixed_step_ratio": "4"},  # the default until the decode steps got cheaper (README)
+    "rollserve-ngram-r4": {"speculative_draft": "ngram", "max_mixed_step_ratio": "4"},  # the shipped one, as it was
     "rollserve-auto": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto"},  # the layout from the cores
     "rollserve-2w": {"minWorkers": "2", "maxWorkers": "2", "num_threads": "auto"},  # the tiny model's old fixed layout
     # the shipped layout with the GEMM kernel fixed by the old instruction-set rule, not measured at load:

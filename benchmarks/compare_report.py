@@ -6,13 +6,13 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-ngram-r8", "rollserve-tokencap", "rollserve-r2",
-           "rollserve-r8", "rollserve-auto", "rollserve-2w", "rollserve-packed", "rollserve-hybrid",
+SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-ngram-r4", "rollserve-tokencap", "rollserve-r2",
+           "rollserve-r4", "rollserve-auto", "rollserve-2w", "rollserve-packed", "rollserve-hybrid",
            "rollserve-dynamic")
 RATIOS = (("rollserve", "vllm"), ("rollserve-ngram", "vllm"), ("rollserve-ngram", "rollserve"),
-          ("rollserve-ngram-r8", "vllm"), ("rollserve-ngram-r8", "rollserve-ngram"),
+          ("rollserve-ngram-r4", "vllm"), ("rollserve-ngram-r4", "rollserve-ngram"),
           ("rollserve-tokencap", "vllm"), ("rollserve", "rollserve-tokencap"), ("rollserve-r2", "vllm"),
-          ("rollserve-r8", "vllm"), ("rollserve-auto", "vllm"), ("rollserve-auto", "rollserve-2w"),
+          ("rollserve-r4", "vllm"), ("rollserve-auto", "vllm"), ("rollserve-auto", "rollserve-2w"),
           ("rollserve-packed", "vllm"),
           ("rollserve-auto", "rollserve-packed"), ("rollserve-hybrid", "vllm"), ("rollserve-auto", "rollserve-hybrid"),
           ("rollserve-auto", "rollserve-dynamic"))

@@ -127,7 +127,7 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("max_prefill_tokens_while_decoding", integer(0), "256", (ENGINE,),
           "while sequences decode, prefill chunks take at most this many tokens of a step (a long prefill step "
           "stalls every running stream); 0 = up to the whole budget"),
-    _spec("max_mixed_step_ratio", number(0), "4", (ENGINE,),
+    _spec("max_mixed_step_ratio", number(0), "8", (ENGINE,),
           "while sequences decode, a step that also prefills lasts at most this many decode-only steps (by the "
           "step costs the engine fits: fixed + per decode row + per prompt token), times waiting / decoding "
           "sequences while more requests wait for a first token than decode (a burst); 0 = the token cap alone. "

@@ -26,7 +26,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_prefill_tokens_while_decoding: int = 256  # 0 = prefill may take the whole step budget
-    max_mixed_step_ratio: float = 4.0  # a step that decodes and prefills: at most this many decode steps long (0: off)
+    max_mixed_step_ratio: float = 8.0  # a step that decodes and prefills: at most this many decode steps long (0: off)
     block_size: int = 16
     kv_cache_memory_mb: int = 0
     kv_cache_memory_fraction: float = 0.9

@@ -4,6 +4,7 @@ runs through, the timings cache, and a real measurement on small layers."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +17,27 @@ from handlers.engine.execution.prepack import PackedLinear
 def timing(packed_at: set[int], buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> lc.Timing:
     """Timings where the packed pass is faster exactly at ``packed_at``."""
     return lc.Timing({b: 1.0 for b in buckets}, {b: 0.5 if b in packed_at else 2.0 for b in buckets})
+
+
+TimingOf = Callable[[tuple[int, ...]], lc.Timing]
+
+
+def tiny_model(tmp_path: Path, body_timing: TimingOf, head_timing: TimingOf
+               ) -> tuple[nn.Module, list[nn.Linear], lc.TimingCache]:
+    """Two decoder layers (32 -> 64 -> 32, with biases) and a 100-word head, and a timings cache holding
+    ``body_timing`` and ``head_timing`` of their passes' buckets (a step of 64 tokens, 8 sequences)."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32)) for _ in range(2))
+    model.lm_head = nn.Linear(32, 100, bias=False)
+    model.config = type("Config", (), {"num_hidden_layers": 2})()
+    body = [m for layer in model.layers for m in layer]
+    cache = lc.TimingCache(tmp_path, threads=torch.get_num_threads())
+    body_passes = lc.body_passes(body, 2, 64)
+    head_passes = {rows: [model.lm_head] for rows in lc.buckets_for([lc.shape_of(model.lm_head)], 8)}
+    cache.save({lc.pass_key(body_passes): body_timing(tuple(body_passes)),
+                lc.pass_key(head_passes): head_timing(tuple(head_passes))})
+    return model, body, cache
 
 
 def test_each_bucket_goes_to_the_faster_kernel() -> None:
@@ -96,17 +118,7 @@ def test_the_cache_round_trips_and_merges(tmp_path: Path) -> None:
 def test_apply_choice_routes_the_body_and_the_head_from_the_cache(tmp_path: Path) -> None:
     """Timings in the cache decide: the body packed at 4 and 8 rows (both copies kept), the head plain everywhere
     (left an ``nn.Linear``); outputs match ``F.linear`` on every path."""
-    torch.manual_seed(0)
-    model = nn.Module()
-    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32)) for _ in range(2))
-    model.lm_head = nn.Linear(32, 100, bias=False)
-    model.config = type("Config", (), {"num_hidden_layers": 2})()
-    body = [m for layer in model.layers for m in layer]
-    cache = lc.TimingCache(tmp_path, threads=torch.get_num_threads())
-    body_passes = lc.body_passes(body, 2, 64)
-    head_passes = {rows: [model.lm_head] for rows in lc.buckets_for([lc.shape_of(model.lm_head)], 8)}
-    cache.save({lc.pass_key(body_passes): timing({4, 8}, tuple(body_passes)),
-                lc.pass_key(head_passes): timing(set(), tuple(head_passes))})
+    model, body, cache = tiny_model(tmp_path, lambda b: timing({4, 8}, b), lambda b: timing(set(), b))
     reference = {id(m): (m.weight.detach().clone(), m.bias.detach().clone()) for m in body}
     assert lc.apply_choice(model, step_tokens=64, max_seqs=8, cache=cache) == {"plain": 5, "packed": 4, "panel": 0}
     assert type(model.lm_head) is nn.Linear
@@ -172,17 +184,7 @@ def test_apply_choice_wraps_the_layers_the_panel_kernel_wins(tmp_path: Path) -> 
     from handlers.engine.execution.panel_linear import PanelLinear
     from handlers.engine.execution.prepack import warm_packed_kernels
 
-    torch.manual_seed(0)
-    model = nn.Module()
-    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32)) for _ in range(2))
-    model.lm_head = nn.Linear(32, 100, bias=False)
-    model.config = type("Config", (), {"num_hidden_layers": 2})()
-    body = [m for layer in model.layers for m in layer]
-    cache = lc.TimingCache(tmp_path, threads=torch.get_num_threads())
-    body_passes = lc.body_passes(body, 2, 64)
-    head_passes = {rows: [model.lm_head] for rows in lc.buckets_for([lc.shape_of(model.lm_head)], 8)}
-    cache.save({lc.pass_key(body_passes): three({1, 2, 4}, set(body_passes), tuple(body_passes)),
-                lc.pass_key(head_passes): three(set(head_passes), set(), tuple(head_passes))})
+    model, body, cache = tiny_model(tmp_path, lambda b: three({1, 2, 4}, set(b), b), lambda b: three(set(b), set(), b))
     reference = {id(m): (m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone())
                  for m in [*body, model.lm_head]}
     originals = [*body, model.lm_head]

@@ -261,6 +261,8 @@ def apply_choice(model: nn.Module, step_tokens: int, max_seqs: int, cache: Timin
         timings[False] = timed(body_passes(body, layers, max(step_tokens, max_seqs)), cache, panel)
     if type(head) is nn.Linear:
         timings[True] = timed({rows: [head] for rows in buckets_for([shape_of(head)], max_seqs)}, cache, panel)
+    if panel is None:  # cached timings from a process that had the panel kernel (or other layers): not here
+        timings = {is_head: Timing(t.plain, t.packed) for is_head, t in timings.items()}
     counts = dict.fromkeys(KERNELS, 0)
     # per timing, once: layers of a shape share their routers (the packed kernels are warmed once per router)
     routes = {is_head: (set(t.kernels().values()), router(t), router(t, "panel")) for is_head, t in timings.items()}
@@ -275,7 +277,6 @@ def apply_choice(model: nn.Module, step_tokens: int, max_seqs: int, cache: Timin
             if keep_plain:
                 module.router = runs_packed
         if "panel" in used:
-            assert panel is not None  # a timing with panel buckets was measured with it
             if isinstance(module, PackedLinear):  # the rows the panel kernel takes never reach it: no kernels for them
                 module.taken = runs_panel
             module = PanelLinear(linear, panel, rest=module if used != {"panel"} else None, router=runs_panel)

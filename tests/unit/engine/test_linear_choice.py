@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -204,3 +205,14 @@ def test_apply_choice_wraps_the_layers_the_panel_kernel_wins(tmp_path: Path) -> 
     # oneDNN kernels for the row counts above 4 only: those below never reach the packed copy
     built = warm_packed_kernels(model)
     assert built == 2 * len([r for r in (*range(5, 33), 48, 64, 80, 96, 112, 128)])
+
+
+def test_cached_panel_timings_without_the_kernel_route_between_the_other_two(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timings that put buckets on the panel kernel, read where it cannot be built: plain and packed only."""
+    monkeypatch.setattr(lc, "load_panel_kernel", lambda: None)
+    model, _, cache = tiny_model(tmp_path, lambda b: three({1, 2, 4}, {8, 16, 32}, b),
+                                 lambda b: three(set(b), set(), b))
+    assert lc.apply_choice(model, step_tokens=64, max_seqs=8, cache=cache) == {"plain": 5, "packed": 4, "panel": 0}
+    assert type(model.lm_head) is nn.Linear
+    assert all(isinstance(m, PackedLinear) for layer in model.layers for m in layer)

@@ -104,6 +104,9 @@ class ServingMetrics:
                                TOKEN_LATENCY_BUCKETS_S)
         self.preemptions = Counter("rollserve_num_preemptions", "Sequences preempted (KV cache exhausted)", m,
                                    registry=r)
+        self.burst_paused = Counter("rollserve_burst_paused_steps", "Engine steps that prefilled a burst's prompts "
+                                    "while running sequences waited to decode (option.burst_prefill_first)", m,
+                                    registry=r)
         self.prefix_queries = Counter("rollserve_prefix_cache_queries", "Prompt blocks looked up in the prefix "
                                       "cache", m, registry=r)
         self.prefix_hits = Counter("rollserve_prefix_cache_hits", "Prompt blocks found in the prefix cache", m,
@@ -188,6 +191,7 @@ class ServingMetrics:
         self.step_time.labels(model, version).observe(step_s)
         last = self._engine_totals.setdefault((model, version, worker_id), {})
         for key, counter in (("num_preemptions_total", self.preemptions),
+                             ("num_burst_paused_steps_total", self.burst_paused),
                              ("prefix_cache_queries_total", self.prefix_queries),
                              ("prefix_cache_hits_total", self.prefix_hits),
                              ("spec_draft_tokens_total", self.spec_drafts),

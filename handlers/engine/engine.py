@@ -124,7 +124,8 @@ class LLMEngine:
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching, sliding_window=self.runner.sliding_window,
             max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
-            max_speculative_batch=config.speculative_max_batch_size or 1 << 30))
+            max_speculative_batch=config.speculative_max_batch_size or 1 << 30,
+            burst_prefill_first=config.burst_prefill_first))
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB); %.1f sequences of %d tokens fit",
                     num_blocks, config.block_size, num_blocks * config.block_size * per_token / 2**20,
                     num_blocks * config.block_size / self.max_model_len, self.max_model_len)
@@ -407,6 +408,7 @@ class LLMEngine:
             "kv_block_bytes": self._kv_block_bytes,
             "kv_cache_populate": self.config.kv_cache_populate,
             "num_preemptions_total": self.scheduler.num_preemptions,
+            "num_burst_paused_steps_total": self.scheduler.num_paused_steps,
             "prefix_cache_queries_total": alloc.prefix_queries,
             "prefix_cache_hits_total": alloc.prefix_hits,
             **self._counters,

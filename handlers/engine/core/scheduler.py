@@ -4,6 +4,10 @@ Design note (policy only; the runner is the mechanism): every step first gives e
 its next token(s) -- one for a decode, a chunk for an unfinished prefill -- then admits waiting
 requests first-come-first-served while the step stays within ``max_num_batched_tokens`` and the batch
 within ``max_num_seqs``. Long prompts are split across steps (chunked prefill) so decodes keep flowing.
+When more requests wait for their first token than sequences decode (a burst), the decodes wait while those
+requests' prompts are prefilled (``burst_prefill_first``): each running stream pauses once, for the burst,
+instead of at every step that carries a piece of it, and no decode row shares the burst's steps. Requests that
+arrive after a burst began do not extend it, and a step that could prefill nothing decodes instead.
 A request is admitted only when its blocks fit; when a running sequence cannot get a block, the newest
 running sequence is preempted: its blocks are freed and it goes back to the front of the queue to be
 recomputed from its tokens later. When every layer of the model attends within one sliding window,
@@ -19,6 +23,7 @@ that a change took effect at the next step.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -41,6 +46,7 @@ class SchedulerConfig:
     sliding_window: int = 0  # every layer attends to at most this many keys (0: some layer sees all)
     max_prefill_tokens_while_decoding: int = 0  # prefill tokens per step while decodes run (0: no cap)
     max_speculative_batch: int = 1 << 30  # guesses only while at most this many sequences decode
+    burst_prefill_first: bool = False  # a burst's first tokens before the running streams' next ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +129,8 @@ class Scheduler:
         # (decode rows planned with their guesses, token cap, requests waiting for a first token, sequences
         # decoding) -> prefill tokens allowed beside the decode rows (0: no cap); None: the cap alone
         self.prefill_limit: Callable[[int, int, int, int], int] | None = None
+        self._burst: set[str] = set()  # request ids of the burst being prefilled while decodes wait
+        self.num_paused_steps = 0  # steps that prefilled a burst while sequences waited to decode
 
     def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         """Change the batch size and the token budget of the coming steps (None keeps a value). Sequences
@@ -193,27 +201,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------- step
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step. Never exceeds the token budget or the batch size; while decodes run, prefill
-        chunks take at most ``max_prefill_tokens_while_decoding`` of it (0 = no such cap), or what
-        ``prefill_limit`` makes of that cap given the decode rows planned (the engine's time bound)."""
+        """Plan the next step. Never exceeds the token budget or the batch size; while decodes run (or wait for a
+        burst), prefill chunks take at most ``max_prefill_tokens_while_decoding`` of it (0 = no such cap), or what
+        ``prefill_limit`` makes of that cap given the decode rows (the engine's time bound)."""
         budget = self.config.max_num_batched_tokens
         planned: dict[int, ScheduledChunk] = {}  # id(seq) -> chunk
         preempted: list[str] = []
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes:
-            if seq.status is SequenceStatus.RUNNING and budget > 0 and self._plan(seq, 1, planned, preempted):
-                budget -= 1
-        if self.drafter is not None and budget > 0 and len(decodes) <= self.config.max_speculative_batch:
-            per_seq = budget if self.draft_length is None else self.draft_length(len(decodes))
-            if per_seq > 0:
-                budget = self._add_drafts(decodes, planned, budget, per_seq)
+        paused = self.config.burst_prefill_first and bool(decodes) and self._in_burst(decodes, prefills)
+        if not paused:
+            budget = self._plan_decodes(decodes, planned, preempted, budget)
         prefill_budget = budget
-        if planned:  # a long prefill chunk stalls every running decode for its whole step (inter-token latency)
+        if planned or paused:  # a long prefill chunk stalls every running decode for its whole step (ITL)
             cap = self.config.max_prefill_tokens_while_decoding
             if self.prefill_limit is not None:  # waiting: requests without their first token yet
-                cap = self.prefill_limit(self.config.max_num_batched_tokens - budget, cap,
-                                         len(self.waiting) + len(prefills), len(decodes))
+                rows = len(decodes) if paused else self.config.max_num_batched_tokens - budget
+                cap = self.prefill_limit(rows, cap, len(self.waiting) + len(prefills), len(decodes))
             if cap:
                 prefill_budget = min(budget, cap)
         for seq in prefills:
@@ -232,8 +236,37 @@ class Scheduler:
                 planned[id(chunk.seq)] = chunk
                 prefill_budget -= chunk.num_tokens
                 admitted += 1
+        if paused:
+            if planned:
+                self.num_paused_steps += 1
+            else:  # no prompt could move (blocks): the streams must not wait on it
+                self._plan_decodes(decodes, planned, preempted, budget)
         self._record(admitted)
         return SchedulerOutput(tuple(planned.values()), tuple(preempted))
+
+    def _in_burst(self, decodes: list[Sequence], prefills: list[Sequence]) -> bool:
+        """Whether the decodes wait this step: a burst starts when more requests wait for a first token (those a
+        free batch slot can take, and those part-way through their prompt) than sequences decode, and lasts
+        until each of its requests has its first token (or left); later arrivals are not part of it."""
+        free = max(0, self.config.max_num_seqs - len(self.running))
+        waiting = [s.request_id for s in itertools.islice(self.waiting, free)] + [s.request_id for s in prefills]
+        if self._burst:
+            self._burst.intersection_update(waiting)
+        elif len(waiting) > len(decodes):
+            self._burst = set(waiting)
+        return bool(self._burst)
+
+    def _plan_decodes(self, decodes: list[Sequence], planned: dict[int, ScheduledChunk], preempted: list[str],
+                      budget: int) -> int:
+        """One row for each decoding sequence, then the drafter's guesses; returns the budget left."""
+        for seq in decodes:
+            if seq.status is SequenceStatus.RUNNING and budget > 0 and self._plan(seq, 1, planned, preempted):
+                budget -= 1
+        if self.drafter is not None and budget > 0 and len(decodes) <= self.config.max_speculative_batch:
+            per_seq = budget if self.draft_length is None else self.draft_length(len(decodes))
+            if per_seq > 0:
+                budget = self._add_drafts(decodes, planned, budget, per_seq)
+        return budget
 
     def _add_drafts(self, decodes: list[Sequence], planned: dict[int, ScheduledChunk], budget: int,
                     per_seq: int) -> int:

@@ -74,6 +74,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "rollserve-r2": {"max_mixed_step_ratio": "2"},  # a tighter time bound: smoother streams, later first tokens
     "rollserve-r4": {"max_mixed_step_ratio": "4"},  # the default until the decode steps got cheaper (README)
     "rollserve-ngram-r4": {"speculative_draft": "ngram", "max_mixed_step_ratio": "4"},  # the shipped one, as it was
+    # the shipped one with its streams decoding beside a burst's prompt chunks, as before burst_prefill_first
+    "rollserve-ngram-smooth": {"speculative_draft": "ngram", "burst_prefill_first": "false"},
     "rollserve-auto": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto"},  # the layout from the cores
     "rollserve-2w": {"minWorkers": "2", "maxWorkers": "2", "num_threads": "auto"},  # the tiny model's old fixed layout
     # the shipped layout with the GEMM kernel fixed by the old instruction-set rule, not measured at load:

@@ -2,6 +2,8 @@
 pooled per server and core list, as empirical CDFs (log time axis), one PNG.
 
     .venv/bin/python benchmarks/compare_plot.py benchmarks/results/compare-STAMP.json --out docs/itl-smollm2-1core.png
+
+A result given as ``PATH:TAG`` adds TAG to its curves' labels (two runs of one server at two commits).
 """
 
 from __future__ import annotations
@@ -20,20 +22,21 @@ from serving.bench.plots import ecdf, pyplot  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", type=Path, nargs="+", help="compare.py JSON results (runs with samples_ms)")
+    ap.add_argument("results", nargs="+", help="compare.py JSON results (runs with samples_ms), each PATH[:TAG]")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     pooled: dict[str, dict[str, list[float]]] = {}
     titles = []
-    for path in args.results:
-        res = json.loads(path.read_text())
+    for given in args.results:
+        path, _, tag = given.partition(":")
+        res = json.loads(Path(path).read_text())
         titles.append(f"{res['model']}, {res['pass']}")
         for comp in res["comparisons"]:
             for run in comp["runs"]:
                 if "samples_ms" not in run:
                     continue
                 label = f"{run['server']}, cores {comp['cores']}" + (f", {res['pass']}" if len(args.results) > 1
-                                                                     else "")
+                                                                     else "") + (f", {tag}" if tag else "")
                 into = pooled.setdefault(label, {"ttft": [], "itl": []})
                 for key in into:
                     into[key] += run["samples_ms"][key]

@@ -6,11 +6,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-ngram-r4", "rollserve-tokencap", "rollserve-r2",
-           "rollserve-r4", "rollserve-auto", "rollserve-2w", "rollserve-packed", "rollserve-hybrid",
+SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-ngram-r4", "rollserve-ngram-smooth", "rollserve-tokencap",
+           "rollserve-r2", "rollserve-r4", "rollserve-auto", "rollserve-2w", "rollserve-packed", "rollserve-hybrid",
            "rollserve-dynamic")
 RATIOS = (("rollserve", "vllm"), ("rollserve-ngram", "vllm"), ("rollserve-ngram", "rollserve"),
           ("rollserve-ngram-r4", "vllm"), ("rollserve-ngram-r4", "rollserve-ngram"),
+          ("rollserve-ngram-smooth", "vllm"), ("rollserve-ngram", "rollserve-ngram-smooth"),
           ("rollserve-tokencap", "vllm"), ("rollserve", "rollserve-tokencap"), ("rollserve-r2", "vllm"),
           ("rollserve-r4", "vllm"), ("rollserve-auto", "vllm"), ("rollserve-auto", "rollserve-2w"),
           ("rollserve-packed", "vllm"),

@@ -142,3 +142,26 @@ def test_time_bounded_prefill_keeps_greedy_output_and_reports_its_fit(model_dirs
     off = LLMEngine.from_options(model_dirs["llama"], {"num_kv_blocks": "64", "max_mixed_step_ratio": "0"})
     assert off.prefill_budget is None and off.scheduler.prefill_limit is None
     assert off.stats()["prefill_budget"] is None
+
+
+@pytest.mark.parametrize("burst_first", ["true", "false"])
+def test_a_burst_beside_running_streams_keeps_greedy_output(model_dirs: dict[str, Path], burst_first: str) -> None:
+    """Two prompts decode, then eight arrive at once: with ``burst_prefill_first`` (the default) the eight are
+    prefilled while the two wait (counted), without it beside them; the answers are generate's either way."""
+    engine = LLMEngine.from_options(model_dirs["llama"], {"num_kv_blocks": "256", "burst_prefill_first": burst_first,
+                                                          "max_rolling_batch_prefill_tokens": "32"})
+    prompts = make_prompts(10, seed=12)
+    deltas: dict[str, list[TokenDelta]] = {f"r{i}": [] for i in range(len(prompts))}
+    for i in (0, 1):
+        engine.add(f"r{i}", prompts[i], SamplingParams(max_new_tokens=MAX_NEW))
+    while not deltas["r0"] or not deltas["r1"]:
+        for d in engine.step():
+            deltas[d.request_id].append(d)
+    for i in range(2, len(prompts)):
+        engine.add(f"r{i}", prompts[i], SamplingParams(max_new_tokens=MAX_NEW))
+    while engine.has_work():
+        for d in engine.step():
+            deltas[d.request_id].append(d)
+    check_against_generate(model_dirs["llama"], prompts, deltas)
+    paused = engine.stats()["num_burst_paused_steps_total"]
+    assert paused > 0 if burst_first == "true" else paused == 0

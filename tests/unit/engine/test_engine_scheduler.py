@@ -37,13 +37,15 @@ request = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3))  
     st.integers(0, 2),  # shared prefix kinds
     st.sampled_from([0, 4, 9]),  # sliding window of every layer (blocks out of it are freed)
     st.sampled_from([0, 1, 3]),  # prefill tokens per step while decodes run
+    st.booleans(),  # a burst's prompts before the running streams
 )
 def test_every_request_finishes_once(reqs, num_blocks, max_seqs, max_tokens, prefix, aborts, kinds, window,
-                                     decode_cap) -> None:
+                                     decode_cap, burst_first) -> None:
     bs = 4
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, block_size=bs,
                           num_blocks=num_blocks, max_model_len=64, enable_prefix_caching=prefix,
-                          sliding_window=window, max_prefill_tokens_while_decoding=decode_cap)
+                          sliding_window=window, max_prefill_tokens_while_decoding=decode_cap,
+                          burst_prefill_first=burst_first)
     sched = Scheduler(cfg)
     pending = sorted(enumerate(reqs), key=lambda r: r[1][2])
     finished: Counter[str] = Counter()
@@ -161,6 +163,73 @@ def test_prefill_tokens_capped_while_decodes_run() -> None:
         if sum(sizes) >= 1000:
             break
     assert sizes == [256, 256, 256, 232]
+
+
+def _decoding(sched: Scheduler, *ids: str, max_new: int = 50) -> dict[str, Sequence]:
+    """Add one two-token request per id and step until each has its first token (nothing else runs)."""
+    seqs = {i: Sequence(i, [ord(i[0]), 2], SamplingParams(max_new_tokens=max_new)) for i in ids}
+    for seq in seqs.values():
+        sched.add(seq)
+    while any(s.num_output_tokens == 0 for s in seqs.values()):
+        _step_all(sched)
+    return seqs
+
+
+def _plan(sched: Scheduler) -> dict[str, int]:
+    """One step: request id -> tokens it computes (sampled sequences get a token)."""
+    out = sched.schedule()
+    sched.commit(out)
+    for c in out.chunks:
+        if c.samples:
+            c.seq.append_token(7)
+    return {c.seq.request_id: c.num_tokens for c in out.chunks}
+
+
+def test_a_burst_is_prefilled_while_the_running_streams_wait() -> None:
+    """Three prompts arrive beside one decoding stream: they get the steps until each has its first token, the
+    stream none; then all four decode. Without the option the stream decodes in every step."""
+    for first in (True, False):
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, block_size=4, num_blocks=64,
+                                          max_prefill_tokens_while_decoding=0, burst_prefill_first=first))
+        _decoding(sched, "a")
+        for k, i in enumerate("bcd"):
+            sched.add(Sequence(i, list(range(100 * k, 100 * k + 12)), SamplingParams(max_new_tokens=5)))
+        steps = [_plan(sched) for _ in range(4)]
+        if first:
+            assert steps == [{"b": 12, "c": 4}, {"c": 8, "d": 8}, {"d": 4}, {"a": 1, "b": 1, "c": 1, "d": 1}]
+            assert sched.num_paused_steps == 3
+        else:
+            assert steps == [{"a": 1, "b": 12, "c": 3}, {"a": 1, "b": 1, "c": 9, "d": 5},
+                             {"a": 1, "b": 1, "c": 1, "d": 7}, {"a": 1, "b": 1, "c": 1, "d": 1}]
+            assert sched.num_paused_steps == 0
+
+
+def test_arrivals_after_a_burst_began_do_not_extend_it() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, block_size=4, num_blocks=64,
+                                      max_prefill_tokens_while_decoding=0, burst_prefill_first=True))
+    _decoding(sched, "a")
+    for k, i in enumerate("bc"):
+        sched.add(Sequence(i, list(range(100 * k, 100 * k + 8)), SamplingParams(max_new_tokens=5)))
+    assert _plan(sched) == {"b": 8}  # the burst: b and c
+    sched.add(Sequence("late", list(range(30, 38)), SamplingParams(max_new_tokens=5)))
+    assert _plan(sched) == {"c": 8}
+    # b and c have their first tokens: the streams decode again, and the late request is one waiting beside
+    # three decoding (no burst), prefilled beside them
+    assert _plan(sched) == {"a": 1, "b": 1, "c": 1, "late": 5}
+
+
+@pytest.mark.parametrize("limit", ["slots", "blocks"])
+def test_the_streams_decode_when_no_waiting_prompt_can_start(limit: str) -> None:
+    """A burst that cannot run (the batch is full, or its blocks do not fit) must not hold up the streams."""
+    slots, blocks = (2, 64) if limit == "slots" else (8, 2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=slots, max_num_batched_tokens=64, block_size=4,
+                                      num_blocks=blocks, max_model_len=8, max_prefill_tokens_while_decoding=0,
+                                      enable_prefix_caching=False, burst_prefill_first=True))
+    _decoding(sched, "a", "b", max_new=4)  # each in one block, room for its next token
+    for k, i in enumerate("cde"):
+        sched.add(Sequence(i, [k, 2, 3, 4], SamplingParams(max_new_tokens=3)))
+    assert _plan(sched) == {"a": 1, "b": 1}
+    assert sched.num_paused_steps == 0
 
 
 def _step_all(sched: Scheduler) -> list[str]:

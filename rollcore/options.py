@@ -136,7 +136,7 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "while more requests wait for a first token than sequences decode (a burst), the decodes wait until "
           "those requests have their first tokens: each running stream pauses once, for the burst's prefill, "
           "instead of at every step of it, and first tokens come sooner; false = streams keep decoding beside the "
-          "burst's chunks (shorter pauses, more of them, later first tokens)"),
+          "burst's chunks (shorter pauses, more of them, later first tokens). Off on GPUs"),
     _spec("block_size", integer(1), "16", (ENGINE,), "tokens per KV-cache block"),
     _spec("kv_cache_memory_mb", integer(0, auto=True), "auto", (ENGINE,),
           "KV cache of a worker (all its ranks) in MiB; auto or 0: kv_cache_memory_fraction of the memory left "

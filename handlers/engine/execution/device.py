@@ -59,7 +59,8 @@ def device_defaults(config: EngineConfig, options: Mapping[str, str], device: to
 
     On a GPU: the prefill tokens of a step that also decodes are the whole step budget, with no time bound (a
     step of 2048 tokens costs a GPU about what 256 do, while the CPU default of 256 stretches 64 arriving prompts
-    over ~100 steps);
+    over ~100 steps), and a burst's steps carry the decodes too (they ride along at almost no cost, where on a CPU
+    core each row is paid for and stalls every stream for the whole step);
     Q/K/V and gate/up run as one matmul each in half precision (fewer, wider GEMMs for small batches; fp32 keeps
     the separate products, so that it stays comparable with transformers' own forward)."""
     if device.type != "cuda":
@@ -69,6 +70,8 @@ def device_defaults(config: EngineConfig, options: Mapping[str, str], device: to
         changes["max_prefill_tokens_while_decoding"] = 0
     if options.get("max_mixed_step_ratio") is None:
         changes["max_mixed_step_ratio"] = 0.0
+    if options.get("burst_prefill_first") is None:
+        changes["burst_prefill_first"] = False
     if options.get("fuse_projections") is None and config.dtype in ("bf16", "fp16"):
         changes["fuse_projections"] = True
     return replace(config, **changes) if changes else config

@@ -132,7 +132,8 @@ def test_rolling_steps_move_token_latency_and_engine_counters() -> None:
         for i in range(4):  # 4 tokens per request; engine counters grow each step
             stats = {"num_preemptions_total": i, "prefix_cache_queries_total": 10 * (i + 1),
                      "prefix_cache_hits_total": 3 * (i + 1), "spec_draft_tokens_total": 8 * i,
-                     "spec_accepted_tokens_total": 5 * i, "num_running": 3, "num_waiting": 0}
+                     "spec_accepted_tokens_total": 5 * i, "num_burst_paused_steps_total": 2 * i, "num_running": 3,
+                     "num_waiting": 0}
             b.on_message(w, step(ids, last=i == 3, stats=stats))
             await asyncio.sleep(0.002)
         await asyncio.gather(*(s.collect() for s in streams))
@@ -150,6 +151,7 @@ def test_rolling_steps_move_token_latency_and_engine_counters() -> None:
     assert value(s, "rollserve_prompt_tokens_total", model="m") == 15
     assert value(s, "rollserve_engine_step_duration_seconds_count", model="m") == 5
     assert value(s, "rollserve_num_preemptions_total", model="m") == 3 + 2
+    assert value(s, "rollserve_burst_paused_steps_total", model="m") == 6
     assert value(s, "rollserve_prefix_cache_queries_total", model="m") == 40
     assert value(s, "rollserve_prefix_cache_hits_total", model="m") == 12
     assert value(s, "rollserve_spec_decode_num_draft_tokens_total", model="m") == 24

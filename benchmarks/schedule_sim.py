@@ -53,14 +53,13 @@ def simulate(prompts: list[int], outputs: list[int], arrivals: list[float], cost
     if ratio:
         sched.prefill_limit = PrefillBudget(ratio, floor=block_size, fit=fit).limit
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
-    seqs: dict[str, Sequence] = {}
     times: dict[str, list[float]] = {}
     now, nxt, steps = 0.0, 0, []
     while nxt < len(order) or sched.has_work():
         while nxt < len(order) and arrivals[order[nxt]] <= now:
             i = order[nxt]
             seq = Sequence(str(i), list(range(1, prompts[i] + 1)), SamplingParams(max_new_tokens=outputs[i]))
-            seqs[seq.request_id], times[seq.request_id] = seq, [arrivals[i]]
+            times[seq.request_id] = [arrivals[i]]
             sched.add(seq)
             nxt += 1
         if not sched.has_work():

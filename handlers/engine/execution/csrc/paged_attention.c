@@ -114,12 +114,16 @@ static inline void score_rows(const float* restrict qv, int64_t g, int64_t d, co
         return;
     }
 #endif
-    for (; t + ROWS <= n; t += ROWS) {
+    /* Four keys at a time; a last group of fewer repeats its last key (its extra scores are not stored), so key t
+     * is always the (t % 4)-th sum of the same four-way loop, whatever the block's length: a row alone reads fewer
+     * keys of its last block than beside its guesses, and must get the same bits. */
+    for (; t < n; t += ROWS) {
         prefetch_rows(next, ks, d, t, next_n);
-        const float* restrict k0 = k + t * ks;
-        const float* restrict k1 = k0 + ks;
-        const float* restrict k2 = k1 + ks;
-        const float* restrict k3 = k2 + ks;
+        const int64_t m = n - t < ROWS ? n - t : ROWS;
+        const float* k0 = k + t * ks;
+        const float* k1 = k0 + (m > 1 ? 1 : 0) * ks;
+        const float* k2 = k0 + (m > 2 ? 2 : m - 1) * ks;
+        const float* k3 = k0 + (m > 3 ? 3 : m - 1) * ks;
         for (int64_t j = 0; j < g; j++) {
             const float* restrict qj = qv + j * d;
             float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
@@ -132,19 +136,9 @@ static inline void score_rows(const float* restrict qv, int64_t g, int64_t d, co
             }
             float* sj = sc + j * ld + t;
             sj[0] = s0;
-            sj[1] = s1;
-            sj[2] = s2;
-            sj[3] = s3;
-        }
-    }
-    for (; t < n; t++) {
-        const float* restrict kr = k + t * ks;
-        for (int64_t j = 0; j < g; j++) {
-            const float* restrict qj = qv + j * d;
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t i = 0; i < d; i++) s += qj[i] * kr[i];
-            sc[j * ld + t] = s;
+            if (m > 1) sj[1] = s1;
+            if (m > 2) sj[2] = s2;
+            if (m > 3) sj[3] = s3;
         }
     }
 }

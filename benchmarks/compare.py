@@ -24,6 +24,10 @@ model, seeded workload (``workload.py``), cores and dtype; bench.py's starters, 
     .venv/bin/python benchmarks/compare.py --model 110m --cores 0 --rate-from-vllm 0.7   # Poisson, both servers
     .venv/bin/python benchmarks/compare.py --model smollm2 --cores 0 --repeats 3   # chat workload, 32 requests
     .venv/bin/python benchmarks/compare.py --model smollm2 --cores 0 --rate-from-vllm 0.7
+    # only the requests of that Poisson pass that arrive from 67 s on, at the same offsets, on an idle server:
+    # how soon its tail can end with no backlog from earlier requests
+    .venv/bin/python benchmarks/compare.py --model smollm2 --cores 0 --pass poisson --rate 0.33376 \
+        --arrivals-from 67
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +141,19 @@ def start(server: str, path: Path, workdir: Path, cores: list[int], dtype: str, 
     return proc, url, "openai"
 
 
+def arrivals_from(w: Workload, rate: float | None, start_s: float) -> tuple[Workload, list[float]]:
+    """The requests of ``w`` that arrive at or after ``start_s`` at ``rate``, their offsets shifted so that the
+    first of them arrives at 0 (``start_s`` 0: the whole workload, its offsets as drawn)."""
+    arrivals = w.arrivals(rate)
+    if not start_s:
+        return w, arrivals
+    keep = [i for i, t in enumerate(arrivals) if t >= start_s]
+    if not keep:
+        raise SystemExit(f"--arrivals-from {start_s}: no request arrives that late (last at {max(arrivals):.1f} s)")
+    first = arrivals[keep[0]]
+    return replace(w, requests=tuple(w.requests[i] for i in keep)), [arrivals[i] - first for i in keep]
+
+
 def run_one(server: str, cores: list[int], w: Workload, rate: float | None, args: argparse.Namespace,
             own: OwnLoad, workdir: Path) -> dict[str, Any]:
     """Fresh server, pins checked, warm-up, load check, the measured pass with CPU accounting, server stopped."""
@@ -157,7 +175,8 @@ def run_one(server: str, cores: list[int], w: Workload, rate: float | None, args
         rec["load_check"] = check = wait_quiet(own, tree(root), args.busy_threshold, args.settle_s)
         pids = tree(root)
         a = snap(pids)
-        res = run_http(kind, url, w, w.arrivals(rate))
+        w, arrivals = arrivals_from(w, rate, args.arrivals_from)
+        res = run_http(kind, url, w, arrivals)
         b = snap(sorted(set(pids) | set(tree(root))))
         rec["pins_after_pass"] = pins(root, cores)
     finally:
@@ -222,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson rate, requests/s")
     ap.add_argument("--rate-from-vllm", type=float, default=0.0, metavar="F",
                     help="Poisson at F x vLLM's burst capacity, measured first in this run on the same cores")
+    ap.add_argument("--arrivals-from", type=float, default=0.0, metavar="S",
+                    help="Poisson (--rate): send only the requests arriving from S s on, shifted to start at 0")
     ap.add_argument("--num-requests", type=int, default=None, help="default 64; 32 for a chat model")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--busy-threshold", type=float, default=0.5, help="cores of other jobs that make a run busy")
@@ -240,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     ROLLSERVE_ENV.update(kv.split("=", 1) for kv in args.rollserve_env if "=" in kv)
     if args.pass_ == "poisson" and not (args.rate or args.rate_from_vllm):
         ap.error("--pass poisson needs --rate R or --rate-from-vllm F")
+    if args.arrivals_from and not (args.pass_ == "poisson" and args.rate):
+        ap.error("--arrivals-from needs --pass poisson --rate R (the arrivals of a full run at that rate)")
     allowed = sorted(os.sched_getaffinity(0))
     for cs in args.cores or []:
         if not set(cs) <= set(allowed):
@@ -260,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
                            "model_dir": str(args.path), "dtype": args.dtype, "pass": args.pass_,
                            "repeats": args.repeats, "workload": w.summary(), "env": environment(),
                            "busy_threshold": args.busy_threshold, "settle_s": args.settle_s,
-                           "rate_from_vllm": args.rate_from_vllm, "comparisons": []}
+                           "rate_from_vllm": args.rate_from_vllm, "arrivals_from": args.arrivals_from,
+                           "comparisons": []}
     print(json.dumps(res["env"]), flush=True)
     own = OwnLoad()
     own.start()

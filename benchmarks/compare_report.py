@@ -91,6 +91,8 @@ def markdown(res: dict[str, Any]) -> str:
         rate = f", Poisson {c['rate']:.2f} req/s" if c.get("rate") else ""
         if c.get("capacity_run"):
             rate += f" ({res['rate_from_vllm']} x vLLM's {c['capacity_run']['metrics']['request_s']:.2f})"
+        if res.get("arrivals_from"):
+            rate += f", only the arrivals from {res['arrivals_from']:g} s"
         for s in SERVERS:
             if s not in sm:
                 continue

@@ -82,6 +82,9 @@ VARIANTS: dict[str, dict[str, str]] = {
     # the shipped one with its streams decoding beside a burst's prompt chunks, as before burst_prefill_first
     "rollserve-ngram-smooth": {"speculative_draft": "ngram", "burst_prefill_first": "false"},
     "rollserve-auto": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto"},  # the layout from the cores
+    # the same with the decodes riding beside a burst's prompt chunks (before burst_prefill_first)
+    "rollserve-auto-smooth": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto",
+                              "burst_prefill_first": "false"},
     "rollserve-2w": {"minWorkers": "2", "maxWorkers": "2", "num_threads": "auto"},  # the tiny model's old fixed layout
     # the shipped layout with the GEMM kernel fixed by the old instruction-set rule, not measured at load:
     # packed-only (what auto was on AVX-512 CPUs) and hybrid (what auto was on AVX2-only ones)

@@ -4,9 +4,10 @@ Design note (policy only; the runner is the mechanism): every step first gives e
 its next token(s) -- one for a decode, a chunk for an unfinished prefill -- then admits waiting
 requests first-come-first-served while the step stays within ``max_num_batched_tokens`` and the batch
 within ``max_num_seqs``. Long prompts are split across steps (chunked prefill) so decodes keep flowing.
-When more requests wait for their first token than sequences decode (a burst), the decodes wait while those
-requests' prompts are prefilled (``burst_prefill_first``): each running stream pauses once, for the burst,
-instead of at every step that carries a piece of it, and no decode row shares the burst's steps. Requests that
+When more requests wait for their first token than sequences decode and their prompts take more than two
+steps (a burst), the decodes wait while those prompts are prefilled (``burst_prefill_first``): each running
+stream pauses once, for the burst, instead of at every step that carries a piece of it, and no decode row shares
+the burst's steps. Requests that
 arrive after a burst began do not extend it, and a step that could prefill nothing decodes instead.
 A request is admitted only when its blocks fit; when a running sequence cannot get a block, the newest
 running sequence is preempted: its blocks are freed and it goes back to the front of the queue to be
@@ -207,19 +208,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         planned: dict[int, ScheduledChunk] = {}  # id(seq) -> chunk
         preempted: list[str] = []
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for s in self.running:  # a prompt with one token left is still a burst's, not a stream that waits for it
+            left, first = s.num_tokens - s.num_computed_tokens, self.config.burst_prefill_first
+            (prefills if left > 1 or (first and s.num_output_tokens == 0) else decodes).append(s)
         paused = self.config.burst_prefill_first and bool(decodes) and self._in_burst(decodes, prefills)
         if not paused:
             budget = self._plan_decodes(decodes, planned, preempted, budget)
         prefill_budget = budget
         if planned or paused:  # a long prefill chunk stalls every running decode for its whole step (ITL)
-            cap = self.config.max_prefill_tokens_while_decoding
-            if self.prefill_limit is not None:  # waiting: requests without their first token yet
-                rows = len(decodes) if paused else self.config.max_num_batched_tokens - budget
-                cap = self.prefill_limit(rows, cap, len(self.waiting) + len(prefills), len(decodes))
-            if cap:
-                prefill_budget = min(budget, cap)
+            rows = len(decodes) if paused else self.config.max_num_batched_tokens - budget
+            prefill_budget = self._prefill_cap(rows, budget, decodes, prefills)
         for seq in prefills:
             if seq.status is not SequenceStatus.RUNNING or prefill_budget == 0:
                 continue
@@ -244,16 +244,28 @@ class Scheduler:
         self._record(admitted)
         return SchedulerOutput(tuple(planned.values()), tuple(preempted))
 
+    def _prefill_cap(self, rows: int, budget: int, decodes: list[Sequence], prefills: list[Sequence]) -> int:
+        """Prompt tokens a step may prefill beside ``rows`` decode rows: the token cap, or the time bound made of
+        it (``prefill_limit``; waiting: the requests without their first token yet), within ``budget``."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if self.prefill_limit is not None:
+            cap = self.prefill_limit(rows, cap, len(self.waiting) + len(prefills), len(decodes))
+        return min(budget, cap) if cap else budget
+
     def _in_burst(self, decodes: list[Sequence], prefills: list[Sequence]) -> bool:
         """Whether the decodes wait this step: a burst starts when more requests wait for a first token (those a
-        free batch slot can take, and those part-way through their prompt) than sequences decode, and lasts
-        until each of its requests has its first token (or left); later arrivals are not part of it."""
+        free batch slot can take, and those part-way through their prompt) than sequences decode and their
+        prompts take more than two steps at the prefill cap, and lasts until each of its requests has its first
+        token (or left); later arrivals are not part of it. A burst of one or two steps is prefilled beside the
+        decodes: each stream then stalls as often as the pause would stall it, or once more, and for less."""
         free = max(0, self.config.max_num_seqs - len(self.running))
-        waiting = [s.request_id for s in itertools.islice(self.waiting, free)] + [s.request_id for s in prefills]
+        waiting = list(itertools.islice(self.waiting, free)) + prefills
         if self._burst:
-            self._burst.intersection_update(waiting)
+            self._burst.intersection_update(s.request_id for s in waiting)
         elif len(waiting) > len(decodes):
-            self._burst = set(waiting)
+            tokens = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
+            if tokens > 2 * self._prefill_cap(len(decodes), self.config.max_num_batched_tokens, decodes, prefills):
+                self._burst = {s.request_id for s in waiting}
         return bool(self._burst)
 
     def _plan_decodes(self, decodes: list[Sequence], planned: dict[int, ScheduledChunk], preempted: list[str],

@@ -209,13 +209,32 @@ def test_arrivals_after_a_burst_began_do_not_extend_it() -> None:
                                       max_prefill_tokens_while_decoding=0, burst_prefill_first=True))
     _decoding(sched, "a")
     for k, i in enumerate("bc"):
-        sched.add(Sequence(i, list(range(100 * k, 100 * k + 8)), SamplingParams(max_new_tokens=5)))
-    assert _plan(sched) == {"b": 8}  # the burst: b and c
+        sched.add(Sequence(i, list(range(100 * k, 100 * k + 12)), SamplingParams(max_new_tokens=5)))
+    assert _plan(sched) == {"b": 8}  # the burst: b and c, 24 tokens, three steps
     sched.add(Sequence("late", list(range(30, 38)), SamplingParams(max_new_tokens=5)))
+    assert _plan(sched) == {"b": 4, "c": 4}
     assert _plan(sched) == {"c": 8}
     # b and c have their first tokens: the streams decode again, and the late request is one waiting beside
     # three decoding (no burst), prefilled beside them
     assert _plan(sched) == {"a": 1, "b": 1, "c": 1, "late": 5}
+
+
+@pytest.mark.parametrize("prompt", [8, 9])
+def test_a_burst_of_two_steps_or_less_is_prefilled_beside_the_streams(prompt: int) -> None:
+    """Pausing pays only where it saves stalls: prompts that fit in two steps at the cap stall each stream at
+    most twice beside them, so the stream keeps decoding; one token more and it is a burst."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, block_size=4, num_blocks=64,
+                                      max_prefill_tokens_while_decoding=0, burst_prefill_first=True))
+    _decoding(sched, "a")
+    for k, i in enumerate("bc"):
+        sched.add(Sequence(i, list(range(100 * k, 100 * k + prompt)), SamplingParams(max_new_tokens=5)))
+    if prompt == 8:  # 16 tokens, two steps of 8
+        assert [_plan(sched) for _ in range(3)] == [{"a": 1, "b": 7}, {"a": 1, "b": 1, "c": 6},
+                                                    {"a": 1, "b": 1, "c": 2}]
+        assert sched.num_paused_steps == 0
+    else:
+        assert [_plan(sched) for _ in range(3)] == [{"b": 8}, {"b": 1, "c": 7}, {"c": 2}]
+        assert sched.num_paused_steps == 3
 
 
 @pytest.mark.parametrize("limit", ["slots", "blocks"])

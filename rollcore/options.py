@@ -133,8 +133,8 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "sequences while more requests wait for a first token than decode (a burst); 0 = the token cap alone. "
           "Off on GPUs"),
     _spec("burst_prefill_first", boolean, "true", (ENGINE,),
-          "while more requests wait for a first token than sequences decode (a burst), the decodes wait until "
-          "those requests have their first tokens: each running stream pauses once, for the burst's prefill, "
+          "while more requests wait for a first token than sequences decode and their prompts take more than two "
+          "steps (a burst), the decodes wait until those requests have their first tokens: each running stream pauses once, for the burst's prefill, "
           "instead of at every step of it, and first tokens come sooner; false = streams keep decoding beside the "
           "burst's chunks (shorter pauses, more of them, later first tokens). Off on GPUs"),
     _spec("block_size", integer(1), "16", (ENGINE,), "tokens per KV-cache block"),

@@ -133,9 +133,10 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "sequences while more requests wait for a first token than decode (a burst); 0 = the token cap alone. "
           "Off on GPUs"),
     _spec("burst_prefill_first", boolean, "true", (ENGINE,),
-          "while more requests wait for a first token than sequences decode and their prompts take more than two "
-          "steps (a burst), the decodes wait until those requests have their first tokens: each running stream pauses once, for the burst's prefill, "
-          "instead of at every step of it, and first tokens come sooner; false = streams keep decoding beside the "
+          "while more requests wait for a first token than sequences decode, their prompts take more than two "
+          "steps and the streams have 100 tokens or more left on average (a burst), the decodes wait until those "
+          "requests have their first tokens: each running stream pauses once, for the burst's prefill, instead "
+          "of at every step of it, and first tokens come sooner; false = streams keep decoding beside the "
           "burst's chunks (shorter pauses, more of them, later first tokens). Off on GPUs"),
     _spec("block_size", integer(1), "16", (ENGINE,), "tokens per KV-cache block"),
     _spec("kv_cache_memory_mb", integer(0, auto=True), "auto", (ENGINE,),

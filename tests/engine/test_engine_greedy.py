@@ -31,10 +31,12 @@ def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingP
     return deltas
 
 
-def check_against_generate(model_dir: Path, prompts: list[list[int]], deltas: dict[str, list[TokenDelta]]) -> None:
+def check_against_generate(model_dir: Path, prompts: list[list[int]], deltas: dict[str, list[TokenDelta]],
+                           max_new: list[int] | None = None) -> None:
     for i, p in enumerate(prompts):
         got = [t.id for d in deltas[f"r{i}"] for t in d.tokens]
-        assert got == reference_greedy(model_dir, p, MAX_NEW), f"prompt {i} (len {len(p)})"
+        n = max_new[i] if max_new else MAX_NEW
+        assert got == reference_greedy(model_dir, p, n), f"prompt {i} (len {len(p)})"
         ds = deltas[f"r{i}"]
         assert ds[0].prompt_tokens == len(p)
         assert [d.finish_reason is not None for d in ds] == [False] * (len(ds) - 1) + [True]
@@ -146,14 +148,16 @@ def test_time_bounded_prefill_keeps_greedy_output_and_reports_its_fit(model_dirs
 
 @pytest.mark.parametrize("burst_first", ["true", "false"])
 def test_a_burst_beside_running_streams_keeps_greedy_output(model_dirs: dict[str, Path], burst_first: str) -> None:
-    """Two prompts decode, then eight arrive at once: with ``burst_prefill_first`` (the default) the eight are
-    prefilled while the two wait (counted), without it beside them; the answers are generate's either way."""
+    """Two long answers decode, then eight prompts arrive at once: with ``burst_prefill_first`` (the default) the
+    eight are prefilled while the two wait (counted), without it beside them; the answers are generate's either
+    way."""
     engine = LLMEngine.from_options(model_dirs["llama"], {"num_kv_blocks": "256", "burst_prefill_first": burst_first,
                                                           "max_rolling_batch_prefill_tokens": "32"})
     prompts = make_prompts(10, seed=12)
+    max_new = [112, 112] + [MAX_NEW] * 8  # streams with many tokens left: the pause pays
     deltas: dict[str, list[TokenDelta]] = {f"r{i}": [] for i in range(len(prompts))}
     for i in (0, 1):
-        engine.add(f"r{i}", prompts[i], SamplingParams(max_new_tokens=MAX_NEW))
+        engine.add(f"r{i}", prompts[i], SamplingParams(max_new_tokens=max_new[i]))
     while not deltas["r0"] or not deltas["r1"]:
         for d in engine.step():
             deltas[d.request_id].append(d)
@@ -162,6 +166,6 @@ def test_a_burst_beside_running_streams_keeps_greedy_output(model_dirs: dict[str
     while engine.has_work():
         for d in engine.step():
             deltas[d.request_id].append(d)
-    check_against_generate(model_dirs["llama"], prompts, deltas)
+    check_against_generate(model_dirs["llama"], prompts, deltas, max_new)
     paused = engine.stats()["num_burst_paused_steps_total"]
     assert paused > 0 if burst_first == "true" else paused == 0

@@ -4,11 +4,11 @@ Design note (policy only; the runner is the mechanism): every step first gives e
 its next token(s) -- one for a decode, a chunk for an unfinished prefill -- then admits waiting
 requests first-come-first-served while the step stays within ``max_num_batched_tokens`` and the batch
 within ``max_num_seqs``. Long prompts are split across steps (chunked prefill) so decodes keep flowing.
-When more requests wait for their first token than sequences decode and their prompts take more than two
-steps (a burst), the decodes wait while those prompts are prefilled (``burst_prefill_first``): each running
-stream pauses once, for the burst, instead of at every step that carries a piece of it, and no decode row shares
-the burst's steps. Requests that
-arrive after a burst began do not extend it, and a step that could prefill nothing decodes instead.
+When more requests wait for their first token than sequences decode, their prompts take more than two steps
+and the streams have many tokens left (a burst), the decodes wait while those prompts are prefilled
+(``burst_prefill_first``): each running stream pauses once, for the burst, instead of at every step that
+carries a piece of it, and no decode row shares the burst's steps. Requests that arrive after a burst began do
+not extend it, and a step that could prefill nothing decodes instead.
 A request is admitted only when its blocks fit; when a running sequence cannot get a block, the newest
 running sequence is preempted: its blocks are freed and it goes back to the front of the queue to be
 recomputed from its tokens later. When every layer of the model attends within one sliding window,
@@ -32,6 +32,9 @@ from dataclasses import dataclass, replace
 from handlers.engine.core.kv_cache import BlockAllocator, block_key, root_key
 from handlers.engine.core.sequence import FREED_BLOCK, Sequence, SequenceStatus
 from rollcore.errors import InvalidRequest
+
+# a burst pauses streams with at least this many tokens left on average: one stall is then under 1% of their gaps
+PAUSE_MIN_TOKENS_LEFT = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,19 +257,28 @@ class Scheduler:
 
     def _in_burst(self, decodes: list[Sequence], prefills: list[Sequence]) -> bool:
         """Whether the decodes wait this step: a burst starts when more requests wait for a first token (those a
-        free batch slot can take, and those part-way through their prompt) than sequences decode and their
-        prompts take more than two steps at the prefill cap, and lasts until each of its requests has its first
-        token (or left); later arrivals are not part of it. A burst of one or two steps is prefilled beside the
-        decodes: each stream then stalls as often as the pause would stall it, or once more, and for less."""
+        free batch slot can take, and those part-way through their prompt) than sequences decode and the pause
+        pays (``_pause_pays``), and lasts until each of its requests has its first token (or left); later
+        arrivals are not part of it."""
         free = max(0, self.config.max_num_seqs - len(self.running))
         waiting = list(itertools.islice(self.waiting, free)) + prefills
         if self._burst:
             self._burst.intersection_update(s.request_id for s in waiting)
-        elif len(waiting) > len(decodes):
-            tokens = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
-            if tokens > 2 * self._prefill_cap(len(decodes), self.config.max_num_batched_tokens, decodes, prefills):
-                self._burst = {s.request_id for s in waiting}
+        elif len(waiting) > len(decodes) and self._pause_pays(decodes, prefills, waiting):
+            self._burst = {s.request_id for s in waiting}
         return bool(self._burst)
+
+    def _pause_pays(self, decodes: list[Sequence], prefills: list[Sequence], burst: list[Sequence]) -> bool:
+        """A pause turns the stalls a burst puts into each stream (one a step carrying its prompts) into one
+        longer stall. That pays where the streams have many gaps left, so that one stall each stays outside the
+        inter-token latency's 99th percentile (short answers spend a larger share of their gaps on it, and their
+        decode steps cost more apart than beside the prompts), and where the prompts take more than two steps
+        at the prefill cap (fewer stall each stream as often either way, and for less beside them)."""
+        left = sum(s.max_total_tokens - s.num_tokens for s in decodes) / len(decodes)
+        if left < PAUSE_MIN_TOKENS_LEFT:
+            return False
+        tokens = sum(s.num_tokens - s.num_computed_tokens for s in burst)
+        return tokens > 2 * self._prefill_cap(len(decodes), self.config.max_num_batched_tokens, decodes, prefills)
 
     def _plan_decodes(self, decodes: list[Sequence], planned: dict[int, ScheduledChunk], preempted: list[str],
                       budget: int) -> int:

@@ -213,10 +213,11 @@ class Scheduler:
         preempted: list[str] = []
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
+        first = self.config.burst_prefill_first
         for s in self.running:  # a prompt with one token left is still a burst's, not a stream that waits for it
-            left, first = s.num_tokens - s.num_computed_tokens, self.config.burst_prefill_first
+            left = s.num_tokens - s.num_computed_tokens
             (prefills if left > 1 or (first and s.num_output_tokens == 0) else decodes).append(s)
-        paused = self.config.burst_prefill_first and bool(decodes) and self._in_burst(decodes, prefills)
+        paused = first and bool(decodes) and self._in_burst(decodes, prefills)
         if not paused:
             budget = self._plan_decodes(decodes, planned, preempted, budget)
         prefill_budget = budget

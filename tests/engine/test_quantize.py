@@ -37,7 +37,7 @@ def _layer(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
 @pytest.mark.parametrize("n, k, bias", [(40, 64, True), (16, 96, False), (300, 160, True)])
 def test_kernel_computes_x_times_the_dequantized_weight(bits: int, n: int, k: int, bias: bool) -> None:
     layer = _layer(n, k, bias, seed=n + k)
-    q = QuantizedLinear(layer, bits, 32)
+    q = QuantizedLinear.from_linear(layer, bits, 32)
     w = q.dequantized()
     assert w.shape == (n, k)
     # the quantization itself: within half a step of the original everywhere
@@ -57,7 +57,7 @@ def test_kernel_computes_x_times_the_dequantized_weight(bits: int, n: int, k: in
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_row_does_not_depend_on_its_batch_mates_or_the_thread_count(bits: int) -> None:
-    q = QuantizedLinear(_layer(200, 128, True, seed=3), bits, 32)
+    q = QuantizedLinear.from_linear(_layer(200, 128, True, seed=3), bits, 32)
     x = torch.randn(130, 128, generator=torch.Generator().manual_seed(7))
     alone = torch.cat([q(x[i:i + 1]) for i in range(x.shape[0])])
     for m in ROW_COUNTS:
@@ -71,7 +71,7 @@ def test_a_row_does_not_depend_on_its_batch_mates_or_the_thread_count(bits: int)
 
 
 def test_inputs_of_other_shapes_and_dtypes() -> None:
-    q = QuantizedLinear(_layer(24, 64, True, seed=1), 8, 32)
+    q = QuantizedLinear.from_linear(_layer(24, 64, True, seed=1), 8, 32)
     x = torch.randn(3, 5, 64)
     torch.testing.assert_close(q(x), x @ q.dequantized().T + q.bias)
     torch.testing.assert_close(q(x[:, :, ::1].transpose(0, 1)), (x @ q.dequantized().T + q.bias).transpose(0, 1))

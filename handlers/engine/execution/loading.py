@@ -15,6 +15,7 @@ import torch
 
 from handlers.engine.execution.adapters import adapt_model
 from handlers.engine.execution.device import serving_dtype
+from handlers.engine.execution.gguf_load import gguf_file_in, load_gguf_model
 from handlers.engine.planning.checkpoint import read_model_config, weights_dir
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
@@ -40,9 +41,17 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str], device
     source = weights_dir(model_dir, options.get("model_id"))
     # auto -> fp32 or bf16 by CPU; on a GPU the checkpoint's half precision unless option.dtype says otherwise
     config = replace(config, dtype=serving_dtype(options.get("dtype"), read_model_config(source), dtype_for))
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
-        trust_remote_code=config.trust_remote_code)
+    gguf = gguf_file_in(source)
+    if gguf is not None:
+        # the file's quantized tensors run in the integer kernels, which take fp32 activations
+        quantize = options.get("quantize")
+        model = load_gguf_model(source, gguf, quantize, config.quantize_group_size)
+        if quantize != "none":
+            config = replace(config, dtype="fp32", quantize="none", prepack_weights="false", fuse_projections=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
+            trust_remote_code=config.trust_remote_code)
     if device.type != "cpu":
         model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)

@@ -24,6 +24,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from handlers.engine.execution.int_weights import IntWeight, Packed, pack, quantize_int4, quantize_int8, unpack_rows
 from handlers.engine.execution.kernels import shared_library
 from handlers.engine.execution.prepack import replace_module
 from handlers.engine.planning.config import EngineConfig
@@ -32,7 +33,6 @@ from rollcore.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("int8", "int4")
-BLOCK = 16  # output channels per packed block (the kernel's NB)
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -49,24 +49,31 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 class QuantizedLinear(nn.Module):
-    """``nn.Linear``'s forward over an int8 or int4 weight (fp32 in, fp32 out)."""
+    """``nn.Linear``'s forward over int8 or int4 weights (fp32 in, fp32 out), from an ``IntWeight``."""
 
-    def __init__(self, linear: nn.Linear, bits: int, group_size: int) -> None:
+    def __init__(self, weight: IntWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        weight = linear.weight.detach().float()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.bits, self.group_size = bits, group_size if bits == 4 else 0
-        packed, scale, minimum = (_pack_int8(weight) if bits == 8 else _pack_int4(weight, group_size))
-        self.register_buffer("qweight", packed)
-        self.register_buffer("scale", scale)
-        self.register_buffer("minimum", minimum)
-        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        packed = pack(weight)
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.bits, self.group_size = packed.bits, packed.group
+        self.register_buffer("qweight", packed.qweight)
+        self.register_buffer("scale", packed.scale)
+        self.register_buffer("minimum", packed.minimum)
+        bias = None if bias is None else bias.detach().float().contiguous()
         self.register_buffer("bias", bias)
         self._fn = _kernel()
+        if self._fn is None:
+            raise ConfigError("quantized weights need a C compiler to build their kernel (none worked here)")
         # the buffers never move (CPU, never reassigned): their addresses once, not six module lookups a call
-        self._layer = (self.qweight.data_ptr(), bits, scale.data_ptr(),
-                       None if minimum is None else minimum.data_ptr(), self.group_size,
+        self._layer = (self.qweight.data_ptr(), self.bits, self.scale.data_ptr(),
+                       None if self.minimum is None else self.minimum.data_ptr(), self.group_size,
                        None if bias is None else bias.data_ptr())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int) -> QuantizedLinear:
+        """``linear`` quantized: int8 per output channel, or int4 in groups of ``group_size`` inputs."""
+        weight = linear.weight.detach().float()
+        return cls(quantize_int8(weight) if bits == 8 else quantize_int4(weight, group_size), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -80,55 +87,34 @@ class QuantizedLinear(nn.Module):
             raise RuntimeError(f"the quantized linear kernel refused {m} rows of {k} inputs")
         return out
 
+    def packed(self) -> Packed:
+        return Packed(self.qweight, self.scale, self.minimum, self.bits, self.group_size, self.out_features,
+                      self.in_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows ``ids`` as fp32 [len(ids), in]: an embedding table held in this layer's form."""
+        return unpack_rows(self.packed(), ids.reshape(-1).long())
+
     def dequantized(self) -> torch.Tensor:
         """The weight this layer computes with, as fp32 [out, in] (for tests and quality checks)."""
-        blocks = self.qweight.shape[0]
-        if self.bits == 8:
-            q = self.qweight.view(torch.int8).float()  # [blocks, in, 16]
-            w = q * self.scale.view(blocks, 1, BLOCK)
-        else:
-            low, high = (self.qweight & 15).float(), (self.qweight >> 4).float()  # [blocks, in, 8] each
-            q = torch.cat([low, high], dim=2)  # [blocks, in, 16]
-            groups = self.in_features // self.group_size
-            scale = self.scale.view(blocks, groups, 1, BLOCK).expand(blocks, groups, self.group_size, BLOCK)
-            minimum = self.minimum.view(blocks, groups, 1, BLOCK).expand(blocks, groups, self.group_size, BLOCK)
-            w = q * scale.reshape(blocks, self.in_features, BLOCK) + minimum.reshape(blocks, self.in_features, BLOCK)
-        return w.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+        return self.rows(torch.arange(self.out_features))
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.bits == 4 else ""
+        group = f", group_size={self.group_size}" if self.group_size else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}{group}"
 
 
-def _padded(weight: torch.Tensor) -> torch.Tensor:
-    rows = -(-weight.shape[0] // BLOCK) * BLOCK
-    return torch.nn.functional.pad(weight, (0, 0, 0, rows - weight.shape[0]))
+class QuantizedEmbedding(nn.Module):
+    """``nn.Embedding`` over a table kept quantized (a GGUF file's, or the tied output projection's): each lookup
+    dequantizes only the rows asked for."""
 
+    def __init__(self, table: QuantizedLinear) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
-def _blocked(values: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] with rows a multiple of 16 -> [rows / 16, cols, 16], contiguous (k-major per block)."""
-    return values.view(-1, BLOCK, values.shape[1]).transpose(1, 2).contiguous()
-
-
-def _pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-    weight = _padded(weight)
-    scale = weight.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return _blocked(q).view(torch.uint8), scale.contiguous(), None
-
-
-def _pack_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    weight = _padded(weight)
-    rows, cols = weight.shape
-    grouped = weight.view(rows, cols // group, group)
-    minimum, maximum = grouped.amin(dim=2), grouped.amax(dim=2)
-    scale = (maximum - minimum) / 15.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((grouped - minimum[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).view(rows, cols)
-    q = _blocked(q)  # [blocks, cols, 16]
-    packed = (q[..., :8] | (q[..., 8:] << 4)).contiguous()
-    return packed, _blocked(scale), _blocked(minimum)
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids).view(*ids.shape, self.embedding_dim)
 
 
 def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> int:
@@ -155,7 +141,7 @@ def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> int:
                 raise ConfigError(f"option.quantize_group_size={group_size} does not divide {name}'s "
                                  f"{m.in_features} inputs")
     for name, linear in targets:
-        replace_module(model, name, QuantizedLinear(linear, 8 if linear is head else bits, group_size))
+        replace_module(model, name, QuantizedLinear.from_linear(linear, 8 if linear is head else bits, group_size))
     return len(targets)
 
 

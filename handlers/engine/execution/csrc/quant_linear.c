@@ -7,7 +7,9 @@
  *
  * Layouts (packed once at load by handlers/engine/quantize.py): output channels in blocks of 16 (N padded with
  * zero rows), each block stored k-major so one k step reads the block's 16 weights at once.
- *   int8: w[nb][k][16] signed bytes, one scale per output channel: W[n,k] = scale[n] * q.
+ *   int8: w[nb][k][16] signed bytes, one scale per output channel: W[n,k] = scale[n] * q; or, grouped (GGUF's
+ *         Q8_0, Q5_*, Q6_K blocks as the file holds them), per group of `group` k a scale and, where the file
+ *         has one, a minimum: W[n,k] = q * scale[g,n] (+ min[g,n]), stored like int4's.
  *   int4: w[nb][k][8] bytes, byte j holding channel j (low nibble) and j+8 (high nibble), unsigned 0..15; per
  *         group of `group` k and per channel a scale and a minimum: W[n,k] = q * scale[g,n] + min[g,n]
  *         (llama.cpp's Q4_1 form), stored scale[nb][K/group][16], min likewise.
@@ -41,7 +43,7 @@ typedef int8_t v8s __attribute__((vector_size(8)));
 typedef uint8_t v8u __attribute__((vector_size(8)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-enum source { FROM_FLOAT = 0, FROM_INT8 = 8, FROM_INT4 = 4 };
+enum source { FROM_FLOAT = 0, FROM_INT8 = 8, FROM_INT4 = 4, FROM_INT8_GROUPED = 9 };
 
 static inline v8f load8f(const float *p) {
     v8f v;
@@ -95,6 +97,14 @@ static inline __attribute__((always_inline)) void weights_at(int src, const uint
     } else if (src == FROM_INT8) {
         *lo = s8_to_f(w + k * NB);
         *hi = s8_to_f(w + k * NB + 8);
+    } else if (src == FROM_INT8_GROUPED) {
+        const int64_t g = gi * NB;
+        *lo = s8_to_f(w + k * NB) * load8f(scale + g);
+        *hi = s8_to_f(w + k * NB + 8) * load8f(scale + g + 8);
+        if (minv) { /* the same branch every step: predicted */
+            *lo += load8f(minv + g);
+            *hi += load8f(minv + g + 8);
+        }
     } else {
         v8f ql, qh;
         nibbles_to_f(w + k * (NB / 2), &ql, &qh);
@@ -109,7 +119,7 @@ struct layer {
     const uint8_t *w;
     const float *scale, *minv, *bias;
     int64_t K, N, group, wstride, sstride; /* bytes per block of w; floats per block of scale and minv */
-    int bits;
+    int bits, grouped; /* grouped: int8 with a scale per group (int4 always is) */
 };
 
 /* Where a tile's sums start and end: k in [k0, k1); partial sums (ldp floats a row, 16 a block) loaded unless
@@ -169,7 +179,7 @@ static inline __attribute__((always_inline)) void tile(int mr, int nbk, int src,
     for (int b = 0; b < nbk; b++) {
         const int64_t n0 = (nb + b) * NB;
         const int valid = L->N - n0 < NB ? (int)(L->N - n0) : NB;
-        const float *chan = L->bits == 8 ? L->scale + (nb + b) * L->sstride : NULL;
+        const float *chan = L->bits == 8 && !L->grouped ? L->scale + (nb + b) * L->sstride : NULL;
         for (int r = 0; r < mr; r++) {
             float out[NB];
             v8f lo = acc[r][b][0], hi = acc[r][b][1];
@@ -268,8 +278,11 @@ static inline __attribute__((always_inline)) void many_rows(int src, const struc
 static void run_blocks(const struct layer *L, int64_t nb, int64_t count, const float *x, int64_t ldx, int64_t M,
                        float *y, int64_t ldy, float *buf, float *part) {
     if (M < BUFFERED_ROWS) {
-        if (L->bits == 8) few_rows(FROM_INT8, L, nb, count, x, ldx, M, y, ldy);
+        if (L->grouped && L->bits == 8) few_rows(FROM_INT8_GROUPED, L, nb, count, x, ldx, M, y, ldy);
+        else if (L->bits == 8) few_rows(FROM_INT8, L, nb, count, x, ldx, M, y, ldy);
         else few_rows(FROM_INT4, L, nb, count, x, ldx, M, y, ldy);
+    } else if (L->grouped && L->bits == 8) {
+        many_rows(FROM_INT8_GROUPED, L, nb, count, x, ldx, M, y, ldy, buf, part);
     } else if (L->bits == 8) {
         many_rows(FROM_INT8, L, nb, count, x, ldx, M, y, ldy, buf, part);
     } else {
@@ -277,17 +290,20 @@ static void run_blocks(const struct layer *L, int64_t nb, int64_t count, const f
     }
 }
 
-/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias. Returns 0, or -1 for arguments it does
- * not take (the caller refuses the layer at load, so this is a guard, not a path). */
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias; int8 with group > 0 is grouped, with 0 per
+ * channel. Returns 0, or -1 for arguments it does not take (the caller refuses the layer at load, so this is a
+ * guard, not a path). */
 int rollserve_quant_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w, int bits,
                            const float *scale, const float *minv, int64_t group, const float *bias, float *y,
                            int64_t ldy, int64_t N, int threads) {
-    if ((bits != 8 && bits != 4) || M < 0 || K <= 0 || N <= 0 || (bits == 4 && (group <= 0 || K % group)))
+    const int grouped = bits == 4 || group > 0;
+    if ((bits != 8 && bits != 4) || M < 0 || K <= 0 || N <= 0 || group < 0 || (grouped && (group <= 0 || K % group))
+        || (bits == 4 && minv == NULL))
         return -1;
     if (M == 0) return 0;
-    /* int8 has no groups: one that spans K keeps the callers' group counting (int4's) well defined */
-    const struct layer L = {w, scale, minv, bias, K, N, bits == 4 ? group : K, bits == 8 ? K * NB : K * (NB / 2),
-                            bits == 8 ? NB : (K / group) * NB, bits};
+    /* per-channel int8 has no groups: one that spans K keeps the callers' group counting well defined */
+    const struct layer L = {w, scale, minv, bias, K, N, grouped ? group : K, bits == 8 ? K * NB : K * (NB / 2),
+                            grouped ? (K / group) * NB : NB, bits, grouped};
     const int64_t blocks = (N + NB - 1) / NB;
     /* threads take runs of blocks of equal size (a multiple of 4, so 4-block tiles and groups stay whole) */
     const int nthreads = threads > 0 ? threads : 1;

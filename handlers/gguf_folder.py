@@ -18,18 +18,11 @@ from pathlib import Path
 
 
 def write_folder(gguf: Path, out: Path) -> None:
-    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from handlers.engine.execution.gguf_blocks import GGUFError, check_types
+    from handlers.engine.planning.gguf_plan import read_header
 
-    try:
-        reader = GGUFReader(gguf)
-    except (ValueError, OSError, IndexError, KeyError, TypeError, MemoryError) as exc:
-        raise GGUFError(f"GGUF file {gguf.name} cannot be read (truncated or corrupt?): {type(exc).__name__}: "
-                        f"{exc}") from None
-    check_types(reader, gguf.name)
-    del reader
+    read_header(gguf)  # truncated, corrupt, or a tensor type the engine does not load: refused here, by name
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):  # transformers marks it GGUF; the engine reads the file itself
         delattr(config, "quantization_config")
@@ -43,13 +36,28 @@ def write_folder(gguf: Path, out: Path) -> None:
         link.symlink_to(gguf.resolve())
 
 
+def write_fp32_folder(gguf: Path, out: Path) -> None:
+    """The fp32 detour, for whoever asks for it (tools, the tests' float twin of a file): transformers dequantizes
+    the whole file and the folder holds it as safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None  # transformers marks a GGUF model and refuses to save it otherwise
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("gguf", type=Path)
     ap.add_argument("out", type=Path)
+    ap.add_argument("--fp32", action="store_true", help="write the weights dequantized to fp32 safetensors instead")
     args = ap.parse_args(argv)
     try:
-        write_folder(args.gguf, args.out)
+        (write_fp32_folder if args.fp32 else write_folder)(args.gguf, args.out)
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         message = ' '.join(str(exc).split()).replace(str(args.gguf.parent) + os.sep, "")
         print(f"{type(exc).__name__}: {message[:500]}", file=sys.stderr)

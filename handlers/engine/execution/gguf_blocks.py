@@ -16,7 +16,6 @@ elements], scales and minimums [n_blocks, groups] (numpy; the caller reshapes to
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 from typing import NamedTuple
 
 import numpy as np
@@ -161,12 +160,3 @@ def read_blocks(type_id: int, raw: np.ndarray, rows: int, cols: int) -> Blocks:
 
 class GGUFError(ConfigError):
     """A GGUF file this loader cannot serve; the message names the file by its name, never by its path."""
-
-
-def check_types(reader: Any, name: str) -> None:
-    """Refuse, naming it, a tensor type the loader does not read (``IQ2_XS``, ...)."""
-    for t in reader.tensors:
-        kind = int(t.tensor_type)
-        if kind not in READERS and kind not in FLOAT_TYPES:
-            raise GGUFError(f"GGUF file {name}: tensor {t.name} is {t.tensor_type.name}, which this server does not "
-                            f"load (it loads {', '.join([*FLOAT_TYPES.values(), *(r[0] for r in READERS.values())])})")

@@ -7,7 +7,7 @@ tensor is read once into its final form: a quantized linear weight is read as in
 (``QuantizedEmbedding`` reads the rows a step asks for), shared with the output projection when the model ties
 them; norms and biases are small and become fp32. So the peak while loading is the final model plus one tensor.
 What each ``option.quantize`` means for a GGUF file:
-  unset      quantized tensors as the file has them; F16/BF16/F32 linear weights as int8 per channel;
+  auto       quantized tensors as the file has them; F16/BF16/F32 linear weights as int8 per channel;
   int8/int4  the same, with F16/BF16/F32 linear weights quantized to that (a file's blocks are never requantized);
   none       every tensor dequantized to fp32 (the fp32 detour, when the user asks for it).
 Llama-architecture files store q/k rows permuted for llama.cpp's rotary layout (transformers reverses it on
@@ -25,24 +25,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from handlers.engine.execution.gguf_blocks import READERS, GGUFError, check_types, read_blocks
+from handlers.engine.execution.gguf_blocks import READERS, GGUFError, read_blocks
 from handlers.engine.execution.int_weights import IntWeight, quantize_int4, quantize_int8
 from handlers.engine.execution.prepack import replace_module
 from handlers.engine.execution.quantize import QuantizedEmbedding, QuantizedLinear
+from handlers.engine.planning.gguf_plan import read_header
 
 logger = logging.getLogger(__name__)
 
 # transformers' processors other than these change tensors beyond a row permutation (norm offsets, reshapes)
 _DIRECT_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor")
-
-
-def gguf_file_in(folder: Path) -> Path | None:
-    """The GGUF file a model folder is served from (a resolved source: config, tokenizer and ``*.gguf``, no
-    safetensors), or None."""
-    if any(folder.glob("*.safetensors")):
-        return None
-    found = sorted(folder.glob("*.gguf"))
-    return found[0] if len(found) == 1 else None
 
 
 def _open(path: Path) -> Any:
@@ -129,20 +121,31 @@ def _empty_model(folder: Path) -> nn.Module:
     return model
 
 
-def _name_map(model: nn.Module) -> dict[str, str]:
-    """HF parameter name -> GGUF tensor name, by gguf's own table (through transformers)."""
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+def _name_map(model: nn.Module, arch: str) -> dict[str, str]:
+    """HF parameter name -> GGUF tensor name, by gguf's own table for the file's architecture (built once: it is
+    most of a load's time when built per module, as transformers' mapper does)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
-    return {hf: gg for gg, hf in get_gguf_hf_weights_map(model, TensorProcessor()).items()}
+    arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_id is None:
+        raise GGUFError(f"GGUF architecture {arch!r} is unknown to the gguf library")
+    table = get_tensor_name_map(arch_id, int(model.config.num_hidden_layers))
+    out = {}
+    for name, _ in model.named_parameters():
+        base, _, suffix = name.rpartition(".")
+        mapped = table.get_name(base)
+        if mapped is not None:
+            out[name] = f"{mapped}.{suffix}"
+    return out
 
 
-def load_gguf_model(folder: Path, gguf: Path, quantize: str | None, group_size: int) -> nn.Module:
+def load_gguf_model(folder: Path, gguf: Path, quantize: str, group_size: int) -> nn.Module:
     """The model of ``folder`` (config and tokenizer extracted from ``gguf``) with the weights of ``gguf``.
-    ``quantize``: None (unset), ``none``, ``int8`` or ``int4`` (see the module note). Raises ``GGUFError``."""
+    ``quantize``: ``auto``, ``none``, ``int8`` or ``int4`` (see the module note). Raises ``GGUFError``."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
+    read_header(gguf)  # a truncated file or a type not loaded here: refused before anything is built
     reader = _open(gguf)
-    check_types(reader, gguf.name)
     arch = _architecture(reader)
     processor = TENSOR_PROCESSORS.get(arch)
     if processor is not None and processor.__name__ not in _DIRECT_PROCESSORS:
@@ -155,7 +158,7 @@ def load_gguf_model(folder: Path, gguf: Path, quantize: str | None, group_size: 
     permute_k = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) \
         if arch == "llama" else None
     tensors = _Tensors(reader, gguf.name)
-    names = _name_map(model)
+    names = _name_map(model, arch)
     _place(model, tensors, names, quantize, group_size, permute_q, permute_k)
     left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if left:
@@ -165,7 +168,7 @@ def load_gguf_model(folder: Path, gguf: Path, quantize: str | None, group_size: 
     return model
 
 
-def _place(model: nn.Module, tensors: _Tensors, names: dict[str, str], quantize: str | None, group_size: int,
+def _place(model: nn.Module, tensors: _Tensors, names: dict[str, str], quantize: str, group_size: int,
            permute_q: tuple[int, int] | None, permute_k: tuple[int, int] | None) -> None:
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -217,7 +220,7 @@ def _param_name(model: nn.Module, module: nn.Module) -> str:
 
 
 def _linear(tensors: _Tensors, key: str, permute: tuple[int, int] | None, bias: torch.Tensor | None,
-            quantize: str | None, group_size: int, for_embedding: bool = False) -> QuantizedLinear:
+            quantize: str, group_size: int, for_embedding: bool = False) -> QuantizedLinear:
     """A file tensor as a quantized layer: its own blocks where it has them, else the float weight quantized
     (int4 only where asked, and never for an embedding table: per-row int8 keeps its rows as they were)."""
     if tensors.is_quantized(key):

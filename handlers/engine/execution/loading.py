@@ -15,9 +15,10 @@ import torch
 
 from handlers.engine.execution.adapters import adapt_model
 from handlers.engine.execution.device import serving_dtype
-from handlers.engine.execution.gguf_load import gguf_file_in, load_gguf_model
+from handlers.engine.execution.gguf_load import load_gguf_model
 from handlers.engine.planning.checkpoint import read_model_config, weights_dir
 from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
 
 TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -44,10 +45,9 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str], device
     gguf = gguf_file_in(source)
     if gguf is not None:
         # the file's quantized tensors run in the integer kernels, which take fp32 activations
-        quantize = options.get("quantize")
-        model = load_gguf_model(source, gguf, quantize, config.quantize_group_size)
-        if quantize != "none":
-            config = replace(config, dtype="fp32", quantize="none", prepack_weights="false", fuse_projections=False)
+        model = load_gguf_model(source, gguf, config.quantize, config.quantize_group_size)
+        if config.quantize != "none":
+            config = replace(config, dtype="fp32", quantize="auto", prepack_weights="false", fuse_projections=False)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,

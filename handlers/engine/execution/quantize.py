@@ -147,7 +147,7 @@ def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> int:
 
 def check_layout(config: EngineConfig, device: torch.device) -> None:
     """Refuse, before anything loads, what ``option.quantize`` is not combined with."""
-    if config.quantize == "none":
+    if config.quantize not in QUANTIZE_MODES:
         return
     if config.tensor_parallel_degree > 1:
         raise ConfigError(f"option.quantize={config.quantize} is not combined with tensor parallelism "

@@ -37,7 +37,7 @@ class EngineConfig:
     num_threads: int = 0  # 0 = auto: the cores of this worker's affinity mask / (workers x TP ranks)
     max_model_len: int = 0
     dtype: str = "fp32"
-    quantize: str = "none"  # int8 | int4: handlers.engine.execution.quantize
+    quantize: str = "auto"  # auto | none | int8 | int4: handlers.engine.execution.quantize (GGUF: gguf_load)
     quantize_group_size: int = 32
     prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.execution.prepack)
     measure_linears: bool = False  # prepack_weights=auto: per weight shape, the faster kernel as measured here

@@ -44,6 +44,7 @@ from handlers.engine.planning.checkpoint import (
     weight_figures,
 )
 from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.gguf_plan import gguf_file_in, read_header
 from handlers.engine.planning.host_memory import CGROUP_ROOT, MEMINFO, SELF_CGROUP, MemoryBudget, memory_budget
 from handlers.engine.planning.host_memory import format_bytes as _size
 from rollcore.errors import ConfigError
@@ -249,13 +250,20 @@ def preflight(model_dir: str | Path, config: EngineConfig, *, meminfo: Path = ME
         raise ConfigError(f"{Path(model_dir).name}: no readable config.json")
     dtype = resolve_dtype(config.dtype, model_config)
     tensors = checkpoint_tensors(model_dir)
-    if tensors:
+    gguf = gguf_file_in(Path(model_dir))
+    if gguf is not None and config.quantize != "none":
+        # served as the file holds it (gguf_load): integers and scales, fp32 activations, nothing prepacked
+        header = read_header(gguf)
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(header.types().items()))
+        weights = WeightFigures(header.served_bytes(), 0, source=f"GGUF header of {gguf.name} ({kinds})")
+        dtype = "fp32"
+    elif tensors:
         weights = weight_figures(tensors, model_config, dtype)
     else:  # no safetensors (allow_unsafe_weights): the files' sizes, all counted as linear weights
         total = sum(p.stat().st_size for pattern in ("*.bin", "*.pt", "*.pth") for p in Path(model_dir).glob(pattern))
         weights = WeightFigures(total, total, source="file sizes: no safetensors headers")
     budget = memory_budget(meminfo, cgroup_root, self_cgroup)
-    if config.quantize != "none":  # the fp32 model loads whole, then its linear layers are quantized
+    if config.quantize in ("int8", "int4") and gguf is None:  # the fp32 model loads whole, then its linears are quantized
         if weights.total_bytes > budget.bytes:
             raise InsufficientMemory(f"option.quantize={config.quantize} quantizes after loading: the fp32 weights "
                                      f"({_size(weights.total_bytes)}) do not fit this worker's memory "

@@ -1,0 +1,167 @@
+"""What a GGUF file costs in memory, from its header alone (torch-free, numpy-free): the tensors' names, shapes and
+types, and the bytes each takes in the form the engine serves it (``handlers.engine.execution.gguf_blocks``).
+
+Design note (why not gguf's reader: it parses every metadata value, a vocabulary of 50k strings, in seconds): the
+header is walked with ``struct``, values skipped by their sizes; the end of the last tensor's data is checked
+against the file's size, so a truncated download is refused here, naming the file, before anything loads.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from rollcore.errors import ConfigError
+
+# type id -> (name, elements per block, bytes per block, kernel bits, kernel group, a minimum per group)
+GGML_TYPES: dict[int, tuple[str, int, int, int, int, bool]] = {
+    0: ("F32", 1, 4, 8, 0, False), 1: ("F16", 1, 2, 8, 0, False), 30: ("BF16", 1, 2, 8, 0, False),
+    2: ("Q4_0", 32, 18, 4, 32, True), 3: ("Q4_1", 32, 20, 4, 32, True), 6: ("Q5_0", 32, 22, 8, 32, False),
+    7: ("Q5_1", 32, 24, 8, 32, True), 8: ("Q8_0", 32, 34, 8, 32, False), 10: ("Q2_K", 256, 84, 4, 16, True),
+    11: ("Q3_K", 256, 110, 4, 16, True), 12: ("Q4_K", 256, 144, 4, 32, True), 13: ("Q5_K", 256, 176, 8, 32, True),
+    14: ("Q6_K", 256, 210, 8, 16, False),
+}
+# names of the types this server does not load, for the message that refuses them
+_OTHER_TYPES = {9: "Q8_1", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL",
+                21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
+                29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFFileError(ConfigError):
+    """A GGUF file whose header cannot be served; the message names the file, never its path."""
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    type_id: int
+    shape: tuple[int, ...]  # ggml order: the contiguous dimension first
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def type_name(self) -> str:
+        return GGML_TYPES.get(self.type_id, (_OTHER_TYPES.get(self.type_id, f"type {self.type_id}"),))[0]
+
+    def file_bytes(self) -> int:
+        _, per_block, size, *_ = GGML_TYPES[self.type_id]
+        return self.numel // per_block * size
+
+    def served_bytes(self) -> int:
+        """Bytes in the engine: integers and fp32 scales (and minimums) per group; F16/BF16/F32 matrices as int8
+        per row, 1-D tensors (norms, biases) as fp32."""
+        _, _, _, bits, group, has_min = GGML_TYPES[self.type_id]
+        if len(self.shape) == 1:
+            return 4 * self.numel
+        rows = self.numel // self.shape[0]
+        if group == 0:
+            return self.numel + 4 * rows
+        return self.numel * bits // 8 + (self.numel // group) * 4 * (1 + has_min)
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    architecture: str
+    tensors: tuple[GGUFTensor, ...]
+    file_bytes: int
+
+    def types(self) -> dict[str, int]:
+        """Type name -> how many tensors of it."""
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            out[t.type_name] = out.get(t.type_name, 0) + 1
+        return out
+
+    def served_bytes(self) -> int:
+        return sum(t.served_bytes() for t in self.tensors)
+
+
+def _read(f: BinaryIO, fmt: str) -> tuple:
+    size = struct.calcsize(fmt)
+    raw = f.read(size)
+    if len(raw) != size:
+        raise EOFError
+    return struct.unpack(fmt, raw)
+
+
+def _string(f: BinaryIO) -> bytes:
+    (n,) = _read(f, "<Q")
+    raw = f.read(n)
+    if len(raw) != n:
+        raise EOFError
+    return raw
+
+
+def _skip_value(f: BinaryIO, kind: int) -> None:
+    if kind == _STRING:
+        _string(f)
+    elif kind == _ARRAY:
+        inner, count = _read(f, "<IQ")
+        if inner in _SCALAR:
+            f.seek(_SCALAR[inner] * count, 1)
+        else:
+            for _ in range(count):
+                _skip_value(f, inner)
+    elif kind in _SCALAR:
+        f.seek(_SCALAR[kind], 1)
+    else:
+        raise ValueError(f"metadata value type {kind}")
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """The tensors and architecture of a GGUF file; raises ``GGUFFileError`` (naming the file) for a file that is
+    not GGUF, is truncated, or holds a tensor type this server does not load."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            magic, version = _read(f, "<4sI")
+            if magic != b"GGUF" or version not in (2, 3):
+                raise GGUFFileError(f"{path.name} is not a GGUF file (version 2 or 3)")
+            n_tensors, n_kv = _read(f, "<QQ")
+            arch, alignment = "", 32
+            for _ in range(n_kv):
+                key = _string(f).decode(errors="replace")
+                (kind,) = _read(f, "<I")
+                if key == "general.architecture" and kind == _STRING:
+                    arch = _string(f).decode(errors="replace")
+                elif key == "general.alignment" and kind == 4:
+                    (alignment,) = _read(f, "<I")
+                else:
+                    _skip_value(f, kind)
+            tensors, ends = [], 0
+            for _ in range(n_tensors):
+                name = _string(f).decode(errors="replace")
+                (dims,) = _read(f, "<I")
+                shape = _read(f, f"<{dims}Q")
+                kind, offset = _read(f, "<IQ")
+                tensor = GGUFTensor(name, kind, tuple(int(d) for d in shape))
+                if kind not in GGML_TYPES:
+                    raise GGUFFileError(f"GGUF file {path.name}: tensor {name} is {tensor.type_name}, which this "
+                                        f"server does not load (it loads {', '.join(t[0] for t in GGML_TYPES.values())})")
+                tensors.append(tensor)
+                ends = max(ends, offset + tensor.file_bytes())
+            data_start = -(-f.tell() // alignment) * alignment
+    except (EOFError, ValueError, struct.error, MemoryError) as exc:
+        raise GGUFFileError(f"GGUF file {path.name}: its header is truncated or corrupt ({exc or 'ends early'})") \
+            from None
+    if data_start + ends > size:
+        raise GGUFFileError(f"GGUF file {path.name} is truncated: its tensors need {data_start + ends} bytes, the "
+                            f"file has {size}")
+    return GGUFHeader(arch, tuple(tensors), size)
+
+
+def gguf_file_in(folder: Path) -> Path | None:
+    """The GGUF file a model folder is served from (a resolved source: config, tokenizer and one ``*.gguf``, no
+    safetensors), or None."""
+    folder = Path(folder)
+    if any(folder.glob("*.safetensors")):
+        return None
+    found = sorted(folder.glob("*.gguf"))
+    return found[0] if len(found) == 1 else None

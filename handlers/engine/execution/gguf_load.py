@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -29,7 +28,7 @@ from handlers.engine.execution.gguf_blocks import READERS, GGUFError, read_block
 from handlers.engine.execution.int_weights import IntWeight, quantize_int4, quantize_int8
 from handlers.engine.execution.prepack import replace_module
 from handlers.engine.execution.quantize import QuantizedEmbedding, QuantizedLinear
-from handlers.engine.planning.gguf_plan import read_header
+from handlers.engine.planning.gguf_plan import GGUFHeader, GGUFTensor, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -37,45 +36,30 @@ logger = logging.getLogger(__name__)
 _DIRECT_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor")
 
 
-def _open(path: Path) -> Any:
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError, TypeError, MemoryError) as exc:
-        # a truncated or corrupt file fails inside the reader's parsing, with numpy's words
-        raise GGUFError(f"GGUF file {path.name} cannot be read (truncated or corrupt?): "
-                        f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
-
-
-def _architecture(reader: Any) -> str:
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        return ""
-    return bytes(field.parts[field.data[0]]).decode(errors="replace")
-
-
 class _Tensors:
-    """The file's tensors by name, read on demand into their final form."""
+    """The file's tensors by name, each mapped from the file and read on demand into its final form."""
 
-    def __init__(self, reader: Any, name: str) -> None:
-        self.by_name = {t.name: t for t in reader.tensors}
-        self.name = name
+    def __init__(self, header: GGUFHeader, path: Path) -> None:
+        self.by_name = {t.name: t for t in header.tensors}
+        self.path = path
+        self.name = path.name
 
-    def _rows_cols(self, t: Any) -> tuple[int, int]:
-        shape = [int(x) for x in t.shape]  # ggml order: the contiguous dimension first
-        cols = shape[0]
-        rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-        return rows, cols
+    @staticmethod
+    def _rows_cols(t: GGUFTensor) -> tuple[int, int]:
+        return t.numel // t.shape[0], t.shape[0]
+
+    def _bytes(self, t: GGUFTensor) -> np.ndarray:
+        rows, _ = self._rows_cols(t)
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(rows, t.file_bytes() // rows))
 
     def is_quantized(self, key: str) -> bool:
-        return int(self.by_name[key].tensor_type) in READERS
+        return self.by_name[key].type_id in READERS
 
     def ints(self, key: str, permute: tuple[int, int] | None) -> IntWeight:
         t = self.by_name[key]
         rows, cols = self._rows_cols(t)
         try:
-            b = read_blocks(int(t.tensor_type), t.data, rows, cols)
+            b = read_blocks(t.type_id, self._bytes(t), rows, cols)
         except ValueError as exc:
             raise GGUFError(f"GGUF file {self.name}: tensor {key}: {exc}") from None
         q, scale = torch.from_numpy(b.q), torch.from_numpy(np.ascontiguousarray(b.scale))
@@ -91,12 +75,17 @@ class _Tensors:
 
     def floats(self, key: str, permute: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor as fp32 in transformers' shape ([rows, cols], or 1-D)."""
-        from gguf import dequantize
+        from gguf import GGMLQuantizationType, dequantize
 
         t = self.by_name[key]
         rows, cols = self._rows_cols(t)
         try:
-            values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(rows, cols)
+            raw = self._bytes(t)
+            if t.type_id == 0:  # F32 and F16: the values themselves (gguf's dequantize takes them typed)
+                raw = raw.view(np.float32)
+            elif t.type_id == 1:
+                raw = raw.view(np.float16)
+            values = np.asarray(dequantize(raw, GGMLQuantizationType(t.type_id)), dtype=np.float32).reshape(rows, cols)
         except (ValueError, NotImplementedError) as exc:
             raise GGUFError(f"GGUF file {self.name}: tensor {key}: {exc}") from None
         out = torch.from_numpy(values.copy()).reshape(-1) if len(t.shape) == 1 else torch.from_numpy(values.copy())
@@ -110,12 +99,15 @@ def _unpermuted_rows(rows: int, n_head: int, n_kv: int) -> torch.Tensor:
 
 
 def _empty_model(folder: Path) -> nn.Module:
-    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(folder)
-    with init_empty_weights(include_buffers=False):  # parameters on meta; the rotary tables real
+    with torch.device("meta"):  # no memory until each tensor is read
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for name, module in list(model.named_modules()):
+        # buffers computed from the config (rotary tables): the module built again, for real
+        if any(b.device.type == "meta" for b in module.buffers(recurse=False)):
+            replace_module(model, name, type(module)(config=config))
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model
@@ -144,9 +136,8 @@ def load_gguf_model(folder: Path, gguf: Path, quantize: str, group_size: int) ->
     ``quantize``: ``auto``, ``none``, ``int8`` or ``int4`` (see the module note). Raises ``GGUFError``."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
-    read_header(gguf)  # a truncated file or a type not loaded here: refused before anything is built
-    reader = _open(gguf)
-    arch = _architecture(reader)
+    header = read_header(gguf)  # a truncated file or a type not loaded here: refused before anything is built
+    arch = header.architecture
     processor = TENSOR_PROCESSORS.get(arch)
     if processor is not None and processor.__name__ not in _DIRECT_PROCESSORS:
         logger.warning("GGUF architecture %s: its tensors are transformed on load; loaded dequantized to fp32 by "
@@ -157,7 +148,7 @@ def load_gguf_model(folder: Path, gguf: Path, quantize: str, group_size: int) ->
     permute_q = (cfg.num_attention_heads, cfg.num_attention_heads) if arch == "llama" else None
     permute_k = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) \
         if arch == "llama" else None
-    tensors = _Tensors(reader, gguf.name)
+    tensors = _Tensors(header, gguf)
     names = _name_map(model, arch)
     _place(model, tensors, names, quantize, group_size, permute_q, permute_k)
     left = [n for n, p in model.named_parameters() if p.device.type == "meta"]

@@ -1,8 +1,9 @@
 """What a GGUF file costs in memory, from its header alone (torch-free, numpy-free): the tensors' names, shapes and
 types, and the bytes each takes in the form the engine serves it (``handlers.engine.execution.gguf_blocks``).
 
-Design note (why not gguf's reader: it parses every metadata value, a vocabulary of 50k strings, in seconds): the
-header is walked with ``struct``, values skipped by their sizes; the end of the last tensor's data is checked
+Design note (why not gguf's reader: it parses every metadata value, a vocabulary of 50k strings, in seconds and
+~150 MB of Python objects): the header is walked with ``struct``, values skipped by their sizes, and each tensor's
+place in the file kept so the loader maps just its bytes; the end of the last tensor's data is checked
 against the file's size, so a truncated download is refused here, naming the file, before anything loads.
 """
 
@@ -41,6 +42,7 @@ class GGUFTensor:
     name: str
     type_id: int
     shape: tuple[int, ...]  # ggml order: the contiguous dimension first
+    offset: int = 0  # where its data starts in the file
 
     @property
     def numel(self) -> int:
@@ -60,10 +62,11 @@ class GGUFTensor:
         _, _, _, bits, group, has_min = GGML_TYPES[self.type_id]
         if len(self.shape) == 1:
             return 4 * self.numel
-        rows = self.numel // self.shape[0]
+        rows = -(-(self.numel // self.shape[0]) // 16) * 16  # the kernel's blocks of 16 rows
+        numel = rows * self.shape[0]
         if group == 0:
-            return self.numel + 4 * rows
-        return self.numel * bits // 8 + (self.numel // group) * 4 * (1 + has_min)
+            return numel + 4 * rows
+        return numel * bits // 8 + (numel // group) * 4 * (1 + has_min)
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ def read_header(path: Path) -> GGUFHeader:
                     (alignment,) = _read(f, "<I")
                 else:
                     _skip_value(f, kind)
-            tensors, ends = [], 0
+            found, ends = [], 0
             for _ in range(n_tensors):
                 name = _string(f).decode(errors="replace")
                 (dims,) = _read(f, "<I")
@@ -145,9 +148,12 @@ def read_header(path: Path) -> GGUFHeader:
                 if kind not in GGML_TYPES:
                     raise GGUFFileError(f"GGUF file {path.name}: tensor {name} is {tensor.type_name}, which this "
                                         f"server does not load (it loads {', '.join(t[0] for t in GGML_TYPES.values())})")
-                tensors.append(tensor)
+                found.append((tensor, offset))
                 ends = max(ends, offset + tensor.file_bytes())
             data_start = -(-f.tell() // alignment) * alignment
+            tensors = [GGUFTensor(t.name, t.type_id, t.shape, data_start + offset) for t, offset in found]
+    except GGUFFileError:
+        raise
     except (EOFError, ValueError, struct.error, MemoryError) as exc:
         raise GGUFFileError(f"GGUF file {path.name}: its header is truncated or corrupt ({exc or 'ends early'})") \
             from None

@@ -2,7 +2,7 @@
 ``gguf`` and ``llama-cpp-python`` (llama.cpp's own quantizer writes the types the ``gguf`` package cannot).
 
 A 2-layer Llama (hidden 256, so K-quant super-blocks of 256 fit every matrix; 4 heads of 64, 2 KV heads,
-intermediate 256; seed 0) with a byte-level BPE vocabulary of 259 tokens and a chat template, written once as F32
+intermediate 256; seed 0) with a byte-level BPE vocabulary of 260 tokens (one merge) and a chat template, written once as F32
 by the ``gguf`` package, then quantized by llama.cpp to each type: ``tiny-<TYPE>.gguf``. llama.cpp picks the mix
 of a type as it does for real models (Q4_K_M holds Q4_K and Q6_K tensors, Q3_K_M holds Q3_K, Q4_K and Q5_K, ...).
 """
@@ -40,7 +40,8 @@ def _byte_alphabet() -> list[str]:
 
 def write_f32(path: Path) -> None:
     rng = np.random.default_rng(0)
-    tokens = [*_byte_alphabet(), "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = _byte_alphabet()
+    tokens = [*alphabet, alphabet[ord("t")] + alphabet[ord("h")], "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-llama")
@@ -58,10 +59,9 @@ def write_f32(path: Path) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3, 3, 3])
-    alphabet = _byte_alphabet()
+    w.add_token_types([1] * 257 + [3, 3, 3])
     w.add_token_merges([f"{alphabet[ord('t')]} {alphabet[ord('h')]}"])
-    w.add_bos_token_id(vocab - 3)
+    w.add_bos_token_id(vocab - 2)
     w.add_eos_token_id(vocab - 1)
     w.add_chat_template(CHAT_TEMPLATE)
 

@@ -31,7 +31,10 @@ def start_rollserve(quantize: str, args: argparse.Namespace, cores: list[int], w
     n = len(cores)
     store = workdir / "model_store"
     (store / MODEL).mkdir(parents=True, exist_ok=True)
-    props = {"option.model_id": str(args.model_dir), "option.rolling_batch": "auto",
+    # rollserve-gguf: the GGUF file llama.cpp serves, as it is (option.quantize=auto); the others: the fp32 folder
+    model_id = str(args.gguf) if quantize == "gguf" else str(args.model_dir)
+    quantize = "auto" if quantize == "gguf" else quantize
+    props = {"option.model_id": model_id, "option.rolling_batch": "auto",
              "option.max_rolling_batch_size": str(MAX_SEQS), "option.max_model_len": str(MAX_MODEL_LEN),
              "option.num_threads": str(n), "option.quantize": quantize, "minWorkers": "1", "maxWorkers": "1"}
     rec["serving_properties"] = "".join(f"{k}={v}\n" for k, v in props.items())

@@ -1,7 +1,8 @@
 """Weight-only quantization vs llama.cpp, pinned: rollserve with ``option.quantize`` = none / int8 / int4 against
 llama.cpp's server (llama-cpp-python) on the same real model, SmolLM2-135M-Instruct: llama.cpp serves the Q4_1 GGUF
 file itself (``tests.real_model.smollm2_gguf``), rollserve the same weights dequantized to fp32
-(``tests.real_model.smollm2_folder``), which int8 / int4 quantize again at load.
+(``tests.real_model.smollm2_folder``), which int8 / int4 quantize again at load; rollserve-gguf serves llama.cpp's
+file itself (``option.model_id`` = the file, ``option.quantize=auto``: its blocks as they are).
 
 * Servers: each run starts a fresh one under ``taskset -c LIST`` (its whole tree inherits it; every thread's
   ``Cpus_allowed_list`` is checked after start and after the passes, ``compare.pins``). rollserve:
@@ -60,7 +61,7 @@ from benchmarks.quantized_client import answers, measured_pass, run_batch1, run_
 from benchmarks.quantized_report import same_answers, summarize, table  # noqa: E402
 from benchmarks.quantized_servers import LLAMA_PYTHON, start  # noqa: E402
 
-SERVERS = ("rollserve-none", "rollserve-int8", "rollserve-int4", "llama.cpp")
+SERVERS = ("rollserve-none", "rollserve-int8", "rollserve-int4", "rollserve-gguf", "llama.cpp")
 PROMPTS = (
     "Explain how a bicycle works.",
     "Why is the sky blue?",

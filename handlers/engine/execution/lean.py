@@ -88,10 +88,11 @@ class LeanDecoder:
         self.lm_head = model.lm_head
         self.head_dim = int(inner.layers[0].self_attn.head_dim)
         self.attention = attention
-        dtype = inner.embed_tokens.weight.dtype
+        # the final norm's weight tells the activations' dtype and device (the embedding may be kept quantized)
+        dtype = inner.norm.weight.dtype
         # F.rms_norm is bitwise transformers' fp32 norm on CPU only; elsewhere (and in half precision) transformers'
         # own formula is used, so the lean forward matches on every device
-        on_cpu = inner.embed_tokens.weight.device.type == "cpu"
+        on_cpu = inner.norm.weight.device.type == "cpu"
         self.rms_norm = _rms_norm_fp32 if dtype == torch.float32 and on_cpu else _rms_norm_upcast
         kernel = load_rotary() if dtype == torch.float32 and on_cpu else None
         self.rotate = _rotate if kernel is None else _rotate_in_c(kernel)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from handlers.engine.engine import LLMEngine
 from handlers.engine.execution.gguf_load import load_gguf_model
 from handlers.engine.execution.quantize import QuantizedEmbedding, QuantizedLinear
 from handlers.engine.planning.gguf_plan import GGUFFileError, read_header
@@ -191,3 +192,24 @@ def test_loading_the_real_file_never_holds_an_fp32_copy(tmp_path: Path) -> None:
     assert grown <= 1.3 * header.served_bytes(), (rss, header.served_bytes())
     assert peak_over <= 6 * largest, (rss, largest)
     assert rss["peak"] - rss["before"] < fp32 / 3, (rss, fp32)
+
+
+@pytest.mark.parametrize("name", ["tiny-Q4_K_M", "tiny-Q6_K", "tiny-Q5_0"])
+def test_the_rolling_engine_serves_a_file_greedy_as_transformers(name: str, tmp_path: Path) -> None:
+    folder = _folder(DATA / f"{name}.gguf", tmp_path)
+    engine = LLMEngine.from_options(folder, {"num_kv_blocks": "64", "block_size": "4", "max_model_len": "256"})
+    assert engine.runner.lean is not None  # the engine's own forward, not transformers'
+    assert isinstance(engine.model.get_input_embeddings(), QuantizedEmbedding)
+    reference = _reference(folder)
+    prompts = [PROMPT, PROMPT[:7], [258, *range(65, 90)]]
+    for i, prompt in enumerate(prompts):  # all at once: rows share every step
+        engine.add(str(i), prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():
+        for delta in engine.step():
+            got[delta.request_id] += [t.id for t in delta.tokens]
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=None,
+                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert got[str(i)] == out[0, len(prompt):].tolist(), i

@@ -217,8 +217,8 @@ class ElementwiseKernels:
     def add_rms_norm(self, a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``residual += a`` (in place), then returns its RMSNorm; both [T, C]."""
         if not (self._fits(residual, weight) and self.takes(a) and a.shape == residual.shape):
-            residual += a
-            return self.rms_norm(residual, weight, eps)
+            residual += a  # torch's whole, as for the other layouts the kernels do not read
+            return F.rms_norm(residual, residual.shape[-1:], weight, eps)
         out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
         self._add_norm(a.data_ptr(), a.stride(0), residual.data_ptr(), residual.stride(0), residual.shape[0],
                        residual.shape[1], weight.data_ptr(), eps, out.data_ptr(), out.stride(0),

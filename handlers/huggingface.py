@@ -93,7 +93,8 @@ class HuggingFaceHandler(Handler):
         quantize = option_value(ctx.properties, "quantize")
         gguf = gguf_file_in(Path(path))
         if gguf is not None:  # a GGUF file's weights as it holds them (gguf_load), on the CPU
-            self.model = load_gguf_model(Path(path), gguf, quantize, option_value(ctx.properties, "quantize_group_size"))
+            self.model = load_gguf_model(Path(path), gguf, quantize, option_value(ctx.properties, "quantize_group_size"),
+                                         option_value(ctx.properties, "quantized_activations"))
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=DTYPES[dtype_name], trust_remote_code=trust,
@@ -103,7 +104,8 @@ class HuggingFaceHandler(Handler):
             self.model.to(f"cuda:{ctx.device_id}")
         self.model.eval()
         if quantize in ("int8", "int4") and gguf is None:
-            n = quantize_linears(self.model, quantize, option_value(ctx.properties, "quantize_group_size"))
+            n = quantize_linears(self.model, quantize, option_value(ctx.properties, "quantize_group_size"),
+                                 option_value(ctx.properties, "quantized_activations") == "int8")
             log.info("model %s: option.quantize=%s: %d linear layers quantized", ctx.model_name, quantize, n)
         # transformers' sliding-window masks count left padding as context: a padded row would see fewer of
         # its own tokens than alone. Such models batch only prompts of equal length (no padding).

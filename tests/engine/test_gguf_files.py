@@ -51,7 +51,7 @@ def _reference(folder: Path) -> nn.Module:
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
 def test_weights_equal_the_reference_dequantization_and_logits_follow(path: Path, tmp_path: Path) -> None:
     folder = _folder(path, tmp_path)
-    model = load_gguf_model(folder, folder / "model.gguf", "auto", 32)
+    model = load_gguf_model(folder, folder / "model.gguf", "auto", 32, "fp32")
     reference = _reference(folder)
     floats = path.stem in ("tiny-F16", "tiny-BF16")  # their matrices become int8 per channel: within half a step
     quantized = 0
@@ -150,7 +150,7 @@ def test_bad_files_are_refused_by_name(tmp_path: Path) -> None:
 def test_the_dynamic_handler_serves_a_file(tmp_path: Path) -> None:
     folder = _folder(DATA / "tiny-Q4_K_M.gguf", tmp_path)
     handler = HuggingFaceHandler()
-    handler.initialize(Context("m", folder, {}))
+    handler.initialize(Context("m", folder, {"quantized_activations": "fp32"}))
     assert isinstance(handler.model.get_input_embeddings(), QuantizedEmbedding)
     reference = _reference(folder)
     text = "Hello there, world"
@@ -197,7 +197,8 @@ def test_loading_the_real_file_never_holds_an_fp32_copy(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["tiny-Q4_K_M", "tiny-Q6_K", "tiny-Q5_0"])
 def test_the_rolling_engine_serves_a_file_greedy_as_transformers(name: str, tmp_path: Path) -> None:
     folder = _folder(DATA / f"{name}.gguf", tmp_path)
-    engine = LLMEngine.from_options(folder, {"num_kv_blocks": "64", "block_size": "4", "max_model_len": "256"})
+    engine = LLMEngine.from_options(folder, {"num_kv_blocks": "64", "block_size": "4", "max_model_len": "256",
+                                             "quantized_activations": "fp32"})
     assert engine.runner.lean is not None  # the engine's own forward, not transformers'
     assert isinstance(engine.model.get_input_embeddings(), QuantizedEmbedding)
     reference = _reference(folder)
@@ -213,3 +214,48 @@ def test_the_rolling_engine_serves_a_file_greedy_as_transformers(name: str, tmp_
             out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=None,
                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert got[str(i)] == out[0, len(prompt):].tolist(), i
+
+
+def _int8_kernel() -> bool:
+    from handlers.engine.execution.quantize import _kernel
+
+    fn = _kernel()
+    return fn is not None and bool(fn.int8_dot(256, 32))
+
+
+def test_int8_activations_where_the_cpu_has_them(tmp_path: Path) -> None:
+    """int8 inputs (llama.cpp's way): close to the fp32 result, and a row's logits the same alone or in a batch.
+    On a CPU without AVX-512 VNNI/VBMI the layers keep fp32 inputs (and say so)."""
+    folder = _folder(DATA / "tiny-Q4_K_M.gguf", tmp_path)
+    exact = load_gguf_model(folder, folder / "model.gguf", "auto", 32, "fp32")
+    fast = load_gguf_model(folder, folder / "model.gguf", "auto", 32, "auto")
+    layers = [m for m in fast.modules() if isinstance(m, QuantizedLinear)]
+    assert {m.int8_activations for m in layers} == {_int8_kernel()}
+    assert not any(m.int8_activations for m in exact.modules() if isinstance(m, QuantizedLinear))
+    rows = torch.tensor([PROMPT, PROMPT[::-1]])
+    with torch.no_grad():
+        want, got = exact(rows).logits, fast(rows).logits
+        alone = fast(rows[1:]).logits
+    assert torch.equal(alone[0], got[1])
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < (2e-2 if _int8_kernel() else 1e-6), err
+
+
+def test_int8_activations_keep_the_real_models_perplexity() -> None:
+    import math
+
+    from transformers import AutoTokenizer
+
+    from tests.real_model import smollm2_gguf_folder
+
+    folder = smollm2_gguf_folder()
+    ids = AutoTokenizer.from_pretrained(folder)(Path("/usr/share/common-licenses/Apache-2.0").read_text())["input_ids"]
+    ids = torch.tensor([ids[:512]])
+    ppl = {}
+    for mode in ("fp32", "auto"):
+        model = load_gguf_model(folder, folder / "model.gguf", "auto", 32, mode)
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1]
+        ppl[mode] = math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
+    assert 1.5 < ppl["fp32"] < 30, ppl  # a trained model on English text
+    assert ppl["auto"] <= ppl["fp32"] * 1.01, ppl

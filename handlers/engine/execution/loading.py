@@ -45,7 +45,7 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str], device
     gguf = gguf_file_in(source)
     if gguf is not None:
         # the file's quantized tensors run in the integer kernels, which take fp32 activations
-        model = load_gguf_model(source, gguf, config.quantize, config.quantize_group_size)
+        model = load_gguf_model(source, gguf, config.quantize, config.quantize_group_size, config.quantized_activations)
         if config.quantize != "none":
             config = replace(config, dtype="fp32", quantize="auto", prepack_weights="false", fuse_projections=False)
     else:

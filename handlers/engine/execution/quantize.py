@@ -44,14 +44,18 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         return None
     fn = lib.rollserve_quant_linear
     fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
+    fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int,
+                   ctypes.c_int]
+    fn.int8_dot = lib.rollserve_quant_int8_dot
+    fn.int8_dot.restype = ctypes.c_int
+    fn.int8_dot.argtypes = [_I64, _I64]
     return fn
 
 
 class QuantizedLinear(nn.Module):
     """``nn.Linear``'s forward over int8 or int4 weights (fp32 in, fp32 out), from an ``IntWeight``."""
 
-    def __init__(self, weight: IntWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: IntWeight, bias: torch.Tensor | None = None, int8_activations: bool = False) -> None:
         super().__init__()
         packed = pack(weight)
         self.in_features, self.out_features = packed.in_features, packed.out_features
@@ -68,6 +72,14 @@ class QuantizedLinear(nn.Module):
         self._layer = (self.qweight.data_ptr(), self.bits, self.scale.data_ptr(),
                        None if self.minimum is None else self.minimum.data_ptr(), self.group_size,
                        None if bias is None else bias.data_ptr())
+        self.int8_activations = False
+        self.use_int8_activations(int8_activations)
+
+    def use_int8_activations(self, on: bool) -> bool:
+        """Quantize each input row to int8 (per 16 inputs) and multiply integers, as llama.cpp does, where this
+        CPU and layer allow (``csrc/quant_dot.h``); returns whether it is on."""
+        self.int8_activations = bool(on and self._fn.int8_dot(self.in_features, self.group_size))
+        return self.int8_activations
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int) -> QuantizedLinear:
@@ -83,7 +95,8 @@ class QuantizedLinear(nn.Module):
             return self.forward(rows).view(*x.shape[:-1], self.out_features)
         m, k, n = x.shape[0], self.in_features, self.out_features
         out = torch.empty(m, n)
-        if self._fn(x.data_ptr(), k, m, k, *self._layer, out.data_ptr(), n, n, torch.get_num_threads()) != 0:
+        if self._fn(x.data_ptr(), k, m, k, *self._layer, out.data_ptr(), n, n, torch.get_num_threads(),
+                    self.int8_activations) != 0:
             raise RuntimeError(f"the quantized linear kernel refused {m} rows of {k} inputs")
         return out
 
@@ -101,7 +114,8 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}{group}"
+        x = ", int8 activations" if self.int8_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}{group}{x}"
 
 
 class QuantizedEmbedding(nn.Module):
@@ -117,7 +131,7 @@ class QuantizedEmbedding(nn.Module):
         return self.table.rows(ids).view(*ids.shape, self.embedding_dim)
 
 
-def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> int:
+def quantize_linears(model: nn.Module, mode: str, group_size: int = 32, int8_activations: bool = False) -> int:
     """Replace ``model``'s ``nn.Linear`` layers in place by quantized ones; returns how many. Raises
     ``ConfigError`` naming what it does not take: a mode, a model off the CPU or not fp32, an input width
     int4's group size does not divide, or no C compiler for the kernel."""
@@ -141,7 +155,9 @@ def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> int:
                 raise ConfigError(f"option.quantize_group_size={group_size} does not divide {name}'s "
                                  f"{m.in_features} inputs")
     for name, linear in targets:
-        replace_module(model, name, QuantizedLinear.from_linear(linear, 8 if linear is head else bits, group_size))
+        layer = QuantizedLinear.from_linear(linear, 8 if linear is head else bits, group_size)
+        layer.use_int8_activations(int8_activations)
+        replace_module(model, name, layer)
     return len(targets)
 
 
@@ -159,7 +175,7 @@ def check_layout(config: EngineConfig, device: torch.device) -> None:
 def quantize_model(model: nn.Module, config: EngineConfig) -> EngineConfig:
     """Quantize a loaded model's linear layers as ``config`` says; the config it then runs with (no oneDNN
     prepacking or fused projections: both apply to float linears only). Raises ``ConfigError`` naming why not."""
-    n = quantize_linears(model, config.quantize, config.quantize_group_size)
+    n = quantize_linears(model, config.quantize, config.quantize_group_size, config.quantized_activations == "int8")
     group = f", groups of {config.quantize_group_size} inputs" if config.quantize == "int4" else ""
     logger.info("option.quantize=%s: %d linear layers quantized (weight-only%s); prepacking and fused projections "
                 "off", config.quantize, n, group)

@@ -290,12 +290,60 @@ static void run_blocks(const struct layer *L, int64_t nb, int64_t count, const f
     }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define INT8_DOT 1
+#include "quant_dot.h"
+#else
+#define INT8_DOT 0
+#endif
+
+/* Whether this build has the int8-activation path (quant_dot.h), and whether it takes a layer of K inputs in
+ * groups of `group` (0: int8 per channel). */
+int rollserve_quant_int8_dot(int64_t K, int64_t group) {
+#if INT8_DOT
+    return K % AG == 0 && group % AG == 0;
+#else
+    (void)K;
+    (void)group;
+    return 0;
+#endif
+}
+
+#if INT8_DOT
+static int int8_dot_linear(const struct layer *L, const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy,
+                           int nthreads) {
+    const int64_t groups = L->K / AG, blocks = (L->N + NB - 1) / NB;
+    int8_t *q = malloc((size_t)(M * L->K));
+    float *xs = malloc((size_t)(M * groups) * sizeof(float));
+    int32_t *qs = malloc((size_t)(M * groups) * sizeof(int32_t));
+    if (q == NULL || xs == NULL || qs == NULL) {
+        free(q);
+        free(xs);
+        free(qs);
+        return -1;
+    }
+    quantize_rows(x, ldx, M, L->K, q, xs, qs, nthreads);
+    const struct dot_rows X = {q, xs, qs, L->K};
+    const int64_t per = ((blocks + nthreads - 1) / nthreads + DNB - 1) / DNB * DNB;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t first = 0; first < blocks; first += per) {
+        const int64_t count = blocks - first < per ? blocks - first : per;
+        dot_blocks(L, first, count, X, M, y, ldy);
+    }
+    free(q);
+    free(xs);
+    free(qs);
+    return 0;
+}
+#endif
+
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias; int8 with group > 0 is grouped, with 0 per
- * channel. Returns 0, or -1 for arguments it does not take (the caller refuses the layer at load, so this is a
- * guard, not a path). */
+ * channel; int8_x: activations quantized per row (quant_dot.h; only where rollserve_quant_int8_dot says so).
+ * Returns 0, or -1 for arguments it does not take (the caller refuses the layer at load, so this is a guard, not
+ * a path). */
 int rollserve_quant_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w, int bits,
                            const float *scale, const float *minv, int64_t group, const float *bias, float *y,
-                           int64_t ldy, int64_t N, int threads) {
+                           int64_t ldy, int64_t N, int threads, int int8_x) {
     const int grouped = bits == 4 || group > 0;
     if ((bits != 8 && bits != 4) || M < 0 || K <= 0 || N <= 0 || group < 0 || (grouped && (group <= 0 || K % group))
         || (bits == 4 && minv == NULL))
@@ -307,6 +355,12 @@ int rollserve_quant_linear(const float *x, int64_t ldx, int64_t M, int64_t K, co
     const int64_t blocks = (N + NB - 1) / NB;
     /* threads take runs of blocks of equal size (a multiple of 4, so 4-block tiles and groups stay whole) */
     const int nthreads = threads > 0 ? threads : 1;
+    if (int8_x) {
+        if (!rollserve_quant_int8_dot(K, grouped ? group : 0)) return -1;
+#if INT8_DOT
+        return int8_dot_linear(&L, x, ldx, M, y, ldy, nthreads);
+#endif
+    }
     const int64_t per = ((blocks + nthreads - 1) / nthreads + 3) / 4 * 4;
     const int buffered = M >= BUFFERED_ROWS;
     int failed = 0;

@@ -3,7 +3,7 @@
 Text: the license texts in /usr/share/common-licenses (real English), tokenized once by the file's tokenizer (as
 rollserve reads it), cut into windows of ``--window`` tokens; each window is scored from its first token (the
 same windows and ids for both). rollserve: ``handlers.engine.execution.gguf_load`` (the file's blocks as served,
-fp32 or int8 activations) and, as the float reference, transformers' dequantization of the file. llama.cpp:
+fp32, int8 or int8x2 activations) and, as the float reference, transformers' dequantization of the file. llama.cpp:
 ``Llama(model, logits_all=True)`` in its own virtualenv (``--llama-python``), fed the same ids.
 
     .venv/bin/python benchmarks/gguf_perplexity.py                      # SmolLM2-135M-Instruct Q4_1, 16 windows
@@ -85,9 +85,9 @@ def main() -> None:
         chunks = windows(AutoTokenizer.from_pretrained(folder), args.window, args.windows)
         result: dict[str, float] = {}
         model = load_gguf_model(folder, folder / "model.gguf", "auto", 32)
-        for mode in ("fp32", "int8"):
-            on = [m.use_int8_activations(mode == "int8") for m in model.modules() if isinstance(m, QuantizedLinear)]
-            if mode == "int8" and not any(on):
+        for mode in ("fp32", "int8", "int8x2"):
+            on = [m.use_activations(mode) for m in model.modules() if isinstance(m, QuantizedLinear)]
+            if mode not in on:
                 continue
             result[f"rollserve, {mode} activations"] = perplexity(model, chunks)
         del model

@@ -16,7 +16,8 @@ KEYS = {  # summary key -> table header
     "burst_tok_per_cpu_s": "burst tok/CPU-s",
 }
 RATIOS = (("rollserve-int8", "rollserve-none"), ("rollserve-int4", "rollserve-none"),
-          ("rollserve-int4", "llama.cpp"), ("rollserve-int8", "llama.cpp"), ("rollserve-gguf", "llama.cpp"))
+          ("rollserve-int4", "llama.cpp"), ("rollserve-int8", "llama.cpp"), ("rollserve-gguf", "llama.cpp"),
+          ("rollserve-gguf-int8", "llama.cpp"))
 RATIO_KEYS = ("b1_decode_tok_s", "burst_tok_s", "b1_tok_per_cpu_s", "burst_tok_per_cpu_s")
 
 

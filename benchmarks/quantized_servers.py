@@ -31,12 +31,15 @@ def start_rollserve(quantize: str, args: argparse.Namespace, cores: list[int], w
     n = len(cores)
     store = workdir / "model_store"
     (store / MODEL).mkdir(parents=True, exist_ok=True)
-    # rollserve-gguf: the GGUF file llama.cpp serves, as it is (option.quantize=auto); the others: the fp32 folder
-    model_id = str(args.gguf) if quantize == "gguf" else str(args.model_dir)
-    quantize = "auto" if quantize == "gguf" else quantize
+    # rollserve-gguf: the GGUF file llama.cpp serves, as it is (option.quantize=auto; -int8: one int8 part per
+    # input, llama.cpp's precision); the others: the fp32 folder
+    activations = "int8" if quantize == "gguf-int8" else "auto"
+    model_id = str(args.gguf) if quantize.startswith("gguf") else str(args.model_dir)
+    quantize = "auto" if quantize.startswith("gguf") else quantize
     props = {"option.model_id": model_id, "option.rolling_batch": "auto",
              "option.max_rolling_batch_size": str(MAX_SEQS), "option.max_model_len": str(MAX_MODEL_LEN),
-             "option.num_threads": str(n), "option.quantize": quantize, "minWorkers": "1", "maxWorkers": "1"}
+             "option.num_threads": str(n), "option.quantize": quantize, "option.quantized_activations": activations,
+             "minWorkers": "1", "maxWorkers": "1"}
     rec["serving_properties"] = "".join(f"{k}={v}\n" for k, v in props.items())
     (store / MODEL / "serving.properties").write_text(rec["serving_properties"])
     cfg = {"inference_address": "http://127.0.0.1:0", "management_address": "http://127.0.0.1:0",

@@ -61,7 +61,7 @@ from benchmarks.quantized_client import answers, measured_pass, run_batch1, run_
 from benchmarks.quantized_report import same_answers, summarize, table  # noqa: E402
 from benchmarks.quantized_servers import LLAMA_PYTHON, start  # noqa: E402
 
-SERVERS = ("rollserve-none", "rollserve-int8", "rollserve-int4", "rollserve-gguf", "llama.cpp")
+SERVERS = ("rollserve-none", "rollserve-int8", "rollserve-int4", "rollserve-gguf", "rollserve-gguf-int8", "llama.cpp")
 PROMPTS = (
     "Explain how a bicycle works.",
     "Why is the sky blue?",

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 from handlers.base import Context, Handler, Input, Output
 from handlers.engine.execution.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
 from handlers.engine.execution.gguf_load import load_gguf_model
-from handlers.engine.execution.quantize import quantize_linears
+from handlers.engine.execution.quantize import float_checkpoint_activations, quantize_linears
 from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.engine.execution.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
@@ -105,7 +105,7 @@ class HuggingFaceHandler(Handler):
         self.model.eval()
         if quantize in ("int8", "int4") and gguf is None:
             n = quantize_linears(self.model, quantize, option_value(ctx.properties, "quantize_group_size"),
-                                 option_value(ctx.properties, "quantized_activations") == "int8")
+                                 float_checkpoint_activations(option_value(ctx.properties, "quantized_activations")))
             log.info("model %s: option.quantize=%s: %d linear layers quantized", ctx.model_name, quantize, n)
         # transformers' sliding-window masks count left padding as context: a padded row would see fewer of
         # its own tokens than alone. Such models batch only prompts of equal length (no padding).

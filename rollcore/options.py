@@ -101,11 +101,12 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "checkpoint; a GGUF file's quantized tensors as the file holds them (its F16/BF16/F32 matrices int8); "
           "none on a GGUF file dequantizes it to fp32 at load"),
     _spec("quantize_group_size", integer(8), "32", (SERVING, *_BOTH), "inputs per int4 scale and minimum"),
-    _spec("quantized_activations", choice(("auto", "fp32", "int8")), "auto", (SERVING, *_BOTH),
+    _spec("quantized_activations", choice(("auto", "fp32", "int8", "int8x2")), "auto", (SERVING, *_BOTH),
           "what quantized linear layers multiply: int8, each input row quantized per 16 values and integer dot "
-          "products (llama.cpp's way; about 3x faster on CPUs with AVX-512 VNNI and VBMI, which it needs), or fp32 "
-          "inputs times the weights converted (exact to the dequantized model). auto: int8 for a GGUF file's "
-          "weights where the CPU has it, fp32 for option.quantize on a float checkpoint"),
+          "products (llama.cpp's precision; needs AVX-512 VNNI and VBMI, else fp32), int8x2 the same with what "
+          "int8 leaves quantized again (inputs to ~1e-5 of their largest value: the answers of fp32 inputs), or "
+          "fp32 inputs times the weights converted (exact to the dequantized model). auto: int8x2 for a GGUF "
+          "file's weights, fp32 for option.quantize on a float checkpoint"),
     _spec("trust_remote_code", boolean, "false", (SERVING, *_BOTH), "run the model folder's own code"),
     _spec("predict_timeout", number(0, exclusive=True), "120", (SERVING,), "seconds one request may take"),
     _spec("model_loading_timeout", number(0, exclusive=True), "600", (SERVING,), "seconds a worker may load"),

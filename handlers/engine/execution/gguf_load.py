@@ -133,8 +133,8 @@ def _name_map(model: nn.Module, arch: str) -> dict[str, str]:
 
 def load_gguf_model(folder: Path, gguf: Path, quantize: str, group_size: int, activations: str = "auto") -> nn.Module:
     """The model of ``folder`` (config and tokenizer extracted from ``gguf``) with the weights of ``gguf``.
-    ``quantize``: ``auto``, ``none``, ``int8`` or ``int4`` (see the module note); ``activations``: ``auto`` or
-    ``int8`` (int8 inputs where the CPU has the kernel, as llama.cpp computes) or ``fp32``. Raises ``GGUFError``."""
+    ``quantize``: ``auto``, ``none``, ``int8`` or ``int4`` (see the module note); ``activations``: what the layers
+    multiply (``QuantizedLinear.use_activations``; ``auto`` = ``int8x2``). Raises ``GGUFError``."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
     header = read_header(gguf)  # a truncated file or a type not loaded here: refused before anything is built
@@ -157,8 +157,8 @@ def load_gguf_model(folder: Path, gguf: Path, quantize: str, group_size: int, ac
         raise GGUFError(f"GGUF file {gguf.name} has no tensor for {', '.join(left[:3])}"
                         f"{' and more' if len(left) > 3 else ''} (architecture {arch or 'unknown'})")
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            module.use_int8_activations(activations != "fp32")
+        if isinstance(module, QuantizedLinear):  # auto: near-exact integer products where the CPU has them
+            module.use_activations("int8x2" if activations == "auto" else activations)
     model.eval()
     return model
 

@@ -33,6 +33,7 @@ from rollcore.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("int8", "int4")
+ACTIVATION_PARTS = {"fp32": 0, "int8": 1, "int8x2": 2}  # int8 parts per input value (csrc/quant_dot.h)
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -55,7 +56,7 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 class QuantizedLinear(nn.Module):
     """``nn.Linear``'s forward over int8 or int4 weights (fp32 in, fp32 out), from an ``IntWeight``."""
 
-    def __init__(self, weight: IntWeight, bias: torch.Tensor | None = None, int8_activations: bool = False) -> None:
+    def __init__(self, weight: IntWeight, bias: torch.Tensor | None = None, activations: str = "fp32") -> None:
         super().__init__()
         packed = pack(weight)
         self.in_features, self.out_features = packed.in_features, packed.out_features
@@ -72,14 +73,20 @@ class QuantizedLinear(nn.Module):
         self._layer = (self.qweight.data_ptr(), self.bits, self.scale.data_ptr(),
                        None if self.minimum is None else self.minimum.data_ptr(), self.group_size,
                        None if bias is None else bias.data_ptr())
-        self.int8_activations = False
-        self.use_int8_activations(int8_activations)
+        self.activations = "fp32"
+        self.use_activations(activations)
 
-    def use_int8_activations(self, on: bool) -> bool:
-        """Quantize each input row to int8 (per 16 inputs) and multiply integers, as llama.cpp does, where this
-        CPU and layer allow (``csrc/quant_dot.h``); returns whether it is on."""
-        self.int8_activations = bool(on and self._fn.int8_dot(self.in_features, self.group_size))
-        return self.int8_activations
+    def use_activations(self, mode: str) -> str:
+        """What the kernel multiplies (``csrc/quant_dot.h``): ``int8`` each input row quantized per 16 values and
+        integer dot products (llama.cpp's precision), ``int8x2`` the same with what int8 leaves quantized again
+        (inputs to ~1e-5 of their largest value), ``fp32`` the inputs as they are times converted weights. The
+        integer modes only where this CPU and layer allow them; returns the mode in effect."""
+        if mode not in ACTIVATION_PARTS:
+            raise ConfigError(f"quantized activations {mode!r}: one of {', '.join(ACTIVATION_PARTS)}")
+        allowed = mode == "fp32" or self._fn.int8_dot(self.in_features, self.group_size)
+        self.activations = mode if allowed else "fp32"
+        self._parts = ACTIVATION_PARTS[self.activations]
+        return self.activations
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int) -> QuantizedLinear:
@@ -96,7 +103,7 @@ class QuantizedLinear(nn.Module):
         m, k, n = x.shape[0], self.in_features, self.out_features
         out = torch.empty(m, n)
         if self._fn(x.data_ptr(), k, m, k, *self._layer, out.data_ptr(), n, n, torch.get_num_threads(),
-                    self.int8_activations) != 0:
+                    self._parts) != 0:
             raise RuntimeError(f"the quantized linear kernel refused {m} rows of {k} inputs")
         return out
 
@@ -114,7 +121,7 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""
-        x = ", int8 activations" if self.int8_activations else ""
+        x = f", {self.activations} activations" if self.activations != "fp32" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}{group}{x}"
 
 
@@ -131,7 +138,7 @@ class QuantizedEmbedding(nn.Module):
         return self.table.rows(ids).view(*ids.shape, self.embedding_dim)
 
 
-def quantize_linears(model: nn.Module, mode: str, group_size: int = 32, int8_activations: bool = False) -> int:
+def quantize_linears(model: nn.Module, mode: str, group_size: int = 32, activations: str = "fp32") -> int:
     """Replace ``model``'s ``nn.Linear`` layers in place by quantized ones; returns how many. Raises
     ``ConfigError`` naming what it does not take: a mode, a model off the CPU or not fp32, an input width
     int4's group size does not divide, or no C compiler for the kernel."""
@@ -156,7 +163,7 @@ def quantize_linears(model: nn.Module, mode: str, group_size: int = 32, int8_act
                                  f"{m.in_features} inputs")
     for name, linear in targets:
         layer = QuantizedLinear.from_linear(linear, 8 if linear is head else bits, group_size)
-        layer.use_int8_activations(int8_activations)
+        layer.use_activations(activations)
         replace_module(model, name, layer)
     return len(targets)
 
@@ -175,8 +182,15 @@ def check_layout(config: EngineConfig, device: torch.device) -> None:
 def quantize_model(model: nn.Module, config: EngineConfig) -> EngineConfig:
     """Quantize a loaded model's linear layers as ``config`` says; the config it then runs with (no oneDNN
     prepacking or fused projections: both apply to float linears only). Raises ``ConfigError`` naming why not."""
-    n = quantize_linears(model, config.quantize, config.quantize_group_size, config.quantized_activations == "int8")
+    n = quantize_linears(model, config.quantize, config.quantize_group_size, float_checkpoint_activations(config))
     group = f", groups of {config.quantize_group_size} inputs" if config.quantize == "int4" else ""
     logger.info("option.quantize=%s: %d linear layers quantized (weight-only%s); prepacking and fused projections "
                 "off", config.quantize, n, group)
     return replace(config, prepack_weights="false", fuse_projections=False)
+
+
+def float_checkpoint_activations(config_value: EngineConfig | str) -> str:
+    """``option.quantized_activations`` for ``option.quantize`` on a float checkpoint: ``auto`` keeps fp32 inputs
+    (the layers compute exactly the dequantized model, as they always have)."""
+    value = config_value if isinstance(config_value, str) else config_value.quantized_activations
+    return "fp32" if value == "auto" else value

@@ -39,7 +39,7 @@ class EngineConfig:
     dtype: str = "fp32"
     quantize: str = "auto"  # auto | none | int8 | int4: handlers.engine.execution.quantize (GGUF: gguf_load)
     quantize_group_size: int = 32
-    quantized_activations: str = "auto"  # auto | fp32 | int8: QuantizedLinear.use_int8_activations
+    quantized_activations: str = "auto"  # auto | fp32 | int8 | int8x2: QuantizedLinear.use_activations
     prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.execution.prepack)
     measure_linears: bool = False  # prepack_weights=auto: per weight shape, the faster kernel as measured here
     attention_kernel: str = "native"  # native (handlers.engine.execution.kernels, PyTorch when it cannot build) | torch

@@ -38,54 +38,63 @@ def _byte_alphabet() -> list[str]:
     return [out[b] for b in range(256)]
 
 
-def write_f32(path: Path) -> None:
-    rng = np.random.default_rng(0)
+def write_llama(path: Path, hidden: int = HIDDEN, heads: int = HEADS, kv_heads: int = KV_HEADS, ffn: int = FFN,
+                layers: int = LAYERS, vocab: int = 0, half: bool = False, seed: int = 0) -> None:
+    """A Llama GGUF file with random weights (normal, scaled per matrix; seed ``seed``), written tensor by tensor
+    (a 7B layout never sits in memory whole); ``vocab`` pads the byte-level vocabulary with unused tokens; ``half``
+    stores the matrices as F16."""
+    rng = np.random.default_rng(seed)
     alphabet = _byte_alphabet()
-    tokens = [*alphabet, alphabet[ord("t")] + alphabet[ord("h")], "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = len(tokens)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = [*alphabet, alphabet[ord("t")] + alphabet[ord("h")]]
+    tokens += [f"<unused{i}>" for i in range(max(0, vocab - len(tokens) - len(specials)))] + specials
+    n_vocab, head_dim = len(tokens), hidden // heads
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
-    w.add_context_length(512)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_name("random-llama")
+    w.add_context_length(4096)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    w.add_file_type(0)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(1 if half else 0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([1] * 257 + [3, 3, 3])
+    w.add_token_types([1] * (n_vocab - 3) + [3, 3, 3])
     w.add_token_merges([f"{alphabet[ord('t')]} {alphabet[ord('h')]}"])
-    w.add_bos_token_id(vocab - 2)
-    w.add_eos_token_id(vocab - 1)
+    w.add_bos_token_id(n_vocab - 2)
+    w.add_eos_token_id(n_vocab - 1)
     w.add_chat_template(CHAT_TEMPLATE)
-
-    def mat(rows: int, cols: int, std: float) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) * std).astype(np.float32)
-
-    head_dim = HIDDEN // HEADS
-    w.add_tensor("token_embd.weight", mat(vocab, HIDDEN, 1.0))
-    for i in range(LAYERS):
+    plan: list[tuple[str, tuple[int, ...], float]] = [("token_embd.weight", (n_vocab, hidden), 1.0)]
+    for i in range(layers):
         p = f"blk.{i}"
-        w.add_tensor(f"{p}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
-        w.add_tensor(f"{p}.attn_q.weight", mat(HEADS * head_dim, HIDDEN, 0.08))
-        w.add_tensor(f"{p}.attn_k.weight", mat(KV_HEADS * head_dim, HIDDEN, 0.08))
-        w.add_tensor(f"{p}.attn_v.weight", mat(KV_HEADS * head_dim, HIDDEN, 0.08))
-        w.add_tensor(f"{p}.attn_output.weight", mat(HIDDEN, HEADS * head_dim, 0.05))
-        w.add_tensor(f"{p}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
-        w.add_tensor(f"{p}.ffn_gate.weight", mat(FFN, HIDDEN, 0.08))
-        w.add_tensor(f"{p}.ffn_up.weight", mat(FFN, HIDDEN, 0.08))
-        w.add_tensor(f"{p}.ffn_down.weight", mat(HIDDEN, FFN, 0.05))
-    w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    w.add_tensor("output.weight", mat(vocab, HIDDEN, 0.08))
+        plan += [(f"{p}.attn_norm.weight", (hidden,), 0.1), (f"{p}.attn_q.weight", (heads * head_dim, hidden), 0.08),
+                 (f"{p}.attn_k.weight", (kv_heads * head_dim, hidden), 0.08),
+                 (f"{p}.attn_v.weight", (kv_heads * head_dim, hidden), 0.08),
+                 (f"{p}.attn_output.weight", (hidden, heads * head_dim), 0.05), (f"{p}.ffn_norm.weight", (hidden,), 0.1),
+                 (f"{p}.ffn_gate.weight", (ffn, hidden), 0.08), (f"{p}.ffn_up.weight", (ffn, hidden), 0.08),
+                 (f"{p}.ffn_down.weight", (hidden, ffn), 0.05)]
+    plan += [("output_norm.weight", (hidden,), 0.0), ("output.weight", (n_vocab, hidden), 0.08)]
+
+    def dtype(shape: tuple[int, ...]) -> type:
+        return np.float16 if half and len(shape) == 2 else np.float32
+
+    for name, shape, _ in plan:
+        w.add_tensor_info(name, shape, np.dtype(dtype(shape)), int(np.prod(shape)) * np.dtype(dtype(shape)).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for _, shape, std in plan:
+        if len(shape) == 1:  # norms: around one
+            values = (1 + std * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            values = (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype(shape))
+        w.write_tensor_data(values)
     w.close()
 
 
@@ -103,7 +112,7 @@ def quantize(source: Path, dest: Path, ftype: int) -> None:
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "tiny-F32.gguf"
-        write_f32(source)
+        write_llama(source)
         for name, ftype in FTYPES.items():
             quantize(source, HERE / f"tiny-{name}.gguf", ftype)
     for name in FTYPES:

@@ -310,25 +310,25 @@ int rollserve_quant_int8_dot(int64_t K, int64_t group) {
 }
 
 #if INT8_DOT
-static int int8_dot_linear(const struct layer *L, const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy,
-                           int nthreads) {
+static int int8_dot_linear(const struct layer *L, const float *x, int64_t ldx, int64_t M, int parts, float *y,
+                           int64_t ldy, int nthreads) {
     const int64_t groups = L->K / AG, blocks = (L->N + NB - 1) / NB;
-    int8_t *q = malloc((size_t)(M * L->K));
-    float *xs = malloc((size_t)(M * groups) * sizeof(float));
-    int32_t *qs = malloc((size_t)(M * groups) * sizeof(int32_t));
+    int8_t *q = malloc((size_t)(parts * M * L->K));
+    float *xs = malloc((size_t)(parts * M * groups) * sizeof(float));
+    int32_t *qs = malloc((size_t)(parts * M * groups) * sizeof(int32_t));
     if (q == NULL || xs == NULL || qs == NULL) {
         free(q);
         free(xs);
         free(qs);
         return -1;
     }
-    quantize_rows(x, ldx, M, L->K, q, xs, qs, nthreads);
-    const struct dot_rows X = {q, xs, qs, L->K};
+    quantize_rows(x, ldx, M, L->K, parts, q, xs, qs, nthreads);
+    const struct dot_rows X = {q, xs, qs, L->K, M * L->K, M * groups};
     const int64_t per = ((blocks + nthreads - 1) / nthreads + DNB - 1) / DNB * DNB;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t first = 0; first < blocks; first += per) {
         const int64_t count = blocks - first < per ? blocks - first : per;
-        dot_blocks(L, first, count, X, M, y, ldy);
+        dot_blocks(parts, L, first, count, X, M, y, ldy);
     }
     free(q);
     free(xs);
@@ -338,7 +338,8 @@ static int int8_dot_linear(const struct layer *L, const float *x, int64_t ldx, i
 #endif
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias; int8 with group > 0 is grouped, with 0 per
- * channel; int8_x: activations quantized per row (quant_dot.h; only where rollserve_quant_int8_dot says so).
+ * channel; int8_x: 0 for fp32 activations, else each row quantized in int8_x parts of int8 (1 or 2: quant_dot.h;
+ * only where rollserve_quant_int8_dot says so).
  * Returns 0, or -1 for arguments it does not take (the caller refuses the layer at load, so this is a guard, not
  * a path). */
 int rollserve_quant_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w, int bits,
@@ -356,9 +357,9 @@ int rollserve_quant_linear(const float *x, int64_t ldx, int64_t M, int64_t K, co
     /* threads take runs of blocks of equal size (a multiple of 4, so 4-block tiles and groups stay whole) */
     const int nthreads = threads > 0 ? threads : 1;
     if (int8_x) {
-        if (!rollserve_quant_int8_dot(K, grouped ? group : 0)) return -1;
+        if (!rollserve_quant_int8_dot(K, grouped ? group : 0) || int8_x > 2) return -1;
 #if INT8_DOT
-        return int8_dot_linear(&L, x, ldx, M, y, ldy, nthreads);
+        return int8_dot_linear(&L, x, ldx, M, int8_x, y, ldy, nthreads);
 #endif
     }
     const int64_t per = ((blocks + nthreads - 1) / nthreads + 3) / 4 * 4;

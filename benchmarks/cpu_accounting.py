@@ -54,6 +54,16 @@ def tree(root: int) -> list[int]:
     return out
 
 
+def pss_mb(pids: list[int]) -> float:
+    """Proportional set size of the processes, summed, in MB (shared pages counted once across them)."""
+    total = 0
+    for p in pids:
+        for line in read_proc(f"/proc/{p}/smaps_rollup").splitlines():
+            if line.startswith("Pss:"):
+                total += int(line.split()[1])
+    return total / 1024
+
+
 def cpu_s(pids: list[int]) -> dict[int, float]:
     """utime+stime (all threads, s) of each live process."""
     return {p: (int(f[11]) + int(f[12])) / HZ for p in pids if (f := _stat(f"/proc/{p}/stat"))}

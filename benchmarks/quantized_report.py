@@ -13,12 +13,12 @@ KEYS = {  # summary key -> table header
     "b1_itl_p99": "b1 ITL p99 ms", "b1_tokens_mean": "b1 tokens/req", "b1_cpu_s": "b1 CPU-s",
     "b1_tok_per_cpu_s": "b1 tok/CPU-s", "burst_tok_s": "burst tok/s", "burst_ttft_p50": "burst TTFT p50 ms",
     "burst_itl_p99": "burst ITL p99 ms", "burst_tokens": "burst tokens", "burst_cpu_s": "burst CPU-s",
-    "burst_tok_per_cpu_s": "burst tok/CPU-s",
+    "burst_tok_per_cpu_s": "burst tok/CPU-s", "start_s": "start s", "pss_mb": "PSS MB (server tree)",
 }
 RATIOS = (("rollserve-int8", "rollserve-none"), ("rollserve-int4", "rollserve-none"),
           ("rollserve-int4", "llama.cpp"), ("rollserve-int8", "llama.cpp"), ("rollserve-gguf", "llama.cpp"),
           ("rollserve-gguf-int8", "llama.cpp"))
-RATIO_KEYS = ("b1_decode_tok_s", "burst_tok_s", "b1_tok_per_cpu_s", "burst_tok_per_cpu_s")
+RATIO_KEYS = ("b1_decode_tok_s", "burst_tok_s", "b1_tok_per_cpu_s", "burst_tok_per_cpu_s", "pss_mb")
 
 
 def summarize(runs: list[dict[str, Any]], servers: list[str]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ def start_rollserve(quantize: str, args: argparse.Namespace, cores: list[int], w
              "option.max_rolling_batch_size": str(MAX_SEQS), "option.max_model_len": str(MAX_MODEL_LEN),
              "option.num_threads": str(n), "option.quantize": quantize, "option.quantized_activations": activations,
              "minWorkers": "1", "maxWorkers": "1"}
+    props.update(dict(kv.split("=", 1) for kv in getattr(args, "rollserve_option", None) or []))
     rec["serving_properties"] = "".join(f"{k}={v}\n" for k, v in props.items())
     (store / MODEL / "serving.properties").write_text(rec["serving_properties"])
     cfg = {"inference_address": "http://127.0.0.1:0", "management_address": "http://127.0.0.1:0",

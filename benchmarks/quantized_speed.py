@@ -56,7 +56,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.compare import FLAGS  # noqa: E402
-from benchmarks.cpu_accounting import OwnLoad, cpulist, parse_cpulist, pins  # noqa: E402
+from benchmarks.cpu_accounting import OwnLoad, cpulist, parse_cpulist, pins, pss_mb, tree  # noqa: E402
 from benchmarks.quantized_client import answers, measured_pass, run_batch1, run_burst  # noqa: E402
 from benchmarks.quantized_report import same_answers, summarize, table  # noqa: E402
 from benchmarks.quantized_servers import LLAMA_PYTHON, start  # noqa: E402
@@ -88,6 +88,7 @@ def run_one(server: str, cores: list[int], args: argparse.Namespace, own: OwnLoa
     own.roots.append(root)
     try:
         rec["startup_s"] = round(time.monotonic() - t0, 1)
+        rec["pss_mb_after_start"] = pss_mb(tree(root))
         rec["pins_after_start"] = pins(root, cores)
         warm = run_batch1(url, [WARMUP_PROMPT], args.max_tokens, args.timeout)
         rec["warmup"] = answers(warm)
@@ -98,6 +99,7 @@ def run_one(server: str, cores: list[int], args: argparse.Namespace, own: OwnLoa
         rec["burst"], _ = measured_pass("burst", root, own, args,
                                         lambda: run_burst(url, burst, args.max_tokens, args.timeout))
         rec["answers"] = answers(b1)
+        rec["pss_mb_after_passes"] = pss_mb(tree(root))
         rec["pins_after_passes"] = pins(root, cores)
     except Exception as exc:  # noqa: BLE001
         rec["error"] = f"{type(exc).__name__}: {exc}"[-2000:]
@@ -114,7 +116,8 @@ def run_one(server: str, cores: list[int], args: argparse.Namespace, own: OwnLoa
                           "b1_tok_per_cpu_s": b1["tok_per_cpu_s"], "burst_tok_s": bu["tok_s"],
                           "burst_ttft_p50": bu["ttft_p50"], "burst_itl_p99": bu["itl_p99"],
                           "burst_tokens": bu["tokens"], "burst_cpu_s": bu["cpu_s"],
-                          "burst_tok_per_cpu_s": bu["tok_per_cpu_s"]}
+                          "burst_tok_per_cpu_s": bu["tok_per_cpu_s"], "start_s": rec["startup_s"],
+                          "pss_mb": rec["pss_mb_after_passes"]}
     return rec
 
 
@@ -131,6 +134,7 @@ def run_line(r: dict[str, Any]) -> str:
             f"ms, {bu['tokens']} tokens in {bu['wall_s']:.1f} s, CPU {bu['cpu_s']:.1f} s | load1 before "
             f"{b1['load_check']['load1']}/{bu['load_check']['load1']}, others' cores during "
             f"{b1['others_cores_during']:.2f}/{bu['others_cores_during']:.2f}{'  BUSY' if r['busy'] else ''}"
+            f" | PSS {r['pss_mb_after_start']:.0f} MB after start, {r['pss_mb_after_passes']:.0f} MB after the passes"
             f"{'' if pin_ok else '  ESCAPED PINNING'}")
 
 
@@ -164,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-prompts", type=int, default=len(PROMPTS), help=f"batch-1 prompts (1-{len(PROMPTS)})")
     ap.add_argument("--burst", type=int, default=32, help="requests sent at once in the burst pass (default 32)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rollserve-option", action="append", metavar="KEY=VALUE",
+                    help="a serving.properties line for every rollserve server, e.g. option.kv_cache_populate=lazy")
     ap.add_argument("--busy-threshold", type=float, default=0.5, help="cores of other jobs that make a pass busy")
     ap.add_argument("--settle-s", type=float, default=60.0, help="how long to wait for a quiet machine per pass")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds for a server to become ready")

@@ -96,7 +96,8 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("quantize", choice(("auto", "none", "int8", "int4")), "auto", (SERVING, *_BOTH),
           "weight-only int8 (a scale per output channel) or int4 (a scale and minimum per group of "
           "quantize_group_size inputs, llama.cpp's Q4_1 form) linear layers through a C kernel built on first use; "
-          "activations stay fp32, so a request's tokens do not depend on its batch-mates. fp32 CPU workers, no "
+          "each input row is computed alone (option.quantized_activations), so a request's tokens do not depend on "
+          "its batch-mates. fp32 CPU workers, no "
           "tensor parallelism; prepacking and fused projections are off with it. auto: none for a float "
           "checkpoint; a GGUF file's quantized tensors as the file holds them (its F16/BF16/F32 matrices int8); "
           "none on a GGUF file dequantizes it to fp32 at load"),

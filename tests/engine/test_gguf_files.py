@@ -101,9 +101,13 @@ def test_float_files_load_as_int8_or_int4_as_asked(tmp_path: Path) -> None:
     assert bits4["model.layers.0.mlp.down_proj"] == 4 and bits4["model.embed_tokens.table"] == 8, bits4
 
 
-def test_the_memory_plan_is_what_loading_takes(tmp_path: Path) -> None:
-    folder = _folder(DATA / "tiny-Q4_K_M.gguf", tmp_path)
+@pytest.mark.parametrize("name", ["tiny-Q4_K_M", "tiny-Q4_0", "tiny-Q8_0"])
+def test_the_memory_plan_is_what_loading_takes(name: str, tmp_path: Path) -> None:
+    folder = _folder(DATA / f"{name}.gguf", tmp_path)
     model = load_gguf_model(folder, folder / "model.gguf", "auto", 32)
+    # the legacy types' fp16 scales stay fp16 (half the bytes, the same values); K-quants' products are fp32
+    halves = {m.scale.dtype for n, m in model.named_modules() if isinstance(m, QuantizedLinear) and "layers" in n}
+    assert halves == ({torch.float32} if "_K" in name else {torch.float16}), halves
     tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                for t in [*model.parameters(), *model.buffers()] if t is not None}
     rotary = sum(b.nbytes for name, b in model.named_buffers() if "rotary" in name)

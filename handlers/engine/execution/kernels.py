@@ -281,7 +281,7 @@ def _build(compiler: str, source: Path, target: Path, flags: tuple[str, ...]) ->
     os.close(fd)
     try:
         subprocess.run([compiler, *flags, "-o", tmp, str(source), "-lm"], check=True, capture_output=True,
-                       timeout=120)
+                       timeout=600)  # a loaded machine (a test run beside it) takes minutes for the largest
         os.replace(tmp, target)  # atomic: a concurrent builder's identical file is fine either way
         logger.info("built %s", target)
     finally:

@@ -46,7 +46,7 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     fn = lib.rollserve_quant_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int,
-                   ctypes.c_int]
+                   ctypes.c_int, ctypes.c_int]
     fn.int8_dot = lib.rollserve_quant_int8_dot
     fn.int8_dot.restype = ctypes.c_int
     fn.int8_dot.argtypes = [_I64, _I64]
@@ -73,6 +73,7 @@ class QuantizedLinear(nn.Module):
         self._layer = (self.qweight.data_ptr(), self.bits, self.scale.data_ptr(),
                        None if self.minimum is None else self.minimum.data_ptr(), self.group_size,
                        None if bias is None else bias.data_ptr())
+        self._half = int(self.scale.dtype == torch.float16)
         self.activations = "fp32"
         self.use_activations(activations)
 
@@ -103,7 +104,7 @@ class QuantizedLinear(nn.Module):
         m, k, n = x.shape[0], self.in_features, self.out_features
         out = torch.empty(m, n)
         if self._fn(x.data_ptr(), k, m, k, *self._layer, out.data_ptr(), n, n, torch.get_num_threads(),
-                    self._parts) != 0:
+                    self._parts, self._half) != 0:
             raise RuntimeError(f"the quantized linear kernel refused {m} rows of {k} inputs")
         return out
 

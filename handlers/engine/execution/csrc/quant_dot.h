@@ -62,6 +62,13 @@ static inline __attribute__((always_inline)) __m512i dot_weights(int bits, const
     return _mm512_xor_si512(_mm512_permutexvar_epi8(_mm512_loadu_si512(order8), z), _mm512_set1_epi8((char)0x80));
 }
 
+/* A block's 16 scales (or minimums) of weight group wg, from an fp16 or fp32 table */
+static inline __m512 load16s(const struct layer *L, const float *table, int64_t block, int64_t wg) {
+    const float *base = table + block * L->sstride;
+    if (L->half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + wg * NB)));
+    return _mm512_loadu_ps(base + wg * NB);
+}
+
 struct dot_rows {
     const int8_t *q;
     const float *xs;
@@ -97,9 +104,8 @@ static inline __attribute__((always_inline)) void dot_tile(int mr, int nbk, int 
         }
         const int64_t wg = L->grouped ? k0 / L->group : 0;
         for (int b = 0; b < nbk; b++) {
-            const float *sp = L->scale + (nb + b) * L->sstride + wg * NB;
-            const __m512 ws = L->grouped ? _mm512_loadu_ps(sp) : _mm512_set1_ps(1.0f);
-            const __m512 wm = L->minv ? _mm512_loadu_ps(L->minv + (nb + b) * L->sstride + wg * NB) : _mm512_setzero_ps();
+            const __m512 ws = L->grouped ? load16s(L, L->scale, nb + b, wg) : _mm512_set1_ps(1.0f);
+            const __m512 wm = L->minv ? load16s(L, L->minv, nb + b, wg) : _mm512_setzero_ps();
             for (int p = 0; p < parts; p++)
                 for (int r = 0; r < mr; r++) {
                     const float s = X.xs[p * X.part_s + r * groups + g];

@@ -53,6 +53,24 @@ static inline v8f load8f(const float *p) {
 
 static inline void store8f(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
+/* 8 fp16 values as fp32 lanes */
+static inline v8f load8h(const uint16_t *p) {
+#if defined(__F16C__)
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    v8f out;
+    memcpy(&out, &v, sizeof out);
+    return out;
+#else
+    v8f out;
+    for (int i = 0; i < 8; i++) {
+        _Float16 h;
+        memcpy(&h, p + i, 2);
+        out[i] = (float)h;
+    }
+    return out;
+#endif
+}
+
 /* 8 signed / unsigned bytes as fp32 lanes. GCC's vector extensions scalarise the byte widening, so x86 gets
  * the AVX2 instructions spelled out; other CPUs the generic form. */
 static inline v8f s8_to_f(const uint8_t *p) {
@@ -118,8 +136,9 @@ static inline __attribute__((always_inline)) void weights_at(int src, const uint
 struct layer {
     const uint8_t *w;
     const float *scale, *minv, *bias;
-    int64_t K, N, group, wstride, sstride; /* bytes per block of w; floats per block of scale and minv */
-    int bits, grouped; /* grouped: int8 with a scale per group (int4 always is) */
+    int64_t K, N, group, wstride, sstride; /* bytes per block of w; floats per block of scale and minv (fp16
+                                              tables: half as many floats as values) */
+    int bits, grouped, half; /* grouped: int8 with a scale per group (int4 always is); half: fp16 tables */
 };
 
 /* Where a tile's sums start and end: k in [k0, k1); partial sums (ldp floats a row, 16 a block) loaded unless
@@ -276,6 +295,33 @@ static inline __attribute__((always_inline)) void many_rows(int src, const struc
 }
 
 static void run_blocks(const struct layer *L, int64_t nb, int64_t count, const float *x, int64_t ldx, int64_t M,
+                       float *y, int64_t ldy, float *buf, float *part);
+
+/* The float path reads fp32 tables: a run of blocks with fp16 ones gets them converted into `tables` first (a
+ * fraction of the weights' bytes; the integer path reads fp16 directly) and runs on a layer that points there. */
+static int run_half_blocks(const struct layer *L, int64_t nb, int64_t count, const float *x, int64_t ldx, int64_t M,
+                           float *y, int64_t ldy, float *buf, float *part) {
+    const int64_t per = 2 * L->sstride; /* values per block */
+    float *tables = malloc((size_t)(count * per * (L->minv ? 2 : 1)) * sizeof(float));
+    if (tables == NULL) return -1;
+    for (int64_t i = 0; i < count * per; i += 8) {
+        store8f(tables + i, load8h((const uint16_t *)(L->scale + nb * L->sstride) + i));
+        if (L->minv) store8f(tables + count * per + i, load8h((const uint16_t *)(L->minv + nb * L->sstride) + i));
+    }
+    struct layer F = *L; /* the run as a layer of its own: its first block is block 0 */
+    F.half = 0;
+    F.sstride = per;
+    F.scale = tables;
+    F.minv = L->minv ? tables + count * per : NULL;
+    F.w = L->w + nb * L->wstride;
+    F.bias = L->bias ? L->bias + nb * NB : NULL;
+    F.N = L->N - nb * NB;
+    run_blocks(&F, 0, count, x, ldx, M, y + nb * NB, ldy, buf, part);
+    free(tables);
+    return 0;
+}
+
+static void run_blocks(const struct layer *L, int64_t nb, int64_t count, const float *x, int64_t ldx, int64_t M,
                        float *y, int64_t ldy, float *buf, float *part) {
     if (M < BUFFERED_ROWS) {
         if (L->grouped && L->bits == 8) few_rows(FROM_INT8_GROUPED, L, nb, count, x, ldx, M, y, ldy);
@@ -339,20 +385,20 @@ static int int8_dot_linear(const struct layer *L, const float *x, int64_t ldx, i
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias; int8 with group > 0 is grouped, with 0 per
  * channel; int8_x: 0 for fp32 activations, else each row quantized in int8_x parts of int8 (1 or 2: quant_dot.h;
- * only where rollserve_quant_int8_dot says so).
+ * only where rollserve_quant_int8_dot says so); half: the scale and minimum tables are fp16 (grouped layers).
  * Returns 0, or -1 for arguments it does not take (the caller refuses the layer at load, so this is a guard, not
  * a path). */
 int rollserve_quant_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w, int bits,
                            const float *scale, const float *minv, int64_t group, const float *bias, float *y,
-                           int64_t ldy, int64_t N, int threads, int int8_x) {
+                           int64_t ldy, int64_t N, int threads, int int8_x, int half) {
     const int grouped = bits == 4 || group > 0;
     if ((bits != 8 && bits != 4) || M < 0 || K <= 0 || N <= 0 || group < 0 || (grouped && (group <= 0 || K % group))
-        || (bits == 4 && minv == NULL))
+        || (bits == 4 && minv == NULL) || (half && !grouped))
         return -1;
     if (M == 0) return 0;
     /* per-channel int8 has no groups: one that spans K keeps the callers' group counting well defined */
     const struct layer L = {w, scale, minv, bias, K, N, grouped ? group : K, bits == 8 ? K * NB : K * (NB / 2),
-                            grouped ? (K / group) * NB : NB, bits, grouped};
+                            grouped ? (K / group) * NB / (half ? 2 : 1) : NB, bits, grouped, half};
     const int64_t blocks = (N + NB - 1) / NB;
     /* threads take runs of blocks of equal size (a multiple of 4, so 4-block tiles and groups stay whole) */
     const int nthreads = threads > 0 ? threads : 1;
@@ -376,7 +422,11 @@ int rollserve_quant_linear(const float *x, int64_t ldx, int64_t M, int64_t K, co
 #pragma omp for schedule(static)
             for (int64_t first = 0; first < blocks; first += per) {
                 const int64_t count = blocks - first < per ? blocks - first : per;
-                run_blocks(&L, first, count, x, ldx, M, y, ldy, buf, part);
+                if (!L.half) run_blocks(&L, first, count, x, ldx, M, y, ldy, buf, part);
+                else if (run_half_blocks(&L, first, count, x, ldx, M, y, ldy, buf, part) != 0) {
+#pragma omp atomic write
+                    failed = 1;
+                }
             }
         }
         free(buf);

@@ -155,10 +155,11 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("kv_cache_memory_fraction", number(0, 1, exclusive=True), "0.9", (ENGINE,),
           "share of the memory left after weights that auto gives the KV cache"),
     _spec("num_kv_blocks", integer(0), "0", (ENGINE,), "KV blocks outright; 0 = sized by memory"),
-    _spec("kv_cache_populate", choice(("eager", "lazy")), "eager", (ENGINE,),
+    _spec("kv_cache_populate", choice(("auto", "eager", "lazy")), "auto", (ENGINE,),
           "eager: every page of the KV cache touched at load (memory committed up front); lazy: zeroed anonymous "
           "memory paid for page by page when first used (a faster start; steps fault pages in until the cache has "
-          "been used once, and the RSS grows with use up to the planned size)"),
+          "been used once, and the RSS grows with use up to the planned size). auto: lazy for a GGUF file (its "
+          "users size the machine by the file, as with llama.cpp), eager otherwise"),
     _spec("enable_prefix_caching", boolean, "true", (ENGINE,), "share KV blocks of identical prefixes"),
     _spec("num_threads", integer(1, auto=True), "auto", _BOTH,
           "torch threads per worker (each rank); auto: the cores of the worker's CPU affinity mask divided by "

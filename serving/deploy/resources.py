@@ -143,7 +143,8 @@ def startup_seconds(model: ModelFolder, plan: PlannedMemory | None, workers: int
     if model.checkpoint_bytes is None:
         return STARTUP_FLOOR_S + math.ceil(model.config.model_loading_timeout_s)
     seconds = STARTUP_FLOOR_S + model.checkpoint_bytes / LOAD_RATE + model.gguf_bytes / GGUF_RATE
-    if plan is not None and model.config.options.get("kv_cache_populate", "eager") == "eager":
+    populate = model.config.options.get("kv_cache_populate", "auto")
+    if plan is not None and (populate == "eager" or (populate == "auto" and not model.gguf_bytes)):
         seconds += workers * plan.kv_cache_bytes / KV_TOUCH_RATE
     return math.ceil(seconds)
 

@@ -282,7 +282,7 @@ def test_kv_pool_memory_is_zero_and_paid_for_when_used(populate: str) -> None:
     """The pool starts zeroed; ``lazy`` touches none of its pages at allocation (an eager start spends 36 s
     zeroing a 4.5 GiB pool on this project's VM), ``eager`` (the default) all of them; layers' tensors never
     overlap."""
-    layers, slots, heads, dim = 4, 4096, 4, 64
+    layers, slots, heads, dim = 4, 16384, 4, 64  # 128 MiB: a few MiB of the process's own growth stay well below
     nbytes = 2 * layers * heads * slots * dim * 4
     before = _rss_bytes()
     pool = KVPool(layers, slots, heads, dim, torch.float32, populate)
@@ -301,12 +301,24 @@ def test_kv_pool_memory_is_zero_and_paid_for_when_used(populate: str) -> None:
     assert sum(int(t.count_nonzero()) for t in tensors) == 2 * dim
 
 
+def test_a_lazy_pool_pays_for_the_pages_written_not_huge_pages() -> None:
+    """One token's keys and values in every head of every layer: a lazy pool grows by about that many 4 KiB
+    pages (huge pages, asked for an eager pool, would fault in 2 MiB for each)."""
+    layers, slots, heads, dim = 4, 16384, 8, 64  # 4 MiB a head: room for two huge pages each
+    pool = KVPool(layers, slots, heads, dim, torch.float32, "lazy")
+    before = _rss_bytes()
+    for t in pool.keys + pool.values:
+        t[:, 100] = 1.0
+    grown = _rss_bytes() - before
+    assert grown < 2 * layers * heads * 64 * 1024, grown
+
+
 def test_kv_cache_populate_option_is_checked() -> None:
-    """``option.kv_cache_populate`` is parsed and checked (eager by default)."""
+    """``option.kv_cache_populate`` is parsed and checked (auto by default)."""
     from handlers.engine.planning.config import EngineConfig
     from rollcore.errors import ConfigError
 
-    assert EngineConfig.from_options({}).kv_cache_populate == "eager"
+    assert EngineConfig.from_options({}).kv_cache_populate == "auto"  # eager, but lazy for a GGUF file
     assert EngineConfig.from_options({"kv_cache_populate": "lazy"}).kv_cache_populate == "lazy"
     with pytest.raises(ConfigError, match="kv_cache_populate"):
         EngineConfig.from_options({"kv_cache_populate": "sometimes"})

@@ -28,6 +28,7 @@ from handlers.engine.execution.gguf_blocks import READERS, GGUFError, read_block
 from handlers.engine.execution.int_weights import IntWeight, quantize_int4, quantize_int8
 from handlers.engine.execution.prepack import replace_module
 from handlers.engine.execution.quantize import QuantizedEmbedding, QuantizedLinear
+from handlers.engine.planning.cpu import return_freed_memory
 from handlers.engine.planning.gguf_plan import GGUFHeader, GGUFTensor, read_header
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ def load_gguf_model(folder: Path, gguf: Path, quantize: str, group_size: int, ac
         if isinstance(module, QuantizedLinear):  # auto: near-exact integer products where the CPU has them
             module.use_activations("int8x2" if activations == "auto" else activations)
     model.eval()
+    return_freed_memory()  # the tensors' temporaries (a worker keeps freed memory for its steps otherwise)
     return model
 
 
@@ -201,6 +203,7 @@ def _place(model: nn.Module, tensors: _Tensors, names: dict[str, str], quantize:
             replace_module(model, module_name, linear.requires_grad_(False))
         else:
             replace_module(model, module_name, _linear(tensors, key, permute, bias, quantize, group_size))
+        return_freed_memory()  # each tensor's temporaries given back: the peak stays the model plus one tensor
     for name, param in list(model.named_parameters()):
         if param.device.type != "meta":
             continue

@@ -14,7 +14,8 @@ priority). ``lazy`` is for fast starts where the first minutes' latency matters 
 scale-from-zero. Figures: benchmarks/README.md, "Prepacked weights and the lazy KV cache".
 
 With ``lazy`` the worker's RSS grows with use up to the planned KV size (the memory plan checked at load
-that it is available); engine stats report ``kv_blocks_touched``.
+that it is available); engine stats report ``kv_blocks_touched``. Huge pages are for ``eager`` only: touched
+lazily, a single token's KV would fault in 2 MiB per layer, head and K/V.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class ZeroRegion:
         self.nbytes = nbytes
         # MAP_PRIVATE: plain anonymous memory (mmap's default, MAP_SHARED, would be shmem).
         self._map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.huge_pages = huge_pages(self._map)
+        # lazy: 4 KiB pages, so memory is paid as KV is written (a 2 MiB page per layer, head and K/V at the first
+        # token was 4 GiB for a 7B model's first step)
+        self.huge_pages = populate == "eager" and huge_pages(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
         if populate == "eager":
             self.tensor.zero_()  # already zero: this only faults every page in now

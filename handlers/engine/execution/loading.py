@@ -48,10 +48,14 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str], device
         model = load_gguf_model(source, gguf, config.quantize, config.quantize_group_size, config.quantized_activations)
         if config.quantize != "none":
             config = replace(config, dtype="fp32", quantize="auto", prepack_weights="false", fuse_projections=False)
+        if config.kv_cache_populate == "auto":  # memory that follows use, as the file's size led a user to expect
+            config = replace(config, kv_cache_populate="lazy")
     else:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
             trust_remote_code=config.trust_remote_code)
+    if config.kv_cache_populate == "auto":
+        config = replace(config, kv_cache_populate="eager")
     if device.type != "cpu":
         model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)

@@ -162,7 +162,7 @@ class ModelRunner:
         graphs = cuda_graphs > 0 and self.device.type == "cuda"
         # CUDA graphs pad a step with rows that write their KV into one more block, which the scheduler never sees
         self.pool = KVPool(num_layers, (num_blocks + graphs) * block_size, num_kv_heads or config_kv_heads, head_dim,
-                           dtype, populate_kv, self.device)
+                           dtype, "eager" if populate_kv == "auto" else populate_kv, self.device)
         self.kernels = _kernels(self.device) if use_kernels else None
         self.lean: LeanDecoder | None = None
         self.graphs: DecodeGraphs | None = None

@@ -32,7 +32,7 @@ class EngineConfig:
     kv_cache_memory_mb: int = 0
     kv_cache_memory_fraction: float = 0.9
     num_kv_blocks: int = 0  # explicit number of KV blocks; overrides kv_cache_memory_mb (tests, tuning)
-    kv_cache_populate: str = "eager"  # eager | lazy (see handlers.engine.execution.lazy_memory)
+    kv_cache_populate: str = "auto"  # auto | eager | lazy (handlers.engine.execution.lazy_memory; auto: loading.py)
     enable_prefix_caching: bool = True
     num_threads: int = 0  # 0 = auto: the cores of this worker's affinity mask / (workers x TP ranks)
     max_model_len: int = 0

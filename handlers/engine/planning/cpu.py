@@ -81,6 +81,23 @@ def keep_freed_memory(max_block_bytes: int = _MMAP_THRESHOLD_MAX) -> bool:
         bool(mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))
 
 
+def return_freed_memory() -> bool:
+    """Give the heap's free memory back to the kernel once (glibc's ``malloc_trim``): after a load whose
+    temporaries ``keep_freed_memory`` would otherwise keep for good. False where it does not apply."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))
+
+
 def auto_threads(num_workers: int = 1, ranks_per_worker: int = 1, environ: Mapping[str, str] | None = None) -> int:
     """``option.num_threads=auto``: the cores this process may run on (its affinity mask, which taskset and
     container CPU sets narrow), shared evenly by the model's workers and their tensor-parallel ranks, and by the

@@ -13,6 +13,7 @@ from typing import Any
 from handlers.engine.planning.checkpoint import checkpoint_tensors, weights_dir
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.families import ADMITTED_BY_LIST, admission, load_config_dict, unsupported_reason
+from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.engine.planning.memory import preflight
 
 # The budget ``planned_memory`` plans with: far more than any model needs, so every figure is the model's own.
@@ -31,7 +32,7 @@ def memory_plan_text(model_dir: Path, model_id: str | None, options: Mapping[str
     """The engine's memory plan for the model (the preflight its worker runs before loading), or "" when the
     weights' folder has no ``config.json``. Raises ``ConfigError`` (``InsufficientMemory``: cannot fit)."""
     source = weights_dir(model_dir, model_id)
-    if not (source / "config.json").is_file():
+    if not (source / "config.json").is_file() and gguf_file_in(source) is None:
         return ""
     return preflight(source, EngineConfig.from_options(options)).describe()
 
@@ -58,7 +59,7 @@ def planned_memory(model_dir: Path, model_id: str | None, options: Mapping[str, 
     reaches, or None when the weights' folder has no ``config.json`` (a model fetched at start). For sizing a
     machine or a container before the model runs there. Raises ``ConfigError``."""
     source = weights_dir(model_dir, model_id)
-    if not (source / "config.json").is_file():
+    if not (source / "config.json").is_file() and gguf_file_in(source) is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         meminfo = Path(tmp) / "meminfo"

@@ -274,3 +274,22 @@ def test_the_default_activations_keep_the_real_models_answers_and_perplexity() -
     # default keeps the fp32-input answer
     assert answers["auto"] == answers["fp32"], answers
     assert "Paris" in tokenizer.decode(answers["auto"]), tokenizer.decode(answers["auto"])
+
+
+def test_a_file_is_planned_from_its_header_before_anything_loads(tmp_path: Path) -> None:
+    """``serving config`` and the preflight on ``option.model_id=FILE.gguf``: the weights as served, from the
+    header; a machine too small refuses the model before loading, naming both figures."""
+    from handlers.engine.planning.config import EngineConfig
+    from handlers.engine.planning.memory import InsufficientMemory, preflight
+    from handlers.preflight import memory_plan_text
+
+    path = DATA / "tiny-Q4_K_M.gguf"
+    header = read_header(path)
+    assert header.model_config()["num_hidden_layers"] == 2 and header.model_config()["num_key_value_heads"] == 2
+    text = memory_plan_text(tmp_path, str(path), {"rolling_batch": "scheduler"})
+    assert "GGUF header of tiny-Q4_K_M.gguf" in text and "Q4_K" in text, text
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable: 512 kB\n")
+    with pytest.raises(InsufficientMemory, match=r"weights .*(KiB|MiB)"):
+        preflight(path, EngineConfig.from_options({}), meminfo=meminfo, cgroup_root=tmp_path / "none",
+                  self_cgroup=tmp_path / "none")

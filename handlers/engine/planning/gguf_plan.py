@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,6 +33,12 @@ _OTHER_TYPES = {9: "Q8_1", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS
                 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
                 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+_NUMBER = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# config.json's names for an architecture's GGUF keys (``{arch}.block_count`` ...), what the memory plan reads
+_CONFIG_KEYS = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
+                "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads",
+                "attention.head_count_kv": "num_key_value_heads", "context_length": "max_position_embeddings",
+                "attention.key_length": "head_dim"}
 _STRING, _ARRAY = 8, 9
 
 
@@ -77,6 +83,21 @@ class GGUFHeader:
     architecture: str
     tensors: tuple[GGUFTensor, ...]
     file_bytes: int
+    numbers: dict[str, float] = field(default_factory=dict)  # the metadata's scalar numbers, by key
+
+    def model_config(self) -> dict[str, object]:
+        """What the memory plan reads of a ``config.json``, from the header: a file not yet given a folder
+        (``serving config`` on ``option.model_id=FILE.gguf``) is planned as its worker will plan it."""
+        out: dict[str, object] = {"model_type": self.architecture, "dtype": "float32"}
+        for key, name in _CONFIG_KEYS.items():
+            value = self.numbers.get(f"{self.architecture}.{key}")
+            if value is not None:
+                out[name] = int(value)
+        embed = next((t for t in self.tensors if t.name == "token_embd.weight"), None)
+        if embed is not None and len(embed.shape) == 2:
+            out["vocab_size"] = embed.shape[1]
+        out["tie_word_embeddings"] = not any(t.name == "output.weight" for t in self.tensors)
+        return out
 
     def types(self) -> dict[str, int]:
         """Type name -> how many tensors of it."""
@@ -131,16 +152,17 @@ def read_header(path: Path) -> GGUFHeader:
             if magic != b"GGUF" or version not in (2, 3):
                 raise GGUFFileError(f"{path.name} is not a GGUF file (version 2 or 3)")
             n_tensors, n_kv = _read(f, "<QQ")
-            arch, alignment = "", 32
+            arch, alignment, numbers = "", 32, {}
             for _ in range(n_kv):
                 key = _string(f).decode(errors="replace")
                 (kind,) = _read(f, "<I")
                 if key == "general.architecture" and kind == _STRING:
                     arch = _string(f).decode(errors="replace")
-                elif key == "general.alignment" and kind == 4:
-                    (alignment,) = _read(f, "<I")
+                elif kind in _NUMBER:
+                    (numbers[key],) = _read(f, _NUMBER[kind])
                 else:
                     _skip_value(f, kind)
+            alignment = int(numbers.get("general.alignment", alignment))
             found, ends = [], 0
             for _ in range(n_tensors):
                 name = _string(f).decode(errors="replace")
@@ -163,13 +185,15 @@ def read_header(path: Path) -> GGUFHeader:
     if data_start + ends > size:
         raise GGUFFileError(f"GGUF file {path.name} is truncated: its tensors need {data_start + ends} bytes, the "
                             f"file has {size}")
-    return GGUFHeader(arch, tuple(tensors), size)
+    return GGUFHeader(arch, tuple(tensors), size, numbers)
 
 
 def gguf_file_in(folder: Path) -> Path | None:
     """The GGUF file a model folder is served from (a resolved source: config, tokenizer and one ``*.gguf``, no
-    safetensors), or None."""
+    safetensors), or the path itself when it is a ``.gguf`` file; else None."""
     folder = Path(folder)
+    if folder.is_file():
+        return folder if folder.suffix.lower() == ".gguf" else None
     if any(folder.glob("*.safetensors")):
         return None
     found = sorted(folder.glob("*.gguf"))

@@ -245,17 +245,19 @@ def preflight(model_dir: str | Path, config: EngineConfig, *, meminfo: Path = ME
     """Plan the memory of serving the model in ``model_dir`` (the weights folder) before loading it: weights
     from the safetensors headers, the budget measured now. Raises ``InsufficientMemory`` (see
     ``plan_memory``) or ``ConfigError`` for an unreadable config or checkpoint."""
-    model_config = read_model_config(model_dir)
+    gguf = gguf_file_in(Path(model_dir))
+    header = read_header(gguf) if gguf is not None else None
+    # a GGUF file not yet given its folder (serving config on option.model_id=FILE.gguf): its header's shapes
+    model_config = read_model_config(model_dir) or (header.model_config() if header is not None else {})
     if not model_config:
         raise ConfigError(f"{Path(model_dir).name}: no readable config.json")
     dtype = resolve_dtype(config.dtype, model_config)
-    tensors = checkpoint_tensors(model_dir)
-    gguf = gguf_file_in(Path(model_dir))
-    if gguf is not None and config.quantize != "none":
+    tensors = checkpoint_tensors(model_dir) if Path(model_dir).is_dir() else ()
+    if header is not None and config.quantize != "none":
         # served as the file holds it (gguf_load): integers and scales, fp32 activations, nothing prepacked
-        header = read_header(gguf)
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(header.types().items()))
-        weights = WeightFigures(header.served_bytes(), 0, source=f"GGUF header of {gguf.name} ({kinds})")
+        weights = WeightFigures(header.served_bytes(), 0, source=f"GGUF header of {gguf.name if gguf else '?'}: "
+                                f"{_size(header.file_bytes)} file, {kinds}")
         dtype = "fp32"
     elif tensors:
         weights = weight_figures(tensors, model_config, dtype)

@@ -19,7 +19,8 @@ TYPES = {"Q4_0": 2, "Q4_K_M": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_* values
 
 
 def main() -> None:
-    spec = importlib.util.spec_from_file_location("make_files", HERE.parent / "tests" / "data" / "gguf" / "make_files.py")
+    source_file = HERE.parent / "tests" / "data" / "gguf" / "make_files.py"
+    spec = importlib.util.spec_from_file_location("make_files", source_file)
     assert spec and spec.loader
     make_files = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_files)
@@ -33,7 +34,7 @@ def main() -> None:
         part = source.with_suffix(".part")
         make_files.write_llama(part, hidden=4096, heads=32, kv_heads=32, ffn=11008, layers=32, vocab=32000, half=True)
         part.replace(source)
-    for (name, ftype), dest in zip(TYPES.items(), wanted):
+    for ftype, dest in zip(TYPES.values(), wanted, strict=True):
         if not dest.is_file():
             part = dest.with_suffix(".part")
             make_files.quantize(source, part, ftype)

@@ -47,6 +47,7 @@ def start_rollserve(quantize: str, args: argparse.Namespace, cores: list[int], w
            "grpc_address": "127.0.0.1:0", "key_file": str(workdir / "key_file.json")}
     (workdir / "config.properties").write_text("".join(f"{k}={v}\n" for k, v in cfg.items()))
     ports_file = workdir / "ports.json"
+    ports_file.unlink(missing_ok=True)  # a work folder used before: its old ports are not this server's
     cmd = ["taskset", "-c", cpulist(cores), str(SERVING), "--model-store", str(store),
            "--config", str(workdir / "config.properties"), "--ports-file", str(ports_file)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(n)}

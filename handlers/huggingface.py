@@ -23,12 +23,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
 from handlers.base import Context, Handler, Input, Output
-from handlers.engine.execution.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
 from handlers.engine.execution.gguf_load import load_gguf_model
+from handlers.engine.execution.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
 from handlers.engine.execution.quantize import float_checkpoint_activations, quantize_linears
-from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.engine.execution.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
+from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
 from rollcore.errors import InvalidRequest, ServingError
 from rollcore.options import option_value
@@ -93,7 +93,8 @@ class HuggingFaceHandler(Handler):
         quantize = option_value(ctx.properties, "quantize")
         gguf = gguf_file_in(Path(path))
         if gguf is not None:  # a GGUF file's weights as it holds them (gguf_load), on the CPU
-            self.model = load_gguf_model(Path(path), gguf, quantize, option_value(ctx.properties, "quantize_group_size"),
+            group = option_value(ctx.properties, "quantize_group_size")
+            self.model = load_gguf_model(Path(path), gguf, quantize, group,
                                          option_value(ctx.properties, "quantized_activations"))
         else:
             self.model = AutoModelForCausalLM.from_pretrained(

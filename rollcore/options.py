@@ -86,7 +86,8 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("model_id", text, None, (SERVING, *_BOTH),
           "where the weights are: another local folder; a .gguf file or a folder of them (gguf_file picks one); "
           "s3://bucket/prefix (boto3's credential chain, AWS_ENDPOINT_URL); a hub id org/name[@rev] (HF_ENDPOINT, "
-          "HF_TOKEN). Anything but a local folder is fetched (GGUF: its config and tokenizer read, the file served as it is) once, before "
+          "HF_TOKEN). Anything but a local folder is fetched (GGUF: its config and tokenizer read, the file served "
+          "as it is) once, before "
           "the workers start, into model_cache_dir, and reused"),
     _spec("gguf_file", text, None, (SERVING,), "which .gguf file of option.model_id's folder to load"),
     _spec("dtype", choice(DTYPES, DTYPE_ALIASES), "fp32", (SERVING, *_BOTH),

@@ -54,3 +54,17 @@ def _reference_model(model_dir: Path) -> torch.nn.Module:
     if str(model_dir) not in _MODELS:
         _MODELS[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return _MODELS[str(model_dir)]
+
+
+def greedy_together(engine: object, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Every prompt added at once (their rows share every step) and run to ``max_new_tokens`` ignoring EOS: each
+    one's generated ids, in order."""
+    from rollcore.types import SamplingParams
+
+    for i, prompt in enumerate(prompts):
+        engine.add(str(i), prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))  # type: ignore[attr-defined]
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():  # type: ignore[attr-defined]
+        for delta in engine.step():  # type: ignore[attr-defined]
+            got[delta.request_id] += [t.id for t in delta.tokens]
+    return [got[str(i)] for i in range(len(prompts))]

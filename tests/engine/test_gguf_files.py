@@ -15,14 +15,15 @@ import pytest
 import torch
 from torch import nn
 
+from handlers.base import Context, Input
 from handlers.engine.engine import LLMEngine
 from handlers.engine.execution.gguf_load import load_gguf_model
 from handlers.engine.execution.quantize import QuantizedEmbedding, QuantizedLinear
 from handlers.engine.planning.gguf_plan import GGUFFileError, read_header
 from handlers.gguf_folder import write_folder
 from handlers.huggingface import HuggingFaceHandler
-from handlers.base import Context, Input
 from rollcore.types import SamplingParams
+from tests.engine.conftest import greedy_together
 from tests.real_model import smollm2_gguf
 
 DATA = Path(__file__).parents[1] / "data" / "gguf"
@@ -207,17 +208,12 @@ def test_the_rolling_engine_serves_a_file_greedy_as_transformers(name: str, tmp_
     assert isinstance(engine.model.get_input_embeddings(), QuantizedEmbedding)
     reference = _reference(folder)
     prompts = [PROMPT, PROMPT[:7], [258, *range(65, 90)]]
-    for i, prompt in enumerate(prompts):  # all at once: rows share every step
-        engine.add(str(i), prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))
-    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for delta in engine.step():
-            got[delta.request_id] += [t.id for t in delta.tokens]
+    got = greedy_together(engine, prompts, 10)
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
             out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=None,
                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert got[str(i)] == out[0, len(prompt):].tolist(), i
+        assert got[i] == out[0, len(prompt):].tolist(), i
 
 
 def _int8_kernel() -> bool:

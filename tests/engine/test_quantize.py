@@ -19,7 +19,7 @@ from handlers.engine.planning.config import EngineConfig
 from handlers.huggingface import HuggingFaceHandler
 from rollcore.errors import ConfigError
 from rollcore.types import SamplingParams
-from tests.engine.conftest import make_prompts
+from tests.engine.conftest import greedy_together, make_prompts
 from tests.real_model import smollm2_folder
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 13, 24, 37, 130)
@@ -135,17 +135,12 @@ def test_engine_greedy_equals_transformers_on_the_quantized_weights(model_dirs: 
     twin = _dequantized_twin(model_dir, mode)
     engine = LLMEngine.from_options(model_dir, {"quantize": mode, "num_kv_blocks": "64", "block_size": "4"})
     prompts = make_prompts(5, seed=11)
-    for i, prompt in enumerate(prompts):  # all at once: rows share every step
-        engine.add(str(i), prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))
-    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for delta in engine.step():
-            got[delta.request_id] += [t.id for t in delta.tokens]
+    got = greedy_together(engine, prompts, 10)
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
             out = twin.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10,
                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert got[str(i)] == out[0, len(prompt):].tolist(), i
+        assert got[i] == out[0, len(prompt):].tolist(), i
 
 
 def _license_text_ids(tokenizer: object, tokens: int) -> list[int]:

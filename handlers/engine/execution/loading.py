@@ -18,8 +18,8 @@ from handlers.engine.execution.device import serving_dtype
 from handlers.engine.execution.gguf_load import load_gguf_model
 from handlers.engine.planning.checkpoint import read_model_config, weights_dir
 from handlers.engine.planning.config import EngineConfig
-from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
+from handlers.engine.planning.gguf_plan import gguf_file_in
 
 TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}

@@ -171,8 +171,9 @@ def read_header(path: Path) -> GGUFHeader:
                 kind, offset = _read(f, "<IQ")
                 tensor = GGUFTensor(name, kind, tuple(int(d) for d in shape))
                 if kind not in GGML_TYPES:
+                    loads = ", ".join(t[0] for t in GGML_TYPES.values())
                     raise GGUFFileError(f"GGUF file {path.name}: tensor {name} is {tensor.type_name}, which this "
-                                        f"server does not load (it loads {', '.join(t[0] for t in GGML_TYPES.values())})")
+                                        f"server does not load (it loads {loads})")
                 found.append((tensor, offset))
                 ends = max(ends, offset + tensor.file_bytes())
             data_start = -(-f.tell() // alignment) * alignment

@@ -265,7 +265,7 @@ def preflight(model_dir: str | Path, config: EngineConfig, *, meminfo: Path = ME
         total = sum(p.stat().st_size for pattern in ("*.bin", "*.pt", "*.pth") for p in Path(model_dir).glob(pattern))
         weights = WeightFigures(total, total, source="file sizes: no safetensors headers")
     budget = memory_budget(meminfo, cgroup_root, self_cgroup)
-    if config.quantize in ("int8", "int4") and gguf is None:  # the fp32 model loads whole, then its linears are quantized
+    if config.quantize in ("int8", "int4") and gguf is None:  # the fp32 model loads whole, then is quantized
         if weights.total_bytes > budget.bytes:
             raise InsufficientMemory(f"option.quantize={config.quantize} quantizes after loading: the fp32 weights "
                                      f"({_size(weights.total_bytes)}) do not fit this worker's memory "

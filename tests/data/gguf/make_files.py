@@ -2,7 +2,8 @@
 ``gguf`` and ``llama-cpp-python`` (llama.cpp's own quantizer writes the types the ``gguf`` package cannot).
 
 A 2-layer Llama (hidden 256, so K-quant super-blocks of 256 fit every matrix; 4 heads of 64, 2 KV heads,
-intermediate 256; seed 0) with a byte-level BPE vocabulary of 260 tokens (one merge) and a chat template, written once as F32
+intermediate 256; seed 0) with a byte-level BPE vocabulary of 260 tokens (one merge) and a chat template, written
+once as F32
 by the ``gguf`` package, then quantized by llama.cpp to each type: ``tiny-<TYPE>.gguf``. llama.cpp picks the mix
 of a type as it does for real models (Q4_K_M holds Q4_K and Q6_K tensors, Q3_K_M holds Q3_K, Q4_K and Q5_K, ...).
 """
@@ -76,7 +77,8 @@ def write_llama(path: Path, hidden: int = HIDDEN, heads: int = HEADS, kv_heads: 
         plan += [(f"{p}.attn_norm.weight", (hidden,), 0.1), (f"{p}.attn_q.weight", (heads * head_dim, hidden), 0.08),
                  (f"{p}.attn_k.weight", (kv_heads * head_dim, hidden), 0.08),
                  (f"{p}.attn_v.weight", (kv_heads * head_dim, hidden), 0.08),
-                 (f"{p}.attn_output.weight", (hidden, heads * head_dim), 0.05), (f"{p}.ffn_norm.weight", (hidden,), 0.1),
+                 (f"{p}.attn_output.weight", (hidden, heads * head_dim), 0.05),
+                 (f"{p}.ffn_norm.weight", (hidden,), 0.1),
                  (f"{p}.ffn_gate.weight", (ffn, hidden), 0.08), (f"{p}.ffn_up.weight", (ffn, hidden), 0.08),
                  (f"{p}.ffn_down.weight", (hidden, ffn), 0.05)]
     plan += [("output_norm.weight", (hidden,), 0.0), ("output.weight", (n_vocab, hidden), 0.08)]

@@ -222,7 +222,9 @@ def _linear(tensors: _Tensors, key: str, permute: tuple[int, int] | None, bias: 
     """A file tensor as a quantized layer: its own blocks where it has them, else the float weight quantized
     (int4 only where asked, and never for an embedding table: per-row int8 keeps its rows as they were)."""
     if tensors.is_quantized(key):
-        return QuantizedLinear(tensors.ints(key, permute), bias)
+        # K-quants' scales are products (d x a 6- or 8-bit sub-scale), inexact in fp16: rounded to it (2^-11 of a
+        # scale, ~1/4000 of a quantization step), which makes a Q4_K_M model 20% smaller and its decode as fast
+        return QuantizedLinear(tensors.ints(key, permute), bias, half_scales=True)
     weight = tensors.floats(key, permute)
     if quantize == "int4" and not for_embedding and weight.shape[1] % group_size == 0:
         return QuantizedLinear(quantize_int4(weight, group_size), bias)

@@ -81,8 +81,9 @@ def _blocked(values: torch.Tensor) -> torch.Tensor:
     return values.view(-1, BLOCK, values.shape[1]).transpose(1, 2).contiguous()
 
 
-def pack(weight: IntWeight) -> Packed:
-    """``weight`` in the kernel's layout (a copy; the caller may drop ``weight``)."""
+def pack(weight: IntWeight, half_scales: bool = False) -> Packed:
+    """``weight`` in the kernel's layout (a copy; the caller may drop ``weight``). Grouped tables are fp16 where
+    that holds them exactly, or always with ``half_scales`` (rounded: at most 2^-11 of a scale)."""
     out, cols = weight.shape
     rows = -(-out // BLOCK) * BLOCK
     q = _blocked(_pad_rows(weight.q, rows))
@@ -96,11 +97,16 @@ def pack(weight: IntWeight) -> Packed:
         scale = _blocked(_pad_rows(weight.scale.float(), rows, 1.0))
         minimum = None if weight.minimum is None else _blocked(_pad_rows(weight.minimum.float(), rows))
         # a file's own fp16 scales (Q4_0's d and -8d, Q4_1's d and m, Q8_0's d...) kept in fp16: exactly the same
-        # values in half the bytes (at 32 inputs a group, fp32 scale and minimum cost 2 bits a weight)
-        if all(t is None or _exact_in_half(t) for t in (scale, minimum)):
+        # values in half the bytes (at 32 inputs a group, fp32 scale and minimum cost 2 bits a weight); a K-quant's
+        # (products of two scales) rounded when the caller asks
+        if all(t is None or (_fits_half(t) if half_scales else _exact_in_half(t)) for t in (scale, minimum)):
             scale = scale.half()
             minimum = None if minimum is None else minimum.half()
     return Packed(q, scale, minimum, weight.bits, weight.group, out, cols)
+
+
+def _fits_half(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t.half()).all())
 
 
 def _exact_in_half(t: torch.Tensor) -> bool:

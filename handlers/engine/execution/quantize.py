@@ -56,9 +56,10 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 class QuantizedLinear(nn.Module):
     """``nn.Linear``'s forward over int8 or int4 weights (fp32 in, fp32 out), from an ``IntWeight``."""
 
-    def __init__(self, weight: IntWeight, bias: torch.Tensor | None = None, activations: str = "fp32") -> None:
+    def __init__(self, weight: IntWeight, bias: torch.Tensor | None = None, activations: str = "fp32",
+                 half_scales: bool = False) -> None:
         super().__init__()
-        packed = pack(weight)
+        packed = pack(weight, half_scales)
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.bits, self.group_size = packed.bits, packed.group
         self.register_buffer("qweight", packed.qweight)

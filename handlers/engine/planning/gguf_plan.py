@@ -25,9 +25,8 @@ GGML_TYPES: dict[int, tuple[str, int, int, int, int, bool]] = {
     11: ("Q3_K", 256, 110, 4, 16, True), 12: ("Q4_K", 256, 144, 4, 32, True), 13: ("Q5_K", 256, 176, 8, 32, True),
     14: ("Q6_K", 256, 210, 8, 16, False),
 }
-# types whose scales (and minimums) are the file's fp16 values, kept in fp16 (int_weights.pack); the K-quants'
-# are products of two, fp32
-HALF_SCALES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
+# every type's scales and minimums are served as fp16 (int_weights.pack): the legacy types' are the file's own
+# fp16 values, exactly; the K-quants' products of two scales are rounded to fp16
 # names of the types this server does not load, for the message that refuses them
 _OTHER_TYPES = {9: "Q8_1", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL",
                 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
@@ -68,14 +67,14 @@ class GGUFTensor:
     def served_bytes(self) -> int:
         """Bytes in the engine: integers and scales (and minimums) per group; F16/BF16/F32 matrices as int8 per
         row, 1-D tensors (norms, biases) as fp32."""
-        name, _, _, bits, group, has_min = GGML_TYPES[self.type_id]
+        _, _, _, bits, group, has_min = GGML_TYPES[self.type_id]
         if len(self.shape) == 1:
             return 4 * self.numel
         rows = -(-(self.numel // self.shape[0]) // 16) * 16  # the kernel's blocks of 16 rows
         numel = rows * self.shape[0]
         if group == 0:
             return numel + 4 * rows
-        return numel * bits // 8 + (numel // group) * (2 if name in HALF_SCALES else 4) * (1 + has_min)
+        return numel * bits // 8 + (numel // group) * 2 * (1 + has_min)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from handlers.engine.execution.gguf_load import load_gguf_model
 from handlers.engine.execution.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
 from handlers.engine.execution.quantize import float_checkpoint_activations, quantize_linears
 from handlers.engine.execution.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
+from handlers.engine.planning.checkpoint import check_quantization, read_model_config
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
 from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
@@ -97,6 +98,7 @@ class HuggingFaceHandler(Handler):
             self.model = load_gguf_model(Path(path), gguf, quantize, group,
                                          option_value(ctx.properties, "quantized_activations"))
         else:
+            check_quantization(read_model_config(path), Path(path).name)
             self.model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=DTYPES[dtype_name], trust_remote_code=trust,
                 use_safetensors=not option_value(ctx.properties, "allow_unsafe_weights"),

@@ -21,7 +21,7 @@ from handlers.engine.execution.loading import load_model_and_tokenizer
 from handlers.engine.execution.lora import folder_adapters
 from handlers.engine.execution.parallel import TensorParallelGroup, shard_model, start_group
 from handlers.engine.execution.quantize import QUANTIZE_MODES, check_layout, quantize_model
-from handlers.engine.planning.checkpoint import weights_dir
+from handlers.engine.planning.checkpoint import check_quantization, weights_dir
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.families import check_config, load_config_dict
 from handlers.engine.planning.host_memory import MemoryBudget, memory_budget
@@ -50,7 +50,9 @@ def load_for_engine(model_dir: Path, options: Mapping[str, str], device_id: int 
     device = engine_device(device_id)
     config = EngineConfig.from_options(options)
     source = weights_dir(model_dir, options.get("model_id"))
-    check_config(load_config_dict(source), config.max_model_len, config.tensor_parallel_degree)
+    model_config = load_config_dict(source)
+    check_config(model_config, config.max_model_len, config.tensor_parallel_degree)
+    check_quantization(model_config, source.name)
     check_layout(config, device)
     plan = None
     if device.type == "cpu":  # before anything loads (and before the other ranks start): refuse what cannot fit

@@ -4,6 +4,7 @@ and quality on the real model (perplexity on real English text)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -178,3 +179,23 @@ def test_real_model_perplexity_and_the_dynamic_handler() -> None:
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
     out = handler.handle([Input("d", "The capital of France is", params)])[0]
     assert "Paris" in tokenizer.decode([t.id for t in out.tokens])
+
+
+@pytest.mark.parametrize("method, bits", [("gptq", 4), ("awq", 4), ("compressed-tensors", None)])
+def test_checkpoints_quantized_in_other_formats_are_refused_by_name(model_dirs: dict[str, Path], tmp_path: Path,
+                                                                     method: str, bits: int | None) -> None:
+    import json
+    import shutil
+
+    folder = tmp_path / "quantized"
+    shutil.copytree(model_dirs["llama"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, **({"bits": bits} if bits else {})}
+    (folder / "config.json").write_text(json.dumps(config))
+    want = rf"^quantized/config.json: quantization_config \(quant_method '{method}'"
+    if method == "compressed-tensors" and importlib.util.find_spec("compressed_tensors") is not None:
+        return  # transformers decompresses such a checkpoint with that package: not refused
+    with pytest.raises(ConfigError, match=want):
+        LLMEngine.from_options(folder, {})
+    with pytest.raises(ConfigError, match=want):
+        HuggingFaceHandler().initialize(Context("m", folder, {}))

@@ -6,6 +6,7 @@ their embedding part."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -292,3 +293,19 @@ def prepacked_copy_bytes(linear_bytes: int, prepack_weights: str, dtype: str) ->
     return linear_bytes if prepack_weights == "hybrid" and dtype == "fp32" else 0
 
 
+
+
+def check_quantization(config: Mapping[str, Any], folder_name: str) -> None:
+    """Refuse, naming it, a checkpoint whose ``config.json`` says its weights are quantized (GPTQ, AWQ,
+    bitsandbytes, compressed-tensors without its package...): this server loads quantized weights from GGUF files
+    only, and transformers' loaders for these formats need packages built for GPUs. Raises ``ConfigError``."""
+    quantization = config.get("quantization_config")
+    if not isinstance(quantization, Mapping):
+        return
+    method = str(quantization.get("quant_method") or quantization.get("format") or "unknown")
+    if method == "compressed-tensors" and importlib.util.find_spec("compressed_tensors") is not None:
+        return  # transformers decompresses it to a float model with that package (the fp32 detour)
+    bits = quantization.get("bits") or quantization.get("num_bits")
+    raise ConfigError(f"{folder_name}/config.json: quantization_config (quant_method {method!r}"
+                      f"{f', {bits} bits' if bits else ''}) is not loaded by this server; serve the model's GGUF file "
+                      "(option.model_id=FILE.gguf), or its 16/32-bit checkpoint with option.quantize=int8 or int4")

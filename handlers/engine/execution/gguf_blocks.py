@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rollcore.errors import ConfigError
+from handlers.engine.planning.gguf_plan import GGML_TYPES
 
 QK_K = 256  # elements per K-quant super-block
 
@@ -131,13 +131,10 @@ def q6_k(b: np.ndarray) -> Blocks:
     return Blocks(q, d * np.ascontiguousarray(scales).view(np.int8).astype(np.float32), None, 8, 16)
 
 
-# GGMLQuantizationType value -> (name, elements per block, bytes per block, reader)
-READERS: dict[int, tuple[str, int, int, Callable[[np.ndarray], Blocks]]] = {
-    2: ("Q4_0", 32, 18, q4_0), 3: ("Q4_1", 32, 20, q4_1), 6: ("Q5_0", 32, 22, q5_0), 7: ("Q5_1", 32, 24, q5_1),
-    8: ("Q8_0", 32, 34, q8_0), 10: ("Q2_K", 256, 84, q2_k), 11: ("Q3_K", 256, 110, q3_k),
-    12: ("Q4_K", 256, 144, q4_k), 13: ("Q5_K", 256, 176, q5_k), 14: ("Q6_K", 256, 210, q6_k),
+# GGMLQuantizationType value -> reader (names and block sizes: gguf_plan.GGML_TYPES)
+READERS: dict[int, Callable[[np.ndarray], Blocks]] = {
+    2: q4_0, 3: q4_1, 6: q5_0, 7: q5_1, 8: q8_0, 10: q2_k, 11: q3_k, 12: q4_k, 13: q5_k, 14: q6_k,
 }
-FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
 
 def read_blocks(type_id: int, raw: np.ndarray, rows: int, cols: int) -> Blocks:
@@ -145,7 +142,8 @@ def read_blocks(type_id: int, raw: np.ndarray, rows: int, cols: int) -> Blocks:
     minimums [rows, cols / group]. Raises ValueError for a type it does not read or bytes of the wrong size."""
     if type_id not in READERS:
         raise ValueError(f"quantization type {type_id} is not read here")
-    name, per_block, size, reader = READERS[type_id]
+    name, per_block, size, *_ = GGML_TYPES[type_id]
+    reader = READERS[type_id]
     if cols % per_block:
         raise ValueError(f"{name} rows of {cols} elements are not whole blocks of {per_block}")
     n_blocks = rows * cols // per_block
@@ -156,7 +154,3 @@ def read_blocks(type_id: int, raw: np.ndarray, rows: int, cols: int) -> Blocks:
     groups = cols // blocks.group
     minimum = None if blocks.minimum is None else blocks.minimum.reshape(rows, groups)
     return Blocks(blocks.q.reshape(rows, cols), blocks.scale.reshape(rows, groups), minimum, blocks.bits, blocks.group)
-
-
-class GGUFError(ConfigError):
-    """A GGUF file this loader cannot serve; the message names the file by its name, never by its path."""

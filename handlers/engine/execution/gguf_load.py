@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from handlers.engine.execution.gguf_blocks import READERS, GGUFError, read_blocks
+from handlers.engine.execution.gguf_blocks import READERS, read_blocks
 from handlers.engine.execution.int_weights import IntWeight, quantize_int4, quantize_int8
 from handlers.engine.execution.prepack import replace_module
 from handlers.engine.execution.quantize import QuantizedEmbedding, QuantizedLinear
 from handlers.engine.planning.cpu import return_freed_memory
-from handlers.engine.planning.gguf_plan import GGUFHeader, GGUFTensor, read_header
+from handlers.engine.planning.gguf_plan import GGUFFileError, GGUFHeader, GGUFTensor, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class _Tensors:
         try:
             b = read_blocks(t.type_id, self._bytes(t), rows, cols)
         except ValueError as exc:
-            raise GGUFError(f"GGUF file {self.name}: tensor {key}: {exc}") from None
+            raise GGUFFileError(f"GGUF file {self.name}: tensor {key}: {exc}") from None
         q, scale = torch.from_numpy(b.q), torch.from_numpy(np.ascontiguousarray(b.scale))
         minimum = None if b.minimum is None else torch.from_numpy(np.ascontiguousarray(b.minimum))
         if permute is not None:
@@ -88,8 +88,9 @@ class _Tensors:
                 raw = raw.view(np.float16)
             values = np.asarray(dequantize(raw, GGMLQuantizationType(t.type_id)), dtype=np.float32).reshape(rows, cols)
         except (ValueError, NotImplementedError) as exc:
-            raise GGUFError(f"GGUF file {self.name}: tensor {key}: {exc}") from None
-        out = torch.from_numpy(values.copy()).reshape(-1) if len(t.shape) == 1 else torch.from_numpy(values.copy())
+            raise GGUFFileError(f"GGUF file {self.name}: tensor {key}: {exc}") from None
+        out = torch.from_numpy(values.copy())
+        out = out.reshape(-1) if len(t.shape) == 1 else out
         return out if permute is None else out[_unpermuted_rows(out.shape[0], *permute)]
 
 
@@ -121,7 +122,7 @@ def _name_map(model: nn.Module, arch: str) -> dict[str, str]:
 
     arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
     if arch_id is None:
-        raise GGUFError(f"GGUF architecture {arch!r} is unknown to the gguf library")
+        raise GGUFFileError(f"GGUF architecture {arch!r} is unknown to the gguf library")
     table = get_tensor_name_map(arch_id, int(model.config.num_hidden_layers))
     out = {}
     for name, _ in model.named_parameters():
@@ -135,7 +136,7 @@ def _name_map(model: nn.Module, arch: str) -> dict[str, str]:
 def load_gguf_model(folder: Path, gguf: Path, quantize: str, group_size: int, activations: str = "auto") -> nn.Module:
     """The model of ``folder`` (config and tokenizer extracted from ``gguf``) with the weights of ``gguf``.
     ``quantize``: ``auto``, ``none``, ``int8`` or ``int4`` (see the module note); ``activations``: what the layers
-    multiply (``QuantizedLinear.use_activations``; ``auto`` = ``int8x2``). Raises ``GGUFError``."""
+    multiply (``QuantizedLinear.use_activations``; ``auto`` = ``int8x2``). Raises ``GGUFFileError``."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
     header = read_header(gguf)  # a truncated file or a type not loaded here: refused before anything is built
@@ -155,7 +156,7 @@ def load_gguf_model(folder: Path, gguf: Path, quantize: str, group_size: int, ac
     _place(model, tensors, names, quantize, group_size, permute_q, permute_k)
     left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if left:
-        raise GGUFError(f"GGUF file {gguf.name} has no tensor for {', '.join(left[:3])}"
+        raise GGUFFileError(f"GGUF file {gguf.name} has no tensor for {', '.join(left[:3])}"
                         f"{' and more' if len(left) > 3 else ''} (architecture {arch or 'unknown'})")
     for module in model.modules():
         if isinstance(module, QuantizedLinear):  # auto: near-exact integer products where the CPU has them
@@ -190,7 +191,7 @@ def _place(model: nn.Module, tensors: _Tensors, names: dict[str, str], quantize:
                 module.weight = model.get_input_embeddings().weight
             continue
         if key not in tensors.by_name:
-            raise GGUFError(f"GGUF file {tensors.name} has no tensor for {module_name}")
+            raise GGUFFileError(f"GGUF file {tensors.name} has no tensor for {module_name}")
         permute = permute_q if key.endswith("attn_q.weight") else permute_k if key.endswith("attn_k.weight") else None
         bias_key = names.get(module_name + ".bias")
         bias = tensors.floats(bias_key, permute) if module.bias is not None and bias_key in tensors.by_name else None

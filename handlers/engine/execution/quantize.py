@@ -184,15 +184,15 @@ def check_layout(config: EngineConfig, device: torch.device) -> None:
 def quantize_model(model: nn.Module, config: EngineConfig) -> EngineConfig:
     """Quantize a loaded model's linear layers as ``config`` says; the config it then runs with (no oneDNN
     prepacking or fused projections: both apply to float linears only). Raises ``ConfigError`` naming why not."""
-    n = quantize_linears(model, config.quantize, config.quantize_group_size, float_checkpoint_activations(config))
+    n = quantize_linears(model, config.quantize, config.quantize_group_size,
+                         float_checkpoint_activations(config.quantized_activations))
     group = f", groups of {config.quantize_group_size} inputs" if config.quantize == "int4" else ""
     logger.info("option.quantize=%s: %d linear layers quantized (weight-only%s); prepacking and fused projections "
                 "off", config.quantize, n, group)
     return replace(config, prepack_weights="false", fuse_projections=False)
 
 
-def float_checkpoint_activations(config_value: EngineConfig | str) -> str:
+def float_checkpoint_activations(value: str) -> str:
     """``option.quantized_activations`` for ``option.quantize`` on a float checkpoint: ``auto`` keeps fp32 inputs
     (the layers compute exactly the dequantized model, as they always have)."""
-    value = config_value if isinstance(config_value, str) else config_value.quantized_activations
     return "fp32" if value == "auto" else value

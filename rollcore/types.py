@@ -119,6 +119,8 @@ class GenerationRequest:
     attributes: dict[str, str] = field(default_factory=dict)
     deadline: float | None = None  # absolute time.monotonic() after which the request is aborted
     client_id: str = ""  # the client's id (logs, headers, cancel-by-id); never a table key
+    # requests of one affinity key (a SageMaker session) go to one worker while it lives; frontend-side only
+    affinity: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -221,8 +223,9 @@ class RequestTimings:
     e2e_s: float = 0.0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    worker_id: int | None = None  # the worker that answered (not a timing: it travels with them to the headers)
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
 
 

@@ -191,6 +191,12 @@ class ModelEndpoint:
         """Cancel by the server's id (``serving.live_requests`` maps client ids to it)."""
         return self.batcher.cancel(request_id)
 
+    def forget_affinity(self, key: str) -> None:
+        """A session ended: its requests' worker is no longer remembered (rolling batching remembers one)."""
+        forget = getattr(self.batcher, "forget_affinity", None)
+        if forget is not None:
+            forget(key)
+
     async def scale(self, num_workers: int) -> None:
         await self.pool.scale(num_workers)
 

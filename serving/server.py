@@ -42,6 +42,7 @@ from serving.frontends.lmi import LmiRoutes
 from serving.frontends.management import ManagementRoutes
 from serving.frontends.model_versions import VersionRoutes
 from serving.frontends.openai import OpenAIRoutes
+from serving.frontends.responses import ResponsesRoutes
 from serving.health import Health, HealthRoutes
 from serving.heap import trim_periodically
 from serving.metrics import ServingMetrics
@@ -110,6 +111,7 @@ class Server:
         self.state.extra["chat_handler"] = openai_routes.chat_for_lmi  # LMI bodies with `messages`
         return [*HealthRoutes(self.health).routes(), *self.lmi.routes(), *self.versions.inference_routes(),
                 *openai_routes.routes(),
+                *ResponsesRoutes(self.http, self.authority.required(Scope.INFERENCE)).routes(),
                 *tgi.routes(self.http),
                 openapi.route(lambda: openapi.inference_document(self.limits, sorted(self.registry.endpoints)))]
 

@@ -134,8 +134,9 @@ def from_response_format(fmt: Mapping[str, Any], where: str = "response_format")
     kind = fmt.get("type")
     if kind == "text":
         return None
-    if kind == "json_object":
-        return json_object(where)
+    if kind == "json_object":  # llama.cpp's (and older instructor's) schema beside the type
+        schema = fmt.get("schema")
+        return json_object(where) if schema is None else json_schema(schema, f"{where}.schema")
     if kind == "json_schema":
         spec = fmt.get("json_schema", fmt.get("value"))  # OpenAI's key, or TGI's
         if not isinstance(spec, dict):

@@ -1,7 +1,9 @@
 """Validating a request against its model (``serving.schema``) and turning the first error into one message
 that names the field by its JSON path (``'messages[0].role'``; ``parameter 'top_p'`` inside a sampling
 parameters object) and quotes the rule of the document (``must be > 0 and <= 1``). Unknown fields come first
-(all of one object), then the first error in the order of the model's fields.
+(every one by its dotted path, ``messages.0.foo``, as ``X-Ignored-Parameters`` names them; unknown parameters of a
+sampling parameters object by their names), then the first error in the order of the model's fields. Parts of
+a request that take other keys (``extra="allow"``) name them the same way after validation.
 
 Kernel module: imports nothing of the project but ``rollcore.errors`` and ``serving.schema``.
 """
@@ -9,7 +11,7 @@ Kernel module: imports nothing of the project but ``rollcore.errors`` and ``serv
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -35,7 +37,7 @@ class RequestSchema(Generic[M]):
         """``value`` as a ``model`` instance, or ``InvalidRequest`` naming the first problem. Not ``strict``:
         unknown fields are dropped instead of refused, their paths added to ``ignored``."""
         try:
-            return self.model.model_validate(value, context=limits)
+            return self._open_parts(self.model.model_validate(value, context=limits), strict, ignored)
         except ValidationError as exc:
             errors = exc.errors(include_url=False)
         unknown = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
@@ -48,8 +50,19 @@ class RequestSchema(Generic[M]):
                 if ignored is not None:
                     schema = self.schema(limits)
                     ignored.extend(sorted(".".join(map(str, _locate(schema, loc)[0])) for loc in unknown))
-                return valid
+                return self._open_parts(valid, strict, ignored)
         raise InvalidRequest(self.message(errors, limits)) from None
+
+    @staticmethod
+    def _open_parts(valid: M, strict: bool, ignored: list[str] | None) -> M:
+        """Parts that take other keys (``extra="allow"``: what OpenAI clients send back) name them too: refused when
+        ``strict``, else added to ``ignored`` (dotted paths, ``messages.0.refusal``)."""
+        extra = sorted(".".join(map(str, path)) for path in _extras(valid, ()))
+        if extra and strict:
+            raise InvalidRequest(f"unknown fields: {', '.join(extra)}")
+        if extra and ignored is not None:
+            ignored.extend(extra)
+        return valid
 
     def schema(self, limits: Any) -> dict[str, Any]:
         """The model's JSON schema (``$defs`` inline) with the caps of ``limits``."""
@@ -70,8 +83,11 @@ class RequestSchema(Generic[M]):
             path, _ = _locate(schema, parent)
             if self.params_at is not None and tuple(path) == self.params_at:
                 return f"unknown parameters: {', '.join(names)}"
-            where = f" in {self._name(path)}" if path else ""
-            return f"unknown fields{where}: {', '.join(names)}"
+            # every one outside the parameters, by its dotted path (as X-Ignored-Parameters names it)
+            paths = (_locate(schema, e["loc"])[0] for e in unknown)
+            dotted = sorted({".".join(map(str, p)) for p in paths
+                             if self.params_at is None or tuple(p[:len(self.params_at)]) != self.params_at})
+            return f"unknown fields: {', '.join(dotted)}"
         err = errors[0]
         path, node = _locate(schema, err["loc"])
         return explain(err["type"], self._name(path), node, err.get("input"), err.get("ctx") or {})
@@ -81,6 +97,18 @@ class RequestSchema(Generic[M]):
         if at is not None and len(path) > len(at) and tuple(path[:len(at)]) == at:
             return f"parameter {_quote(path[len(at):])}"
         return _quote(path) if path else "request body"
+
+
+def _extras(value: Any, path: tuple[str | int, ...]) -> Iterator[tuple[str | int, ...]]:
+    """The JSON paths of the other keys a validated model holds, at any depth (fields by their JSON names)."""
+    if isinstance(value, BaseModel):
+        for key in value.model_extra or ():
+            yield (*path, key)
+        for name, info in type(value).model_fields.items():
+            yield from _extras(getattr(value, name), (*path, info.alias or name))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _extras(item, (*path, i))
 
 
 def _without(value: Any, locs: list[tuple[Any, ...]]) -> Any:

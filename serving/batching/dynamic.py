@@ -321,6 +321,7 @@ class DynamicBatcher:
         batch_id = next(self._batch_ids)
         for p in batch:
             p.stream.mark_dispatched()
+            p.stream.worker_id = worker.worker_id
         timer = asyncio.get_running_loop().call_later(self.predict_timeout_s, self._on_timeout, batch_id)
         self._inflight[batch_id] = (worker, batch, timer)
         self.num_batches += 1

@@ -18,6 +18,10 @@ nothing is preempted), then every worker gets a ``Configure`` frame after the ``
 that the new size admitted, so the engine's next step plans them under its new limits; each worker answers
 ``Configured``. A worker started later gets the same options before its first request. ``retire`` stops
 admitting into a worker that is being scaled away; ``worker_load`` tells how many of its requests still run.
+
+A request with an ``affinity`` key (a SageMaker session) goes to the worker the key's earlier requests went to
+(its prefix cache holds the conversation), waiting for a slot there while others pass it; when that worker died or
+retires, it goes to the least loaded one, which the key then sticks to.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from serving.batching.streams import ResultStream
 from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Reject
 
 log = logging.getLogger(__name__)
+MAX_AFFINITY_KEYS = 65536  # sessions remembered per model (each bounded by its own store: frontends/sessions.py)
 
 
 class _Admitted:
@@ -87,6 +92,8 @@ class RollingBatcher:
         self._configure_seq = itertools.count(1)
         self._acks: dict[tuple[int, int], asyncio.Future[Configured | None]] = {}  # (worker id, seq)
         self._retiring: set[int] = set()  # worker ids admitting nothing new (scaled away)
+        # affinity key (a SageMaker session) -> the worker its requests go to; least recently used dropped first
+        self._affinity: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def start(self) -> None:
         limits = [t for t in (self.max_queue_time_s, self.liveness_timeout_s) if t]
@@ -313,18 +320,42 @@ class RollingBatcher:
             self._load[entry.worker.worker_id] -= 1
 
     # --- admission ---
+    def forget_affinity(self, key: str) -> None:
+        """``key``'s requests may go to any worker again (its session closed or expired)."""
+        self._affinity.pop(key, None)
+
+    def _pinned(self, key: str | None) -> Worker | None:
+        """The live worker that ``key``'s earlier requests went to, or None (no key, or that worker is gone)."""
+        wid = self._affinity.get(key) if key is not None else None
+        if wid is None or wid in self._retiring:
+            return None
+        return next((w for w in self._workers if w.worker_id == wid and w.alive), None)
+
     def _pump(self) -> None:
         adds: dict[int, list[_Admitted]] = {}
-        while self._waiting:
-            worker = self._least_loaded()
-            if worker is None:
-                break
-            rid, entry = self._waiting.popitem(last=False)
+        for rid in list(self._waiting):  # in arrival order; one pinned to a full worker waits, the others pass it
+            entry = self._waiting[rid]
             if entry.stream.done:
+                del self._waiting[rid]
                 continue
+            key = entry.request.affinity
+            worker = self._pinned(key)
+            if worker is None:
+                worker = self._least_loaded()
+                if worker is None:
+                    break  # every worker is full
+            elif self._load.get(worker.worker_id, 0) >= self.max_rolling_batch_size:
+                continue
+            del self._waiting[rid]
+            if key is not None:
+                self._affinity[key] = worker.worker_id
+                self._affinity.move_to_end(key)
+                if len(self._affinity) > MAX_AFFINITY_KEYS:
+                    self._affinity.popitem(last=False)
             if self._load[worker.worker_id] == 0:
                 self._progress[worker.worker_id] = self._clock()  # the watchdog counts from the first work
             entry.worker = worker
+            entry.stream.worker_id = worker.worker_id
             self._load[worker.worker_id] += 1
             self._running[rid] = entry
             entry.stream.mark_dispatched()

@@ -48,6 +48,7 @@ class ResultStream:
         self._done = False
         self._finish_callbacks: list[Callable[[ResultStream], None]] = []
         self.num_retries = 0
+        self.worker_id: int | None = None  # the worker serving it (set by the batcher; a retry moves it)
 
     # --- producer side (batchers) ---
     @property
@@ -152,4 +153,5 @@ class ResultStream:
         first = self.first_token if self.first_token is not None else end
         return RequestTimings(queue_s=dispatched - self.arrival, ttft_s=first - self.arrival,
                               prefill_s=first - dispatched, decode_s=end - first, e2e_s=end - self.arrival,
-                              prompt_tokens=self.prompt_tokens, generated_tokens=self.num_tokens)
+                              prompt_tokens=self.prompt_tokens, generated_tokens=self.num_tokens,
+                              worker_id=self.worker_id)

@@ -14,6 +14,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -153,9 +154,14 @@ def body_size(request: Request) -> int:
     return int(getattr(request.state, "body_bytes", 0))
 
 
+WORKER_HEADER = "X-Worker-Id"  # the worker that answered (SageMaker sessions stick to one: frontends/sessions.py)
+
+
 def timing_headers(t: RequestTimings) -> dict[str, str]:
-    """Per-request timings for the client (milliseconds, three decimals)."""
+    """Per-request timings for the client (milliseconds, three decimals), and the worker that answered."""
+    worker = {WORKER_HEADER: str(t.worker_id)} if t.worker_id is not None else {}
     return {
+        **worker,
         "X-Queue-Time-Ms": f"{t.queue_s * 1000:.3f}",
         "X-TTFT-Ms": f"{t.ttft_s * 1000:.3f}",
         "X-Prefill-Time-Ms": f"{t.prefill_s * 1000:.3f}",
@@ -204,12 +210,18 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+# The affinity key of the request being served (a SageMaker session: ``sessions`` sets it around the handler that
+# serves the session's request), given to every request that ``submit_all`` queues on its behalf.
+AFFINITY: ContextVar[str | None] = ContextVar("affinity", default=None)
+
+
 def submit_all(ep: Any, reqs: Sequence[GenerationRequest]) -> list[ResultStream]:
     """Submit every request, or none: a refusal cancels those already queued."""
     streams: list[ResultStream] = []
+    key = AFFINITY.get()
     try:
         for r in reqs:
-            streams.append(ep.submit(r))
+            streams.append(ep.submit(r if key is None else replace(r, affinity=key)))
     except ServingError:
         for s in streams:
             s.cancel()

@@ -5,7 +5,9 @@ Design note: a thin translation. The LMI body ``{"inputs", "parameters", "stream
 list input), streams are jsonlines token objects (or SSE with ``option.output_formatter=sse``; TGI shapes
 with ``option.tgi_compat``). As DJL: a rolling-batch model with ``option.output_formatter=jsonlines`` streams
 without being asked, and a dynamic-batching model answers ``stream`` whole (it has no tokens to stream).
-``POST /models/{model}/invoke`` is DJL's other name of ``/predictions/{model}``.
+``POST /models/{model}/invoke`` is DJL's other name of ``/predictions/{model}``. A body with ``messages`` is an
+OpenAI chat request and one with ``prompt`` (no ``inputs``) an OpenAI completions request, as LMI's vLLM handler
+takes them: answered by the OpenAI routes' handlers, in their shapes.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from serving.validation import kind_of, type_error
 
 TEXT_ENTRY_POINTS = ("huggingface", "rolling")
 SAGEMAKER_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
+_UNREAD: Any = object()  # _serve reads the body itself
 
 
 def is_text_model(ep: Any) -> bool:
@@ -182,17 +185,25 @@ class LmiRoutes:
     async def invocations(self, request: Request) -> Response:
         return await self._serve(request, request.query_params.get("model_name"))
 
-    async def _serve(self, request: Request, model_name: str | None) -> Response:
+    async def invocations_of(self, request: Request, body: Any) -> Response:
+        """``/invocations`` with its body already read (SageMaker sessions read it first: ``sessions``)."""
+        return await self._serve(request, request.query_params.get("model_name"), body)
+
+    async def _serve(self, request: Request, model_name: str | None, body: Any = _UNREAD) -> Response:
         rid = request_id(request)
         try:
             if self.ctx.state.draining:
                 raise Unavailable("server is shutting down", retry_after_s=5)
             ep = self.ctx.registry.get(model_name) if model_name else self.ctx.registry.only()
             request.state.model = ep.name  # the metrics label (serving.metrics.MODEL_STATE_KEY)
-            body = await read_json(request, self.ctx.max_request_size)
+            if body is _UNREAD:
+                body = await read_json(request, self.ctx.max_request_size)
             chat = self.ctx.state.extra.get("chat_handler")
             if isinstance(body, dict) and "messages" in body and chat is not None:
                 return await chat(request, body, ep, rid)  # LMI: a body with messages is OpenAI chat
+            completion = self.ctx.state.extra.get("completion_handler")
+            if isinstance(body, dict) and "prompt" in body and "inputs" not in body and completion is not None:
+                return await completion(request, body, ep, rid)  # LMI's vLLM handler: OpenAI completions
             ignored: list[str] = []
             reqs, was_list, stream, best_of = build_requests(body, ep, rid, attributes_of(request), self.ctx,
                                                              ignored)

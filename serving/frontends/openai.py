@@ -76,19 +76,8 @@ class OpenAIRoutes:
                 Route("/v1/chat/completions", self.chat, methods=["POST"])]
 
     async def models(self, request: Request) -> Response:
-        rid = request_id(request)
-        created = int(self.ctx.state.started_at)
-        data = []
-        for name, ep in sorted(self.ctx.registry.endpoints.items()):
-            entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "rollserve",
-                                     "status": ep.state.value}
-            max_len = (getattr(ep, "info", None) or {}).get("max_model_len")
-            if isinstance(max_len, int):
-                entry["max_model_len"] = max_len
-            data.append(entry)
-            data.extend({"id": a, "object": "model", "created": created, "owned_by": "rollserve", "parent": name,
-                         "status": ep.state.value} for a in adapters_of(ep))  # vLLM lists adapters with their parent
-        return JSONResponse({"object": "list", "data": data}, headers={REQUEST_ID_HEADER: rid})
+        return JSONResponse({"object": "list", "data": model_objects(self.ctx)},
+                            headers={REQUEST_ID_HEADER: request_id(request)})
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
@@ -100,6 +89,14 @@ class OpenAIRoutes:
         """LMI's ``/invocations`` with a ``messages`` body: an OpenAI chat request on ``ep``."""
         try:
             return await self._run(request, body, ep, rid, chat=True)
+        except ServingError as exc:
+            return error_response(exc, rid)
+
+    async def completion_for_lmi(self, request: Request, body: Any, ep: Any, rid: str) -> Response:
+        """LMI's ``/invocations`` with a ``prompt`` body: an OpenAI completions request on ``ep`` (what LMI's vLLM
+        handler does), answered as ``POST /v1/completions`` answers it."""
+        try:
+            return await self._run(request, body, ep, rid, chat=False)
         except ServingError as exc:
             return error_response(exc, rid)
 
@@ -155,6 +152,23 @@ class OpenAIRoutes:
         headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings), **extra}
         return JSONResponse(answer.whole(results), headers=headers)
 
+
+
+def model_objects(ctx: HttpContext) -> list[dict[str, Any]]:
+    """OpenAI's ``Model`` objects of every served model and, after each, its LoRA adapters (``GET /v1/models``;
+    ``GET /v1/models/{id}`` answers one of them)."""
+    created = int(ctx.state.started_at)
+    data = []
+    for name, ep in sorted(ctx.registry.endpoints.items()):
+        entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "rollserve",
+                                 "status": ep.state.value}
+        max_len = (getattr(ep, "info", None) or {}).get("max_model_len")
+        if isinstance(max_len, int):
+            entry["max_model_len"] = max_len
+        data.append(entry)
+        data.extend({"id": a, "object": "model", "created": created, "owned_by": "rollserve", "parent": name,
+                     "status": ep.state.value} for a in adapters_of(ep))  # vLLM lists adapters with their parent
+    return data
 
 
 def adapters_of(ep: Any) -> list[str]:

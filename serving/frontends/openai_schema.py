@@ -88,7 +88,8 @@ def constraint(body: OpenAIRequest) -> str | None:
     """The request's structured-output grammar, from whichever of OpenAI's and vLLM's fields carries it."""
     fmt = body.response_format
     return structured.one_of(
-        ("response_format", structured.from_response_format(fmt.model_dump()) if fmt is not None else None),
+        ("response_format", structured.from_response_format(fmt.model_dump(by_alias=True)) if fmt is not None
+         else None),
         ("guided_*", structured.from_guided({k: getattr(body, k) for k in structured.GUIDED_FIELDS})),
         ("structured_outputs", structured.from_structured_outputs(body.structured_outputs)
          if body.structured_outputs is not None else None))

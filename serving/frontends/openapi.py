@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serving import knobs
+from serving.frontends.responses_schema import RESPONSES_MODELS
 from serving.frontends.schemas import ROUTE_MODELS
 from serving.params import Limits
 from serving.schema import json_schemas
@@ -81,8 +82,9 @@ def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
     """Request schemas from the request models (``schemas.ROUTE_MODELS``: what the routes validate with),
     answers and errors by hand (the server writes those, it does not validate them)."""
     requests = json_schemas(ROUTE_MODELS, limits)
+    requests.update(json_schemas(RESPONSES_MODELS, limits))  # the Responses API's (responses_schema)
     if models:  # the registered names, for clients and fuzzers (an unknown name is a 404, not a 400)
-        for name in ("CompletionRequest", "ChatRequest"):
+        for name in ("CompletionRequest", "ChatRequest", "ResponsesRequest"):
             model = requests[name]["properties"]["model"]
             model["anyOf"] = [{**b, "enum": list(models)} if b.get("type") == "string" else b for b in model["anyOf"]]
     usage = {"type": "object", "properties": {k: {"type": "integer"} for k in
@@ -98,6 +100,13 @@ def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
         "ModelList": {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array"}}},
         "TgiAnswer": {"type": "object", "properties": {"generated_text": {"type": "string"},
                                                        "details": {"type": "object"}}},
+        "ResponsesError": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]}}}}},
+        "Response": {"type": "object", "required": ["id", "object", "status", "output"], "properties": {
+            "id": {"type": "string"}, "object": {"const": "response"}, "status": {"type": "string"},
+            "output": {"type": "array"}, "usage": {"type": ["object", "null"]}}},
     }
 
 
@@ -140,6 +149,7 @@ def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, 
         "/v1/completions": _post("OpenAI completions", "CompletionRequest", openai_ok),
         "/v1/chat/completions": _post("OpenAI chat completions (the model's chat template)", "ChatRequest",
                                       openai_ok),
+        **responses_paths(),
         "/generate": _post("TGI generate", "TgiRequest", tgi_ok, _TGI_ERRORS, model_q),
         "/generate_stream": _post("TGI generate_stream (SSE)", "TgiRequest", tgi_stream, _TGI_ERRORS, model_q),
         "/": _post("TGI compat route: generate (a one-element list), or generate_stream with stream=true",
@@ -187,6 +197,36 @@ def management_document(limits: Limits, models: Sequence[str] = ()) -> dict[str,
         "/openapi.json": {"get": {"summary": "this document", "responses": {"200": obj}}},
     }
     return _document("rollserve management API", paths, limits, models)
+
+
+def responses_paths() -> dict[str, Any]:
+    """OpenAI's Responses API (``serving.frontends.responses``): errors in OpenAI's shape (``ResponsesError``),
+    but the token check's 401, which every route shares."""
+    def errors(*codes: str) -> dict[str, Any]:
+        return {code: {"description": ERRORS[code], "content": {"application/json": {
+            "schema": _ref("Error" if code == "401" else "ResponsesError")}}} for code in codes}
+
+    answer = {"description": "the Response object", "content": {"application/json": {"schema": _ref("Response")}}}
+    created = {**answer, "description": "the Response object, or its SSE events (response.created ... "
+                                        "response.completed) with stream=true",
+               "content": {**answer["content"], "text/event-stream": {"schema": {"type": "string"}}}}
+    by_id = [_path_param("response_id")]
+    unknown = ("401", "404", "500")
+    return {
+        "/v1/responses": {"post": {"summary": "OpenAI Responses: create a response (the chat route's generation)",
+                                   "requestBody": {"required": True, "content": {"application/json": {
+                                       "schema": _ref("ResponsesRequest")}}},
+                                   "responses": {"200": created, **errors(*_INFERENCE_ERRORS)}}},
+        "/v1/responses/{response_id}": {
+            "get": {"summary": "a stored response (store: true)", "parameters": by_id,
+                    "responses": {"200": answer, **errors(*unknown)}},
+            "delete": {"summary": "delete a stored response", "parameters": by_id, "responses": {
+                "200": {"description": "deleted", "content": {"application/json": {"schema": {"type": "object"}}}},
+                **errors(*unknown)}}},
+        "/v1/responses/{response_id}/cancel": {"post": {
+            "summary": "cancel a queued or in-progress response (400 when it is not in progress)", "parameters": by_id,
+            "responses": {"200": answer, **errors("400", *unknown)}}},
+    }
 
 
 def health_paths() -> dict[str, Any]:

@@ -45,7 +45,9 @@ Text = Annotated[str, TEXT]
 
 
 class OpenModel(StrictModel):
-    """A part of a request that may carry other keys, accepted and ignored (OpenAI clients send them)."""
+    """A part of a request that may carry other keys (OpenAI clients send back what an answer held): accepted, and
+    named in ``X-Ignored-Parameters`` by their dotted paths as unknown fields anywhere are (refused under
+    ``option.strict_parameters``: ``serving.validation``)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -84,13 +86,24 @@ class StreamOptions(StrictModel):
                                                 "chunk only)")
 
 
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: Text | None = Field(None, description="the schema's name (not used)")
+    description: Text | None = Field(None, description="what the answer is for (not used)")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema the answer follows")
+    strict: bool | None = Field(None, description="accepted: the schema is always enforced")
+
+
 class ResponseFormat(OpenModel):
     """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}``,
-    or TGI's ``{"type": "json" | "regex", "value": ...}``."""
+    llama.cpp's ``{"type": "json_object", "schema": {...}}``, or TGI's ``{"type": "json" | "regex", "value": ...}``."""
 
     type: Literal["text", "json_object", "json_schema", "json", "regex"]
-    json_schema: dict[str, Any] | None = Field(None, description="with type json_schema: {\"name\", \"schema\", "
-                                               "\"strict\"}; the schema is always enforced")
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema: {\"name\", \"schema\", "
+                                                 "\"strict\"}; the schema is always enforced")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="llama.cpp's: with type json_object, "
+                                           "the JSON schema the answer follows (any object without it)")
     value: Any = Field(None, description="TGI's shape: the schema (type json) or the pattern (type regex)")
 
 

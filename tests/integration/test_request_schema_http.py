@@ -90,8 +90,8 @@ def refused_as_unknown(r: httpx.Response, name: str) -> bool:
     if r.status_code < 400:
         ignored = r.headers.get("x-ignored-parameters", "")
         return any(path.split(".")[-1] == name for path in ignored.split(", ") if path)
-    head, _, names = str(r.json().get("error", "")).partition(": ")
-    return head.startswith("unknown ") and name in names.split(", ")
+    head, _, names = str(r.json().get("error", "")).partition(": ")  # nested ones by their dotted paths
+    return head.startswith("unknown ") and any(path.split(".")[-1] == name for path in names.split(", "))
 
 
 def fields_of(doc: Document, node: Any) -> set[str]:

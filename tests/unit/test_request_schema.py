@@ -214,7 +214,7 @@ MESSAGES: list[tuple[Any, Any, str]] = [
     (COMPLETION, {"prompt": "x", "logit_bias": {"50256": -101}},
      "'logit_bias.50256' must be >= -100, got -101"),
     (COMPLETION, {"prompt": "x", "stream_options": {"include_usage": True, "x": 1}},
-     "unknown fields in 'stream_options': x"),
+     "unknown fields: stream_options.x"),
     (COMPLETION, {"prompt": "x", "user": "u" * 257}, "'user' has 257 characters; at most 256"),
     (CHAT, {"messages": []}, "'messages' must not be empty"),
     (CHAT, {"messages": [{"role": "robot"}]}, "'messages[0].role' must be one of 'system', 'developer', 'user', "

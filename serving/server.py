@@ -43,6 +43,8 @@ from serving.frontends.management import ManagementRoutes
 from serving.frontends.model_versions import VersionRoutes
 from serving.frontends.openai import OpenAIRoutes
 from serving.frontends.responses import ResponsesRoutes
+from serving.frontends.sessions import SessionRoutes
+from serving.frontends.tokenizer_routes import TokenizerRoutes
 from serving.health import Health, HealthRoutes
 from serving.heap import trim_periodically
 from serving.metrics import ServingMetrics
@@ -109,8 +111,10 @@ class Server:
     def _inference_routes(self) -> list[Any]:
         openai_routes = OpenAIRoutes(self.http)
         self.state.extra["chat_handler"] = openai_routes.chat_for_lmi  # LMI bodies with `messages`
-        return [*HealthRoutes(self.health).routes(), *self.lmi.routes(), *self.versions.inference_routes(),
-                *openai_routes.routes(),
+        self.state.extra["completion_handler"] = openai_routes.completion_for_lmi  # LMI bodies with `prompt`
+        return [*HealthRoutes(self.health).routes(), *SessionRoutes(self.http, self.lmi).routes(),
+                *self.lmi.routes(), *self.versions.inference_routes(),
+                *openai_routes.routes(), *TokenizerRoutes(self.http).routes(),
                 *ResponsesRoutes(self.http, self.authority.required(Scope.INFERENCE)).routes(),
                 *tgi.routes(self.http),
                 openapi.route(lambda: openapi.inference_document(self.limits, sorted(self.registry.endpoints)))]

@@ -21,6 +21,7 @@ from starlette.routing import Route
 from serving import knobs
 from serving.frontends.responses_schema import RESPONSES_MODELS
 from serving.frontends.schemas import ROUTE_MODELS
+from serving.frontends.tokenizer_routes import TOKENIZER_MODELS
 from serving.params import Limits
 from serving.schema import json_schemas
 
@@ -81,7 +82,7 @@ def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
     """Request schemas from the request models (``schemas.ROUTE_MODELS``: what the routes validate with),
     answers and errors by hand (the server writes those, it does not validate them)."""
-    requests = json_schemas(ROUTE_MODELS, limits)
+    requests = json_schemas(ROUTE_MODELS + TOKENIZER_MODELS, limits)
     requests.update(json_schemas(RESPONSES_MODELS, limits))  # the Responses API's (responses_schema)
     if models:  # the registered names, for clients and fuzzers (an unknown name is a 404, not a 400)
         for name in ("CompletionRequest", "ChatRequest", "ResponsesRequest"):
@@ -100,6 +101,16 @@ def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
         "ModelList": {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array"}}},
         "TgiAnswer": {"type": "object", "properties": {"generated_text": {"type": "string"},
                                                        "details": {"type": "object"}}},
+        "TokenizeAnswer": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+            "count": {"type": "integer"}, "max_model_len": {"type": ["integer", "null"]},
+            "tokens": {"type": "array", "items": {"type": "integer"}},
+            "token_strs": {"type": "array", "items": {"type": "string"}}}},
+        "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+            "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+            "owned_by": {"type": "string"}, "parent": {"type": "string"}, "max_model_len": {"type": "integer"}}},
+        "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                             "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}},
         "ResponsesError": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"], "properties": {
                 "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
@@ -119,9 +130,11 @@ def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, 
     model_q = [_query("model_name", _model_schema(models))]
     openai_ok = _json_ok("the whole answer, or SSE chunks ending in `data: [DONE]` with stream=true",
                          _ref("Completion"), stream=True)
-    lmi_body = {"oneOf": [_ref("LmiRequest"), _ref("ChatRequest")]}  # the LMI routes take both (lmi.py)
+    # the LMI routes take all three (lmi.py): LMI's body, OpenAI chat (`messages`) and completions (`prompt`)
+    lmi_body = {"oneOf": [_ref("LmiRequest"), _ref("ChatRequest"), _ref("CompletionRequest")]}
     lmi_or_chat_ok = _json_ok("LMI answer (a list for a list input), or an OpenAI chat answer for a body with "
-                              "`messages`; a token stream with stream=true",
+                              "`messages`, an OpenAI completions answer for one with `prompt`; a token stream with "
+                              "stream=true",
                               {"anyOf": [_ref("LmiAnswer"), {"type": "array", "items": _ref("LmiAnswer")},
                                          _ref("Completion")]}, stream=True)
     tgi_ok = _json_ok("TGI answer", _ref("TgiAnswer"))
@@ -150,6 +163,7 @@ def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, 
         "/v1/chat/completions": _post("OpenAI chat completions (the model's chat template)", "ChatRequest",
                                       openai_ok),
         **responses_paths(),
+        **tokenizer_paths(models),
         "/generate": _post("TGI generate", "TgiRequest", tgi_ok, _TGI_ERRORS, model_q),
         "/generate_stream": _post("TGI generate_stream (SSE)", "TgiRequest", tgi_stream, _TGI_ERRORS, model_q),
         "/": _post("TGI compat route: generate (a one-element list), or generate_stream with stream=true",
@@ -197,6 +211,30 @@ def management_document(limits: Limits, models: Sequence[str] = ()) -> dict[str,
         "/openapi.json": {"get": {"summary": "this document", "responses": {"200": obj}}},
     }
     return _document("rollserve management API", paths, limits, models)
+
+
+def tokenizer_paths(models: Sequence[str]) -> dict[str, Any]:
+    """vLLM's tokenizer routes and OpenAI's model lookup (``tokenizer_routes``)."""
+    tokenize_body = {"oneOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]}
+    not_found = {"description": "no model of that id (OpenAI's error shape: the SDK raises NotFoundError)",
+                 "content": {"application/json": {"schema": _ref("OpenAIError")}}}
+    return {
+        "/tokenize": _post("vLLM's tokenize: a prompt, or messages as the chat route renders them (its count is "
+                           "the chat answer's usage.prompt_tokens)", tokenize_body,
+                           _json_ok("the token ids", _ref("TokenizeAnswer"))),
+        "/detokenize": _post("vLLM's detokenize: token ids of the model's vocabulary -> text", "DetokenizeRequest",
+                             _json_ok("the text", {"type": "object", "required": ["prompt"], "properties": {
+                                 "prompt": {"type": "string"}}})),
+        "/tokenizer_info": {"get": {"summary": "vLLM's tokenizer_info: the tokenizer's configuration (special tokens, "
+                                               "class, chat template), as lm-evaluation-harness's remote tokenizer "
+                                               "reads it", "parameters": [_query("model", _model_schema(models))],
+                                    "responses": _responses(_json_ok("tokenizer configuration", {"type": "object"}),
+                                                            ("400", "401", "404"))}},
+        "/v1/models/{model_id}": {"get": {"summary": "OpenAI's model lookup: the entry /v1/models lists under that id "
+                                                     "(a LoRA adapter too)", "parameters": [_path_param("model_id")],
+                                          "responses": {"200": _json_ok("the model", _ref("Model")),
+                                                        "401": _responses({}, ("401",))["401"], "404": not_found}}},
+    }
 
 
 def responses_paths() -> dict[str, Any]:

@@ -40,6 +40,7 @@ from serving.frontends.http_guard import ApiGuard
 from serving.frontends.httpio import HttpContext, ServerState
 from serving.frontends.lmi import LmiRoutes
 from serving.frontends.management import ManagementRoutes
+from serving.frontends.messages import GUARD_BODIES, MessagesRoutes
 from serving.frontends.model_versions import VersionRoutes
 from serving.frontends.openai import OpenAIRoutes
 from serving.frontends.responses import ResponsesRoutes
@@ -116,6 +117,7 @@ class Server:
                 *self.lmi.routes(), *self.versions.inference_routes(),
                 *openai_routes.routes(), *TokenizerRoutes(self.http).routes(),
                 *ResponsesRoutes(self.http, self.authority.required(Scope.INFERENCE)).routes(),
+                *MessagesRoutes(self.http).routes(),
                 *tgi.routes(self.http),
                 openapi.route(lambda: openapi.inference_document(self.limits, sorted(self.registry.endpoints)))]
 
@@ -139,7 +141,8 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         metrics_route = self.metrics.route
-        inference: Any = ApiGuard(build_app(self._inference_routes()), self.authority, Scope.INFERENCE)
+        inference: Any = ApiGuard(build_app(self._inference_routes()), self.authority, Scope.INFERENCE,
+                                  error_bodies=GUARD_BODIES)  # Anthropic's error shape on its routes
         management_hp = self.config.management_host_port()
         if management_hp is not None:  # DJL serves both APIs on one port: its clients read models there
             inference = ModelReads(inference, self._management_app(metrics_route, reads_only=True))

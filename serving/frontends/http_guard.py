@@ -6,14 +6,16 @@ and they reveal only model states. On the management API a request carrying an `
 browser page) is refused unless the origin is listed in ``management_allowed_origins`` (CSRF), and the
 ``Host`` header must be an IP literal, ``localhost`` or a name listed in ``management_allowed_hosts``
 (DNS rebinding: a hostile page's own name resolving to 127.0.0.1), as Jupyter does. Refusals use the
-server-wide error body: 401 + ``WWW-Authenticate: Bearer`` for a missing or wrong token, 403 otherwise.
+server-wide error body: 401 + ``WWW-Authenticate: Bearer`` for a missing or wrong token, 403 otherwise; a route
+whose API has its own error shape names a builder for it (``error_bodies``: path prefix -> body). On the inference
+API the ``x-api-key`` header (Anthropic's clients) carries the token as well as ``Authorization: Bearer``.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -22,6 +24,7 @@ from serving.auth import Scope, TokenAuthority
 
 HEALTH_PATHS = frozenset({"/ping", "/health/live", "/health/ready"})
 
+ErrorBody = Callable[[int, str, str], dict[str, Any]]  # (status, message, request id) -> the JSON body
 ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
                    Awaitable[None]]
 
@@ -46,8 +49,10 @@ class ApiGuard:
     """Wraps an ASGI app; ``scope`` names the token it needs. ``browser_checks`` adds Origin/Host checks."""
 
     def __init__(self, app: ASGIApp, authority: TokenAuthority, scope: Scope, *, browser_checks: bool = False,
-                 allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = ()) -> None:
+                 allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
+                 error_bodies: Sequence[tuple[str, ErrorBody]] = ()) -> None:
         self.app = app
+        self.error_bodies = tuple(error_bodies)
         self.authority = authority
         self.scope = scope
         self.browser_checks = browser_checks
@@ -69,8 +74,11 @@ class ApiGuard:
         if not (rid and len(rid) <= 128 and rid.isascii() and rid.isprintable()):
             rid = uuid.uuid4().hex
         extra = {"WWW-Authenticate": f'Bearer realm="{self.scope.value}"'} if status == 401 else {}
-        response = JSONResponse({"error": message, "error_type": error_type, "request_id": rid},
-                                status_code=status, headers={"X-Request-Id": rid, **extra})
+        path = scope.get("path", "")
+        own = next((build for prefix, build in self.error_bodies if path.startswith(prefix)), None)
+        body = own(status, message, rid) if own is not None else {"error": message, "error_type": error_type,
+                                                                   "request_id": rid}
+        response = JSONResponse(body, status_code=status, headers={"X-Request-Id": rid, **extra})
         await response(scope, receive, send)
 
     def _refusal(self, path: str, headers: dict[str, str]) -> tuple[int, str, str] | None:
@@ -86,7 +94,12 @@ class ApiGuard:
                                           "management_allowed_hosts to allow it")
         if path in HEALTH_PATHS or self.authority.allows(self.scope, headers.get("authorization")):
             return None
+        api_key = headers.get("x-api-key") if self.scope is Scope.INFERENCE else None
+        if api_key and self.authority.allows(self.scope, f"Bearer {api_key}"):
+            return None
         which = "management" if self.scope is Scope.MANAGEMENT else "inference"
-        given = "a wrong" if "authorization" in headers else "no"
-        return 401, "unauthorized", (f"the {which} API needs 'Authorization: Bearer <{which} token>' "
-                                     f"({given} token was given); the token is in the server's key file")
+        given = "a wrong" if "authorization" in headers or api_key else "no"
+        header = "'Authorization: Bearer <inference token>' or 'x-api-key: <inference token>'" \
+            if self.scope is Scope.INFERENCE else f"'Authorization: Bearer <{which} token>'"
+        return 401, "unauthorized", (f"the {which} API needs {header} ({given} token was given); the token is in "
+                                     "the server's key file")

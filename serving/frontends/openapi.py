@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serving import knobs
+from serving.frontends import messages_schema
 from serving.frontends.responses_schema import RESPONSES_MODELS
 from serving.frontends.schemas import ROUTE_MODELS
 from serving.frontends.tokenizer_routes import TOKENIZER_MODELS
@@ -92,6 +93,7 @@ def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
                                               ("prompt_tokens", "completion_tokens", "total_tokens")}}
     return {
         **requests,
+        **messages_schema.openapi_components(limits),  # Anthropic's Messages API (its own names: no clash)
         "Error": {"type": "object", "required": ["error", "error_type", "request_id"], "properties": {
             "error": {"type": "string"}, "error_type": {"type": "string"}, "request_id": {"type": "string"}}},
         "LmiAnswer": {"type": "object", "properties": {"generated_text": {"type": "string"},
@@ -163,6 +165,7 @@ def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, 
         "/v1/chat/completions": _post("OpenAI chat completions (the model's chat template)", "ChatRequest",
                                       openai_ok),
         **responses_paths(),
+        **messages_schema.openapi_paths(ERRORS),
         **tokenizer_paths(models),
         "/generate": _post("TGI generate", "TgiRequest", tgi_ok, _TGI_ERRORS, model_q),
         "/generate_stream": _post("TGI generate_stream (SSE)", "TgiRequest", tgi_stream, _TGI_ERRORS, model_q),

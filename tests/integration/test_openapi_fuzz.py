@@ -18,7 +18,8 @@ INFERENCE_ROUTES = {"/ping", "/health/live", "/health/ready", "/predictions/{mod
                     "/invocations", "/v1/models", "/v1/completions",
                     "/v1/chat/completions", "/v1/responses", "/v1/responses/{response_id}",
                     "/v1/responses/{response_id}/cancel", "/generate", "/generate_stream", "/", "/info",
-                    "/openapi.json", "/tokenize", "/detokenize", "/tokenizer_info", "/v1/models/{model_id}"}
+                    "/openapi.json", "/tokenize", "/detokenize", "/tokenizer_info", "/v1/models/{model_id}",
+                    "/v1/messages", "/v1/messages/count_tokens"}
 MANAGEMENT_ROUTES = {"/models", "/models/{name}", "/requests/{request_id}", "/ping", "/health/live",
                      "/health/ready", "/metrics", "/openapi.json"}
 

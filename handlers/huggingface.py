@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 from handlers.base import Context, Handler, Input, Output
 from handlers.engine.execution.gguf_load import load_gguf_model
 from handlers.engine.execution.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
+from handlers.engine.execution.grammar_trigger import Trigger
 from handlers.engine.execution.quantize import float_checkpoint_activations, quantize_linears
 from handlers.engine.execution.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
 from handlers.engine.planning.checkpoint import check_quantization, read_model_config
@@ -198,9 +199,13 @@ class HuggingFaceHandler(Handler):
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, int(self.model.config.vocab_size), self.eos_token_ids)
         try:
-            return self._grammars.matcher(params.grammar).result()
+            matcher = self._grammars.matcher(params.grammar).result()
         except GrammarError as exc:
             raise InvalidRequest(f"the constraint cannot be compiled for this model: {exc}") from None
+        if params.grammar_trigger is None:
+            return matcher
+        return Trigger(matcher, params.grammar_trigger,
+                       lambda token: str(self.tokenizer.decode([token], skip_special_tokens=False)))
 
     def _generate(self, items: list[_Item]) -> list[Output]:
         p = items[0].request.params  # shaping parameters are the same for the whole group

@@ -128,10 +128,12 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("output_formatter", any_text, None, (SERVING,),
           "sse: streams as server-sent events; jsonlines: a rolling model streams unasked"),
     _spec("tgi_compat", boolean, "false", (SERVING,), "TGI-shaped answers and stream events"),
-    _spec("enable_auto_tool_choice", boolean, "false", (SERVING,),
-          "tool_choice auto: the model decides, its calls parsed by tool_call_parser"),
-    _spec("tool_call_parser", choice(("hermes", "llama3_json", "mistral")), "hermes", (SERVING,),
-          "how tool calls look in the model's text: hermes, llama3_json or mistral"),
+    _spec("enable_auto_tool_choice", boolean, "true", (SERVING,),
+          "tool_choice auto (OpenAI's default with tools): the model decides, its calls read in its own format "
+          "and kept valid once started; false refuses auto"),
+    _spec("tool_call_parser", choice(("auto", "hermes", "llama3_json", "mistral", "granite", "pythonic")), "auto",
+          (SERVING,), "how tool calls look in the model's text; auto: as its chat template renders them (hermes, "
+          "the generic format, when the template does not render tools)"),
     _spec("handler", any_text, None, (LOADER,), "the handler class of a custom entry point's module"),
     # The rolling engine (handlers.engine.planning.config.EngineConfig) and the dynamic huggingface handler.
     _spec("max_prefill_tokens_while_decoding", integer(0), "256", (ENGINE,),

@@ -50,6 +50,8 @@ class SamplingParams:
     return_full_text: bool = False
     logprobs: int = 0  # number of top logprobs per token to return; 0 = only the chosen token's when asked
     grammar: str | None = None  # structured output: llguidance's serialized grammar (serving.structured)
+    # with a grammar: it applies from where the answer first writes this text (a tool call's marker), not before
+    grammar_trigger: str | None = None
     # vLLM's definitions: penalties on the generated tokens' counts, min_p relative to the top probability,
     # typical_p (transformers'), additive logit biases by token id, no EOS / stop token before min_tokens
     presence_penalty: float = 0.0

@@ -84,6 +84,11 @@ def grammar(text: Any, field: str) -> str:
     return check(LLMatcher.grammar_from_lark(text), field)
 
 
+def lark(text: str, field: str) -> str:
+    """A Lark grammar this server wrote (tool calls' formats): compiled and checked like a client's."""
+    return check(LLMatcher.grammar_from_lark(text), field)
+
+
 def check(serialized: str, field: str) -> str:
     """Refuse a grammar llguidance cannot build (the message is its own, naming the rule or keyword)."""
     error = LLMatcher.validate_grammar(serialized)

@@ -26,6 +26,7 @@ from handlers.engine.core.speculative import NgramDrafter
 from handlers.engine.core.step_budget import PrefillBudget, StepFit
 from handlers.engine.execution.drafts import check_drafts
 from handlers.engine.execution.grammar import PendingGrammars
+from handlers.engine.execution.grammar_trigger import Trigger
 from handlers.engine.execution.loading import eos_token_ids
 from handlers.engine.execution.lora import AdapterError, AdapterQueue, check_adapter, enable_lora
 from handlers.engine.execution.paged_attention import KVPool
@@ -64,6 +65,7 @@ class _Request:
     drafter: NgramDrafter | None = None  # speculative decoding's guesses (plain greedy requests only)
     matcher: Any = None  # structured output: the grammar's llguidance matcher (handlers.engine.execution.grammar)
     prompt_scores: list[TokenInfo | None] | None = None  # prompt_logprobs: one entry per prompt position
+    trigger: Trigger | None = None  # a grammar held back until the answer writes its trigger (tool calls)
     sent_first: bool = False
     lora_slot: int = -1  # the slot of its LoRA adapter while it holds one (-1: the base model)
 
@@ -236,7 +238,11 @@ class LLMEngine:
         nothing else to run, wait briefly for a build instead of spinning."""
         built, failed = self._compiling.ready(wait_s=0 if self.scheduler.has_work() else 0.02)
         for _, req, matcher in built:
-            req.matcher = matcher
+            trigger = req.seq.params.grammar_trigger
+            if trigger is None:
+                req.matcher = matcher
+            else:
+                req.trigger = Trigger(matcher, trigger, self._token_piece)
             self._queue(req)
         return [TokenDelta(rid, finish_reason=FinishReason.ERROR,
                            error=f"the constraint cannot be compiled for this model: {exc}") for rid, exc in failed]
@@ -290,6 +296,22 @@ class LLMEngine:
         assert scores is not None
         # a chunk recomputed after preemption writes the same values again
         scores[chunk.start + 1:chunk.start + 1 + len(infos)] = infos
+
+    def _token_piece(self, token: int) -> str:
+        return str(self._backend_tokenizer.decode([token], skip_special_tokens=False))
+
+    @staticmethod
+    def _watch(req: _Request, token: int) -> bool:
+        """A held-back grammar sees ``token``; from its trigger on it constrains the answer. True: the grammar
+        is complete already (the answer ends, as with any grammar)."""
+        assert req.trigger is not None
+        taken = req.trigger.push(token)
+        if taken is None:
+            req.trigger = None
+        elif taken:
+            req.matcher, req.trigger = req.trigger.matcher, None
+            return bool(req.matcher.is_stopped())
+        return False
 
     def _allowed(self, reqs: list[_Request]) -> dict[int, torch.Tensor] | None:
         """The grammar masks of the constrained rows among ``reqs`` (row index -> allowed tokens), or None."""
@@ -351,7 +373,9 @@ class LLMEngine:
         text = detok.released
         finish: FinishReason | None = None
         complete = False
-        if req.matcher is not None and not stop_token:
+        if req.trigger is not None and not stop_token:
+            complete = self._watch(req, token)
+        elif req.matcher is not None and not stop_token:
             if not req.matcher.consume_token(token):  # the mask allowed it: only an llguidance fault gets here
                 logger.error("request %s: the grammar refused token %d it allowed: %s", seq.request_id, token,
                              req.matcher.get_error())

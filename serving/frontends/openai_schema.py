@@ -174,7 +174,7 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
     req: ChatRequest = CHAT.validate(body, limits, strict=strict, ignored=ignored)
     plan = tools.plan([t.model_dump() for t in req.tools or ()],
                       req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice,
-                      req.parallel_tool_calls, dict(options or {}))
+                      req.parallel_tool_calls, dict(options or {}), text.chat_template)
     stream = bool(req.stream)
     n = req.n or 1
     if req.top_logprobs is not None and not req.logprobs:
@@ -203,6 +203,9 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
     if max_tokens is None:  # vLLM's default: the rest of the context (capped)
         max_tokens = text.room(num_prompt, limits.max_new_tokens)
     base = sampling(req, max_tokens, logprobs, limits, plan.grammar() if plan is not None else None)
+    triggered = plan.triggered(text.special_by_text) if plan is not None and base.grammar is None else None
+    if triggered is not None:  # auto: a call the model starts is kept valid from its marker on
+        base = replace(base, grammar=triggered[0], grammar_trigger=triggered[1])
     choices = []
     for j in range(n):
         params = base if base.seed is None or n == 1 else replace(base, seed=base.seed + j)

@@ -40,9 +40,11 @@ class ModelText:
         self.chat_template: str | None = template
         self.special_tokens = {k: v for k in ("bos_token", "eos_token")
                                if isinstance(v := info.get(k, config.get(k)), str)}
-        self._special_ids: frozenset[int] = frozenset(
-            i for i, tok in (self.tokenizer.get_added_tokens_decoder().items() if self.tokenizer else ())
-            if getattr(tok, "special", False))
+        # the tokenizer's special tokens by text (a tool-call marker that is one is constrained as that token)
+        self.special_by_text: dict[str, int] = {
+            str(tok.content): i for i, tok in (self.tokenizer.get_added_tokens_decoder().items() if self.tokenizer
+                                               else ()) if getattr(tok, "special", False)}
+        self._special_ids: frozenset[int] = frozenset(self.special_by_text.values())
 
     def encode(self, text: str) -> list[int] | None:
         """Token ids of ``text`` as the worker will see them (special tokens added), or None."""

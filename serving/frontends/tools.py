@@ -5,9 +5,10 @@ Design note: ``tool_choice`` decides who makes the call valid:
   schema, and the whole answer is its arguments;
 - ``required``: constrained to a JSON array of ``{"name": ..., "arguments": ...}`` objects, one schema branch
   per function (one item unless ``parallel_tool_calls``), as vLLM does; the model's own call format plays no part;
-- ``auto`` (needs ``option.enable_auto_tool_choice``): free text, in which the parser named by
-  ``option.tool_call_parser`` finds calls in the model's own format (Hermes/Qwen ``<tool_call>``, Llama 3 JSON,
-  Mistral ``[TOOL_CALLS]``); text that does not parse stays plain content, never an error;
+- ``auto`` (every model's default; ``option.enable_auto_tool_choice=false`` refuses it): free text, in which
+  the model's own format (``serving.frontends.tool_formats``: read from its chat template, or named by
+  ``option.tool_call_parser``) finds calls; once the model writes a call's marker, the rest of the call is
+  constrained to the tools' schemas (a grammar with a trigger); text that does not parse stays plain content;
 - ``none``: the tools are shown to the model but no call is parsed.
 
 The tools reach the model through its chat template (``tools``, as transformers passes them); a template that
@@ -28,8 +29,17 @@ from typing import Any
 
 from rollcore.errors import InvalidRequest
 from serving import structured
+from serving.frontends.tool_formats import (
+    call_schema,
+    call_start,
+    detect,
+    parameters,
+    parse,
+    partial_marker,
+    triggered_grammar,
+)
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+__all__ = ["ToolPlan", "ToolStream", "add_tools_prompt", "fold", "parse", "plan"]
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 FORCED = ("required", "named")
 
@@ -50,7 +60,7 @@ class ToolPlan:
     mode: str
     name: str | None = None  # the named function
     parallel: bool = True
-    parser: str = "hermes"
+    parser: str = "hermes"  # the call format (serving.frontends.tool_formats.PARSERS)
 
     @property
     def template_tools(self) -> list[dict[str, Any]]:
@@ -60,28 +70,29 @@ class ToolPlan:
     def grammar(self) -> str | None:
         """The constraint of the forced modes (None for auto and none)."""
         if self.mode == "named":
-            return structured.json_schema(_parameters(self._function(self.name)), "tools[].function.parameters")
+            return structured.json_schema(parameters(self._function(self.name)), "tools[].function.parameters")
         if self.mode != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": _parameters(f)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for f in self.functions]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": call_schema(self.functions)}
         if not self.parallel:
             schema["maxItems"] = 1
         return structured.json_schema(schema, "tools")
+
+    def triggered(self, special: dict[str, int] | None = None) -> tuple[str, str] | None:
+        """auto: (grammar, trigger) that keep a call the model starts valid, or None (no marker to start from)."""
+        if self.mode != "auto":
+            return None
+        return triggered_grammar(self.parser, self.functions, self.parallel, special)
 
     def _function(self, name: str | None) -> dict[str, Any]:
         return next(f for f in self.functions if f["name"] == name)
 
 
-def _parameters(function: dict[str, Any]) -> dict[str, Any]:
-    params = function.get("parameters")
-    return params if isinstance(params, dict) else {"type": "object"}
-
-
-def plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, options: dict[str, str]) -> ToolPlan | None:
+def plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, options: dict[str, str],
+         template: str | None = None) -> ToolPlan | None:
     """Validated ``tools`` (``schemas.Tool`` dumps) and ``tool_choice`` -> a plan, or None without tools. Raises
-    ``InvalidRequest`` for a choice the tools or the model's options cannot honour."""
+    ``InvalidRequest`` for a choice the tools or the model's options cannot honour. ``template``: the model's
+    chat template, which says its call format unless ``option.tool_call_parser`` names one."""
     functions = tuple(t["function"] for t in tools or ())
     names = [f["name"] for f in functions]
     for i, name in enumerate(names):
@@ -102,11 +113,13 @@ def plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, optio
         if mode in ("required", "named"):
             raise InvalidRequest(f"'tool_choice' {mode!r} needs 'tools'")
         return None
-    auto_enabled = options.get("enable_auto_tool_choice", "false").lower() == "true"
-    if mode == "auto" and not auto_enabled:
-        raise InvalidRequest("'tool_choice' auto needs option.enable_auto_tool_choice=true (and "
-                             "option.tool_call_parser) on this model; 'required' or a named function work without")
-    return ToolPlan(functions, mode, name, parallel is not False, options.get("tool_call_parser", "hermes"))
+    if mode == "auto" and options.get("enable_auto_tool_choice", "true").lower() != "true":
+        raise InvalidRequest("'tool_choice' auto is switched off on this model (option.enable_auto_tool_choice="
+                             "false); 'required' or a named function work")
+    parser = options.get("tool_call_parser", "auto")
+    if parser == "auto":
+        parser = detect(template if template and "tools" in template else None)
+    return ToolPlan(functions, mode, name, parallel is not False, parser)
 
 
 def add_tools_prompt(messages: list[dict[str, Any]], plan: ToolPlan) -> list[dict[str, Any]]:
@@ -237,11 +250,11 @@ class ToolStream:
         """Content up to where a tool call may begin; from there the text is held until ``finish``."""
         if self._held_from is not None:
             return []
-        start = _call_start(self._text, self.plan.parser)
+        start = call_start(self._text, self.plan.parser)
         if start is not None:
             self._held_from = start
             return self._content(start)
-        return self._content(len(self._text) - _partial_marker(self._text, self.plan.parser))
+        return self._content(len(self._text) - partial_marker(self._text, self.plan.parser))
 
 
 def fold(plan: ToolPlan, deltas: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
@@ -255,90 +268,3 @@ def fold(plan: ToolPlan, deltas: list[dict[str, Any]]) -> tuple[str | None, list
                               "function": {"name": part["function"]["name"], "arguments": ""}})
             calls[part["index"]]["function"]["arguments"] += part["function"].get("arguments", "")
     return content or None, calls
-
-
-# --- the models' own formats (auto) ---------------------------------------------------------------------
-_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}
-
-
-def _call_start(text: str, parser: str) -> int | None:
-    at = text.find(_MARKERS[parser])
-    if at >= 0:
-        return at
-    stripped = text.lstrip()
-    if parser in ("llama3_json", "mistral") and stripped[:1] in ("{", "["):
-        # Llama 3 answers a call with bare JSON; Mistral's marker is a special token a decoder may drop
-        if (parser == "llama3_json") == (stripped[0] == "{"):
-            return len(text) - len(stripped)
-    return None
-
-
-def _partial_marker(text: str, parser: str) -> int:
-    """How many trailing characters could be the start of the parser's marker (held back)."""
-    marker = _MARKERS[parser]
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return len(text) if parser == "llama3_json" and not text.strip() else 0
-
-
-def parse(text: str, parser: str) -> tuple[str | None, list[dict[str, str]]]:
-    """A whole answer in ``parser``'s format -> (content before the calls, calls as ``{"name", "arguments"}``
-    with the arguments as JSON text). Text that is not a well-formed call gives ``(text, [])``."""
-    try:
-        content, raw = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral}[parser](text)
-        calls = [_one_call(c) for c in raw]
-    except (ValueError, KeyError, TypeError):
-        return text, []
-    if not calls:
-        return text, []
-    return (content.strip() or None), calls
-
-
-def _one_call(c: Any) -> dict[str, str]:
-    name = c["name"]
-    args = c.get("arguments", c.get("parameters", {}))
-    if isinstance(args, str):
-        args = json.loads(args)
-    if not isinstance(name, str) or not isinstance(args, dict):
-        raise TypeError("a call is a name and an arguments object")
-    return {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
-
-
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-
-def _hermes(text: str) -> tuple[str, list[Any]]:
-    start = text.find("<tool_call>")
-    if start < 0:
-        return text, []
-    return text[:start], [json.loads(m.group(1)) for m in _HERMES.finditer(text, start)]
-
-
-def _json_values(text: str, separator: str) -> list[Any]:
-    """Consecutive JSON values in ``text``, separated by whitespace and ``separator``; anything else raises."""
-    decoder = json.JSONDecoder()
-    values, at = [], 0
-    while True:
-        while at < len(text) and (text[at].isspace() or text[at] == separator):
-            at += 1
-        if at == len(text):
-            return values
-        value, at = decoder.raw_decode(text, at)
-        values.append(value)
-
-
-def _llama3(text: str) -> tuple[str, list[Any]]:
-    body = text.replace("<|python_tag|>", "")
-    stripped = body.lstrip()
-    if not stripped.startswith("{"):
-        return text, []
-    return "", _json_values(stripped, ";")
-
-
-def _mistral(text: str) -> tuple[str, list[Any]]:
-    at = text.find("[TOOL_CALLS]")
-    content, body = (text[:at], text[at + len("[TOOL_CALLS]"):]) if at >= 0 else ("", text)
-    values = _json_values(body, ",")
-    calls = [c for v in values for c in (v if isinstance(v, list) else [v])]
-    return content, calls

@@ -82,8 +82,6 @@ CASES: list[tuple[str, str, Any, int, str]] = [
      "no chat template"),
     ("chat-tools", CH, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400,
      "missing field 'tools.0..function'"),
-    ("chat-tools-auto", CH, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "f"}}]}, 400, "enable_auto_tool_choice"),
     ("chat-bad-schema", CH, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}}, 400,
      "'response_format.json_schema.schema' cannot be used as a constraint: Invalid type: objec"),

@@ -20,6 +20,7 @@ WEATHER = {"name": "get_weather", "description": "the weather of a city", "param
 TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}
 TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
 AUTO = {"enable_auto_tool_choice": "true"}
+OFF = {"enable_auto_tool_choice": "false"}
 
 
 def tool_plan(choice: Any = "required", parallel: bool | None = None, parser: str = "hermes") -> ToolPlan:
@@ -53,8 +54,8 @@ def test_choices_become_plans() -> None:
 
 
 @pytest.mark.parametrize(("tools", "choice", "options", "message"), [
-    (TOOLS, "auto", {}, "'tool_choice' auto needs option.enable_auto_tool_choice=true"),
-    (TOOLS, None, {}, "'tool_choice' auto needs option.enable_auto_tool_choice=true"),
+    (TOOLS, "auto", OFF, "'tool_choice' auto is switched off on this model (option.enable_auto_tool_choice=false)"),
+    (TOOLS, None, OFF, "'tool_choice' auto is switched off on this model (option.enable_auto_tool_choice=false)"),
     (None, "required", {}, "'tool_choice' 'required' needs 'tools'"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, {}, "'tool_choice' names function 'nope', which"),
     ([TOOLS[0], TOOLS[0]], "required", {}, "'tools' has two functions of the same name"),

@@ -27,6 +27,8 @@ import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.hf import from_tokenizer
 
+from handlers.engine.execution.grammar_trigger import Trigger
+
 logger = logging.getLogger(__name__)
 
 CACHED_GRAMMARS = 64
@@ -98,31 +100,34 @@ def masks(executor: LLExecutor, matchers: Sequence[LLMatcher], vocab_size: int) 
 class GrammarLogitsProcessor:
     """transformers' logits-processor protocol over one ``generate`` call's rows (the dynamic handler): each call
     first advances every row's matcher with the token the previous call chose, then masks the constrained rows.
-    ``matchers[i]`` is row i's matcher, None for a free row."""
+    ``matchers[i]`` is row i's matcher, None for a free row, or a ``Trigger`` for a row whose grammar applies
+    from its trigger on."""
 
-    def __init__(self, executor: LLExecutor, matchers: Sequence[LLMatcher | None], vocab_size: int) -> None:
+    def __init__(self, executor: LLExecutor, matchers: Sequence[LLMatcher | Trigger | None], vocab_size: int) -> None:
         self.executor = executor
         self.matchers = list(matchers)
-        self.rows = [i for i, m in enumerate(self.matchers) if m is not None]
         self.vocab_size = vocab_size
         self.started = False
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        live = [self.matchers[i] for i in self.rows]
         if self.started:
-            last = input_ids[self.rows, -1].tolist()
-            for m, token in zip(live, last, strict=True):
-                if not m.is_stopped():  # a finished row is fed padding from here on
+            for i, m in enumerate(self.matchers):
+                token = int(input_ids[i, -1])
+                if isinstance(m, Trigger):
+                    taken = m.push(token)
+                    self.matchers[i] = None if taken is None else m.matcher if taken else m
+                elif m is not None and not m.is_stopped():  # a finished row is fed padding from here on
                     m.consume_token(token)
         self.started = True
-        if not self.rows:
+        at = [i for i, m in enumerate(self.matchers) if m is not None and not isinstance(m, Trigger)]
+        if not at:
             return scores
-        allowed = masks(self.executor, live, self.vocab_size).to(scores.device)
+        allowed = masks(self.executor, [self.matchers[i] for i in at], self.vocab_size).to(scores.device)
         width = min(scores.shape[-1], self.vocab_size)
-        rows = scores[self.rows]
+        rows = scores[at]
         rows[:, :width] = rows[:, :width].masked_fill(~allowed[:, :width], float("-inf"))
         rows[:, width:] = float("-inf")
-        scores[self.rows] = rows
+        scores[at] = rows
         return scores
 
 

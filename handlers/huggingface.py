@@ -26,6 +26,7 @@ from handlers.base import Context, Handler, Input, Output
 from handlers.engine.execution.gguf_load import load_gguf_model
 from handlers.engine.execution.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
 from handlers.engine.execution.grammar_trigger import Trigger
+from handlers.engine.execution.quant_ckpt_load import load_integer_model
 from handlers.engine.execution.quantize import float_checkpoint_activations, quantize_linears
 from handlers.engine.execution.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
 from handlers.engine.planning.checkpoint import check_quantization, read_model_config
@@ -94,20 +95,28 @@ class HuggingFaceHandler(Handler):
         self.tokenizer.padding_side = "left"
         quantize = option_value(ctx.properties, "quantize")
         gguf = gguf_file_in(Path(path))
+        integer = False  # the model's layers made integer while loading (quant_ckpt_load)
         if gguf is not None:  # a GGUF file's weights as it holds them (gguf_load), on the CPU
             group = option_value(ctx.properties, "quantize_group_size")
             self.model = load_gguf_model(Path(path), gguf, quantize, group,
                                          option_value(ctx.properties, "quantized_activations"))
         else:
             check_quantization(read_model_config(path), Path(path).name)
-            self.model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=DTYPES[dtype_name], trust_remote_code=trust,
-                use_safetensors=not option_value(ctx.properties, "allow_unsafe_weights"),
-            )
-        if ctx.device_id >= 0 and torch.cuda.is_available() and gguf is None:
+            # a quantized checkpoint, or option.quantize on fp32 weights on the CPU: one tensor at a time, integer
+            on_cpu = ctx.device_id < 0 or not torch.cuda.is_available()
+            self.model = None if trust or option_value(ctx.properties, "allow_unsafe_weights") else load_integer_model(
+                Path(path), quantize, option_value(ctx.properties, "quantize_group_size"),
+                option_value(ctx.properties, "quantized_activations"), on_cpu and dtype_name == "fp32")
+            integer = self.model is not None
+            if self.model is None:
+                self.model = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=DTYPES[dtype_name], trust_remote_code=trust,
+                    use_safetensors=not option_value(ctx.properties, "allow_unsafe_weights"),
+                )
+        if ctx.device_id >= 0 and torch.cuda.is_available() and gguf is None and not integer:
             self.model.to(f"cuda:{ctx.device_id}")
         self.model.eval()
-        if quantize in ("int8", "int4") and gguf is None:
+        if quantize in ("int8", "int4") and gguf is None and not integer:
             n = quantize_linears(self.model, quantize, option_value(ctx.properties, "quantize_group_size"),
                                  float_checkpoint_activations(option_value(ctx.properties, "quantized_activations")))
             log.info("model %s: option.quantize=%s: %d linear layers quantized", ctx.model_name, quantize, n)

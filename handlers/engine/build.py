@@ -20,12 +20,14 @@ from handlers.engine.execution.device import device_budget, device_defaults, eng
 from handlers.engine.execution.loading import load_model_and_tokenizer
 from handlers.engine.execution.lora import folder_adapters
 from handlers.engine.execution.parallel import TensorParallelGroup, shard_model, start_group
+from handlers.engine.execution.quant_ckpt_load import check_checkpoint_layout
 from handlers.engine.execution.quantize import QUANTIZE_MODES, check_layout, quantize_model
 from handlers.engine.planning.checkpoint import check_quantization, weights_dir
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.families import check_config, load_config_dict
 from handlers.engine.planning.host_memory import MemoryBudget, memory_budget
 from handlers.engine.planning.memory import MemoryPlan, plan_loaded_model, preflight
+from handlers.engine.planning.quant_config import parse_checkpoint_quant
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ def load_for_engine(model_dir: Path, options: Mapping[str, str], device_id: int 
     check_config(model_config, config.max_model_len, config.tensor_parallel_degree)
     check_quantization(model_config, source.name)
     check_layout(config, device)
+    check_checkpoint_layout(parse_checkpoint_quant(model_config), config.tensor_parallel_degree, device)
     plan = None
     if device.type == "cpu":  # before anything loads (and before the other ranks start): refuse what cannot fit
         plan = preflight(source, config)

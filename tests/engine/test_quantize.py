@@ -181,7 +181,7 @@ def test_real_model_perplexity_and_the_dynamic_handler() -> None:
     assert "Paris" in tokenizer.decode([t.id for t in out.tokens])
 
 
-@pytest.mark.parametrize("method, bits", [("gptq", 4), ("awq", 4), ("compressed-tensors", None)])
+@pytest.mark.parametrize("method, bits", [("bitsandbytes", 4), ("fp8", None), ("compressed-tensors", None)])
 def test_checkpoints_quantized_in_other_formats_are_refused_by_name(model_dirs: dict[str, Path], tmp_path: Path,
                                                                      method: str, bits: int | None) -> None:
     import json

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 BLOCK = 16  # output channels per packed block (the kernel's NB)
@@ -78,6 +79,9 @@ def _pad_rows(t: torch.Tensor, rows: int, value: float = 0.0) -> torch.Tensor:
 
 def _blocked(values: torch.Tensor) -> torch.Tensor:
     """[rows, cols] with rows a multiple of 16 -> [rows / 16, cols, 16], contiguous (k-major per block)."""
+    if values.dtype in (torch.uint8, torch.int8):  # numpy's byte transpose: 20-40x torch's on this build
+        arr = values.numpy().reshape(-1, BLOCK, values.shape[1]).transpose(0, 2, 1)
+        return torch.from_numpy(np.ascontiguousarray(arr))
     return values.view(-1, BLOCK, values.shape[1]).transpose(1, 2).contiguous()
 
 
@@ -88,7 +92,8 @@ def pack(weight: IntWeight, half_scales: bool = False) -> Packed:
     rows = -(-out // BLOCK) * BLOCK
     q = _blocked(_pad_rows(weight.q, rows))
     if weight.bits == 4:
-        q = (q[..., :8] | (q[..., 8:] << 4)).contiguous()
+        nibbles = q.numpy()  # numpy's byte operations: torch's uint8 ones are many times slower
+        q = torch.from_numpy(np.ascontiguousarray(nibbles[..., :8] | (nibbles[..., 8:] << 4)))
     else:
         q = q.view(torch.uint8)
     if weight.group == 0:

@@ -16,10 +16,14 @@ import torch
 from handlers.engine.execution.adapters import adapt_model
 from handlers.engine.execution.device import serving_dtype
 from handlers.engine.execution.gguf_load import load_gguf_model
+from handlers.engine.execution.quant_ckpt_load import load_quantized_checkpoint, load_quantizing
+from handlers.engine.execution.quantize import QUANTIZE_MODES, float_checkpoint_activations
 from handlers.engine.planning.checkpoint import read_model_config, weights_dir
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
 from handlers.engine.planning.gguf_plan import gguf_file_in
+from handlers.engine.planning.quant_config import parse_checkpoint_quant
+from rollcore.errors import ConfigError
 
 TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -43,6 +47,7 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str], device
     # auto -> fp32 or bf16 by CPU; on a GPU the checkpoint's half precision unless option.dtype says otherwise
     config = replace(config, dtype=serving_dtype(options.get("dtype"), read_model_config(source), dtype_for))
     gguf = gguf_file_in(source)
+    model: torch.nn.Module | None
     if gguf is not None:
         # the file's quantized tensors run in the integer kernels, which take fp32 activations
         model = load_gguf_model(source, gguf, config.quantize, config.quantize_group_size, config.quantized_activations)
@@ -51,6 +56,8 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str], device
         if config.kv_cache_populate == "auto":  # memory that follows use, as the file's size led a user to expect
             config = replace(config, kv_cache_populate="lazy")
     else:
+        model, config = _load_checkpoint(source, config, device)
+    if model is None:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=TORCH_DTYPES[config.dtype], use_safetensors=not config.allow_unsafe_weights,
             trust_remote_code=config.trust_remote_code)
@@ -61,6 +68,26 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str], device
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
     adapt_model(model)  # before tensor-parallel sharding, which sees the adapted layout
     return model, tokenizer, config
+
+
+def _load_checkpoint(source: Path, config: EngineConfig,
+                     device: torch.device) -> tuple[torch.nn.Module | None, EngineConfig]:
+    """A safetensors checkpoint loaded one tensor at a time into integer layers (``quant_ckpt_load``): a quantized
+    checkpoint as it is, or a float one with ``option.quantize=int8|int4`` quantized on the way in (the config then
+    says so: nothing left to quantize, prepack or fuse). (None, config): transformers loads it whole."""
+    quant = parse_checkpoint_quant(read_model_config(source))
+    done = replace(config, prepack_weights="false", fuse_projections=False)
+    if quant is not None:  # the integer kernels take fp32 activations
+        return load_quantized_checkpoint(source, quant, config.quantized_activations), \
+            replace(done, dtype="fp32", quantize="auto")
+    if config.quantize not in QUANTIZE_MODES or device.type != "cpu" or config.allow_unsafe_weights \
+            or config.trust_remote_code:
+        return None, config
+    if config.dtype != "fp32":
+        raise ConfigError(f"option.quantize={config.quantize} quantizes fp32 weights: set option.dtype=fp32")
+    model = load_quantizing(source, config.quantize, config.quantize_group_size,
+                            float_checkpoint_activations(config.quantized_activations))
+    return (None, config) if model is None else (model, replace(done, quantize="auto"))
 
 
 def _int_option(options: Mapping[str, str], key: str, default: int) -> int:

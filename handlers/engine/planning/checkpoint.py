@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.engine.planning.cpu import has_fast_bf16
+from handlers.engine.planning.quant_config import UnsupportedQuantization, parse_checkpoint_quant
 from rollcore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -296,12 +297,20 @@ def prepacked_copy_bytes(linear_bytes: int, prepack_weights: str, dtype: str) ->
 
 
 def check_quantization(config: Mapping[str, Any], folder_name: str) -> None:
-    """Refuse, naming it, a checkpoint whose ``config.json`` says its weights are quantized (GPTQ, AWQ,
-    bitsandbytes, compressed-tensors without its package...): this server loads quantized weights from GGUF files
-    only, and transformers' loaders for these formats need packages built for GPUs. Raises ``ConfigError``."""
+    """Refuse, naming it, a checkpoint whose ``config.json`` says its weights are quantized in a form this server
+    does not load (bitsandbytes, fp8, act-order GPTQ, GEMV AWQ, compressed-tensors forms other than pack-quantized
+    without its package...): it loads GGUF files and the checkpoints ``quant_config`` reads straight into its
+    integer kernels, and transformers' loaders for the others need packages built for GPUs. Raises
+    ``ConfigError``."""
     quantization = config.get("quantization_config")
     if not isinstance(quantization, Mapping):
         return
+    try:
+        if parse_checkpoint_quant(config) is not None:
+            return  # loaded by handlers.engine.execution.quant_ckpt_load
+    except UnsupportedQuantization as exc:
+        raise ConfigError(f"{folder_name}/config.json: {exc}; serve the model's GGUF file (option.model_id=FILE.gguf), "
+                          "or its 16/32-bit checkpoint with option.quantize=int8 or int4") from None
     method = str(quantization.get("quant_method") or quantization.get("format") or "unknown")
     if method == "compressed-tensors" and importlib.util.find_spec("compressed_tensors") is not None:
         return  # transformers decompresses it to a float model with that package (the fp32 detour)

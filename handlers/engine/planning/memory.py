@@ -47,6 +47,7 @@ from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.gguf_plan import gguf_file_in, read_header
 from handlers.engine.planning.host_memory import CGROUP_ROOT, MEMINFO, SELF_CGROUP, MemoryBudget, memory_budget
 from handlers.engine.planning.host_memory import format_bytes as _size
+from handlers.engine.planning.quant_config import checkpoint_served_bytes, parse_checkpoint_quant
 from rollcore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -253,7 +254,14 @@ def preflight(model_dir: str | Path, config: EngineConfig, *, meminfo: Path = ME
         raise ConfigError(f"{Path(model_dir).name}: no readable config.json")
     dtype = resolve_dtype(config.dtype, model_config)
     tensors = checkpoint_tensors(model_dir) if Path(model_dir).is_dir() else ()
-    if header is not None and config.quantize != "none":
+    quant = parse_checkpoint_quant(model_config) if header is None and tensors else None
+    if quant is not None:  # served as integers and fp32 tables (quant_ckpt_load), fp32 activations
+        tied = bool(model_config.get("tie_word_embeddings", True)) and not any(
+            t.name.startswith("lm_head.") for t in tensors)
+        served, source = checkpoint_served_bytes(tensors, quant, tied)
+        weights = WeightFigures(served, 0, source=source)
+        dtype = "fp32"
+    elif header is not None and config.quantize != "none":
         # served as the file holds it (gguf_load): integers and scales, fp32 activations, nothing prepacked
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(header.types().items()))
         weights = WeightFigures(header.served_bytes(), 0, source=f"GGUF header of {gguf.name if gguf else '?'}: "
@@ -265,8 +273,9 @@ def preflight(model_dir: str | Path, config: EngineConfig, *, meminfo: Path = ME
         total = sum(p.stat().st_size for pattern in ("*.bin", "*.pt", "*.pth") for p in Path(model_dir).glob(pattern))
         weights = WeightFigures(total, total, source="file sizes: no safetensors headers")
     budget = memory_budget(meminfo, cgroup_root, self_cgroup)
-    if config.quantize in ("int8", "int4") and gguf is None:  # the fp32 model loads whole, then is quantized
-        if weights.total_bytes > budget.bytes:
+    if config.quantize in ("int8", "int4") and gguf is None and quant is None:
+        # safetensors are quantized layer by layer while loading (quant_ckpt_load); other files load whole first
+        if not tensors and weights.total_bytes > budget.bytes:
             raise InsufficientMemory(f"option.quantize={config.quantize} quantizes after loading: the fp32 weights "
                                      f"({_size(weights.total_bytes)}) do not fit this worker's memory "
                                      f"({budget.describe()})")

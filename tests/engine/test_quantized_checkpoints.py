@@ -1,0 +1,383 @@
+"""Quantized checkpoints of the vLLM/LMI world loaded straight into the integer kernels (``quant_ckpt_load``), made
+FROM THE REAL SmolLM2 fp32 weights: compressed-tensors ``pack-quantized`` by compressed-tensors itself (min-max
+scales from its own ``calculate_qparams``, compressed by its ``ModelCompressor``), the reference its own
+``PackedQuantizationCompressor.decompress``; AWQ GEMM packed here and unpacked for the reference by
+compressed-tensors' own ``AutoAWQConverter``; GPTQ (no GPTQ library installs on this CPU-only torch) packed here as
+the format lays its words out, the reference computed from the integers before packing. Then: greedy tokens equal
+transformers' on the reference weights (the rolling engine and the dynamic handler), refusals by name, the plan,
+and option.quantize on a float checkpoint quantized while loading (same layers as before, a bounded peak)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from handlers.base import Context, Input
+from handlers.engine.engine import LLMEngine
+from handlers.engine.execution.checkpoint_quant import AWQ_ORDER
+from handlers.engine.execution.quant_ckpt_load import load_quantized_checkpoint, load_quantizing
+from handlers.engine.execution.quantize import QuantizedLinear, quantize_linears
+from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.memory import preflight
+from handlers.engine.planning.quant_config import parse_checkpoint_quant
+from handlers.huggingface import HuggingFaceHandler
+from rollcore.errors import ConfigError
+from rollcore.types import SamplingParams
+from tests.engine.conftest import greedy_together
+from tests.real_model import smollm2_folder
+
+# compressed-tensors' schemes: (bits, group size (0: per channel), symmetric)
+CT = {"ct-w4-g32": (4, 32, True), "ct-w4-g64-asym": (4, 64, False), "ct-w8-channel": (8, 0, True),
+      "ct-w8-channel-asym": (8, 0, False)}
+GROUP = 64  # GPTQ and AWQ: 576 and 1536 inputs (128 divides neither 576 nor 192 output channels of k/v)
+TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+         "The three primary colors are", "Water boils at"]
+NEW_TOKENS = 8
+_GPTQ_WEIGHTS: dict[str, torch.Tensor] = {}  # the GPTQ checkpoint's layers from its integers before packing
+
+
+def _fp32_model() -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()
+
+
+def _linears(model: nn.Module) -> dict[str, nn.Linear]:
+    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"}
+
+
+def _folder_files(base: Path, out: Path) -> None:
+    for path in base.iterdir():
+        if path.suffix != ".safetensors" and path.name != "config.json" and not (out / path.name).exists():
+            shutil.copy(path, out / path.name)
+
+
+def _compressed_tensors(base: nn.Module, out: Path, bits: int, group: int, symmetric: bool) -> None:
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = copy.deepcopy(base)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy="group" if group else "channel",
+                            group_size=group or None)
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                                ignore=["lm_head"], quantization_status=QuantizationStatus.INITIALIZED)
+    apply_quantization_config(model, config, show_progress=False)
+    for module in _linears(model).values():  # calibration-free min-max observers
+        w = module.weight.data
+        grouped = w.view(w.shape[0], -1, group) if group else w.unsqueeze(1)
+        scale, zero = calculate_qparams(grouped.amin(2), grouped.amax(2), args)
+        module.weight_scale.data.copy_(scale)
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero)
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+
+
+def _minmax_4bit(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group: q, zero (uint 0..15) [out, in] / [out, groups], fp16 scales [out, groups]."""
+    grouped = w.view(w.shape[0], -1, group)
+    lo, hi = grouped.amin(2).clamp(max=0), grouped.amax(2).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-6).half()
+    zero = torch.round(-lo / scale.float()).clamp(0, 15)
+    q = torch.round(grouped / scale.float()[..., None] + zero[..., None]).clamp(0, 15).view_as(w)
+    return q.to(torch.int64), zero.to(torch.int64), scale
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """[..., 8] values 0..15 -> int32 words, value i at bits 4i."""
+    words = (values << torch.arange(0, 32, 4, dtype=torch.int64)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
+
+
+def _gptq_or_awq(base: nn.Module, out: Path, method: str) -> dict[str, torch.Tensor]:
+    """A GPTQ (original format: zeros stored minus one) or AWQ GEMM checkpoint; returns each layer's weight as
+    ``(q - zero) * scale`` from the integers before packing."""
+    tensors = {k: v.contiguous() for k, v in base.state_dict().items() if k != "lm_head.weight"}
+    expected = {}
+    for name, module in _linears(base).items():
+        q, zero, scale = _minmax_4bit(module.weight.detach(), GROUP)
+        del tensors[f"{name}.weight"]
+        expected[name] = (q - zero.repeat_interleave(GROUP, 1)).float() * scale.float().repeat_interleave(GROUP, 1)
+        out_f, in_f = q.shape
+        if method == "gptq":  # qweight [in / 8, out] along the inputs; qzeros [groups, out / 8] along the outputs
+            tensors[f"{name}.qweight"] = _words(q.T.reshape(in_f // 8, 8, out_f).transpose(1, 2))
+            tensors[f"{name}.qzeros"] = _words((zero.T - 1).reshape(-1, out_f // 8, 8))
+            tensors[f"{name}.g_idx"] = (torch.arange(in_f) // GROUP).to(torch.int32)
+        else:  # AWQ: qweight [in, out / 8], word nibble i holds column AWQ_ORDER[i] of its eight
+            order = torch.tensor(AWQ_ORDER)
+            tensors[f"{name}.qweight"] = _words(q.T.reshape(in_f, out_f // 8, 8)[:, :, order])
+            tensors[f"{name}.qzeros"] = _words(zero.T.reshape(-1, out_f // 8, 8)[:, :, order])
+        tensors[f"{name}.scales"] = scale.T.contiguous()
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((smollm2_folder() / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False,
+         "checkpoint_format": "gptq"} if method == "gptq" else
+        {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"})
+    (out / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("quantized")
+    base = _fp32_model()
+    out = {}
+    for name, (bits, group, symmetric) in CT.items():
+        _compressed_tensors(base, root / name, bits, group, symmetric)
+        out[name] = root / name
+    for method in ("gptq", "awq"):
+        expected = _gptq_or_awq(base, root / method, method)
+        out[method] = root / method
+        if method == "gptq":
+            _GPTQ_WEIGHTS.update(expected)
+    for folder in out.values():
+        _folder_files(smollm2_folder(), folder)
+    return out
+
+
+def _reference_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Each quantized layer's float weight as the format's library decompresses it (GPTQ: from the integers)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    tensors = load_file(folder / "model.safetensors")
+    layers = sorted({k.rpartition(".")[0] for k in tensors if k.endswith((".weight_packed", ".qweight"))})
+    if config["quant_method"] == "gptq":
+        return _GPTQ_WEIGHTS
+    if config["quant_method"] == "awq":
+        from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+        converter = AutoAWQConverter.from_autoawq_config(config)
+        for k in [k for k in tensors if k.endswith(".scales")]:
+            tensors[k] = tensors[k].float()  # the library's unpacking under test; its products exact in fp32
+        tensors = converter.process(tensors)
+        group = converter._build_quant_config().config_groups["config_group_0"]
+        scheme = QuantizationScheme(targets=["Linear"], weights=group.weights)
+    else:
+        group = config["config_groups"]["group_0"]
+        scheme = QuantizationScheme(targets=group["targets"], weights=QuantizationArgs(**group["weights"]))
+    out = {}
+    for layer in layers:
+        state = {k.rpartition(".")[2]: v for k, v in tensors.items() if k.rpartition(".")[0] == layer}
+        out[layer] = PackedQuantizationCompressor.decompress(state, scheme)["weight"].float()
+    return out
+
+
+def _reference_model(folder: Path) -> nn.Module:
+    model = _fp32_model()
+    for name, weight in _reference_weights(folder).items():
+        model.get_submodule(name).weight = nn.Parameter(weight, requires_grad=False)
+    return model
+
+
+@pytest.mark.parametrize("name", [*CT, "gptq", "awq"])
+def test_layers_and_logits_equal_the_formats_own_dequantization(checkpoints: dict[str, Path], name: str) -> None:
+    folder = checkpoints[name]
+    model = load_quantized_checkpoint(folder, parse_checkpoint_quant(json.loads((folder / "config.json").read_text())),
+                                      "fp32")
+    reference = _reference_model(folder)
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert len(quantized) == 30 * 7, len(quantized)  # every projection; the tied output projection stays float
+    for layer, module in quantized.items():
+        want = reference.get_submodule(layer).weight
+        torch.testing.assert_close(module.dequantized(), want, rtol=0, atol=1e-6 * want.abs().max().item())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.tensor([list(range(300, 340))])
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["ct-w4-g32", "ct-w4-g64-asym", "ct-w8-channel", "gptq", "awq"])
+def test_greedy_tokens_equal_transformers_on_the_dequantized_model(checkpoints: dict[str, Path], name: str) -> None:
+    """The rolling engine and the dynamic handler, 5 prompts each, against ``generate`` on the reference weights."""
+    folder = checkpoints[name]
+    reference = _reference_model(folder)
+    handler = HuggingFaceHandler()
+    handler.initialize(Context("m", folder, {"quantized_activations": "fp32"}))
+    assert isinstance(handler.model.model.layers[0].mlp.down_proj, QuantizedLinear)
+    prompts = [handler.tokenizer(text).input_ids for text in TEXTS]
+    want = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long), eos_token_id=None)
+        want.append(out[0, len(prompt):].tolist())
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    answers = handler.handle([Input(str(i), text, params) for i, text in enumerate(TEXTS)])
+    assert [[t.id for t in a.tokens] for a in answers] == want
+    del handler
+    engine = LLMEngine.from_options(folder, {"num_kv_blocks": "64", "block_size": "16", "max_model_len": "256",
+                                             "quantized_activations": "fp32"})
+    assert engine.runner.lean is not None  # the engine's own forward over the integer layers
+    assert greedy_together(engine, prompts, NEW_TOKENS) == want
+
+
+def test_the_memory_plan_is_what_loading_takes(checkpoints: dict[str, Path]) -> None:
+    for name in ("ct-w4-g32", "ct-w8-channel", "gptq"):
+        folder = checkpoints[name]
+        plan = preflight(folder, EngineConfig.from_options({}))
+        model = load_quantized_checkpoint(folder, parse_checkpoint_quant(
+            json.loads((folder / "config.json").read_text())))
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()] if t is not None}
+        rotary = sum(b.nbytes for n, b in model.named_buffers() if "rotary" in n)
+        assert plan.weight_bytes == sum(held.values()) - rotary, name
+        assert plan.dtype == "fp32" and "as integers" in plan.weights.source, plan.weights.source
+    fp32 = preflight(smollm2_folder(), EngineConfig.from_options({"dtype": "fp32"}))
+    assert preflight(checkpoints["ct-w4-g32"], EngineConfig.from_options({})).weight_bytes < fp32.weight_bytes / 2
+
+
+def _broken_copy(source: Path, out: Path, edit: dict[str, torch.Tensor | None]) -> Path:
+    out.mkdir()
+    tensors = load_file(source / "model.safetensors")
+    for key, value in edit.items():
+        if value is None:
+            del tensors[key]
+        else:
+            tensors[key] = value
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    for path in source.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, out / path.name)
+    return out
+
+
+def _refused(folder: Path, pattern: str) -> None:
+    for load in (lambda: LLMEngine.from_options(folder, {}),
+                 lambda: HuggingFaceHandler().initialize(Context("m", folder, {}))):
+        with pytest.raises(ConfigError, match=pattern) as caught:
+            load()
+        assert str(folder.parent) not in str(caught.value)
+
+
+def test_bad_tensors_are_refused_naming_the_file_and_tensor(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    source = checkpoints["ct-w4-g32"]
+    scale = "model.layers.0.self_attn.q_proj.weight_scale"
+    wrong = _broken_copy(source, tmp_path / "wrong", {scale: torch.ones(576, 17)})
+    _refused(wrong, rf"^model\.safetensors: tensor {scale} is float32 \[576, 17\], where 18 group\(s\) per output "
+                    r"channel needs \[576, 18\]$")
+    missing = "model.layers.1.mlp.down_proj.weight_scale"
+    gone = _broken_copy(source, tmp_path / "gone", {missing: None})
+    _refused(gone, rf"^model\.safetensors: tensor {missing} is missing \(a quantized layer needs it\)$")
+    qzeros = "model.layers.2.self_attn.k_proj.qzeros"
+    bad_gptq = _broken_copy(checkpoints["gptq"], tmp_path / "gptq", {qzeros: torch.zeros(9, 8, dtype=torch.int32)})
+    _refused(bad_gptq, rf"^model\.safetensors: tensor {qzeros} is int32 \[9, 8\], where 9 group\(s\) of 64 inputs "
+                       r"needs int32 \[9, 24\]$")
+
+
+@pytest.mark.parametrize("quantization, message", [
+    ({"quant_method": "bitsandbytes", "bits": 4, "load_in_4bit": True},
+     r"quantization_config \(quant_method 'bitsandbytes', 4 bits\) is not loaded by this server"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"},
+     r"quantization_config \(quant_method 'fp8'\) is not loaded by this server"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True},
+     r"quantization_config \(quant_method 'gptq', desc_act=true\): act-order checkpoints \(g_idx\) are not loaded"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 64},
+     r"quantization_config \(quant_method 'gptq', 8 bits\): only 4-bit GPTQ checkpoints are loaded"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemv"},
+     r"quantization_config \(quant_method 'awq', version 'gemv'\): only the GEMM layout is loaded"),
+])
+def test_other_formats_are_refused_by_name(checkpoints: dict[str, Path], tmp_path: Path,
+                                           quantization: dict[str, object], message: str) -> None:
+    folder = tmp_path / "other"
+    folder.mkdir()
+    for path in checkpoints["gptq"].iterdir():
+        (folder / path.name).symlink_to(path)
+    (folder / "config.json").unlink()
+    config = json.loads((checkpoints["gptq"] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    _refused(folder, rf"^other/config\.json: {message}")
+
+
+def test_a_float_checkpoint_quantized_while_loading_has_the_same_layers_as_before() -> None:
+    """option.quantize on fp32 safetensors: the layers ``quantize_linears`` made from the whole loaded model, bit
+    for bit (so the served answers do not change)."""
+    for mode in ("int8", "int4"):
+        new = load_quantizing(smollm2_folder(), mode, 32, "fp32")
+        assert new is not None
+        old = _fp32_model()
+        quantize_linears(old, mode, 32)
+        layers = {n: m for n, m in old.named_modules() if isinstance(m, QuantizedLinear)}
+        assert len(layers) == 30 * 7 + 1
+        for name, module in layers.items():
+            ours = new.get_submodule(name)
+            assert isinstance(ours, QuantizedLinear) and ours.bits == module.bits, name
+            for buffer in ("qweight", "scale", "minimum"):
+                a, b = getattr(ours, buffer), getattr(module, buffer)
+                assert (a is None and b is None) or torch.equal(a, b), (name, buffer)
+        assert torch.equal(new.model.embed_tokens.weight, old.model.embed_tokens.weight)
+
+
+_PEAK = """
+import json, sys
+from pathlib import Path
+import transformers.models.llama.modeling_llama  # the code's own memory, not the weights'
+from handlers.engine.execution import quant_ckpt_load, quantize
+quantize._kernel()
+def status(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
+before = status("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM: the peak from here on
+model = quant_ckpt_load.load_quantizing(Path(sys.argv[1]), sys.argv[2], 32, "fp32")
+held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
+print(json.dumps({"before": before, "peak": status("VmHWM:"), "held": sum(held.values())}))
+"""
+
+
+def _large_checkpoint(out: Path) -> tuple[int, int]:
+    """A llama of ~390 MB of fp32 weights (fixed seed); returns (fp32 bytes, the largest tensor's bytes)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                         num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=True)
+    out.mkdir()
+    config.save_pretrained(out)
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (8192, 1024), "model.norm.weight": (1024,)}
+    for i in range(8):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (1024, 1024), p + "self_attn.k_proj.weight": (256, 1024),
+                   p + "self_attn.v_proj.weight": (256, 1024), p + "self_attn.o_proj.weight": (1024, 1024),
+                   p + "mlp.gate_proj.weight": (2816, 1024), p + "mlp.up_proj.weight": (2816, 1024),
+                   p + "mlp.down_proj.weight": (1024, 2816), p + "input_layernorm.weight": (1024,),
+                   p + "post_attention_layernorm.weight": (1024,)}
+    tensors = {k: torch.randn(s, generator=generator) * 0.02 for k, s in shapes.items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return sum(t.nbytes for t in tensors.values()), max(t.nbytes for t in tensors.values())
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantizing_while_loading_never_holds_the_fp32_model(tmp_path: Path, mode: str) -> None:
+    fp32, largest = _large_checkpoint(tmp_path / "large")
+    done = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / "large"), mode], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    rss = json.loads(done.stdout.strip().splitlines()[-1])
+    peak = rss["peak"] - rss["before"]
+    # the served model (int8 or int4 layers, the fp32 embedding) plus one layer's work, never the fp32 weights
+    assert rss["held"] < fp32 / 2.5, (rss, fp32)
+    assert peak <= rss["held"] + 6 * largest, (rss, largest)
+    assert peak < fp32 / 2, (rss, fp32)

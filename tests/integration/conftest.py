@@ -3,8 +3,8 @@ models takes most of a test's time on a 2-core machine).
 
 ``api_server``: ``tiny`` (the default model, dynamic batching, unknown request fields refused), ``tiny-rb`` (the
 same weights, rolling batching, small batch, unknown fields ignored as by default) and ``echo`` (torch-free).
-``smollm2_server``: the real SmolLM2-135M-Instruct (``tests/real_model.py``) as ``smollm2`` (rolling batching,
-auto tool choice) and ``dyn`` (dynamic batching).
+``smollm2_server``: the real SmolLM2-135M-Instruct (``tests/real_model.py``) as ``smollm2`` (rolling batching)
+and ``dyn`` (dynamic batching).
 ``echo_server``: torch-free models only (``echo``, ``slow`` (0.5 s per request, one at a time) and ``attrs``, a
 custom handler that reflects its request attributes), with the inference API bound to ``SAGEMAKER_BIND_TO_PORT``,
 as SageMaker starts a container.
@@ -35,7 +35,7 @@ def handle(inputs):
 def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = smollm2_folder()
     rolling = {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "16", "option.max_model_len": "2048",
-               "option.kv_cache_populate": "lazy", "option.enable_auto_tool_choice": "true"}
+               "option.kv_cache_populate": "lazy"}
     dynamic = {"option.max_model_len": "2048", "batch_size": "4", "max_batch_delay": "50"}
     srv = ServerProcess.start(tmp_path_factory.mktemp("smollm2"), models={"smollm2": rolling, "dyn": dynamic},
                               sources={"smollm2": folder, "dyn": folder}, timeout_s=600)

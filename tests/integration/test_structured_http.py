@@ -185,8 +185,54 @@ def test_forced_tool_calls_validate_streamed_and_not(client: openai.OpenAI, choi
             (t.function.name, t.function.arguments) for t in message.tool_calls]  # greedy: the same calls
 
 
-def test_auto_answers_are_the_parsed_free_answer(client: openai.OpenAI) -> None:
-    """tool_choice auto is the free answer (tool_choice none renders the same prompt) read by the hermes parser."""
+# An agent's conversation: two earlier turns in which the model called get_weather in the Hermes format (the generic
+# format this server prompts SmolLM2 with), so that it calls again; those calls omit "unit", which the tool requires.
+EARLIER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+AGENT_TURNS = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"role": "assistant", "content": EARLIER % "Paris"},
+               {"role": "user", "content": "What is the weather in Berlin?"},
+               {"role": "assistant", "content": EARLIER % "Berlin"}]
+NEW_CITIES = ["Tokyo", "Rome", "Lima"]
+
+
+def agent_ask(client: openai.OpenAI, city: str, model: str = "smollm2", **kw: Any) -> Any:
+    return client.chat.completions.create(
+        model=model, temperature=0, max_tokens=60, tools=[WEATHER], messages=[
+            *AGENT_TURNS, {"role": "user", "content": f"What is the weather in {city}?"}], **kw)
+
+
+@pytest.mark.parametrize("model", ["smollm2", "dyn"])
+def test_auto_is_on_by_default_and_a_call_the_model_starts_is_valid(client: openai.OpenAI, model: str) -> None:
+    """tool_choice auto (no option set, no tool_choice sent): the model starts a call; from its marker on the
+    grammar holds it to the tool's schema, so the required "unit" the free answer leaves out is there."""
+    for city in NEW_CITIES:
+        free = agent_ask(client, city, model, tool_choice="none").choices[0]
+        free_calls = parse(free.message.content, "hermes")[1]
+        assert [c["name"] for c in free_calls] == ["get_weather"], free.message.content  # the model does call
+        assert "unit" not in json.loads(free_calls[0]["arguments"])  # ... and, unconstrained, misses "unit"
+        auto = agent_ask(client, city, model).choices[0]
+        assert auto.finish_reason == "tool_calls" and auto.message.content is None
+        assert [c.function.name for c in auto.message.tool_calls or ()] == ["get_weather"]
+        arguments = json.loads(auto.message.tool_calls[0].function.arguments)  # type: ignore[index]
+        jsonschema.validate(arguments, SCHEMAS["get_weather"])
+        assert arguments["city"] == json.loads(free_calls[0]["arguments"])["city"]  # the same call, made valid
+
+
+def test_an_auto_call_streams_as_it_answers_whole(client: openai.OpenAI) -> None:
+    whole = agent_ask(client, NEW_CITIES[0]).choices[0].message
+    chunks = [c for c in agent_ask(client, NEW_CITIES[0], stream=True) if c.choices]
+    calls: dict[int, dict[str, str]] = {}
+    for c in chunks:
+        for part in c.choices[0].delta.tool_calls or ():
+            entry = calls.setdefault(part.index, {"name": part.function.name or "", "arguments": ""})
+            entry["arguments"] += part.function.arguments or ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (t.function.name, t.function.arguments) for t in whole.tool_calls or ()]
+
+
+def test_auto_without_a_call_is_the_free_answer(client: openai.OpenAI) -> None:
+    """No call started: nothing is constrained, the answer is the one tool_choice none gives (same prompt)."""
     def one(question: str, choice: str) -> Any:
         return ask(client, question, max_tokens=80, tools=[WEATHER, FLIGHT], tool_choice=choice).choices[0]
 
@@ -194,11 +240,9 @@ def test_auto_answers_are_the_parsed_free_answer(client: openai.OpenAI) -> None:
         answers = {(q, c): pool.submit(one, q, c) for q in ASKS for c in ("none", "auto")}
     for question in ASKS:
         free, auto = answers[(question, "none")].result(), answers[(question, "auto")].result()
-        content, calls = parse(free.message.content, "hermes")
-        assert [(c.function.name, c.function.arguments) for c in auto.message.tool_calls or ()] == [
-            (c["name"], c["arguments"]) for c in calls]
-        assert (auto.message.content or "").strip() == (content or "").strip()
-        assert auto.finish_reason == ("tool_calls" if calls else free.finish_reason)
+        assert "<tool_call>" not in (free.message.content or "")  # these questions alone make no call
+        assert auto.message.tool_calls is None and auto.message.content == free.message.content
+        assert auto.finish_reason == free.finish_reason
 
 
 def test_tool_history_reaches_the_template(client: openai.OpenAI, tmp_path: Path) -> None:

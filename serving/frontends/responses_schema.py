@@ -224,7 +224,8 @@ def chat_body(req: ResponsesRequest, model: str, messages: list[dict[str, Any]])
     elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
     fmt = req.text.format if req.text is not None else None
-    if fmt is not None and fmt.type != "text":
+    forced = isinstance(req.tool_choice, ResponsesToolChoice) or (req.tool_choice == "required" and req.tools)
+    if fmt is not None and fmt.type != "text" and not forced:  # a forced answer is a call: the format is for text
         if fmt.type == "json_schema":
             if fmt.format_schema is None:
                 raise InvalidRequest("'text.format.schema' is required with type 'json_schema'")

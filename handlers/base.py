@@ -61,6 +61,7 @@ class Output:
     error: str | None = None
     prompt_logprobs: tuple[TokenInfo, ...] | None = None  # SamplingParams.prompt_logprobs: one per prompt token
     error_kind: ErrorKind = ErrorKind.HANDLER
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector (SamplingParams.embed)
 
     @classmethod
     def failure(cls, request_id: str, message: str, kind: ErrorKind = ErrorKind.HANDLER) -> Output:

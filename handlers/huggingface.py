@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
 from handlers.base import Context, Handler, Input, Output
+from handlers.embedding import Embedder, EmbeddingTask
 from handlers.engine.execution.gguf_load import load_gguf_model
 from handlers.engine.execution.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
 from handlers.engine.execution.grammar_trigger import Trigger
@@ -82,6 +83,7 @@ class HuggingFaceHandler(Handler):
         self.pad_token_id = 0
         self.vocab_size = 0
         self._grammars: GrammarCompiler | None = None  # built with the first constrained request
+        self.embedder: Embedder | None = None  # embedding requests: the decoder's pooled hidden states
 
     def initialize(self, ctx: Context) -> None:
         self.model_name = ctx.model_name
@@ -126,6 +128,8 @@ class HuggingFaceHandler(Handler):
         self._padding_shifts_windows = bool(getattr(self.model.config, "sliding_window", None)) and (
             not layer_types or "sliding_attention" in layer_types)
         self._init_limits(ctx)
+        task = EmbeddingTask.from_options(ctx.properties, Path(path), decoder=True)
+        self.embedder = Embedder(self.model.base_model, self.tokenizer, task, self.max_model_len, self.vocab_size)
         log.info("model %s loaded from %s (%s, max_model_len=%d)", ctx.model_name, path, dtype_name,
                  self.max_model_len)
 
@@ -151,7 +155,8 @@ class HuggingFaceHandler(Handler):
             eos = min(self.eos_token_ids)
         return {"max_model_len": self.max_model_len, "eos_token_id": eos,
                 "chat_template": self.tokenizer.chat_template or None, "vocab_size": self.vocab_size,
-                "structured_output": True, "prompt_logprobs": True, "beam_search": True}
+                "structured_output": True, "prompt_logprobs": True, "beam_search": True,
+                **(self.embedder.task.describe(int(self.model.config.hidden_size)) if self.embedder else {})}
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         """Render chat ``messages`` to a prompt (with the assistant turn opened). Raises ``InvalidRequest``."""
@@ -162,8 +167,14 @@ class HuggingFaceHandler(Handler):
     def handle(self, inputs: Sequence[Input]) -> list[Output]:
         outputs: list[Output | None] = [None] * len(inputs)
         groups: dict[Hashable, list[_Item]] = {}
+        embeds: list[int] = []  # embedding requests: one forward of their prompts (handlers.embedding)
         for index, request in enumerate(inputs):
             try:
+                if self.embedder is not None:
+                    self.embedder.task.check(request.params.embed)
+                if request.params.embed:
+                    embeds.append(index)
+                    continue
                 item = _Item(index, request, self._prepare(request), self._matcher(request.params))
             except ServingError as exc:
                 outputs[index] = Output.failure(request.request_id, exc.message, exc.kind)
@@ -183,6 +194,9 @@ class HuggingFaceHandler(Handler):
                            for i in items]
             for item, result in zip(items, results, strict=True):
                 outputs[item.index] = result
+        if embeds and self.embedder is not None:
+            for index, out in zip(embeds, self.embedder.embed([inputs[k] for k in embeds]), strict=True):
+                outputs[index] = out
         return [o for o in outputs if o is not None]
 
     def _prepare(self, request: Input) -> list[int]:

@@ -2,6 +2,7 @@
 
 Design note: runs in the backend worker process only. An entry point is one of
   - a built-in name: ``huggingface``, ``echo``, ``rolling`` (imported lazily, so ``echo`` never pulls torch);
+    ``huggingface`` with ``option.task=embedding`` is ``handlers.embedding.EmbeddingHandler``;
   - a ``*.py`` file inside the model folder (``model.py`` by DJL convention), imported by path under a
     unique module name; the resolved path must stay inside the model folder;
   - a dotted ``package.module`` or ``package.module:ClassName``.
@@ -25,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from handlers.base import Context, Handler, Input, Output, RollingHandler
+from rollcore.options import option_value
 
 BUILTIN_HANDLERS: dict[str, str] = {
     "huggingface": "handlers.huggingface:HuggingFaceHandler",
@@ -33,6 +35,8 @@ BUILTIN_HANDLERS: dict[str, str] = {
     # DJL spellings of the same handlers.
     "djl_python.huggingface": "handlers.huggingface:HuggingFaceHandler",
 }
+
+EMBEDDING_HANDLER = "handlers.embedding:EmbeddingHandler"  # huggingface with option.task=embedding
 
 AnyHandler = Handler | RollingHandler
 
@@ -75,6 +79,9 @@ def load_handler(ctx: Context, entry_point: str) -> AnyHandler:
     if not name:
         raise ValueError("entry point is empty: set option.entryPoint to a built-in name or a .py file")
     if name in BUILTIN_HANDLERS:
+        if BUILTIN_HANDLERS[name] == BUILTIN_HANDLERS["huggingface"] and \
+                option_value(ctx.properties, "task") == "embedding":
+            return _load_dotted(ctx, EMBEDDING_HANDLER)  # any AutoModel, embeddings only (dynamic batching)
         return _load_dotted(ctx, BUILTIN_HANDLERS[name])
     if name.endswith(".py"):
         return _from_module(ctx, _import_model_file(ctx.model_dir, name), name)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from handlers.base import Context, Input, RollingHandler
+from handlers.embedding import EmbeddingTask, model_folder
 from handlers.engine.engine import LLMEngine
 from handlers.validation import check_prompt_ids, check_sampling, check_token_ids
 from rollcore.types import TokenDelta
@@ -26,6 +27,7 @@ class HuggingFaceRollingHandler(RollingHandler):
     def __init__(self) -> None:
         self._engine: LLMEngine | None = None
         self.vocab_size = 0
+        self.task = EmbeddingTask("auto", "last", True)
 
     @property
     def engine(self) -> LLMEngine:
@@ -35,19 +37,28 @@ class HuggingFaceRollingHandler(RollingHandler):
 
     def initialize(self, ctx: Context) -> None:
         """Load model and tokenizer and preallocate the KV cache; ``ctx.properties`` are the options."""
+        # before the load: a bad value fails at once
+        self.task = EmbeddingTask.from_options(ctx.properties, model_folder(ctx), decoder=True)
         self._engine = LLMEngine.from_options(ctx.model_dir, ctx.properties, ctx.device_id)
         self.vocab_size = vocab_size(self._engine.model)
 
     def add(self, request: Input) -> None:
         """Check, tokenize (unless token ids were given) and queue. Raises ``InvalidRequest`` for bad sampling
-        values, an empty prompt, token ids outside the vocabulary, or a prompt that can never fit."""
-        check_sampling(request.params)
-        check_token_ids(request.params, self.vocab_size)
+        values, an empty prompt, token ids outside the vocabulary, or a prompt that can never fit; an embedding
+        request (``params.embed``) or a generation one that the model's ``option.task`` does not serve."""
+        self.task.check(request.params.embed)
+        if not request.params.embed:
+            check_sampling(request.params)
+            check_token_ids(request.params, self.vocab_size)
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         else:
             ids = list(self.engine.tokenizer(request.prompt)["input_ids"]) if request.prompt else []
         check_prompt_ids(ids, self.vocab_size)
+        if request.params.embed:
+            self.task.check_length(len(ids), self.engine.max_model_len)
+            self.engine.add_embedding(request.request_id, ids, self.task.pooling, self.task.normalize)
+            return
         self.engine.add(request.request_id, ids, request.params)
 
     def abort(self, request_id: str) -> None:
@@ -97,6 +108,7 @@ class HuggingFaceRollingHandler(RollingHandler):
             "structured_output": True,  # grammars are applied (handlers.engine.execution.grammar)
             "prompt_logprobs": True,
             "adapters": sorted(engine.lora.adapters) if engine.lora is not None else [],
+            **self.task.describe(int(engine.model.config.hidden_size)),
         }
 
 

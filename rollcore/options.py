@@ -135,6 +135,16 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           (SERVING,), "how tool calls look in the model's text; auto: as its chat template renders them (hermes, "
           "the generic format, when the template does not render tools)"),
     _spec("handler", any_text, None, (LOADER,), "the handler class of a custom entry point's module"),
+    _spec("task", choice(("auto", "generate", "embedding"), {"embed": "embedding"}), "auto", (SERVING, *_BOTH),
+          "what the model serves: auto = generation and, for a decoder, POST /v1/embeddings too (the prompt's "
+          "final hidden states pooled); generate; embedding = POST /v1/embeddings only (the generation routes "
+          "answer 400): an encoder such as BERT (any AutoModel folder) on dynamic batching, or a decoder on either "
+          "batching"),
+    _spec("pooling", choice(("auto", "last", "mean", "cls")), "auto", _BOTH,
+          "how an embedding pools the prompt's final hidden states: auto = a sentence-transformers folder's "
+          "pooling (and its normalisation), else last for a decoder (vLLM's default) and mean for an encoder; "
+          "last token, mean over the prompt's tokens, or cls (the first token). Vectors are L2-normalised unless a "
+          "sentence-transformers folder has no Normalize module"),
     # The rolling engine (handlers.engine.planning.config.EngineConfig) and the dynamic huggingface handler.
     _spec("max_prefill_tokens_while_decoding", integer(0), "256", (ENGINE,),
           "while sequences decode, prefill chunks take at most this many tokens of a step (a long prefill step "

@@ -71,6 +71,8 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool = False
     adapter: str | None = None  # a LoRA adapter of the model by name (None: the base model)
+    # an embedding request (/v1/embeddings): the prompt's forward pass only, answered with its pooled hidden state
+    embed: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -177,6 +179,7 @@ class TokenDelta:
     prompt_tokens: int | None = None
     error: str | None = None
     prompt_logprobs: tuple[TokenInfo, ...] | None = None
+    embedding: tuple[float, ...] | None = None  # an embedding request's pooled vector (its only delta)
 
     def to_wire(self) -> dict[str, Any]:
         wire = {
@@ -189,6 +192,8 @@ class TokenDelta:
         }
         if self.prompt_logprobs is not None:
             wire["pl"] = tokens_to_wire(self.prompt_logprobs)
+        if self.embedding is not None:
+            wire["em"] = list(self.embedding)
         return wire
 
     @classmethod
@@ -201,6 +206,7 @@ class TokenDelta:
             prompt_tokens=d["pt"],
             error=d["er"],
             prompt_logprobs=tokens_from_wire(d["pl"]) if d.get("pl") is not None else None,
+            embedding=tuple(float(x) for x in d["em"]) if d.get("em") is not None else None,
         )
 
 

@@ -289,6 +289,10 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
     rolling_batch, rolling_reason = _choose_rolling_batch(
         values["option.rolling_batch"], settings["option.rolling_batch"], entry_point,
         model_dir, values.get("option.model_id"), max_model_len if isinstance(max_model_len, int) else None)
+    if values.get("option.task") == "embedding" and rolling_batch != "disable" and entry_point in ENGINE_ENTRY_POINTS:
+        rolling_batch, rolling_reason = _embedding_encoder(
+            values["option.rolling_batch"], settings["option.rolling_batch"],
+            weights_folder(model_dir, values.get("option.model_id")), rolling_batch, rolling_reason)
     # The defaults of the options that the handler the model runs reads.
     runs = handlers_of(entry_point, rolling_batch != "disable")
     for key, spec in OPTION_SPECS.items():
@@ -356,6 +360,27 @@ def weights_folder(model_dir: Path, model_id: str | None) -> Path:
         return Path(model_dir)
     relative = Path(model_dir) / model_id
     return relative if relative.exists() else Path(model_id)
+
+
+def _embedding_encoder(requested: str, setting: Setting, folder: Path, effective: str, reason: str
+                       ) -> tuple[str, str]:
+    """``option.task=embedding`` on an encoder (BERT and kin): dynamic batching's ``AutoModel`` handler embeds with
+    it, the rolling engine runs decoders only. auto falls back to dynamic batching; an explicit rolling engine fails
+    the model by name. A decoder, or a folder without ``config.json``, keeps the choice made."""
+    from handlers.preflight import engine_admission  # torch-free
+
+    if not (folder / "config.json").is_file():
+        return effective, reason
+    config = engine_admission(folder, None)[0]
+    archs = [str(a) for a in config.get("architectures") or ()]
+    if config.get("is_decoder") or any(a.endswith("ForCausalLM") for a in archs):
+        return effective, reason
+    named = f"{archs[0] if archs else 'the model'} (model_type={config.get('model_type')})"
+    why = (f"option.task=embedding: {named} is an encoder, which the rolling engine does not run (it runs "
+           "decoders); dynamic batching serves its embeddings")
+    if requested == "auto":
+        return "disable", f"option.rolling_batch=auto: dynamic batching; {why}"
+    raise fail("option.rolling_batch", setting, f"{why}: set option.rolling_batch=disable (or auto)")
 
 
 def _choose_rolling_batch(requested: str, setting: Setting, entry_point: str, model_dir: Path,

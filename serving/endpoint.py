@@ -174,6 +174,14 @@ class ModelEndpoint:
         if request.params.adapter is not None and "adapters" not in self.info:
             raise InvalidRequest(f"model {self.name!r} does not serve LoRA adapters ('adapters' / 'adapter_id'): they "
                                  "run on the rolling engine (option.rolling_batch with option.enable_lora)")
+        tasks = self.info.get("tasks")  # the built-in handlers' (handlers.embedding.EmbeddingTask.describe)
+        if request.params.embed and "embedding" not in (tasks or ()):
+            raise InvalidRequest(f"model {self.name!r} does not compute embeddings" + (
+                f" (it serves the tasks {', '.join(tasks)})" if tasks else
+                " (its handler is not one of the built-in model handlers)"))
+        if not request.params.embed and tasks == ["embedding"]:
+            raise InvalidRequest(f"model {self.name!r} serves the task 'embedding' (option.task=embedding): it "
+                                 "generates no text; use POST /v1/embeddings")
         if request.params.prompt_logprobs is not None and not self.info.get("prompt_logprobs"):
             raise InvalidRequest(f"model {self.name!r} does not compute prompt log-probabilities (its handler is not "
                                  "one of the built-in text handlers)")

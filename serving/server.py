@@ -35,6 +35,7 @@ from serving.auth import Scope, build_authority
 from serving.frontends import openapi, tgi
 from serving.frontends.adapter_routes import AdapterRoutes
 from serving.frontends.apps import ModelReads, build_app
+from serving.frontends.embeddings import EmbeddingRoutes
 from serving.frontends.grpc import GrpcFrontend
 from serving.frontends.http_guard import ApiGuard
 from serving.frontends.httpio import HttpContext, ServerState
@@ -115,7 +116,7 @@ class Server:
         self.state.extra["completion_handler"] = openai_routes.completion_for_lmi  # LMI bodies with `prompt`
         return [*HealthRoutes(self.health).routes(), *SessionRoutes(self.http, self.lmi).routes(),
                 *self.lmi.routes(), *self.versions.inference_routes(),
-                *openai_routes.routes(), *TokenizerRoutes(self.http).routes(),
+                *openai_routes.routes(), *EmbeddingRoutes(self.http).routes(), *TokenizerRoutes(self.http).routes(),
                 *ResponsesRoutes(self.http, self.authority.required(Scope.INFERENCE)).routes(),
                 *MessagesRoutes(self.http).routes(),
                 *tgi.routes(self.http),

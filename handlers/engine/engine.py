@@ -31,6 +31,7 @@ from handlers.engine.execution.loading import eos_token_ids
 from handlers.engine.execution.lora import AdapterError, AdapterQueue, check_adapter, enable_lora
 from handlers.engine.execution.paged_attention import KVPool
 from handlers.engine.execution.parallel import TensorParallelGroup
+from handlers.engine.execution.pooling import POOLINGS, EmbeddingPool
 from handlers.engine.execution.runner import ModelRunner, kv_geometry
 from handlers.engine.execution.sampling import (
     RequestSampler,
@@ -135,6 +136,7 @@ class LLMEngine:
         self.vocab_size = int(model_cfg.vocab_size)  # the logits' width
         self._seed_source = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
+        self._embeddings = EmbeddingPool()  # embedding requests: prompt only, pooled (execution.pooling)
         self._compiling: PendingGrammars[_Request] = PendingGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
         self._lora_waiting: AdapterQueue[_Request] = AdapterQueue(self.lora, self._start_adapter)
         self._counters = {"num_steps_total": 0, "num_prefill_tokens_total": 0, "prompt_tokens_total": 0,
@@ -202,12 +204,26 @@ class LLMEngine:
             return
         self._compiling.add(request_id, req, params.grammar)
 
+    def add_embedding(self, request_id: str, prompt_token_ids: list[int], pooling: str = "last",
+                      normalize: bool = True) -> None:
+        """Queue an embedding request: its prompt runs like a prefill, answered by one delta with the ``pooling``
+        of its final hidden states (L2-normalised with ``normalize``). Raises ``InvalidRequest`` if it can never
+        run."""
+        if pooling not in POOLINGS or not self.runner.head_tap.available:
+            raise InvalidRequest(f"this model cannot embed with pooling {pooling!r} in the rolling engine")
+        if request_id in self._compiling or request_id in self._embeddings:
+            raise InvalidRequest(f"request id {request_id!r} is already in the engine")
+        seq = Sequence(request_id, list(prompt_token_ids), SamplingParams(max_new_tokens=0, embed=True),
+                       pooling=pooling)
+        self.scheduler.add(seq)
+        self._embeddings.add(request_id, seq.num_prompt_tokens, normalize)
+
     def abort(self, request_id: str) -> None:
         """Drop a request now (waiting or running); its blocks are free before the next step."""
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._release(req)
-        if req is not None or self._compiling.discard(request_id):
+        if req is not None or self._compiling.discard(request_id) or self._embeddings.discard(request_id):
             self.scheduler.abort(request_id)
             self._counters["num_requests_aborted_total"] += 1
 
@@ -270,8 +286,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return failed
-        adapters = [self._requests[c.seq.request_id].lora_slot for c in plan.chunks] if self.lora else []
+        adapters = [self._lora_slot(c.seq.request_id) for c in plan.chunks] if self.lora else []
         logits = self.runner.execute(plan.chunks, adapters if any(a >= 0 for a in adapters) else ())
+        embedded = self._pooled(plan.chunks) if self._embeddings else []
         if any(c.num_prompt_rows for c in plan.chunks):
             logits = score_prompt_rows(plan.chunks, logits, self.tokenizer.batch_decode, self._record_prompt_scores)
         self.scheduler.commit(plan)
@@ -289,7 +306,24 @@ class LLMEngine:
         seconds = time.perf_counter() - t0
         self.step_cost.add(plan.num_batched_tokens, seconds)
         self.step_fit.record(plan.num_batched_tokens - prompt_tokens, prompt_tokens, seconds)
-        return failed + deltas
+        return failed + embedded + deltas
+
+    def _lora_slot(self, request_id: str) -> int:
+        req = self._requests.get(request_id)  # embedding requests run on the base model
+        return req.lora_slot if req is not None else -1
+
+    def _pooled(self, chunks: tuple[ScheduledChunk, ...]) -> list[TokenDelta]:
+        """The embedding requests this step completed (their sequences finished, blocks freed)."""
+        if not any(c.seq.pooling is not None for c in chunks):
+            return []
+        hidden = self.runner.head_tap.take() if any(c.pooled_rows for c in chunks) else None
+        deltas = []
+        for chunk, delta in self._embeddings.fold(chunks, hidden):
+            self.scheduler.finish(chunk.seq)
+            self._counters["prompt_tokens_total"] += chunk.seq.num_prompt_tokens
+            self._counters["num_requests_finished_total"] += 1
+            deltas.append(delta)
+        return deltas
 
     def _record_prompt_scores(self, chunk: ScheduledChunk, infos: list[TokenInfo]) -> None:
         scores = self._requests[chunk.seq.request_id].prompt_scores

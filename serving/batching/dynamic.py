@@ -348,7 +348,9 @@ def _deliver(stream: ResultStream, out: dict[str, Any]) -> None:
         return
     stream.set_payload(out.get("payload"))
     prompt = out.get("prompt_logprobs")
+    embedding = out.get("embedding")
     stream.push(TokenDelta(request_id=stream.request_id, tokens=tokens_from_wire(out.get("tokens") or []),
                            text=out.get("text") or "", finish_reason=FinishReason(out.get("finish_reason") or "length"),
                            prompt_tokens=int(out.get("prompt_tokens") or 0),
-                           prompt_logprobs=tokens_from_wire(prompt) if prompt is not None else None))
+                           prompt_logprobs=tokens_from_wire(prompt) if prompt is not None else None,
+                           embedding=tuple(float(x) for x in embedding) if embedding is not None else None))

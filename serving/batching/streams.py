@@ -45,6 +45,7 @@ class ResultStream:
         self.finish_reason: FinishReason | None = None
         self.error: ServingError | None = None
         self.payload: Any = None
+        self.embedding: tuple[float, ...] | None = None  # an embedding request's vector (its one delta carries it)
         self._done = False
         self._finish_callbacks: list[Callable[[ResultStream], None]] = []
         self.num_retries = 0
@@ -80,6 +81,8 @@ class ResultStream:
             self.prompt_tokens = delta.prompt_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.tokens:
             if self.first_token is None:
                 self.first_token = now

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from rollcore.errors import InvalidRequest, ModelNotFound, ServingError, Unavailable
 from rollcore.types import FinishReason, GenerationResult, TokenDelta, TokenInfo
 from serving.batching.streams import ResultStream
+from serving.frontends.embeddings import check_generates
 from serving.frontends.httpio import (
     REQUEST_ID_HEADER,
     HttpContext,
@@ -127,6 +128,7 @@ class OpenAIRoutes:
 
     async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool,
                    adapter: str | None = None) -> Response:
+        check_generates(ep)
         text = self.texts.get(ep)
         args = (body, ep.name, text, rid, self.ctx.limits, strict_parameters(ep))
         if chat:

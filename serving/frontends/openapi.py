@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from serving import knobs
 from serving.frontends import messages_schema
+from serving.frontends.embeddings import embedding_components, embedding_paths
 from serving.frontends.responses_schema import RESPONSES_MODELS
 from serving.frontends.schemas import ROUTE_MODELS
 from serving.frontends.tokenizer_routes import TOKENIZER_MODELS
@@ -93,6 +94,7 @@ def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
                                               ("prompt_tokens", "completion_tokens", "total_tokens")}}
     return {
         **requests,
+        **embedding_components(limits),  # /v1/embeddings (OpenAI's error body)
         **messages_schema.openapi_components(limits),  # Anthropic's Messages API (its own names: no clash)
         "Error": {"type": "object", "required": ["error", "error_type", "request_id"], "properties": {
             "error": {"type": "string"}, "error_type": {"type": "string"}, "request_id": {"type": "string"}}},
@@ -164,6 +166,7 @@ def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, 
         "/v1/completions": _post("OpenAI completions", "CompletionRequest", openai_ok),
         "/v1/chat/completions": _post("OpenAI chat completions (the model's chat template)", "ChatRequest",
                                       openai_ok),
+        **embedding_paths(ERRORS),
         **responses_paths(),
         **messages_schema.openapi_paths(ERRORS),
         **tokenizer_paths(models),

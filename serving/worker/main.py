@@ -92,6 +92,7 @@ def output_to_wire(out: Any) -> dict[str, Any]:
         "payload": out.payload,
         "error": out.error,
         "error_kind": out.error_kind.value if out.error else None,
+        "embedding": list(out.embedding) if getattr(out, "embedding", None) is not None else None,
     }
 
 

@@ -19,7 +19,7 @@ INFERENCE_ROUTES = {"/ping", "/health/live", "/health/ready", "/predictions/{mod
                     "/v1/chat/completions", "/v1/responses", "/v1/responses/{response_id}",
                     "/v1/responses/{response_id}/cancel", "/generate", "/generate_stream", "/", "/info",
                     "/openapi.json", "/tokenize", "/detokenize", "/tokenizer_info", "/v1/models/{model_id}",
-                    "/v1/messages", "/v1/messages/count_tokens"}
+                    "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings"}
 MANAGEMENT_ROUTES = {"/models", "/models/{name}", "/requests/{request_id}", "/ping", "/health/live",
                      "/health/ready", "/metrics", "/openapi.json"}
 
@@ -32,9 +32,10 @@ def test_document_lists_every_route_with_errors(echo_server: ServerProcess) -> N
             if method == "post" and "requestBody" in op:  # a body may be too large (cancel takes none)
                 errors = {c for c in op["responses"] if c.startswith(("4", "5"))}
                 assert {"404", "413"} <= errors, (path, errors)
-                # the Responses API answers in OpenAI's error shape
+                # the Responses API and the embeddings route answer in OpenAI's error shape
+                openai_shape = {"/v1/responses": "/ResponsesError", "/v1/embeddings": "/EmbeddingError"}
                 assert op["responses"]["413"]["content"]["application/json"]["schema"]["$ref"].endswith(
-                    "/ResponsesError" if path.startswith("/v1/responses") else "/Error")
+                    next((v for k, v in openai_shape.items() if path.startswith(k)), "/Error"))
     mgmt = httpx.get(f"{echo_server.mgmt}/openapi.json", headers=echo_server.mgmt_headers, timeout=10).json()
     assert set(mgmt["paths"]) == MANAGEMENT_ROUTES
 

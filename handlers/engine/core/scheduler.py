@@ -66,8 +66,27 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence's tokens, so its last logits are sampled."""
+        """True when this chunk reaches the end of the sequence's tokens, so its last logits are sampled (never
+        for an embedding request, which is answered with its pooled hidden state instead)."""
+        return self.seq.pooling is None and self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def ends_prompt(self) -> bool:
+        """True when this chunk computes the last token it was given (an embedding request is then complete)."""
         return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def pooled_rows(self) -> range:
+        """Embedding requests: the rows of this chunk (from 0) whose final hidden states the pooling reads: the
+        prompt's last row (last), its first (cls) or all of them (mean)."""
+        pooling = self.seq.pooling
+        if pooling == "mean":
+            return range(self.num_tokens)
+        if pooling == "cls":
+            return range(1) if self.start == 0 else range(0)
+        if pooling == "last" and self.ends_prompt:
+            return range(self.num_tokens - 1, self.num_tokens)
+        return range(0)
 
     @property
     def num_prompt_rows(self) -> int:
@@ -415,8 +434,10 @@ class Scheduler:
         """Start (or restart) ``seq`` with a first chunk of at most ``budget`` tokens, if its blocks fit."""
         alloc = self.allocator
         # At least the last token is always computed so that its logits can be sampled; a request that wants
-        # its prompt's log-probabilities computes the whole prompt (a cached block holds KV, not logits).
-        reusable = 0 if seq.params.prompt_logprobs is not None else seq.num_tokens - 1
+        # its prompt's log-probabilities, or an embedding pooled over more than the last row, computes the whole
+        # prompt (a cached block holds KV, not logits or hidden states).
+        whole = seq.params.prompt_logprobs is not None or seq.pooling not in (None, "last")
+        reusable = 0 if whole else seq.num_tokens - 1
         cached, keys = alloc.match_prefix(seq.token_ids, reusable, root_key(seq.params.adapter))
         num_cached_tokens = len(cached) * self.config.block_size
         n = min(seq.num_tokens - num_cached_tokens, budget)

@@ -44,6 +44,8 @@ class Sequence:
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # an embedding request: how its prompt's hidden states are pooled (last, mean, cls); None: it generates
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

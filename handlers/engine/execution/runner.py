@@ -40,6 +40,7 @@ from handlers.engine.execution.paged_attention import (
     on_device,
     paged_attention_forward,
 )
+from handlers.engine.execution.pooling import HeadTap
 from handlers.engine.execution.prepack import can_prepack, prepack_linear_layers, warm_packed_kernels
 from handlers.engine.planning.families import UnsupportedModel
 
@@ -89,7 +90,8 @@ class StepInputs:
 
     ``seqs`` holds, per sequence, ``(q_start, start, num_new, block_table)`` where the table lists the
     blocks covering its first ``start + num_new`` tokens; ``keep`` holds the rows whose logits are sampled;
-    ``adapters`` each sequence's LoRA slot (-1: the base model), empty when no sequence has one.
+    ``adapters`` each sequence's LoRA slot (-1: the base model), empty when no sequence has one; ``pooled`` the
+    indices into ``keep`` of embedding requests' rows, whose hidden states are taken instead of logits (``pooling``).
     """
 
     input_ids: list[int]
@@ -98,6 +100,7 @@ class StepInputs:
     seqs: list[tuple[int, int, int, list[int]]]
     keep: list[int]
     adapters: list[int] = field(default_factory=list)
+    pooled: list[int] = field(default_factory=list)
 
 
 class StepBroadcaster(Protocol):
@@ -166,6 +169,8 @@ class ModelRunner:
         self.kernels = _kernels(self.device) if use_kernels else None
         self.lean: LeanDecoder | None = None
         self.graphs: DecodeGraphs | None = None
+        # embedding requests' rows are taken aside before the LM head (both forwards call this module)
+        self.head_tap = HeadTap(getattr(model, "lm_head", None) or model.get_output_embeddings())
         self._probe(num_layers)
         if lean:
             self.lean = self._lean_decoder()
@@ -257,6 +262,7 @@ class ModelRunner:
         slots: list[int] = []
         seqs: list[tuple[int, int, int, list[int]]] = []
         keep: list[int] = []
+        pooled: list[int] = []
         bs = self.block_size
         for c in chunks:
             seq = c.seq
@@ -269,14 +275,17 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
             seqs.append((q0, c.start, end - c.start, table[:-(-end // bs)]))
             keep.extend(range(q0, q0 + c.num_prompt_rows))
+            pooled.extend(range(len(keep), len(keep) + len(c.pooled_rows)))
+            keep.extend(q0 + r for r in c.pooled_rows)
             if c.samples:  # a decode with guesses samples after its token and after each guess
                 keep.extend(range(len(input_ids) - 1 - len(c.draft), len(input_ids)))
-        return StepInputs(input_ids, positions, slots, seqs, keep, list(adapters))
+        return StepInputs(input_ids, positions, slots, seqs, keep, list(adapters), pooled)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Run one prepared step through the model; returns the kept rows' logits [len(keep), vocab]."""
-        if self.graphs is not None and not inputs.adapters and self.graphs.fits(inputs.seqs, inputs.keep):
+        if self.graphs is not None and not inputs.adapters and not inputs.pooled and \
+                self.graphs.fits(inputs.seqs, inputs.keep):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.seqs)
         spans = tuple(SeqSpan(q0, start, num_new, tuple(table)) for q0, start, num_new, table in inputs.seqs)
         n = len(inputs.input_ids)
@@ -287,12 +296,15 @@ class ModelRunner:
         self.context.meta = StepMetadata(self.pool, slots, spans, self.block_size, self.kernels)
         if self.lora is not None and inputs.adapters:
             self.lora.set_step(inputs.seqs, inputs.adapters, self.device)
+        if inputs.pooled:
+            self.head_tap.arm(inputs.pooled)
         try:
             if self.lean is not None:
                 return self.lean.forward(ids, positions, keep)
             out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=keep)
         finally:
             self.context.meta = None
+            self.head_tap.disarm()
             if self.lora is not None:
                 self.lora.clear_step()
         return out.logits[0]

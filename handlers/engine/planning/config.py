@@ -60,6 +60,8 @@ class EngineConfig:
     enable_lora: bool = False  # LoRA adapters (handlers.engine.execution.lora)
     max_loras: int = 4
     max_lora_rank: int = 16
+    task: str = "auto"  # auto | generate | embedding: which requests the engine takes (handlers.embedding)
+    pooling: str = "auto"  # embedding requests' pooling (auto: the folder's sentence-transformers config, else last)
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> EngineConfig:
@@ -119,6 +121,8 @@ class EngineConfig:
             enable_lora=get("enable_lora"),
             max_loras=get("max_loras"),
             max_lora_rank=get("max_lora_rank"),
+            task=get("task"),
+            pooling=get("pooling"),
         )
 
 

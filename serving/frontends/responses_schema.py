@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from rollcore.errors import InvalidRequest
-from serving.frontends.schemas import MAX_MESSAGES, MAX_TOOLS, FunctionName, OpenModel, Prompt, Text
+from serving.frontends.schemas import MAX_MESSAGES, MAX_TOOLS, FunctionName, Prompt, Text
 from serving.params import MaxNewTokens, Seed, Temperature, TopP
 from serving.schema import BY_SHAPE, Only, StrictModel
 from serving.validation import RequestSchema
@@ -31,22 +31,26 @@ ItemType = Literal["message", "function_call", "function_call_output", "reasonin
 INCLUDABLE = ("reasoning.encrypted_content",)  # accepted: reasoning is returned in the clear, nothing is encrypted
 
 
-class ResponsesInputPart(OpenModel):
-    """A text part of an input message; other keys (``annotations``, ``logprobs`` of an earlier answer) are
-    accepted and ignored."""
+class ResponsesInputPart(StrictModel):
+    """A part of an input message: text (``input_text``, ``output_text``: an earlier answer's, sent back with its
+    ``annotations`` and ``logprobs``), an earlier answer's ``refusal``, or a reasoning item's ``reasoning_text``."""
 
-    type: Annotated[str, Only(("input_text", "output_text"), "must be 'input_text' or 'output_text' (only text "
-                                                            "parts are supported)")]
-    text: Text
+    type: Annotated[str, Only(("input_text", "output_text", "refusal", "reasoning_text"),
+                              "must be 'input_text', 'output_text', 'refusal' or 'reasoning_text' (only text parts "
+                              "are supported)")]
+    text: Text | None = Field(None, description="the text (every type but refusal)")
+    refusal: Text | None = Field(None, description="a refusal part's text")
+    annotations: list[Any] | None = Field(None, description="an earlier answer's (ignored)")
+    logprobs: list[Any] | None = Field(None, description="an earlier answer's (ignored)")
 
 
 PartsOrText = Annotated[Text | Annotated[list[ResponsesInputPart], Field(max_length=MAX_MESSAGES)], BY_SHAPE]
 
 
-class ResponsesInputItem(OpenModel):
+class ResponsesInputItem(StrictModel):
     """One input item: a message (``type`` message or absent), a ``function_call`` of an earlier answer, a
-    ``function_call_output`` (a tool's result) or a ``reasoning`` item (dropped). Other keys (``id``,
-    ``status``, ...) are accepted and ignored, so an earlier answer's output items can be sent back."""
+    ``function_call_output`` (a tool's result) or a ``reasoning`` item (dropped). An earlier answer's output items
+    can be sent back as they are: their ``id``, ``status`` and reasoning fields are accepted and ignored."""
 
     type: ItemType | None = Field(None, description="message (the default), function_call, function_call_output "
                                   "or reasoning (dropped: chat templates drop earlier thinking)")
@@ -57,6 +61,11 @@ class ResponsesInputItem(OpenModel):
     name: FunctionName | None = Field(None, description="function_call: the function")
     arguments: Text | None = Field(None, description="function_call: the arguments as JSON text")
     output: PartsOrText | None = Field(None, description="function_call_output: the tool's result")
+    id: Text | None = Field(None, description="an earlier answer's item id (ignored)")
+    status: Literal["in_progress", "completed", "incomplete"] | None = Field(None, description="an earlier "
+                                                                              "answer's (ignored)")
+    summary: list[Any] | None = Field(None, description="a reasoning item's (ignored)")
+    encrypted_content: Text | None = Field(None, description="a reasoning item's (ignored)")
 
 
 Items = Annotated[list[ResponsesInputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -155,7 +164,7 @@ RESPONSES = RequestSchema(ResponsesRequest)
 def _text(value: str | list[ResponsesInputPart] | None) -> str:
     if value is None:
         return ""
-    return value if isinstance(value, str) else "".join(p.text for p in value)
+    return value if isinstance(value, str) else "".join(p.text or p.refusal or "" for p in value)
 
 
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:

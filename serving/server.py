@@ -44,6 +44,7 @@ from serving.frontends.management import ManagementRoutes
 from serving.frontends.messages import GUARD_BODIES, MessagesRoutes
 from serving.frontends.model_versions import VersionRoutes
 from serving.frontends.openai import OpenAIRoutes
+from serving.frontends.responses import GUARD_BODIES as RESPONSES_GUARD_BODIES
 from serving.frontends.responses import ResponsesRoutes
 from serving.frontends.sessions import SessionRoutes
 from serving.frontends.tokenizer_routes import TokenizerRoutes
@@ -143,7 +144,7 @@ class Server:
             loop.add_signal_handler(sig, self._stop.set)
         metrics_route = self.metrics.route
         inference: Any = ApiGuard(build_app(self._inference_routes()), self.authority, Scope.INFERENCE,
-                                  error_bodies=GUARD_BODIES)  # Anthropic's error shape on its routes
+                                  error_bodies=(*GUARD_BODIES, *RESPONSES_GUARD_BODIES))  # the APIs' own shapes
         management_hp = self.config.management_host_port()
         if management_hp is not None:  # DJL serves both APIs on one port: its clients read models there
             inference = ModelReads(inference, self._management_app(metrics_route, reads_only=True))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -86,6 +86,16 @@ def openai_error(exc: ServingError, rid: str) -> JSONResponse:
         headers["Retry-After"] = str(exc.retry_after_s)
     return JSONResponse({"error": {"message": exc.message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
+
+
+def guard_body(status: int, message: str, rid: str) -> dict[str, Any]:
+    """The inference guard's refusal (401 / 403) of a request to these routes, in OpenAI's shape."""
+    kind, code = ("authentication_error", "invalid_api_key") if status == 401 else ("permission_error", "forbidden")
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+GUARD_BODIES: tuple[tuple[str, Callable[[int, str, str], dict[str, Any]]], ...] = (("/v1/responses", guard_body),)
+"""Path prefix -> the body of the guard's refusals there (``http_guard.ApiGuard``'s ``error_bodies``)."""
 
 
 def routes(ctx: HttpContext, tokens_required: bool = False) -> list[Route]:

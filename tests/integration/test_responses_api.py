@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -277,8 +278,11 @@ def run_agent(server: ServerProcess, responses: bool) -> tuple[Any, list[str], l
         if request.method == "POST":
             sent.append((request.url.path, json.loads(request.content)))
 
+    async def nothing_ignored(response: httpx.Response) -> None:  # the output items sent back are all known
+        assert "x-ignored-parameters" not in response.headers, response.headers["x-ignored-parameters"]
+
     async def main() -> Any:
-        http = httpx.AsyncClient(event_hooks={"request": [record]}, timeout=300)
+        http = httpx.AsyncClient(event_hooks={"request": [record], "response": [nothing_ignored]}, timeout=300)
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, http_client=http)
         model = (OpenAIResponsesModel(MODEL, client) if responses else OpenAIChatCompletionsModel(MODEL, client))
         agent: Agent[Any] = Agent(name="weather", instructions="Answer in one short sentence.", tools=[get_weather],
@@ -315,3 +319,24 @@ def test_agents_sdk_chat_completions_model_tool_round_trip(smollm2_server: Serve
     assert isinstance(result.final_output, str) and result.final_output
     assert [type(i).__name__ for i in result.new_items] == ["ToolCallItem", "ToolCallOutputItem",
                                                             "MessageOutputItem"]
+
+
+def test_tokens_guard_the_routes_in_openai_shape(tmp_path: Path) -> None:
+    """With inference tokens required, a wrong token is the SDK's AuthenticationError (OpenAI's error shape), and
+    the right one reaches the routes."""
+    server = ServerProcess.start(tmp_path, models={"echo": {"option.entryPoint": "echo"}},
+                                 config={"inference_auth": "true"})
+    try:
+        wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong-token", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as err:
+            wrong.responses.retrieve("resp_x")
+        assert error_body(err.value)["type"] == "authentication_error"
+        right = openai.OpenAI(base_url=server.url + "/v1", api_key=server.tokens["inference"], max_retries=0,
+                              timeout=60)
+        with pytest.raises(openai.NotFoundError):
+            right.responses.retrieve("resp_x")
+        with pytest.raises(openai.BadRequestError) as err:  # echo has no chat template
+            right.responses.create(model="echo", input="Hi")
+        assert "chat template" in error_body(err.value)["message"]
+    finally:
+        server.stop()

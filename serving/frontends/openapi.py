@@ -244,11 +244,11 @@ def tokenizer_paths(models: Sequence[str]) -> dict[str, Any]:
 
 
 def responses_paths() -> dict[str, Any]:
-    """OpenAI's Responses API (``serving.frontends.responses``): errors in OpenAI's shape (``ResponsesError``),
-    but the token check's 401, which every route shares."""
+    """OpenAI's Responses API (``serving.frontends.responses``): errors in OpenAI's shape (``ResponsesError``), the
+    token check's 401 too (``responses.GUARD_BODIES``)."""
     def errors(*codes: str) -> dict[str, Any]:
         return {code: {"description": ERRORS[code], "content": {"application/json": {
-            "schema": _ref("Error" if code == "401" else "ResponsesError")}}} for code in codes}
+            "schema": _ref("ResponsesError")}}} for code in codes}
 
     answer = {"description": "the Response object", "content": {"application/json": {"schema": _ref("Response")}}}
     created = {**answer, "description": "the Response object, or its SSE events (response.created ... "

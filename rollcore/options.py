@@ -134,6 +134,10 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("tool_call_parser", choice(("auto", "hermes", "llama3_json", "mistral", "granite", "pythonic")), "auto",
           (SERVING,), "how tool calls look in the model's text; auto: as its chat template renders them (hermes, "
           "the generic format, when the template does not render tools)"),
+    _spec("reasoning_parser", choice(("auto", "none", "think", "deepseek_r1", "qwen3", "granite")), "auto",
+          (SERVING,), "reasoning kept apart from the answer (reasoning_content, thinking blocks, reasoning items) for "
+          "models that think in <think>...</think>; auto: when the chat template writes <think>; none: never; the "
+          "others (vLLM's names): always"),
     _spec("handler", any_text, None, (LOADER,), "the handler class of a custom entry point's module"),
     _spec("task", choice(("auto", "generate", "embedding"), {"embed": "embedding"}), "auto", (SERVING, *_BOTH),
           "what the model serves: auto = generation and, for a decoder, POST /v1/embeddings too (the prompt's "

@@ -188,7 +188,7 @@ class MessageAnswer:
         self.model = model
         self.parsed = parsed
         self.stops = parsed.choices[0].request.params.stop
-        self.reader = AnswerReader(parsed.tools, reasoning_splitter(options))
+        self.reader = AnswerReader(parsed.tools, reasoning_splitter(parsed.reasoning))
 
     def _message(self, content: list[dict[str, Any]], reason: str | None, stop: str | None, input_tokens: int,
                  output_tokens: int) -> dict[str, Any]:

@@ -8,9 +8,8 @@ reasoning hook first (``reasoning_splitter``: thinking vs answer text), then, wi
 -> ``thinking`` blocks (``thinking_delta``; ``signature`` is always "" since the server never reads thinking
 back). A whole answer is the same events folded (``fold``), so streamed and whole answers always agree.
 
-The reasoning hook: the chat path has no reasoning splitter yet, so ``reasoning_splitter`` gives every piece
-as answer text. A splitter (``<think>`` ... ``</think>``) plugs in there: its ``feed``/``finish`` return
-``(kind, text)`` pieces, kind ``thinking`` or ``text``, and thinking blocks follow with no other change.
+Reasoning: for a thinking model (``option.reasoning_parser``), ``reasoning_splitter`` is the chat pipeline's
+``<think>`` splitter; its pieces of kind ``thinking`` become thinking blocks.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from typing import Any, Protocol
 import pydantic_core
 
 from rollcore.types import FinishReason
+from serving.frontends.reasoning import ReasoningSplitter
 from serving.frontends.tools import ToolPlan, ToolStream
 
 SIGNATURE = ""  # a thinking block's signature: nothing to verify (thinking is left out of later prompts)
@@ -46,9 +46,23 @@ class NoReasoning:
         return []
 
 
-def reasoning_splitter(options: Mapping[str, str]) -> ReasoningSplit:
-    """The reasoning hook: the model's splitter (by its options) once the chat path has one; now none."""
-    return NoReasoning()
+class Thinking:
+    """The chat pipeline's reasoning splitter (``serving.frontends.reasoning``) in this module's kinds."""
+
+    def __init__(self, opened: bool) -> None:
+        self.splitter = ReasoningSplitter(opened)
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        return [("thinking" if kind == "reasoning" else "text", p) for kind, p in self.splitter.feed(text)]
+
+    def finish(self) -> list[tuple[str, str]]:
+        return [("thinking" if kind == "reasoning" else "text", p) for kind, p in self.splitter.finish()]
+
+
+def reasoning_splitter(opened: bool | None) -> ReasoningSplit:
+    """The model's splitter: ``opened`` is the parsed chat request's ``reasoning`` (None: the model does not
+    think)."""
+    return NoReasoning() if opened is None else Thinking(opened)
 
 
 def new_tool_use_id() -> str:

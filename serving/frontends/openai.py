@@ -43,6 +43,7 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.openai_schema import Choice, ParsedRequest, parse_chat, parse_completion
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
+from serving.frontends.reasoning import ReasoningSplitter, reasoning_tokens, split_whole
 from serving.frontends.tools import ToolStream, fold
 from serving.validation import type_error
 
@@ -218,20 +219,28 @@ class Answer:
                 body = choice.prompt_text + body
             entry: dict[str, Any] = {"index": choice.index, "logprobs": self._logprobs(tokens, prompt),
                                      "finish_reason": self._finish_reason(result.finish_reason)}
+            if self.chat and self.parsed.reasoning is not None:
+                thought, body = split_whole(body, self.parsed.reasoning)
+                entry["message"] = {"role": "assistant", "content": body, "reasoning_content": thought}
             if self.chat and self.parsed.tools is not None:
                 reader = ToolStream(self.parsed.tools)
                 content, calls = fold(self.parsed.tools, reader.feed(body) + reader.finish())
-                entry["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                entry["message"] = {**entry.get("message", {}), "role": "assistant", "content": content,
+                                    **({"tool_calls": calls} if calls else {})}
                 entry["finish_reason"] = _finish(result.finish_reason.openai, reader)
             elif self.chat:
-                entry["message"] = {"role": "assistant", "content": body}
+                entry["message"] = {**entry.get("message", {}), "role": "assistant", "content": body}
             else:
                 entry["text"] = body
                 if self.parsed.prompt_logprobs is not None:
                     entry["prompt_logprobs"] = self._prompt_logprobs(result.prompt_logprobs)
             choices.append(entry)
+        usage = self._usage(results, shown)
+        if self.parsed.reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+                reasoning_tokens(r.tokens, self.parsed.reasoning) for r in results)}
         answer = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                  "choices": choices, "usage": self._usage(results, shown)}
+                  "choices": choices, "usage": usage}
         if self.chat and self.parsed.prompt_logprobs is not None:  # vLLM: one prompt, on the answer
             answer["prompt_logprobs"] = self._prompt_logprobs(results[0].prompt_logprobs)
         return answer
@@ -239,7 +248,7 @@ class Answer:
     def _finish_reason(self, reason: FinishReason) -> str:
         return "length" if self.parsed.echo_only else reason.openai
 
-    def _usage(self, results: list[Any], choices: list[Choice] | None = None) -> dict[str, int]:
+    def _usage(self, results: list[Any], choices: list[Choice] | None = None) -> dict[str, Any]:
         prompt: dict[int, int] = {}
         completion = 0
         for choice, r in zip(choices or self.parsed.choices, results, strict=True):
@@ -305,6 +314,9 @@ class Answer:
         offsets = [0] * len(choices)
         plan = self.parsed.tools
         readers = [ToolStream(plan) for _ in choices] if plan is not None else None
+        opened = self.parsed.reasoning
+        thinking = [ReasoningSplitter(opened) for _ in choices] if opened is not None else None
+        thought_tokens = 0
         try:
             if self.chat:
                 for c in choices:
@@ -319,6 +331,15 @@ class Answer:
                                                                delta.prompt_logprobs or ())])
                 if self.parsed.echo_only:
                     delta = replace(delta, tokens=(), text="")
+                if thinking is not None:  # the reasoning goes out as reasoning_content, the rest as before
+                    counted, pieces = thinking[k].count_feed(delta.text, len(delta.tokens))
+                    thought_tokens += counted
+                    pieces += thinking[k].finish() if delta.finish_reason is not None else []
+                    thought = "".join(p for kind, p in pieces if kind == "reasoning")
+                    if thought:
+                        yield self._frame([{"index": choices[k].index, "delta": {"reasoning_content": thought},
+                                            "logprobs": None, "finish_reason": None}])
+                    delta = replace(delta, text="".join(p for kind, p in pieces if kind == "content"))
                 if readers is not None:
                     for frame in self._tool_frames(k, delta, streams[k], readers[k]):
                         yield frame
@@ -327,7 +348,10 @@ class Answer:
                 if frame is not None:
                     yield frame
             if self.parsed.include_usage:
-                yield self._frame([], usage=self._usage(streams))
+                usage = self._usage(streams)
+                if thinking is not None:
+                    usage["completion_tokens_details"] = {"reasoning_tokens": thought_tokens}
+                yield self._frame([], usage=usage)
             yield "data: [DONE]\n\n"
         except ServingError as exc:
             rid = self.parsed.choices[0].request.request_id  # the client's id (the stream's is the server's)

@@ -21,7 +21,7 @@ from typing import Any, cast
 from rollcore.errors import InvalidRequest
 from rollcore.types import GenerationRequest, SamplingParams
 from serving import structured
-from serving.frontends import tools
+from serving.frontends import reasoning, tools
 from serving.frontends.chat import render_chat, template_messages
 from serving.frontends.prompts import ModelText
 from serving.frontends.schemas import CHAT, COMPLETION, ChatRequest, CompletionRequest, NamedToolChoice, OpenAIRequest
@@ -56,6 +56,9 @@ class ParsedRequest:
     ignored: tuple[str, ...] = ()  # unknown fields dropped (not option.strict_parameters)
     keep_best: int | None = None  # best_of > n: the answer keeps the n candidates of each prompt with the highest
     # cumulative log-probability (vLLM's best_of)
+    # a thinking model's chat: None = it does not think; True = the prompt opened the reasoning, False = the
+    # answer may open it (serving.frontends.reasoning)
+    reasoning: bool | None = None
 
 
 def _include_usage(body: OpenAIRequest, stream: bool) -> bool:
@@ -206,6 +209,9 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
     triggered = plan.triggered(text.special_by_text) if plan is not None and base.grammar is None else None
     if triggered is not None:  # auto: a call the model starts is kept valid from its marker on
         base = replace(base, grammar=triggered[0], grammar_trigger=triggered[1])
+    opened = reasoning.opened_by(prompt) if reasoning.thinks(options or {}, text.chat_template) else None
+    if opened is not None and base.grammar is not None and base.grammar_trigger is None:
+        base = replace(base, grammar=reasoning.after_reasoning(base.grammar, opened))  # think first, then answer
     choices = []
     for j in range(n):
         params = base if base.seed is None or n == 1 else replace(base, seed=base.seed + j)
@@ -214,4 +220,4 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
                                     prompt_token_ids=tuple(cut) if cut is not None else None)
         choices.append(Choice(j, 0, prompt, request))
     return ParsedRequest(choices, stream, include_usage, logprobs, False, plan, req.prompt_logprobs,
-                         ignored=tuple(ignored))
+                         ignored=tuple(ignored), reasoning=opened)

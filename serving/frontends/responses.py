@@ -320,18 +320,17 @@ class Job:
         """Every stream event of the answer, numbered; the response object is complete when they end."""
         pending: list[dict[str, Any]] = []
         builder = OutputBuilder(pending.append)
-        reader = AnswerReader(self.parsed.tools)
+        reader = AnswerReader(self.parsed.tools, self.parsed.reasoning)
         seq = 0
         try:
             pending += [{"type": "response.created", "response": self._snapshot()},
                         {"type": "response.in_progress", "response": self._snapshot()}]
             try:
                 async for delta in self.stream:
-                    parts = reader.feed(delta.text)
+                    counted, parts = reader.feed(delta.text, len(delta.tokens))
+                    self.reasoning_tokens += counted
                     if delta.finish_reason is not None:
                         parts += reader.finish()
-                    if any(p.get("reasoning") for p in parts):
-                        self.reasoning_tokens += len(delta.tokens)
                     for part in parts:
                         builder.feed(part)
                     for event in pending:

@@ -8,9 +8,10 @@ builder turns each kind into its output item and records the stream events OpenA
 ``function_call_arguments.delta``/``.done``; reasoning: ``reasoning_text.delta``/``.done``). A whole answer is
 the same deltas folded by the same builder, its events dropped, so streamed and whole answers always agree.
 
-Reasoning hook: ``split_reasoning`` is where a ``<think>`` splitter of the chat pipeline plugs in. None
-exists in the chat path yet, so it passes every delta through as content; once one does, its deltas of kind
-``reasoning`` become a ``reasoning`` item, and the tokens they took count as ``reasoning_tokens``.
+Reasoning: for a thinking model (``ParsedRequest.reasoning`` not None) the text goes through the chat path's
+``ReasoningSplitter`` first, as the chat route's ``reasoning_content`` does; its reasoning pieces become a
+``reasoning`` item (``reasoning_text`` content), the rest goes on to the tool reader, and the tokens the
+splitter counts as reasoning are the answer's ``reasoning_tokens``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from serving.frontends.reasoning import ReasoningSplitter
 from serving.frontends.tools import ToolPlan, ToolStream
 
 Delta = dict[str, Any]
@@ -28,25 +30,37 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def split_reasoning(deltas: list[Delta]) -> list[Delta]:
-    """The reasoning hook: chat deltas -> the same with the model's thinking as ``{"reasoning": text}``
-    deltas. No reasoning splitter exists in the chat pipeline yet: content stays content."""
-    return deltas
-
-
 class AnswerReader:
-    """The model's text, as it arrives, -> chat-style deltas by kind (see the module note)."""
+    """The model's text, as it arrives, -> chat-style deltas by kind (see the module note). ``opened``: the
+    request's ``ParsedRequest.reasoning`` (None: the model does not think)."""
 
-    def __init__(self, plan: ToolPlan | None) -> None:
+    def __init__(self, plan: ToolPlan | None, opened: bool | None = None) -> None:
         self.tools = ToolStream(plan) if plan is not None else None
+        self.thinking = ReasoningSplitter(opened) if opened is not None else None
 
-    def feed(self, text: str) -> list[Delta]:
-        if self.tools is not None:
-            return split_reasoning(self.tools.feed(text))
-        return split_reasoning([{"content": text}] if text else [])
+    def feed(self, text: str, tokens: int = 0) -> tuple[int, list[Delta]]:
+        """The deltas ``text`` (``tokens`` tokens) releases, and how many of its tokens were reasoning."""
+        if self.thinking is None:
+            return 0, self._route([("content", text)])
+        counted, pieces = self.thinking.count_feed(text, tokens)
+        return counted, self._route(pieces)
 
     def finish(self) -> list[Delta]:
-        return split_reasoning(self.tools.finish()) if self.tools is not None else []
+        out = self._route(self.thinking.finish()) if self.thinking is not None else []
+        return out + (self.tools.finish() if self.tools is not None else [])
+
+    def _route(self, pieces: list[tuple[str, str]]) -> list[Delta]:
+        out: list[Delta] = []
+        for kind, piece in pieces:
+            if not piece:
+                continue
+            if kind == "reasoning":
+                out.append({"reasoning": piece})
+            elif self.tools is not None:
+                out.extend(self.tools.feed(piece))
+            else:
+                out.append({"content": piece})
+        return out
 
 
 class OutputBuilder:

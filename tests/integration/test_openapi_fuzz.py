@@ -32,10 +32,11 @@ def test_document_lists_every_route_with_errors(echo_server: ServerProcess) -> N
             if method == "post" and "requestBody" in op:  # a body may be too large (cancel takes none)
                 errors = {c for c in op["responses"] if c.startswith(("4", "5"))}
                 assert {"404", "413"} <= errors, (path, errors)
-                # the Responses API and the embeddings route answer in OpenAI's error shape
-                openai_shape = {"/v1/responses": "/ResponsesError", "/v1/embeddings": "/EmbeddingError"}
+                # the Responses API and the embeddings route answer in OpenAI's error shape, Messages in Anthropic's
+                own_shape = {"/v1/responses": "/ResponsesError", "/v1/embeddings": "/EmbeddingError",
+                             "/v1/messages": "/AnthropicError"}
                 assert op["responses"]["413"]["content"]["application/json"]["schema"]["$ref"].endswith(
-                    next((v for k, v in openai_shape.items() if path.startswith(k)), "/Error"))
+                    next((v for k, v in own_shape.items() if path.startswith(k)), "/Error"))
     mgmt = httpx.get(f"{echo_server.mgmt}/openapi.json", headers=echo_server.mgmt_headers, timeout=10).json()
     assert set(mgmt["paths"]) == MANAGEMENT_ROUTES
 

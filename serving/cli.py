@@ -34,11 +34,15 @@ from serving.server_config import load_server_config
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="serving", description="rollserve model server",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    sub = ap.add_subparsers(dest="command")
-    start = sub.add_parser("start", help="start the server (default)")
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])  # the usage lines, not the title
+    sub = ap.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    start = sub.add_parser("start", help="serve the model store's models (the default command)",
+                           description="Serve every model folder of the model store (default ./model_store).")
     _start_args(start)
-    cfg = sub.add_parser("config", help="print a model folder's effective configuration")
+    cfg = sub.add_parser("config", help="print a model folder's effective configuration and memory plan",
+                         description="Print a model folder's effective configuration, where each value came "
+                                     "from, and a rolling-batch model's memory plan (exit 2 when it cannot fit).")
     cfg.add_argument("model_dir", type=Path)
     cfg.add_argument("--config", "-f", type=Path, help="config.properties (server defaults)")
     sub.add_parser("serve", help="SageMaker's entry: same as start")
@@ -54,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
 
     k8s.add_arguments(sub.add_parser("k8s", help="print Kubernetes manifests for a model folder",
                                      description=k8s.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    from serving.worker import follower
+
+    follower.add_arguments(sub.add_parser("worker", description=follower.__doc__,
+                                          help="run this host's share of another host's tensor-parallel group",
+                                          formatter_class=argparse.RawDescriptionHelpFormatter))
     return ap
 
 
@@ -127,11 +136,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["worker"]:  # a follower host's agent: its own parser, no server configuration
-        from serving.worker.follower import main as worker_main
-
-        worker_main(argv[1:])
-    if not argv or argv[0].startswith("-"):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):  # `serving --help` lists commands
         argv.insert(0, "start")
     elif argv[0] == "serve":
         argv[0] = "start"
@@ -148,4 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         from serving.deploy.k8s import cmd_k8s
 
         sys.exit(cmd_k8s(args))
+    if args.command == "worker":  # a follower host's agent: no server configuration
+        from serving.worker.follower import cmd_worker
+
+        sys.exit(cmd_worker(args))
     sys.exit(cmd_config(args) if args.command == "config" else cmd_start(args))

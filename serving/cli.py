@@ -123,14 +123,18 @@ def cmd_start(args: argparse.Namespace) -> int:
             name, path = Path(spec).name, spec
         extra[name] = path
     setup_logging(config.log_format, args.log_level)
+    from serving.listeners import ListenError
     from serving.server import Server
 
     try:
         server = Server(config, os.environ, extra, args.ports_file)
+        asyncio.run(server.run())
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(server.run())
+    except ListenError as exc:  # a taken address: one line naming the setting, not a traceback
+        print(exc, file=sys.stderr)
+        return 2
     return 0
 
 

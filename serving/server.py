@@ -1,9 +1,10 @@
 """Composition root and lifecycle of the rollserve frontend process.
 
 Design note: this is the one place that builds everything (registry, frontends, metrics, token
-authority, health) and passes it down; nothing else holds global state. Startup resolves the tokens and
-writes the key file (``serving.auth``), binds the listeners (SageMaker wants connections accepted within
-250 ms; ``/ping`` answers 503 while models load), then loads the models. Each HTTP API sits behind an
+authority, health) and passes it down; nothing else holds global state. Startup binds the listeners first
+(``serving.listeners``: a taken address is one line and exit 2, nothing written), resolves the tokens and writes
+the key file (``serving.auth``), serves (SageMaker wants connections accepted within 250 ms; ``/ping`` answers 503
+while models load), then loads the models. Each HTTP API sits behind an
 ``ApiGuard`` (management: token, Origin and Host checks; inference: token when required); gRPC behind an
 ``AuthInterceptor``. ``management_address=off`` binds no management listener and turns the gRPC management
 RPCs off. On SIGTERM or SIGINT the server drains: readiness and new requests get 503, in-flight requests
@@ -50,6 +51,7 @@ from serving.frontends.sessions import SessionRoutes
 from serving.frontends.tokenizer_routes import TokenizerRoutes
 from serving.health import Health, HealthRoutes
 from serving.heap import trim_periodically
+from serving.listeners import ListenError, bind_all, listen_error
 from serving.metrics import ServingMetrics
 from serving.params import Limits
 from serving.registry import ModelRegistry
@@ -68,22 +70,13 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (port 0 = ephemeral), so the bound port is known before serving."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
 class Server:
     """The whole frontend process: ``await Server(...).run()`` serves until SIGTERM/SIGINT."""
 
     def __init__(self, config: ServerConfig, env: Mapping[str, str], extra_models: Mapping[str, str] = {},
                  ports_file: Path | None = None) -> None:
+        # Listeners first: a taken address ends startup before the key file exists (serving.listeners).
+        self.listeners = bind_all(config)  # raises ListenError
         self.config = config
         self.env = env
         self.extra_models = dict(extra_models)
@@ -148,25 +141,29 @@ class Server:
         management_hp = self.config.management_host_port()
         if management_hp is not None:  # DJL serves both APIs on one port: its clients read models there
             inference = ModelReads(inference, self._management_app(metrics_route, reads_only=True))
-        inference = self.metrics.instrument(inference)
-        host, port = self.config.inference_host_port()
-        if self.config.sagemaker_port is not None:
-            port = self.config.sagemaker_port
-        listeners = [("inference", inference, host, port)]
+        apps = {"inference": self.metrics.instrument(inference)}
         if management_hp is not None:
-            listeners.append(("management", self._management_app(metrics_route), *management_hp))
+            apps["management"] = self._management_app(metrics_route)
         else:
             log.info("management API is off (management_address=off)")
-        mhp = self.config.metrics_host_port()
-        if mhp is not None:
-            listeners.append(("metrics", build_app([Route("/metrics", metrics_route)]), *mhp))
+        if self.config.metrics_host_port() is not None:
+            apps["metrics"] = build_app([Route("/metrics", metrics_route)])
         serve_tasks = []
-        for name, app, h, p in listeners:
-            sock = bind(h, p)
-            self.ports[name] = sock.getsockname()[1]
-            log.info("%s API listening on http://%s:%d", name, h, self.ports[name])
-            serve_tasks.append(asyncio.create_task(self._serve_http(app, sock)))
-        await self._start_grpc()
+        for listener in self.listeners:
+            self.ports[listener.name] = listener.port
+            log.info("%s API listening on http://%s:%d", listener.name, listener.host, listener.port)
+            serve_tasks.append(asyncio.create_task(self._serve_http(apps[listener.name], listener.sock)))
+        try:
+            await self._start_grpc()
+        except ListenError:  # taken since bind_all probed it: undo the startup so far (key file included)
+            for task in serve_tasks:
+                task.cancel()
+            await asyncio.gather(*serve_tasks, return_exceptions=True)
+            for listener in self.listeners:
+                listener.sock.close()
+            self.authority.close()
+            self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            raise
         self._write_ports()
         models = self.registry.discover(self.extra_models)
         load = asyncio.create_task(self.registry.start_all(models))
@@ -218,7 +215,10 @@ class Server:
             return
         self.grpc = GrpcFrontend(self.http, self.registry, self.config.drain_timeout_s, authority=self.authority,
                                  health=self.health, config=self.config)
-        self.ports["grpc"] = await self.grpc.start(*hp)
+        try:
+            self.ports["grpc"] = await self.grpc.start(*hp)
+        except (OSError, RuntimeError) as exc:  # grpc.aio raises RuntimeError for an address it cannot bind
+            raise listen_error(self.config, "grpc", *hp, exc) from None
         log.info("gRPC API listening on %s:%d", hp[0], self.ports["grpc"])
 
     def _write_ports(self) -> None:

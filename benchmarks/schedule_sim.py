@@ -9,7 +9,8 @@ step fit is fed those times, as the engine feeds it measured ones. Policies:
 
 * ``tokens (vLLM)``: no time bound (the token budget alone): vLLM's V1 scheduler (decodes first, then prompt
   chunks up to ``max_num_batched_tokens``), on the same cost model;
-* ``ratio R``: the time bound ``max_mixed_step_ratio`` R, with and without ``burst_prefill_first``.
+* ``ratio R``: the time bound ``max_mixed_step_ratio`` R, with and without ``burst_prefill_first``;
+* ``itl T``: the inter-token latency target ``max_itl_ms`` T (``handlers.engine.core.itl_target``).
 
 Workload: the chat workload's prompts (``chat_workload.py``, tokenized by the real model's template) and each
 request's output length from a ``compare.py`` result (``--lengths RESULT.json``: the first run of
@@ -32,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from handlers.engine.core.itl_target import ItlTarget  # noqa: E402
 from handlers.engine.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from handlers.engine.core.sequence import Sequence, SequenceStatus  # noqa: E402
 from handlers.engine.core.step_budget import PrefillBudget, StepFit  # noqa: E402
@@ -40,9 +42,9 @@ from rollcore.types import SamplingParams  # noqa: E402
 
 def simulate(prompts: list[int], outputs: list[int], arrivals: list[float], cost: tuple[float, float, float],
              ratio: float = 0.0, burst_first: bool = False, max_seqs: int = 32, budget: int = 2048,
-             block_size: int = 16, num_blocks: int = 8192) -> dict[str, list]:
+             block_size: int = 16, num_blocks: int = 8192, itl_ms: int = 0) -> dict[str, list]:
     """First-token times and inter-token gaps (seconds) of every request, and each step's (decode rows, prompt
-    tokens, seconds). ``ratio`` 0: the token budget alone."""
+    tokens, seconds). ``ratio`` 0: the token budget alone; ``itl_ms``: an inter-token latency target (0: none)."""
     fixed, per_row, per_token = cost
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, block_size=block_size,
                                       num_blocks=num_blocks, max_model_len=8192, enable_prefix_caching=False,
@@ -52,6 +54,8 @@ def simulate(prompts: list[int], outputs: list[int], arrivals: list[float], cost
         fit.record(rows, tokens, fixed + per_row * rows + per_token * tokens)  # the server's warm-up steps
     if ratio:
         sched.prefill_limit = PrefillBudget(ratio, floor=block_size, fit=fit).limit
+    if itl_ms:
+        sched.itl_budget = ItlTarget(fit, floor=block_size, target_ms=itl_ms).prefill_tokens
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     times: dict[str, list[float]] = {}
     now, nxt, steps = 0.0, 0, []
@@ -106,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--per-row", type=float, required=True, help="seconds a decode row costs")
     ap.add_argument("--per-token", type=float, required=True, help="seconds a prompt token costs")
     ap.add_argument("--ratio", type=float, action="append", help="time bounds to replay (default 8)")
+    ap.add_argument("--itl-ms", type=int, action="append", help="inter-token latency targets to replay")
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals, requests/s (0: burst)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -128,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         for first in (False, True):
             r = simulate(prompts, outputs, arrivals, cost, ratio=ratio, burst_first=first)
             print(summary(f"ratio {ratio:g}{' burst-first' if first else ''}", r, sum(outputs)))
+    for itl_ms in args.itl_ms or []:
+        r = simulate(prompts, outputs, arrivals, cost, ratio=8.0, burst_first=True, itl_ms=itl_ms)
+        print(summary(f"itl {itl_ms} ms", r, sum(outputs)))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,13 @@ When more requests wait for their first token than sequences decode, their promp
 and the streams have many tokens left (a burst), the decodes wait while those prompts are prefilled
 (``burst_prefill_first``): each running stream pauses once, for the burst, instead of at every step that
 carries a piece of it, and no decode row shares the burst's steps. Requests that arrive after a burst began do
-not extend it, and a step that could prefill nothing decodes instead.
+not extend it, and a step that could prefill nothing decodes instead. A burst pays only where the streams are
+likely to write many more tokens: that guess comes from what they wrote so far (``itl_target.tokens_left_guess``),
+never from the client's ``max_tokens``.
+With an inter-token latency target in force (``itl_budget``: ``handlers.engine.core.itl_target``) every step
+that has running streams keeps them in it (no burst pause), and the prompt work beside them is what the fitted
+step cost says fits the target, at least a floor so that first tokens keep coming in admission order; prompts
+larger than that are chunked over steps. The token cap and the time ratio then step aside.
 A request is admitted only when its blocks fit; when a running sequence cannot get a block, the newest
 running sequence is preempted: its blocks are freed and it goes back to the front of the queue to be
 recomputed from its tokens later. When every layer of the model attends within one sliding window,
@@ -29,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from handlers.engine.core.itl_target import tokens_left_guess
 from handlers.engine.core.kv_cache import BlockAllocator, block_key, root_key
 from handlers.engine.core.sequence import FREED_BLOCK, Sequence, SequenceStatus
 from rollcore.errors import InvalidRequest
@@ -152,6 +159,9 @@ class Scheduler:
         # (decode rows planned with their guesses, token cap, requests waiting for a first token, sequences
         # decoding) -> prefill tokens allowed beside the decode rows (0: no cap); None: the cap alone
         self.prefill_limit: Callable[[int, int, int, int], int] | None = None
+        # decode rows planned -> prompt tokens a step may add under the inter-token latency target; it returns
+        # None while no target is in force (off, or the step cost not fitted yet); None: no target at all
+        self.itl_budget: Callable[[int], int | None] | None = None
         self._burst: set[str] = set()  # request ids of the burst being prefilled while decodes wait
         self.num_paused_steps = 0  # steps that prefilled a burst while sequences waited to decode
 
@@ -232,7 +242,9 @@ class Scheduler:
         preempted: list[str] = []
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
-        first = self.config.burst_prefill_first
+        # under a target a pause only lengthens the streams' gap (a mixed step carries more prompt in the same gap),
+        # and a prompt's last token is priced as the row it is
+        first = self.config.burst_prefill_first and not self._itl_in_force()
         for s in self.running:  # a prompt with one token left is still a burst's, not a stream that waits for it
             left = s.num_tokens - s.num_computed_tokens
             (prefills if left > 1 or (first and s.num_output_tokens == 0) else decodes).append(s)
@@ -269,11 +281,20 @@ class Scheduler:
 
     def _prefill_cap(self, rows: int, budget: int, decodes: list[Sequence], prefills: list[Sequence]) -> int:
         """Prompt tokens a step may prefill beside ``rows`` decode rows: the token cap, or the time bound made of
-        it (``prefill_limit``; waiting: the requests without their first token yet), within ``budget``."""
+        it (``prefill_limit``; waiting: the requests without their first token yet), within ``budget``; under an
+        inter-token latency target, what fits it (``itl_budget``) instead."""
+        if self.itl_budget is not None and rows:
+            fits = self.itl_budget(rows)
+            if fits is not None:
+                return min(budget, fits)
         cap = self.config.max_prefill_tokens_while_decoding
         if self.prefill_limit is not None:
             cap = self.prefill_limit(rows, cap, len(self.waiting) + len(prefills), len(decodes))
         return min(budget, cap) if cap else budget
+
+    def _itl_in_force(self) -> bool:
+        """Whether an inter-token latency target bounds the steps that decode now."""
+        return self.itl_budget is not None and self.itl_budget(1) is not None
 
     def _in_burst(self, decodes: list[Sequence], prefills: list[Sequence]) -> bool:
         """Whether the decodes wait this step: a burst starts when more requests wait for a first token (those a
@@ -294,7 +315,7 @@ class Scheduler:
         inter-token latency's 99th percentile (short answers spend a larger share of their gaps on it, and their
         decode steps cost more apart than beside the prompts), and where the prompts take more than two steps
         at the prefill cap (fewer stall each stream as often either way, and for less beside them)."""
-        left = sum(s.max_total_tokens - s.num_tokens for s in decodes) / len(decodes)
+        left = sum(tokens_left_guess(s, self.config.max_model_len) for s in decodes) / len(decodes)
         if left < PAUSE_MIN_TOKENS_LEFT:
             return False
         tokens = sum(s.num_tokens - s.num_computed_tokens for s in burst)

@@ -27,6 +27,7 @@ from handlers.base import Context, Handler, Input, Output
 from handlers.validation import check_prompt_ids
 from rollcore.errors import InvalidRequest, ServingError
 from rollcore.options import option_value
+from rollcore.values import AUTO
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +102,12 @@ class EmbeddingTask:
             try:
                 found = sentence_transformers_pooling(folder)
             except ValueError:
-                if pooling == "auto":
+                if pooling == AUTO:
                     raise
                 found = (pooling, True, None)  # the option names the pooling; the folder's normalisation is unread
         if found is None:
             found = ("last" if decoder else "mean", True, None)
-        return cls(task, found[0] if pooling == "auto" else pooling, found[1], found[2])
+        return cls(task, found[0] if pooling == AUTO else pooling, found[1], found[2])
 
     @property
     def embeds(self) -> bool:
@@ -232,7 +233,7 @@ class EmbeddingHandler(Handler):
         from handlers.huggingface import DTYPES
 
         threads = option_value(ctx.properties, "num_threads")
-        torch.set_num_threads(auto_threads(int(ctx.option("maxWorkers") or 1)) if threads == "auto" else threads)
+        torch.set_num_threads(auto_threads(int(ctx.option("maxWorkers") or 1)) if threads == AUTO else threads)
         folder = model_folder(ctx)
         trust = option_value(ctx.properties, "trust_remote_code")
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust)

@@ -22,7 +22,7 @@ from rollcore.types import TokenDelta
 class HuggingFaceRollingHandler(RollingHandler):
     """Continuous batching over a Hugging Face model directory (``ctx.model_dir``)."""
 
-    live_options = frozenset({"max_rolling_batch_size", "max_rolling_batch_prefill_tokens"})
+    live_options = frozenset({"max_rolling_batch_size", "max_rolling_batch_prefill_tokens", "max_itl_ms"})
 
     def __init__(self) -> None:
         self._engine: LLMEngine | None = None
@@ -74,9 +74,10 @@ class HuggingFaceRollingHandler(RollingHandler):
         return self.engine.stats()
 
     def configure(self, options: Mapping[str, int]) -> None:
-        """The engine's batch size and step token budget, from the next step on."""
+        """The engine's batch size, step token budget and inter-token latency target, from the next step on."""
         self.engine.configure(max_num_seqs=options.get("max_rolling_batch_size"),
-                              max_num_batched_tokens=options.get("max_rolling_batch_prefill_tokens"))
+                              max_num_batched_tokens=options.get("max_rolling_batch_prefill_tokens"),
+                              max_itl_ms=options.get("max_itl_ms"))
 
     def set_adapters(self, adapters: Mapping[str, str]) -> None:
         """The LoRA adapters registered over the API (name -> folder), all of them: others are dropped."""

@@ -160,10 +160,19 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "Off on GPUs"),
     _spec("burst_prefill_first", boolean, "true", (ENGINE,),
           "while more requests wait for a first token than sequences decode, their prompts take more than two "
-          "steps and the streams have 100 tokens or more left on average (a burst), the decodes wait until those "
+          "steps and the streams are likely to write 100 tokens or more on average, guessed from what they wrote so "
+          "far (a burst), the decodes wait until those "
           "requests have their first tokens: each running stream pauses once, for the burst's prefill, instead "
           "of at every step of it, and first tokens come sooner; false = streams keep decoding beside the "
-          "burst's chunks (shorter pauses, more of them, later first tokens). Off on GPUs"),
+          "burst's chunks (shorter pauses, more of them, later first tokens). Off on GPUs; inert while max_itl_ms "
+          "is in force"),
+    _spec("max_itl_ms", integer(0, auto=True), "auto", (ENGINE,),
+          "inter-token latency target in ms: every step with running streams keeps them in it, and the prompt work "
+          "beside them is sized by the fitted step cost so that the step lasts at most this long (prompts larger "
+          "than that are chunked over steps; a waiting prompt still gets a floor of block_size tokens a step; "
+          "the token cap, the time ratio and burst pauses step aside); auto = 2 decode steps of a full batch "
+          "as measured at load (GET /models/{name}: batcher.engines.<worker>.itl_target.derived_ms); 0 = off. "
+          "Changeable at run time (PUT /models/{name}?max_itl_ms=)"),
     _spec("block_size", integer(1), "16", (ENGINE,), "tokens per KV-cache block"),
     _spec("kv_cache_memory_mb", integer(0, auto=True), "auto", (ENGINE,),
           "KV cache of a worker (all its ranks) in MiB; auto or 0: kv_cache_memory_fraction of the memory left "

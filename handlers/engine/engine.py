@@ -20,6 +20,7 @@ import torch
 from handlers.engine.build import load_for_engine, plan_for_loaded_model
 from handlers.engine.core.detokenizer import IncrementalDetokenizer
 from handlers.engine.core.draft_gate import DraftGate, DraftOdds
+from handlers.engine.core.itl_target import ItlTarget
 from handlers.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.core.sequence import Sequence
 from handlers.engine.core.speculative import NgramDrafter
@@ -27,6 +28,7 @@ from handlers.engine.core.step_budget import PrefillBudget, StepFit
 from handlers.engine.execution.drafts import check_drafts
 from handlers.engine.execution.grammar import PendingGrammars
 from handlers.engine.execution.grammar_trigger import Trigger
+from handlers.engine.execution.itl_calibration import calibrate
 from handlers.engine.execution.loading import eos_token_ids
 from handlers.engine.execution.lora import AdapterError, AdapterQueue, check_adapter, enable_lora
 from handlers.engine.execution.paged_attention import KVPool
@@ -65,8 +67,8 @@ class _Request:
     eos_ids: frozenset[int]
     drafter: NgramDrafter | None = None  # speculative decoding's guesses (plain greedy requests only)
     matcher: Any = None  # structured output: the grammar's llguidance matcher (handlers.engine.execution.grammar)
-    prompt_scores: list[TokenInfo | None] | None = None  # prompt_logprobs: one entry per prompt position
     trigger: Trigger | None = None  # a grammar held back until the answer writes its trigger (tool calls)
+    prompt_scores: list[TokenInfo | None] | None = None  # prompt_logprobs: one entry per prompt position
     sent_first: bool = False
     lora_slot: int = -1  # the slot of its LoRA adapter while it holds one (-1: the base model)
 
@@ -151,6 +153,14 @@ class LLMEngine:
         if config.max_mixed_step_ratio:
             self.prefill_budget = PrefillBudget(config.max_mixed_step_ratio, floor=config.block_size, fit=self.step_fit)
             self.scheduler.prefill_limit = self.prefill_budget.limit
+        # the inter-token latency target (``handlers.engine.core.itl_target``); auto: from a decode step timed now
+        # (not under tensor parallelism: the other ranks step only with the engine)
+        self.itl = ItlTarget(self.step_fit, floor=config.block_size, target_ms=config.max_itl_ms)
+        self.scheduler.itl_budget = self.itl.prefill_tokens
+        decode_s = calibrate(self.runner.execute, self.scheduler.allocator, config.max_num_seqs,
+                             self.step_fit) if tp_group is None else None
+        if decode_s is not None:
+            self.itl.derive(decode_s)
         self.draft_gate: DraftGate | None = None
         if config.speculative_draft == "ngram":
             self.scheduler.drafter = self._draft
@@ -263,19 +273,23 @@ class LLMEngine:
         return [TokenDelta(rid, finish_reason=FinishReason.ERROR,
                            error=f"the constraint cannot be compiled for this model: {exc}") for rid, exc in failed]
 
-    def configure(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+    def configure(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                  max_itl_ms: int | None = None) -> None:
         """Change the running batch's size and the step's token budget from the next step on (None keeps a
         value); running requests are never preempted to comply. The KV cache and the activation allowance keep
         the sizes planned at load: a larger batch than planned may preempt for blocks, a larger token budget
-        uses activation memory beyond the plan (logged)."""
+        uses activation memory beyond the plan (logged). ``max_itl_ms``: the inter-token latency target (0: off)."""
         planned = self.memory_plan.max_num_batched_tokens
         if max_num_batched_tokens is not None and max_num_batched_tokens > planned:
             logger.warning("max_rolling_batch_prefill_tokens=%d exceeds the %d tokens the memory plan reserved "
                            "activations for at load", max_num_batched_tokens, planned)
+        if max_itl_ms is not None:
+            self.itl.set(max_itl_ms)
         self.scheduler.set_limits(max_num_seqs, max_num_batched_tokens)
         cfg = self.scheduler.config
-        logger.info("engine limits: max_rolling_batch_size=%d, max_rolling_batch_prefill_tokens=%d (from the "
-                    "next step)", cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        logger.info("engine limits: max_rolling_batch_size=%d, max_rolling_batch_prefill_tokens=%d, max_itl_ms=%s "
+                    "(from the next step)", cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                    self.itl.as_dict()["max_itl_ms"])
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[TokenDelta]:
@@ -293,7 +307,8 @@ class LLMEngine:
             logits = score_prompt_rows(plan.chunks, logits, self.tokenizer.batch_decode, self._record_prompt_scores)
         self.scheduler.commit(plan)
         self._counters["num_steps_total"] += 1
-        prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        # a one-token chunk that samples is a row (it pays the LM head); any other chunk is prompt work
+        prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1 or not c.samples)
         self._counters["num_prefill_tokens_total"] += prompt_tokens
         sampled = [c for c in plan.chunks if c.samples]
         reqs = [self._requests[c.seq.request_id] for c in sampled]
@@ -306,6 +321,7 @@ class LLMEngine:
         seconds = time.perf_counter() - t0
         self.step_cost.add(plan.num_batched_tokens, seconds)
         self.step_fit.record(plan.num_batched_tokens - prompt_tokens, prompt_tokens, seconds)
+        self.itl.record_step(t0 + seconds, plan.num_batched_tokens - prompt_tokens, bool(sampled))
         return failed + embedded + deltas
 
     def _lora_slot(self, request_id: str) -> int:
@@ -467,6 +483,8 @@ class LLMEngine:
             "kv_cache_populate": self.config.kv_cache_populate,
             "num_preemptions_total": self.scheduler.num_preemptions,
             "num_burst_paused_steps_total": self.scheduler.num_paused_steps,
+            "itl_over_target_steps_total": self.itl.steps_over,
+            "itl_over_target_seconds_total": self.itl.seconds_over,
             "prefix_cache_queries_total": alloc.prefix_queries,
             "prefix_cache_hits_total": alloc.prefix_hits,
             **self._counters,
@@ -476,6 +494,7 @@ class LLMEngine:
             "step_cost": self.step_cost.as_dict(),
             "prefill_budget": self.prefill_budget.as_dict() if self.prefill_budget is not None else None,
             "draft_gate": self.draft_gate.as_dict() if self.draft_gate is not None else None,
+            "itl_target": self.itl.as_dict(),
             "blocks_held": {s.request_id: s.num_live_blocks for s in self.scheduler.live_sequences()},
         }
 

@@ -9,8 +9,8 @@ never starved: a step may then run over the target, and is counted). With no str
 it (a burst at start-up pays nothing), and until the cost is known the scheduler's other bounds apply.
 
 The default target (``auto``) is derived at load from a measured decode step of a full batch
-(``handlers.engine.execution.itl_calibration``): ``AUTO_DECODE_STEPS`` such steps, so that a step may carry
-about twice its decode work in prompt tokens. ``record_step`` counts the steps whose gap (from the end of the
+(``handlers.engine.execution.itl_calibration``): ``AUTO_DECODE_STEPS`` such steps, so that a step of a full batch may
+carry about as much prompt work as decode work. ``record_step`` counts the steps whose gap (from the end of the
 previous step that sampled tokens to the end of this one, for a step with decode rows) ran over the target,
 and by how much. ``tokens_left_guess`` is the only estimate of a stream's remaining length: what it wrote so
 far, capped by its stop conditions (``max_tokens`` only caps, clients set it far above what models write).
@@ -21,7 +21,7 @@ from __future__ import annotations
 from handlers.engine.core.sequence import Sequence
 from handlers.engine.core.step_budget import StepFit
 
-AUTO_DECODE_STEPS = 3.0  # the auto target: this many decode steps of a full batch, as measured at load
+AUTO_DECODE_STEPS = 2.0  # the auto target: this many decode steps of a full batch, as measured at load
 OFF = 0  # option.max_itl_ms = 0: no target (the token cap, the time ratio and burst pauses decide)
 
 

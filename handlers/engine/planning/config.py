@@ -28,6 +28,7 @@ class EngineConfig:
     max_prefill_tokens_while_decoding: int = 256  # 0 = prefill may take the whole step budget
     max_mixed_step_ratio: float = 8.0  # a step that decodes and prefills: at most this many decode steps long (0: off)
     burst_prefill_first: bool = True  # a burst's prompts before the running streams' next tokens
+    max_itl_ms: int | None = None  # inter-token latency target (None: auto, measured at load; 0: off)
     block_size: int = 16
     kv_cache_memory_mb: int = 0
     kv_cache_memory_fraction: float = 0.9
@@ -91,6 +92,7 @@ class EngineConfig:
             max_prefill_tokens_while_decoding=get("max_prefill_tokens_while_decoding"),
             max_mixed_step_ratio=get("max_mixed_step_ratio"),
             burst_prefill_first=get("burst_prefill_first"),
+            max_itl_ms=auto_is_none("max_itl_ms"),
             block_size=get("block_size"),
             kv_cache_memory_mb=auto_is_zero("kv_cache_memory_mb"),
             kv_cache_memory_fraction=get("kv_cache_memory_fraction"),

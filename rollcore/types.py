@@ -232,6 +232,7 @@ class RequestTimings:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     worker_id: int | None = None  # the worker that answered (not a timing: it travels with them to the headers)
+    max_itl_s: float = 0.0  # the longest gap between two of its token deliveries (0: fewer than two)
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)

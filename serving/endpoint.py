@@ -40,7 +40,8 @@ from serving.worker.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
-ENGINE_KNOBS = frozenset({"max_rolling_batch_size", "max_rolling_batch_prefill_tokens"})  # live engine options
+# live engine options (max_itl_ms travels once set: auto leaves the engine's measured default)
+ENGINE_KNOBS = frozenset({"max_rolling_batch_size", "max_rolling_batch_prefill_tokens", "max_itl_ms"})
 
 
 class ModelEndpoint:
@@ -221,7 +222,8 @@ class ModelEndpoint:
             new, changed = self._updated_config(values)
             engine_options: dict[str, int] = {}
             if ENGINE_KNOBS & set(changed):  # the engines get both limits, so that every one has the same
-                engine_options = {k: int(new.options[k]) for k in sorted(ENGINE_KNOBS)}
+                engine_options = {k: int(new.options[k]) for k in sorted(ENGINE_KNOBS)
+                                  if str(new.options.get(k, "auto")).isdigit()}
             self.config = new
             self.pool.update_init(new.handler_properties())
             b = new.batching
@@ -256,12 +258,11 @@ class ModelEndpoint:
             own = ", ".join(k.name for k in knobs.KNOBS if k.applies in ("any", mode))
             raise InvalidRequest(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to model "
                                  f"{self.name!r}: it uses {mode} batching (it changes {own})")
-        if "max_rolling_batch_prefill_tokens" in values:
-            fixed = [wid for wid, h in sorted(self.pool.workers.items())
-                     if "max_rolling_batch_prefill_tokens" not in h.live_options]
-            if fixed:
-                raise InvalidRequest(f"max_rolling_batch_prefill_tokens cannot change on a live model whose handler "
-                                     f"({c.entry_point!r}) does not support it: it needs a reload")
+        for name in ("max_rolling_batch_prefill_tokens", "max_itl_ms"):
+            fixed = [wid for wid, h in sorted(self.pool.workers.items()) if name not in h.live_options]
+            if name in values and fixed:
+                raise InvalidRequest(f"{name} cannot change on a live model whose handler ({c.entry_point!r}) does "
+                                     "not support it: it needs a reload")
         lo, hi = values.get("min_worker"), values.get("max_worker")
         if lo is not None and hi is not None and lo > hi:
             raise InvalidRequest(f"min_worker ({lo}) must be <= max_worker ({hi})")
@@ -276,6 +277,8 @@ class ModelEndpoint:
                   "min_worker": min_workers, "max_worker": max_workers}
         current = self._knob_values()
         changed = {k: v for k, v in wanted.items() if k in values or v != current[k]}
+        if "max_itl_ms" in values:  # not a bound of any other knob: it changes only when given
+            changed["max_itl_ms"] = values["max_itl_ms"]
         batching = replace(b, batch_size=wanted["batch_size"], max_batch_delay_ms=wanted["max_batch_delay"],
                            job_queue_size=wanted["job_queue_size"],
                            max_rolling_batch_size=wanted["max_rolling_batch_size"],
@@ -283,6 +286,8 @@ class ModelEndpoint:
         options = dict(c.options)
         for name in ("max_rolling_batch_size", "max_rolling_batch_prefill_tokens"):
             options[name] = str(wanted[name])
+        if "max_itl_ms" in changed:
+            options["max_itl_ms"] = str(changed["max_itl_ms"])
         sources = dict(c.sources)
         for name in changed:
             sources[knobs.BY_NAME[name].key] = knobs.API_SOURCE
@@ -308,7 +313,7 @@ class ModelEndpoint:
             if msg.error is not None:
                 refused.append(msg.error)
                 continue
-            out[str(wid)] = {k: msg.stats[k] for k in ("max_num_seqs", "max_num_batched_tokens", "limits",
+            out[str(wid)] = {k: msg.stats[k] for k in ("max_num_seqs", "max_num_batched_tokens", "itl_target", "limits",
                                                        "num_running", "num_waiting", "num_steps_total")
                              if k in msg.stats}
         if refused:
@@ -316,11 +321,18 @@ class ModelEndpoint:
                                "frontend applies them, workers started later load with them")
         return out
 
-    def _knob_values(self) -> dict[str, int]:
+    def _itl_option(self) -> int | str:
+        """``option.max_itl_ms`` as configured: milliseconds, or ``auto`` (each engine's measured default, in its
+        stats: ``itl_target.derived_ms``)."""
+        raw = str(self.config.options.get("max_itl_ms", "auto")).strip()
+        return int(raw) if raw.isdigit() else "auto"
+
+    def _knob_values(self) -> dict[str, int | str]:
         c, b = self.config, self.config.batching
         return {"batch_size": b.batch_size, "max_batch_delay": b.max_batch_delay_ms,
                 "max_rolling_batch_size": b.max_rolling_batch_size,
                 "max_rolling_batch_prefill_tokens": b.max_rolling_batch_prefill_tokens,
+                "max_itl_ms": self._itl_option(),
                 "job_queue_size": b.job_queue_size, "min_worker": c.min_workers, "max_worker": c.max_workers}
 
     def knobs(self) -> dict[str, dict[str, Any]]:

@@ -44,6 +44,8 @@ KNOBS: tuple[Knob, ...] = (
          "requests running at once per worker, from the engine's next step on (never preempts to comply)"),
     Knob("max_rolling_batch_prefill_tokens", "option.max_rolling_batch_prefill_tokens", 1, "rolling",
          "tokens one engine step may compute, from the next step on"),
+    Knob("max_itl_ms", "option.max_itl_ms", 0, "rolling",
+         "the inter-token latency target of the engine's steps in ms (0: off), from the next step on"),
     Knob("job_queue_size", "job_queue_size", 1, "any", "requests that may wait for a worker (queued ones stay)"),
     Knob("min_worker", "minWorkers", 1, "any", "workers kept running (needs enable_model_api)"),
     Knob("max_worker", "maxWorkers", 1, "any", "workers the model may grow to (needs enable_model_api)"),

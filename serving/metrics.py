@@ -107,6 +107,11 @@ class ServingMetrics:
         self.burst_paused = Counter("rollserve_burst_paused_steps", "Engine steps that prefilled a burst's prompts "
                                     "while running sequences waited to decode (option.burst_prefill_first)", m,
                                     registry=r)
+        self.itl_over_steps = Counter("rollserve_itl_target_exceeded_steps", "Engine steps whose streams waited "
+                                      "longer than the inter-token latency target (option.max_itl_ms) for their "
+                                      "token", m, registry=r)
+        self.itl_over_seconds = Counter("rollserve_itl_target_excess_seconds", "Sum over those steps of how much "
+                                        "longer than the target the streams waited", m, registry=r)
         self.prefix_queries = Counter("rollserve_prefix_cache_queries", "Prompt blocks looked up in the prefix "
                                       "cache", m, registry=r)
         self.prefix_hits = Counter("rollserve_prefix_cache_hits", "Prompt blocks found in the prefix cache", m,
@@ -192,6 +197,8 @@ class ServingMetrics:
         last = self._engine_totals.setdefault((model, version, worker_id), {})
         for key, counter in (("num_preemptions_total", self.preemptions),
                              ("num_burst_paused_steps_total", self.burst_paused),
+                             ("itl_over_target_steps_total", self.itl_over_steps),
+                             ("itl_over_target_seconds_total", self.itl_over_seconds),
                              ("prefix_cache_queries_total", self.prefix_queries),
                              ("prefix_cache_hits_total", self.prefix_hits),
                              ("spec_draft_tokens_total", self.spec_drafts),

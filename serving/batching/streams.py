@@ -157,4 +157,4 @@ class ResultStream:
         return RequestTimings(queue_s=dispatched - self.arrival, ttft_s=first - self.arrival,
                               prefill_s=first - dispatched, decode_s=end - first, e2e_s=end - self.arrival,
                               prompt_tokens=self.prompt_tokens, generated_tokens=self.num_tokens,
-                              worker_id=self.worker_id)
+                              worker_id=self.worker_id, max_itl_s=max(self.token_gaps_s, default=0.0))

@@ -167,6 +167,7 @@ def timing_headers(t: RequestTimings) -> dict[str, str]:
         "X-Prefill-Time-Ms": f"{t.prefill_s * 1000:.3f}",
         "X-Decode-Time-Ms": f"{t.decode_s * 1000:.3f}",
         "X-E2E-Ms": f"{t.e2e_s * 1000:.3f}",
+        "X-Max-ITL-Ms": f"{t.max_itl_s * 1000:.3f}",
         "X-Prompt-Tokens": str(t.prompt_tokens),
         "X-Generated-Tokens": str(t.generated_tokens),
     }
@@ -175,8 +176,8 @@ def timing_headers(t: RequestTimings) -> dict[str, str]:
 def timings_json(t: RequestTimings) -> dict[str, float | int]:
     return {"queue_ms": round(t.queue_s * 1000, 3), "ttft_ms": round(t.ttft_s * 1000, 3),
             "prefill_ms": round(t.prefill_s * 1000, 3), "decode_ms": round(t.decode_s * 1000, 3),
-            "e2e_ms": round(t.e2e_s * 1000, 3), "prompt_tokens": t.prompt_tokens,
-            "generated_tokens": t.generated_tokens}
+            "e2e_ms": round(t.e2e_s * 1000, 3), "max_itl_ms": round(t.max_itl_s * 1000, 3),
+            "prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens}
 
 
 async def collect_or_cancel(request: Request, streams: list[ResultStream]) -> list[GenerationResult]:

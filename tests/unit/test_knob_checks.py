@@ -106,7 +106,7 @@ def test_every_engine_option_is_a_knob_or_needs_a_reload() -> None:
     options = Recording()
     EngineConfig.from_options(options)
     assert options.read  # the engine reads its options through get()
-    knob_keys = {"max_rolling_batch_size", "max_rolling_batch_prefill_tokens"}
+    knob_keys = {"max_rolling_batch_size", "max_rolling_batch_prefill_tokens", "max_itl_ms"}
     for key in sorted(options.read - knob_keys):
         assert "cannot change on a live model" in refused([(key, "1")]), key
     for key in knob_keys:

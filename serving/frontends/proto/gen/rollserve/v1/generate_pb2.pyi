@@ -271,7 +271,7 @@ class UnregisterModelResponse(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class UpdateModelRequest(_message.Message):
-    __slots__ = ("name", "batch_size", "max_batch_delay", "max_rolling_batch_size", "max_rolling_batch_prefill_tokens", "job_queue_size", "min_worker", "max_worker")
+    __slots__ = ("name", "batch_size", "max_batch_delay", "max_rolling_batch_size", "max_rolling_batch_prefill_tokens", "job_queue_size", "min_worker", "max_worker", "max_itl_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_DELAY_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +280,7 @@ class UpdateModelRequest(_message.Message):
     JOB_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MIN_WORKER_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKER_FIELD_NUMBER: _ClassVar[int]
+    MAX_ITL_MS_FIELD_NUMBER: _ClassVar[int]
     name: str
     batch_size: int
     max_batch_delay: int
@@ -288,7 +289,8 @@ class UpdateModelRequest(_message.Message):
     job_queue_size: int
     min_worker: int
     max_worker: int
-    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., max_batch_delay: _Optional[int] = ..., max_rolling_batch_size: _Optional[int] = ..., max_rolling_batch_prefill_tokens: _Optional[int] = ..., job_queue_size: _Optional[int] = ..., min_worker: _Optional[int] = ..., max_worker: _Optional[int] = ...) -> None: ...
+    max_itl_ms: int
+    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., max_batch_delay: _Optional[int] = ..., max_rolling_batch_size: _Optional[int] = ..., max_rolling_batch_prefill_tokens: _Optional[int] = ..., job_queue_size: _Optional[int] = ..., min_worker: _Optional[int] = ..., max_worker: _Optional[int] = ..., max_itl_ms: _Optional[int] = ...) -> None: ...
 
 class UpdateModelResponse(_message.Message):
     __slots__ = ("name", "details")

@@ -390,3 +390,26 @@ def test_quantizing_while_loading_never_holds_the_fp32_model(large: tuple[Path, 
     assert rss["held"] < fp32 / 2.5, (rss, fp32)
     assert peak <= rss["held"] + 6 * largest, (rss, largest)  # a layer read, its copy and quantize's temporaries
     assert peak < 0.45 * fp32, (rss, fp32)
+
+
+def test_gptq_v2_zeros_and_an_out_of_order_g_idx() -> None:
+    """``checkpoint_format: gptq_v2`` stores the zeros as they are (the original format stores them minus one);
+    a ``g_idx`` that puts inputs out of their groups (act-order) is refused naming the tensor."""
+    from handlers.engine.execution.checkpoint_quant import CheckpointTensorError, LayerTensors, read_layer
+
+    weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(5))
+    q, zero, scale = _minmax_4bit(weight, 32)
+    want = (q - zero.repeat_interleave(32, 1)).float() * scale.float().repeat_interleave(32, 1)
+    tensors = {"l.qweight": _words(q.T.reshape(16, 8, 16).transpose(1, 2)),
+               "l.qzeros": _words(zero.T.reshape(-1, 2, 8)), "l.scales": scale.T.contiguous()}
+    quant = parse_checkpoint_quant({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                                            "checkpoint_format": "gptq_v2"}})
+    assert quant is not None and quant.zeros_offset == 0
+    scheme = quant.scheme_for("l")
+    assert scheme is not None
+    layer = LayerTensors("l", tensors.get, lambda name: "model.safetensors")
+    torch.testing.assert_close(read_layer(quant, scheme, layer, 16, 128).dequantize(), want, rtol=0, atol=1e-6)
+    tensors["l.g_idx"] = (torch.arange(128) % 4).to(torch.int32)
+    with pytest.raises(CheckpointTensorError, match=r"^model\.safetensors: tensor l\.g_idx orders the inputs out of "
+                                                    r"their groups \(act-order\), which is not loaded$"):
+        read_layer(quant, scheme, layer, 16, 128)

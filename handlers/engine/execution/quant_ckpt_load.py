@@ -74,6 +74,10 @@ class SafetensorsFolder:
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
 
+    def has_module(self, module: str) -> bool:
+        """Whether any tensor of ``module`` is in the checkpoint (a tied head has none; a quantized one has its own)."""
+        return any(name.rpartition(".")[0] == module for name in self.file_of)
+
     def where(self, name: str) -> str:
         path = self.file_of.get(name)
         if path is None:  # a missing tensor: the file its layer's other tensors are in, else the checkpoint's files
@@ -179,7 +183,7 @@ def _load(folder: Path, linear: Any, quantize_tied_head: str | None, model: nn.M
         for name, module in list(model.named_modules()):
             if type(module) is not nn.Linear:
                 continue
-            if module is head and _tied(model) and f"{name}.weight" not in tensors:
+            if module is head and _tied(model) and not tensors.has_module(name):
                 if quantize_tied_head is None:
                     module.weight = embedding.weight  # one copy, float, as the checkpoint ties them
                 else:

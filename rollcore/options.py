@@ -99,16 +99,17 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "quantize_group_size inputs, llama.cpp's Q4_1 form) linear layers through a C kernel built on first use; "
           "each input row is computed alone (option.quantized_activations), so a request's tokens do not depend on "
           "its batch-mates. fp32 CPU workers, no "
-          "tensor parallelism; prepacking and fused projections are off with it. auto: none for a float "
-          "checkpoint; a GGUF file's quantized tensors as the file holds them (its F16/BF16/F32 matrices int8); "
-          "none on a GGUF file dequantizes it to fp32 at load"),
+          "tensor parallelism; prepacking and fused projections are off with it; a safetensors checkpoint is "
+          "quantized layer by layer while loading. auto: none for a float checkpoint; a GGUF file's quantized "
+          "tensors as the file holds them (its F16/BF16/F32 matrices int8); a compressed-tensors (pack-quantized), "
+          "GPTQ or AWQ checkpoint's integers as it holds them; none on a GGUF file dequantizes it to fp32 at load"),
     _spec("quantize_group_size", integer(8), "32", (SERVING, *_BOTH), "inputs per int4 scale and minimum"),
     _spec("quantized_activations", choice(("auto", "fp32", "int8", "int8x2")), "auto", (SERVING, *_BOTH),
           "what quantized linear layers multiply: int8, each input row quantized per 16 values and integer dot "
           "products (llama.cpp's precision; needs AVX-512 VNNI and VBMI, else fp32), int8x2 the same with what "
           "int8 leaves quantized again (inputs to ~1e-5 of their largest value: the answers of fp32 inputs), or "
           "fp32 inputs times the weights converted (exact to the dequantized model). auto: int8x2 for a GGUF "
-          "file's weights, fp32 for option.quantize on a float checkpoint"),
+          "file's or a quantized checkpoint's weights, fp32 for option.quantize on a float checkpoint"),
     _spec("trust_remote_code", boolean, "false", (SERVING, *_BOTH), "run the model folder's own code"),
     _spec("predict_timeout", number(0, exclusive=True), "120", (SERVING,), "seconds one request may take"),
     _spec("model_loading_timeout", number(0, exclusive=True), "600", (SERVING,), "seconds a worker may load"),

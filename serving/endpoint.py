@@ -374,6 +374,9 @@ class ModelEndpoint:
             # the rolling engine's word on the architecture, from its worker's load reply (``Ready.info``):
             # "verified list" or "load-time self-check (...)"; None before a worker is ready, or not the engine
             "admitted": self.info.get("admitted"),
+            # its inter-token latency target as loaded (max_itl_ms in force, the auto default it measured); the
+            # engines' stats (batcher.engines) say what is in force since
+            "itl_target": self.info.get("itl_target"),
             "batch_size": c.batching.batch_size, "max_batch_delay": c.batching.max_batch_delay_ms,
             "job_queue_size": c.batching.job_queue_size, "min_workers": c.min_workers,
             "max_workers": c.max_workers, "target_workers": self.pool.target, "workers": self.pool.describe(),

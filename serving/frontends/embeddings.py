@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rollcore.errors import ErrorKind, HandlerError, InvalidRequest, ServingError, Unavailable
+from rollcore.errors import ErrorKind, HandlerError, InvalidRequest, ServingError
 from rollcore.types import GenerationRequest, SamplingParams
 from serving.frontends.httpio import (
     REQUEST_ID_HEADER,
@@ -38,7 +38,7 @@ from serving.frontends.httpio import (
     body_size,
     collect_or_cancel,
     ignored_headers,
-    read_json,
+    read_request,
     request_id,
     strict_parameters,
     submit_all,
@@ -46,7 +46,7 @@ from serving.frontends.httpio import (
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.frontends.schemas import MAX_TOKEN_ID, Prompt, Text, TokenIds
 from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, StrictModel, json_schemas
-from serving.validation import RequestSchema, type_error
+from serving.validation import RequestSchema
 
 
 class EmbeddingRequest(StrictModel):
@@ -227,12 +227,7 @@ class EmbeddingRoutes:
     async def embeddings(self, request: Request) -> Response:
         rid = request_id(request)
         try:
-            if self.ctx.state.draining:
-                raise Unavailable("server is shutting down", retry_after_s=5)
-            body = await read_json(request, self.ctx.max_request_size)
-            model = body.get("model") if isinstance(body, dict) else None
-            if model is not None and not isinstance(model, str):
-                raise type_error("model", "a string", model)  # before the body: it picks the model
+            body, model = await read_request(self.ctx, request)
             ep = self.ctx.registry.get(model) if model else self.ctx.registry.only()
             request.state.model = ep.name  # the metrics label
             parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse, body, ep, self.texts.get(ep),

@@ -21,10 +21,11 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from rollcore.errors import ErrorKind, InvalidRequest, PayloadTooLarge, ServingError
+from rollcore.errors import ErrorKind, InvalidRequest, ModelNotFound, PayloadTooLarge, ServingError, Unavailable
 from rollcore.types import GenerationRequest, GenerationResult, RequestTimings
 from serving.batching.streams import ResultStream
 from serving.params import Limits
+from serving.validation import type_error
 
 log = logging.getLogger("serving.http")
 
@@ -243,3 +244,27 @@ def candidates(req: GenerationRequest, best_of: int) -> list[GenerationRequest]:
 def likeliest_first(results: Sequence[GenerationResult]) -> list[int]:
     """Indices of ``results`` by cumulative log-probability, highest first."""
     return sorted(range(len(results)), key=lambda k: -sum(t.logprob or 0.0 for t in results[k].tokens))
+
+
+async def read_request(ctx: HttpContext, request: Request) -> tuple[Any, str | None]:
+    """A JSON route's body and the model it names (None when it names none), refused while the server drains;
+    ``model`` is checked before the rest of the body, since it picks who validates the rest."""
+    if ctx.state.draining:
+        raise Unavailable("server is shutting down", retry_after_s=5)
+    body = await read_json(request, ctx.max_request_size)
+    model = body.get("model") if isinstance(body, dict) else None
+    if model is not None and not isinstance(model, str):
+        raise type_error("model", "a string", model)
+    return body, model
+
+
+def resolve_model(registry: Any, model: str) -> tuple[Any, str | None]:
+    """``model`` -> (endpoint, LoRA adapter): a model's name, or one of its adapters' (vLLM's convention, which every
+    OpenAI-style route follows). Raises ``ModelNotFound``."""
+    try:
+        return registry.get(model), None
+    except ModelNotFound:
+        for ep in registry.endpoints.values():
+            if model in (getattr(ep, "info", None) or {}).get("adapters", ()):
+                return ep, model
+        raise

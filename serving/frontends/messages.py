@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rollcore.errors import ErrorKind, InvalidRequest, ModelNotFound, ServingError, Unavailable
+from rollcore.errors import ErrorKind, InvalidRequest, ServingError
 from rollcore.types import FinishReason, GenerationResult
 from serving.batching.streams import ResultStream
 from serving.frontends.httpio import (
@@ -35,15 +35,16 @@ from serving.frontends.httpio import (
     body_size,
     collect_or_cancel,
     ignored_headers,
-    read_json,
+    read_request,
     request_id,
+    resolve_model,
     strict_parameters,
     submit_all,
     timing_headers,
 )
 from serving.frontends.messages_blocks import AnswerReader, Event, cut_stop, fold, reasoning_splitter, stop_reason
 from serving.frontends.messages_schema import to_chat, validate
-from serving.frontends.openai import adapters_of, require_streaming
+from serving.frontends.openai import require_streaming
 from serving.frontends.openai_schema import ParsedRequest, parse_chat
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.validation import type_error
@@ -143,29 +144,14 @@ class MessagesRoutes:
 
     async def _read(self, request: Request) -> tuple[Any, Any, str | None]:
         """The body, and the model it names: (body, endpoint, LoRA adapter or None)."""
-        if self.ctx.state.draining:
-            raise Unavailable("server is shutting down", retry_after_s=5)
-        body = await read_json(request, self.ctx.max_request_size)
+        body, model = await read_request(self.ctx, request)
         if not isinstance(body, dict):
             raise type_error("request body", "a JSON object", body)
-        model = body.get("model")
         if model is None:
             raise InvalidRequest("missing field 'model'")
-        if not isinstance(model, str):
-            raise type_error("model", "a string", model)  # before the body: it picks the model
-        ep, adapter = self._resolve(model)
+        ep, adapter = resolve_model(self.ctx.registry, model)
         request.state.model = ep.name  # the metrics label
         return body, ep, adapter
-
-    def _resolve(self, model: str) -> tuple[Any, str | None]:
-        """``model`` -> (endpoint, LoRA adapter): a model's name or one of its adapters' (as the chat route)."""
-        try:
-            return self.ctx.registry.get(model), None
-        except ModelNotFound:
-            for ep in self.ctx.registry.endpoints.values():
-                if model in adapters_of(ep):
-                    return ep, model
-            raise
 
     def _parse(self, body: Any, ep: Any, text: ModelText, rid: str, ignored: list[str],
                count: bool) -> ParsedRequest:

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rollcore.errors import InvalidRequest, ModelNotFound, ServingError, Unavailable
+from rollcore.errors import InvalidRequest, ServingError
 from rollcore.types import FinishReason, GenerationResult, TokenDelta, TokenInfo
 from serving.batching.streams import ResultStream
 from serving.frontends.embeddings import check_generates
@@ -34,8 +34,9 @@ from serving.frontends.httpio import (
     collect_or_cancel,
     error_response,
     ignored_headers,
-    read_json,
+    read_request,
     request_id,
+    resolve_model,
     strict_parameters,
     submit_all,
     timing_headers,
@@ -45,7 +46,6 @@ from serving.frontends.openai_schema import Choice, ParsedRequest, parse_chat, p
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.frontends.reasoning import ReasoningSplitter, reasoning_tokens, split_whole
 from serving.frontends.tools import ToolStream, fold
-from serving.validation import type_error
 
 
 def routes(ctx: HttpContext) -> list[Route]:
@@ -105,27 +105,12 @@ class OpenAIRoutes:
     async def _serve(self, request: Request, chat: bool) -> Response:
         rid = request_id(request)
         try:
-            if self.ctx.state.draining:
-                raise Unavailable("server is shutting down", retry_after_s=5)
-            body = await read_json(request, self.ctx.max_request_size)
-            model = body.get("model") if isinstance(body, dict) else None
-            if model is not None and not isinstance(model, str):
-                raise type_error("model", "a string", model)  # before the body: it picks the model
-            ep, adapter = self._resolve(model) if model else (self.ctx.registry.only(), None)
+            body, model = await read_request(self.ctx, request)
+            ep, adapter = resolve_model(self.ctx.registry, model) if model else (self.ctx.registry.only(), None)
             request.state.model = ep.name  # the metrics label
             return await self._run(request, body, ep, rid, chat, adapter)
         except ServingError as exc:
             return error_response(exc, rid)
-
-    def _resolve(self, model: str) -> tuple[Any, str | None]:
-        """``model`` -> (endpoint, LoRA adapter): a model's name, or one of its adapters' (vLLM's convention)."""
-        try:
-            return self.ctx.registry.get(model), None
-        except ModelNotFound:
-            for ep in self.ctx.registry.endpoints.values():
-                if model in adapters_of(ep):
-                    return ep, model
-            raise
 
     async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool,
                    adapter: str | None = None) -> Response:

@@ -29,6 +29,7 @@ from rollcore.errors import ConfigError
 from serving.config import ModelConfig, load_model_config
 from serving.config_report import describe_model_config
 from serving.logs import setup_logging
+from serving.model_files import nothing_to_load
 from serving.server_config import load_server_config
 
 
@@ -84,6 +85,10 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(describe_model_config(cfg))
+    if (empty := nothing_to_load(cfg)) is not None:
+        # A warning, not an error (exit 2 is for values the configuration rejects): the folder's files may still be
+        # on their way, and its configuration is valid; the server marks the model FAILED until they are there.
+        print(f"warning: model {cfg.name}: {empty}", file=sys.stderr)
     try:
         plan = memory_plan(cfg)
     except ConfigError as exc:

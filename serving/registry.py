@@ -33,6 +33,7 @@ from serving.config import ModelConfig, load_model_config, validate_model_name
 from serving.devices import DevicePlan, plan_devices, visible_devices
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
 from serving.live_requests import LiveRequests
+from serving.model_files import nothing_to_load
 from serving.registry_api import ModelApi
 from serving.reload import reload_version
 from serving.server_config import ServerConfig
@@ -195,6 +196,11 @@ class ModelRegistry(ModelApi):
         except ConfigError as exc:
             log.error("model %s: invalid configuration: %s", name, exc)
             failed = FailedEndpoint(name, self._without_paths(str(exc), name, model_dir))
+            failed.version = version
+            return failed
+        if (empty := nothing_to_load(cfg)) is not None:  # permanent: no worker could ever load it, none is tried
+            log.error("model %s: %s", name, empty)
+            failed = FailedEndpoint(name, empty)
             failed.version = version
             return failed
         for warning in cfg.warnings:  # an unknown option.* key that looks like a typo of a known one

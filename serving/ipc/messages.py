@@ -47,6 +47,7 @@ class Ready:
 class LoadFailed:
     TAG: ClassVar[str] = "load_failed"
     reason: str
+    permanent: bool = False  # another try cannot succeed (a missing file, a broken config or model.py): no retry
 
 
 @dataclass(frozen=True, slots=True)

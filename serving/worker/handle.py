@@ -32,7 +32,12 @@ class WorkerListener(Protocol):
 
 
 class WorkerLoadError(Exception):
-    """The worker could not load its model (message is the handler's reason)."""
+    """The worker could not load its model (message is the handler's reason); ``permanent``: a retry would fail
+    the same way."""
+
+    def __init__(self, reason: str, permanent: bool = False) -> None:
+        super().__init__(reason)
+        self.permanent = permanent
 
 
 class WorkerHandle:
@@ -83,7 +88,7 @@ class WorkerHandle:
             decoder = codec.FrameDecoder()
             first = await asyncio.wait_for(self._read_one(reader, decoder), timeout_s)
             if isinstance(first, LoadFailed):
-                raise WorkerLoadError(first.reason)
+                raise WorkerLoadError(first.reason, first.permanent)
             if not isinstance(first, Ready):
                 raise WorkerLoadError("worker exited before it was ready")
             self.info = dict(first.info)

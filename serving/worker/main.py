@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import queue
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollcore.errors import ErrorKind, ServingError
+from rollcore.errors import ConfigError, ErrorKind, ServingError
 from rollcore.types import GenerationRequest, tokens_to_wire
 from serving.heap import IdleTrim
 from serving.ipc import codec
@@ -149,6 +150,24 @@ def serve_rolling(conn: WorkerConnection, handler: Any, model: str = "-", redact
     RollingLoop(conn, handler, to_input, model, redact).run()
 
 
+# Load failures that come out the same on every try: the files or the code are wrong, not the moment.
+_PERMANENT: tuple[type[BaseException], ...] = (ImportError, SyntaxError, FileNotFoundError, NotADirectoryError,
+                                               IsADirectoryError, json.JSONDecodeError, ConfigError)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether a load failure would repeat on a new worker (then the frontend does not retry it): its type, or that
+    of an exception it was explicitly raised from (the loader wraps a model.py's ImportError in a ValueError)."""
+    from handlers.engine.planning.families import UnsupportedModel
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (*_PERMANENT, UnsupportedModel)):
+            return True
+        seen = seen.__cause__
+    return False
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
@@ -174,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         handler.initialize(ctx)
     except Exception as exc:  # noqa: BLE001 - reported to the frontend, which marks the model FAILED
         log.exception("model %s failed to load", init.model_name)
-        conn.send(LoadFailed(reason=redact(f"{type(exc).__name__}: {exc}")))
+        conn.send(LoadFailed(reason=redact(f"{type(exc).__name__}: {exc}"), permanent=is_permanent(exc)))
         return
     from handlers.base import RollingHandler
 

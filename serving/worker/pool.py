@@ -5,7 +5,8 @@ batcher. A worker that dies is reported to the batcher (which retries or fails i
 restarted with exponential backoff: the delay doubles with each crash of a worker that had not yet stayed up
 ``stable_after_s`` (a crash loop backs off to 30 s between starts), and starts over after a worker that did.
 A model whose workers fail to load ``max_load_attempts`` times in a row is FAILED with the reason and is not
-retried again, so a broken model never spins the CPU.
+retried again, so a broken model never spins the CPU; a failure the worker reports as permanent (a missing file,
+a broken config.json or model.py: ``LoadFailed.permanent``) FAILs it at the first one.
 
 Scaling down retires the idlest workers (fewest requests in flight; the newest on a tie): the batcher stops
 giving them work at once, and each one is stopped only after its requests in flight finished, so no request
@@ -117,9 +118,11 @@ class WorkerPool:
                 reason = str(exc) or f"model loading exceeded {self._loading_timeout_s:g}s"
                 self._load_failures += 1
                 self.last_error = reason
-                log.error("model %s: worker %d failed to load (%d/%d): %s", self.model, wid,
-                          self._load_failures, self._max_load_attempts, reason)
-                if self._load_failures >= self._max_load_attempts:
+                permanent = isinstance(exc, WorkerLoadError) and exc.permanent
+                log.error("model %s: worker %d failed to load (%s): %s", self.model, wid,
+                          "not retried: it would fail again" if permanent
+                          else f"{self._load_failures}/{self._max_load_attempts}", reason)
+                if permanent or self._load_failures >= self._max_load_attempts:
                     self._on_failed(reason)
                     return False
                 await asyncio.sleep(BACKOFF_S[min(self._load_failures, len(BACKOFF_S) - 1)])

@@ -6,15 +6,19 @@ server path."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.integration.harness import REPO, write_model
+from tests.integration.harness import REPO, ServerProcess, write_model
+from tests.integration.store_models import state
 
 COMMANDS = ("start", "config", "serve", "bench", "tune", "k8s", "worker")
 
@@ -122,3 +126,116 @@ def test_sagemakers_taken_port_names_its_variable(tmp_path: Path, taken_port: in
         f"rollserve: cannot listen on 127.0.0.1:{taken_port} (SAGEMAKER_BIND_TO_PORT, from env "
         "SAGEMAKER_BIND_TO_PORT): address already in use; set another port in env SAGEMAKER_BIND_TO_PORT")
     assert not (tmp_path / "key_file.json").exists() and not (tmp_path / "ports.json").exists()
+
+
+# --- a store of broken models (items 3, 5 and 6 share one server) ---
+
+BROKEN_GGUF = b"GGUF" + (3).to_bytes(4, "little") + b"\x07" * 20  # a header cut off after a few bytes
+MISSING_IMPORT_PY = "import rollserve_no_such_module  # the handler's dependency is not installed\n"
+
+
+@pytest.fixture(scope="module")
+def broken_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    workdir = tmp_path_factory.mktemp("broken")
+    store = workdir / "model_store"
+    write_model(store, "echo", {"option.entryPoint": "echo"})
+    write_model(store, "empty", {"batch_size": "1"})  # nothing to load: no weights, config.json, model.py or model_id
+    (write_model(store, "badgguf", {"option.model_id": "model.gguf"}) / "model.gguf").write_bytes(BROKEN_GGUF)
+    write_model(store, "badconfig", {"batch_size": "1"}, files={"config.json": '{"model_type": "llama",'})
+    write_model(store, "badimport", {"option.entryPoint": "model.py"}, files={"model.py": MISSING_IMPORT_PY})
+    outside = workdir / "elsewhere"  # option.model_id naming files outside the store by absolute path
+    outside.mkdir()
+    (outside / "cut.gguf").write_bytes(BROKEN_GGUF)
+    write_model(store, "ggufabs", {"option.model_id": str(outside / "cut.gguf")})
+    write_model(store, "missingabs", {"option.model_id": str(outside / "gone.gguf")})
+    server = ServerProcess.start(workdir, config={"model_cache_dir": str(workdir / "cache")}, wait_ready=False)
+    try:
+        deadline = time.monotonic() + 300
+        while any(state(server, m) not in ("READY", "FAILED") for m in BROKEN_MODELS + ("echo",)):
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.2)
+        yield server
+    finally:
+        server.stop()
+
+
+BROKEN_MODELS = ("empty", "badgguf", "badconfig", "badimport", "ggufabs", "missingabs")
+NOTHING_TO_LOAD = ("the model folder has no weights (*.safetensors, *.bin), no config.json and no model.py: set "
+                   "option.model_id in serving.properties (a Hugging Face id, an s3:// URL, a local folder or a .gguf "
+                   "file), copy a checkpoint (config.json and weights) into the folder, or add a model.py handler")
+
+
+# --- 3. a folder with nothing to load: FAILED at once, not retried, saying what to add ---
+
+def test_a_folder_with_nothing_to_load_fails_at_once_saying_what_to_add(broken_store: ServerProcess) -> None:
+    info = broken_store.describe("empty")
+    assert info["state"] == "FAILED" and info["reason"] == NOTHING_TO_LOAD
+    log = broken_store.log()
+    assert re.findall(r"ERROR serving\.registry: model empty: (.*)", log) == [NOTHING_TO_LOAD]
+    assert "model empty: worker" not in log  # no worker was started for it, so none was retried
+    r = httpx.post(f"{broken_store.url}/predictions/empty", json={"inputs": "x"},
+                   headers=broken_store.inference_headers, timeout=10)
+    assert r.status_code == 503 and r.json()["error"] == f"model 'empty' is FAILED: {NOTHING_TO_LOAD}"
+    r = httpx.post(f"{broken_store.url}/predictions/echo", json={"inputs": "still served"},
+                   headers=broken_store.inference_headers, timeout=10)
+    assert r.status_code == 200 and r.json() == {"generated_text": "still served"}
+
+
+def test_a_load_failure_that_would_repeat_is_not_retried(broken_store: ServerProcess) -> None:
+    """A model.py importing a module that is not installed fails the same way on every worker: one try."""
+    info = broken_store.describe("badimport")
+    assert info["state"] == "FAILED"
+    assert info["reason"] == ("ValueError: entry point 'model.py' failed to import: ModuleNotFoundError: No module "
+                              "named 'rollserve_no_such_module'")
+    tries = re.findall(r"model badimport: worker \d+ failed to load \(([^)]*)\)", broken_store.log())
+    assert tries == ["not retried: it would fail again"]
+
+
+def test_serving_config_reports_a_folder_with_nothing_to_load(tmp_path: Path) -> None:
+    folder = write_model(tmp_path, "empty", {"batch_size": "1"})
+    proc = serving("config", str(folder))
+    assert proc.returncode == 0  # the configuration is valid: the folder's files are what is missing
+    assert proc.stderr.splitlines() == [f"warning: model empty: {NOTHING_TO_LOAD}"]
+    assert first_line(proc.stdout) == f"model empty  ({folder.resolve()})"  # the configuration is still shown
+    assert sorted(p.name for p in folder.iterdir()) == ["serving.properties"]
+
+
+# --- 6. no answer names a server path ---
+
+def answers_about(server: ServerProcess, model: str) -> dict[str, httpx.Response]:
+    mgmt, inference = server.mgmt_headers, server.inference_headers
+    return {
+        "GET /models": httpx.get(f"{server.mgmt}/models", headers=mgmt, timeout=10),
+        f"GET /models/{model}": httpx.get(f"{server.mgmt}/models/{model}", headers=mgmt, timeout=10),
+        f"GET /models/{model} (inference port)": httpx.get(f"{server.url}/models/{model}", headers=mgmt, timeout=10),
+        f"POST /predictions/{model}": httpx.post(f"{server.url}/predictions/{model}", json={"inputs": "x"},
+                                                 headers=inference, timeout=10),
+        f"POST /v1/completions {model}": httpx.post(f"{server.url}/v1/completions", headers=inference, timeout=10,
+                                                   json={"model": model, "prompt": "x"}),
+    }
+
+
+@pytest.mark.parametrize("model", BROKEN_MODELS)
+def test_no_answer_about_a_broken_model_names_a_server_path(broken_store: ServerProcess, model: str) -> None:
+    workdir = str(broken_store.workdir)
+    answers = answers_about(broken_store, model)
+    assert broken_store.describe(model)["state"] == "FAILED"
+    assert {name: r.status_code for name, r in answers.items()} == {
+        name: 503 if name.startswith("POST") else 200 for name in answers}
+    for name, r in answers.items():
+        assert workdir not in r.text and str(Path(workdir).resolve()) not in r.text, (name, r.text)
+    assert workdir in broken_store.log()  # the log keeps the full paths
+
+
+@pytest.mark.parametrize("model,reason", [
+    ("badgguf", "GGUF file model.gguf cannot be served: GGUFFileError: GGUF file model.gguf: its header is "
+                "truncated or corrupt (it ends early)"),
+    ("ggufabs", "GGUF file cut.gguf cannot be served: GGUFFileError: GGUF file cut.gguf: its header is truncated or "
+                "corrupt (it ends early)"),
+    ("missingabs", "option.model_id='<path>/gone.gguf': no such local file or folder, and not an S3 URI "),
+    ("badconfig", "OSError: It looks like the config file at 'badconfig/config.json' is not a valid JSON file."),
+])
+def test_broken_files_are_named_relative_to_the_model(broken_store: ServerProcess, model: str, reason: str) -> None:
+    assert broken_store.describe(model)["reason"].startswith(reason)
+
+

@@ -35,7 +35,7 @@ GOLDEN = [
     (Batch(batch_id=7, requests=[{"a": 1}]),
      b"\x00\x00\x00\x21" b"\x83" b"\xa8batch_id\x07" b"\xa8requests" b"\x91\x81\xa1a\x01" b"\xa1t" b"\xa5batch"),
     (LoadFailed(reason="boom"),
-     b"\x00\x00\x00\x1b" b"\x82" b"\xa6reason" b"\xa4boom" b"\xa1t" b"\xabload_failed"),
+     b"\x00\x00\x00\x26" b"\x83" b"\xa6reason" b"\xa4boom" b"\xa9permanent\xc2" b"\xa1t" b"\xabload_failed"),
 ]
 
 ROUND_TRIP = [
@@ -44,6 +44,7 @@ ROUND_TRIP = [
     Ready(pid=123, info={"max_model_len": 2048, "chat_template": None}),
     Ready(pid=124, info={}, live_options=["max_rolling_batch_size"]),
     LoadFailed(reason="ValueError: no weights"),
+    LoadFailed(reason="ModuleNotFoundError: No module named 'x'", permanent=True),
     Batch(batch_id=1, requests=[{"request_id": "a", "prompt": "héllo"}]),
     BatchResult(batch_id=1, outputs=[{"request_id": "a", "text": "x", "tokens": [[1, "x", -0.5]]}]),
     Add(requests=[{"request_id": "b"}]),

@@ -34,6 +34,7 @@ from serving.devices import DevicePlan, plan_devices, visible_devices
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
 from serving.live_requests import LiveRequests
 from serving.model_files import nothing_to_load
+from serving.redact import scrub_paths
 from serving.registry_api import ModelApi
 from serving.reload import reload_version
 from serving.server_config import ServerConfig
@@ -216,10 +217,11 @@ class ModelRegistry(ModelApi):
         return ep
 
     def _without_paths(self, message: str, name: str, model_dir: Path) -> str:
-        """Clients see a model's files by model name, never by where they live on the server."""
-        for prefix in {str(model_dir.resolve()), str(model_dir)}:
-            message = message.replace(prefix, name)
-        return message.replace(str(self._store), "<model_store>")
+        """Clients see a model's files by model name, never by where they live on the server: the model folder is
+        the name, the store ``<model_store>``, any other absolute path (the model cache, an absolute
+        ``option.model_id``) only its last component (``serving.redact``)."""
+        return scrub_paths(message, {str(model_dir.resolve()): name, str(model_dir): name,
+                                     str(self._store): "<model_store>"})
 
     def _add(self, name: str, version: str, ep: AnyEndpoint, folder: Path, overrides: Mapping[str, str]) -> None:
         self.versions.setdefault(name, ModelVersions(name)).add(version, ep, folder, overrides)

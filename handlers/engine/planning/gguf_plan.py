@@ -180,8 +180,8 @@ def read_header(path: Path) -> GGUFHeader:
     except GGUFFileError:
         raise
     except (EOFError, ValueError, struct.error, MemoryError) as exc:
-        raise GGUFFileError(f"GGUF file {path.name}: its header is truncated or corrupt ({exc or 'ends early'})") \
-            from None
+        detail = str(exc) or "it ends early"  # an EOFError has no text: say what it means
+        raise GGUFFileError(f"GGUF file {path.name}: its header is truncated or corrupt ({detail})") from None
     if data_start + ends > size:
         raise GGUFFileError(f"GGUF file {path.name} is truncated: its tensors need {data_start + ends} bytes, the "
                             f"file has {size}")

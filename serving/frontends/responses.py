@@ -233,7 +233,7 @@ class ResponsesRoutes:
         if adapter is not None:
             gen = replace(gen, params=replace(gen.params, adapter=adapter))
         stream = submit_all(ep, [gen])[0]
-        job = Job(_response(req, adapter or ep.name), parsed, stream, self.store if store else None, ns, items)
+        job = Job(new_response(req, adapter or ep.name), parsed, stream, self.store if store else None, ns, items)
         extra = ignored_headers(ignored, rid, ep.name)
         headers = {REQUEST_ID_HEADER: rid, **extra}
         if parsed.stream:
@@ -264,7 +264,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _response(req: ResponsesRequest, model: str) -> dict[str, Any]:
+def new_response(req: ResponsesRequest, model: str) -> dict[str, Any]:
     """A new ``Response`` object (in progress, no output) echoing the request's settings."""
     fmt = req.text.format if req.text is not None else None
     fmt_out = fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}
@@ -323,8 +323,9 @@ class Job:
         reader = AnswerReader(self.parsed.tools, self.parsed.reasoning)
         seq = 0
         try:
-            pending += [{"type": "response.created", "response": self._snapshot()},
-                        {"type": "response.in_progress", "response": self._snapshot()}]
+            for kind in ("response.created", "response.in_progress"):  # at once: before the first token
+                yield {"type": kind, "response": self._snapshot(), "sequence_number": seq}
+                seq += 1
             try:
                 async for delta in self.stream:
                     counted, parts = reader.feed(delta.text, len(delta.tokens))

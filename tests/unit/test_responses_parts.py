@@ -5,14 +5,19 @@ test_responses_api.py."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from rollcore.errors import InvalidRequest
+from rollcore.errors import InvalidRequest, WorkerFailed
+from rollcore.types import TokenDelta, TokenInfo
+from serving.batching.streams import ResultStream
 from serving.frontends import tools
+from serving.frontends.openai_schema import ParsedRequest
+from serving.frontends.responses import Job, new_response
 from serving.frontends.responses_output import AnswerReader, OutputBuilder, output_text
 from serving.frontends.responses_schema import (
     RESPONSES,
@@ -175,3 +180,48 @@ def test_chat_field_names_become_this_apis() -> None:
         "'text.format.schema' cannot be used")
     assert responses_message("'tools[0].function.name' must be") == "'tools[0].name' must be"
     assert responses_message("'messages[2].content' is too long") == "'input' is too long"
+
+
+# --- a Job over a real ResultStream: how a stream ends -------------------------------------------------------
+def run_job(feed: Any, store: ResponseStore | None = None) -> tuple[Any, list[Any]]:
+    """A Job over a ResultStream that ``feed(stream, job)`` drives after the first two events; (the job, its
+    validated events)."""
+    async def main() -> tuple[Any, list[Any]]:
+        stream = ResultStream("r")
+        req = RESPONSES.validate({"input": "Hi"}, Limits())
+        job = Job(new_response(req, "m"), ParsedRequest([], True, False, None, False), stream, store, "", [])
+        events = []
+        async for event in job.events():
+            events.append(EVENTS.validate_python(event))
+            if len(events) == 2:
+                feed(stream, job)
+        return job, events
+
+    return asyncio.run(main())
+
+
+def test_an_error_mid_stream_ends_with_an_error_event() -> None:
+    def feed(stream: Any, job: Any) -> None:
+        stream.push(TokenDelta("r", (TokenInfo(1, "Hel"),), "Hel", prompt_tokens=3))
+        stream.fail(WorkerFailed("the worker died"))
+
+    store = ResponseStore()
+    job, events = run_job(feed, store)
+    assert [e.type for e in events][2:] == ["response.output_item.added", "response.content_part.added",
+                                            "response.output_text.delta", "response.output_text.done",
+                                            "response.content_part.done", "response.output_item.done", "error"]
+    assert events[-2].item.status == "incomplete"  # the item ends as cut, then the error
+    assert events[-1].message == "the worker died" and events[-1].sequence_number == len(events) - 1
+    kept = store.get("", job.response["id"])
+    assert kept is not None and kept.response["status"] == "failed" and not kept.in_progress
+    Response.model_validate(kept.response)
+
+
+def test_a_cancelled_stream_ends_incomplete_with_status_cancelled() -> None:
+    def feed(stream: Any, job: Any) -> None:
+        stream.push(TokenDelta("r", (TokenInfo(1, "Hel"),), "Hel", prompt_tokens=3))
+        job.cancel()
+
+    job, events = run_job(feed)
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "cancelled"
+    assert events[-1].response.output_text == "Hel" and events[-1].response.usage.output_tokens == 1

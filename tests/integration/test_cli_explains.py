@@ -239,3 +239,25 @@ def test_broken_files_are_named_relative_to_the_model(broken_store: ServerProces
     assert broken_store.describe(model)["reason"].startswith(reason)
 
 
+
+
+# --- 5. uvicorn's lines once each ---
+
+def test_each_uvicorn_line_is_written_once(tmp_path: Path) -> None:
+    """Two HTTP listeners (inference, management) and a metrics one: three uvicorn servers in one process."""
+    server = ServerProcess.start(tmp_path, models={"echo": {"option.entryPoint": "echo"}},
+                                 config={"metrics_address": "http://127.0.0.1:0"})
+    try:
+        r = httpx.post(f"{server.url}/predictions/echo", json={"inputs": "once"}, headers=server.inference_headers,
+                       timeout=10)
+        assert r.status_code == 200 and r.json() == {"generated_text": "once"}
+    finally:
+        assert server.stop() == 0
+    lines = [line.split(" ", 2)[2] for line in server.log().splitlines() if " uvicorn." in line]
+    pid = server.proc.pid
+    assert lines == [f"INFO uvicorn.error: Started server process [{pid}]", "INFO uvicorn.error: Shutting down",
+                     f"INFO uvicorn.error: Finished server process [{pid}]"], server.log()
+    log = server.log()
+    assert [n for n in ("inference", "management", "metrics") if f"INFO serving.server: {n} API listening on" in log] \
+        == ["inference", "management", "metrics"]  # each listener is named once by the server's own line
+    assert log.count("/predictions/echo -> 200") == 1  # the request's one line (serving.requests)

@@ -4,6 +4,7 @@ Shared by the model configuration (``serving.config``) and the server's (``servi
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,10 +56,20 @@ def canonical_keys(raw: list[tuple[str, Setting]], known: Mapping[str, str], *,
         if canonical is None and allow_options and key.lower().startswith("option."):
             canonical = "option." + key[len("option."):]
         if canonical is None:
-            raise ConfigError(f"{setting.where}: {key} = {setting.value!r}: unknown key; known keys: "
-                              f"{', '.join(sorted(set(known.values())))}, option.*")
+            raise unknown_key(key, setting, known, allow_options=allow_options)
         settings[canonical] = setting
     return settings
+
+
+def unknown_key(key: str, setting: Setting, known: Mapping[str, str], *, allow_options: bool) -> ConfigError:
+    """One line for a key the file kind does not have: the closest known key of that kind (matched as keys are,
+    ignoring case, ``_`` and ``.``), never the whole list."""
+    by_norm = {norm(name): name for name in sorted(set(known.values()))}
+    close = difflib.get_close_matches(norm(key), list(by_norm), n=1)
+    hint = f"did you mean '{by_norm[close[0]]}'?" if close else "no known key is close (docs/reference.md lists them)"
+    # serving.properties: a custom handler reads its own keys under option.
+    what = "unknown key (a handler's own keys take the option. prefix)" if allow_options else "unknown key"
+    return ConfigError(f"{setting.where}: {key} = {setting.value!r}: {what}; {hint}")
 
 
 def env_setting(var: str, value: str) -> Setting:

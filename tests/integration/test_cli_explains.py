@@ -261,3 +261,44 @@ def test_each_uvicorn_line_is_written_once(tmp_path: Path) -> None:
     assert [n for n in ("inference", "management", "metrics") if f"INFO serving.server: {n} API listening on" in log] \
         == ["inference", "management", "metrics"]  # each listener is named once by the server's own line
     assert log.count("/predictions/echo -> 200") == 1  # the request's one line (serving.requests)
+
+
+# --- 4. an unknown key: one line with the closest known key ---
+
+def test_a_typo_in_config_properties_suggests_the_key(tmp_path: Path) -> None:
+    proc = start_server(tmp_path, {"inference_adress": "http://127.0.0.1:0"})
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["error: config.properties:5: inference_adress = 'http://127.0.0.1:0': unknown "
+                                        "key; did you mean 'inference_address'?"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.properties", "model_store"]
+
+
+@pytest.mark.parametrize("typo,value,suggestion", [
+    ("batch_sise", "2", "batch_size"),
+    ("MaxWorker", "2", "maxWorkers"),
+    ("job.queue.sizes", "9", "job_queue_size"),
+])
+def test_a_typo_in_serving_properties_suggests_the_key(tmp_path: Path, typo: str, value: str, suggestion: str) -> None:
+    folder = write_model(tmp_path, "m", {"option.entryPoint": "echo", typo: value})
+    proc = serving("config", str(folder))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"error: {folder}/serving.properties:2: {typo} = '{value}': unknown key (a handler's own keys take the "
+        f"option. prefix); did you mean '{suggestion}'?"]
+
+
+def test_a_key_close_to_none_says_where_the_keys_are_listed(tmp_path: Path) -> None:
+    folder = write_model(tmp_path, "m", {"option.entryPoint": "echo", "zzzz": "1"})
+    proc = serving("config", str(folder))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"error: {folder}/serving.properties:2: zzzz = '1': unknown key (a handler's own keys take the option. "
+        "prefix); no known key is close (docs/reference.md lists them)"]
+
+
+def test_a_typod_option_key_still_warns_with_its_suggestion(tmp_path: Path) -> None:
+    folder = write_model(tmp_path, "m", {"option.entryPoint": "echo", "option.echo_delay_mss": "1"})
+    proc = serving("config", str(folder))
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert [ln for ln in proc.stdout.splitlines() if ln.startswith("warning:")] == [
+        "warning: unknown option.echo_delay_mss: did you mean option.echo_delay_ms? (serving.properties:2)"]

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rollcore.errors import ErrorKind, InvalidRequest, ModelNotFound, ServingError, Unavailable
+from rollcore.errors import ErrorKind, InvalidRequest, ModelNotFound, ServingError
 from rollcore.types import FinishReason
 from serving.batching.streams import ResultStream
 from serving.frontends.httpio import (
@@ -36,13 +36,14 @@ from serving.frontends.httpio import (
     HttpContext,
     body_size,
     ignored_headers,
-    read_json,
+    read_request,
     request_id,
+    resolve_model,
     strict_parameters,
     submit_all,
     timing_headers,
 )
-from serving.frontends.openai import adapters_of, require_streaming
+from serving.frontends.openai import require_streaming
 from serving.frontends.openai_schema import ParsedRequest, parse_chat
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.frontends.responses_output import AnswerReader, OutputBuilder, new_id
@@ -179,24 +180,16 @@ class ResponsesRoutes:
         if model is None:
             return self.ctx.registry.only(), None
         try:
-            return self.ctx.registry.get(model), None
+            return resolve_model(self.ctx.registry, model)
         except ModelNotFound as exc:
-            for ep in self.ctx.registry.endpoints.values():
-                if model in adapters_of(ep):
-                    return ep, model
             raise ResponseNotFound(exc.message, "model", "model_not_found") from None
 
     async def create(self, request: Request) -> Response:
         rid = request_id(request)
         try:
-            if self.ctx.state.draining:
-                raise Unavailable("server is shutting down", retry_after_s=5)
-            body = await read_json(request, self.ctx.max_request_size)
+            body, model = await read_request(self.ctx, request)
             if not isinstance(body, dict):
                 raise type_error("request body", "an object", body)
-            model = body.get("model")
-            if model is not None and not isinstance(model, str):
-                raise type_error("model", "a string", model)  # before the body: it picks the model
             ep, adapter = self._resolve(model)
             request.state.model = ep.name  # the metrics label
             return await self._create(request, body, ep, adapter, rid)

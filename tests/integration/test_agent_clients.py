@@ -99,3 +99,16 @@ def test_instructor_json_schema_mode(oai: openai.OpenAI, sent: list[dict[str, An
     schema = fmt["schema"] if fmt["type"] == "json_object" else fmt["json_schema"]["schema"]  # either spelling
     assert set(schema["properties"]) == {"city", "country"}
     assert isinstance(city, City) and city.city
+
+
+def test_responses_auto_tool_choice_makes_a_valid_call(oai: openai.OpenAI) -> None:
+    """The Responses API with tool_choice auto on an agent's conversation: the model starts a call, the grammar from
+    its marker on makes it valid (the required unit its free answer leaves out)."""
+    weather = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+               "parameters": Weather.model_json_schema(), "strict": True}
+    turns = [*AGENT_TURNS, {"role": "user", "content": "What is the weather in Lima?"}]
+    response = oai.responses.create(model="smollm2", temperature=0, max_output_tokens=60, tools=[weather],
+                                    tool_choice="auto", input=turns)  # type: ignore[arg-type]
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
+    Weather.model_validate_json(calls[0].arguments)  # type: ignore[union-attr]

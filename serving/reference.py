@@ -49,7 +49,8 @@ def render() -> str:
              "settings fit together: [configuration.md](configuration.md).", "",
              "Precedence, highest first: the command line and management API, the environment (`OPTION_<KEY>` "
              "sets `option.<key>`, `SERVING_<KEY>` a model or server key), the file, the default. Keys match "
-             "case-insensitively, ignoring `_` and `.`; an unknown key without the `option.` prefix is an error, "
+             "case-insensitively, ignoring `_` and `.`; an unknown key without the `option.` prefix is an error naming "
+             "the closest known key, "
              "an unknown `option.*` key is a custom handler's own (a warning when it looks like a typo of one "
              "below). `serving config MODEL_DIR` prints every effective value and where it came from.", "",
              "## serving.properties: model keys", ""]

@@ -150,7 +150,8 @@ def serve_rolling(conn: WorkerConnection, handler: Any, model: str = "-", redact
     RollingLoop(conn, handler, to_input, model, redact).run()
 
 
-# Load failures that come out the same on every try: the files or the code are wrong, not the moment.
+# Load failures that come out the same on every try: the files or the code are wrong, not the moment
+# (ConfigError covers the engine's refusals of a checkpoint, e.g. a GGUF file it cannot read).
 _PERMANENT: tuple[type[BaseException], ...] = (ImportError, SyntaxError, FileNotFoundError, NotADirectoryError,
                                                IsADirectoryError, json.JSONDecodeError, ConfigError)
 
@@ -158,11 +159,11 @@ _PERMANENT: tuple[type[BaseException], ...] = (ImportError, SyntaxError, FileNot
 def is_permanent(exc: BaseException) -> bool:
     """Whether a load failure would repeat on a new worker (then the frontend does not retry it): its type, or that
     of an exception it was explicitly raised from (the loader wraps a model.py's ImportError in a ValueError)."""
-    from handlers.engine.planning.families import UnsupportedModel
-
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, (*_PERMANENT, UnsupportedModel)):
+        if type(seen).__name__ == "InsufficientMemory":  # memory others hold may be free on the next try
+            return False
+        if isinstance(seen, _PERMANENT):
             return True
         seen = seen.__cause__
     return False

@@ -109,6 +109,13 @@ def _words(values: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
 
 
+def _v1_words(words: torch.Tensor) -> torch.Tensor:
+    """GPTQ's original format: zeros minus one, as GPTQModel's v2 -> v1 conversion writes them (0x11111111
+    subtracted from each word, borrows included: a zero of 0 still round-trips)."""
+    v1 = (words.to(torch.int64) - 0x11111111) & 0xFFFFFFFF
+    return torch.where(v1 >= 1 << 31, v1 - (1 << 32), v1).to(torch.int32)
+
+
 def build_gptq_or_awq(base: nn.Module, out: Path, method: str, group: int = GROUP) -> dict[str, torch.Tensor]:
     """A GPTQ (original format: zeros stored minus one) or AWQ GEMM checkpoint; returns each layer's weight as
     ``(q - zero) * scale`` from the integers before packing."""
@@ -121,7 +128,7 @@ def build_gptq_or_awq(base: nn.Module, out: Path, method: str, group: int = GROU
         out_f, in_f = q.shape
         if method == "gptq":  # qweight [in / 8, out] along the inputs; qzeros [groups, out / 8] along the outputs
             tensors[f"{name}.qweight"] = _words(q.T.reshape(in_f // 8, 8, out_f).transpose(1, 2))
-            tensors[f"{name}.qzeros"] = _words((zero.T - 1).reshape(-1, out_f // 8, 8))
+            tensors[f"{name}.qzeros"] = _v1_words(_words(zero.T.reshape(-1, out_f // 8, 8)))
             tensors[f"{name}.g_idx"] = (torch.arange(in_f) // group).to(torch.int32)
         else:  # AWQ: qweight [in, out / 8], word nibble i holds column AWQ_ORDER[i] of its eight
             order = torch.tensor(AWQ_ORDER)
@@ -392,23 +399,28 @@ def test_quantizing_while_loading_never_holds_the_fp32_model(large: tuple[Path, 
     assert peak < 0.45 * fp32, (rss, fp32)
 
 
-def test_gptq_v2_zeros_and_an_out_of_order_g_idx() -> None:
-    """``checkpoint_format: gptq_v2`` stores the zeros as they are (the original format stores them minus one);
-    a ``g_idx`` that puts inputs out of their groups (act-order) is refused naming the tensor."""
+def test_gptq_zeros_in_both_formats_and_an_out_of_order_g_idx() -> None:
+    """``checkpoint_format: gptq_v2`` stores the zeros as they are, the original format minus one (a zero of 0
+    included, stored as a borrow); a ``g_idx`` that puts inputs out of their groups (act-order) is refused naming
+    the tensor."""
     from handlers.engine.execution.checkpoint_quant import CheckpointTensorError, LayerTensors, read_layer
 
     weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(5))
+    weight[:3, :32] = weight[:3, :32].abs()  # groups whose zero is 0
     q, zero, scale = _minmax_4bit(weight, 32)
+    assert (zero == 0).sum() >= 3
     want = (q - zero.repeat_interleave(32, 1)).float() * scale.float().repeat_interleave(32, 1)
-    tensors = {"l.qweight": _words(q.T.reshape(16, 8, 16).transpose(1, 2)),
-               "l.qzeros": _words(zero.T.reshape(-1, 2, 8)), "l.scales": scale.T.contiguous()}
-    quant = parse_checkpoint_quant({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32,
-                                                            "checkpoint_format": "gptq_v2"}})
-    assert quant is not None and quant.zeros_offset == 0
-    scheme = quant.scheme_for("l")
-    assert scheme is not None
-    layer = LayerTensors("l", tensors.get, lambda name: "model.safetensors")
-    torch.testing.assert_close(read_layer(quant, scheme, layer, 16, 128).dequantize(), want, rtol=0, atol=1e-6)
+    zeros = _words(zero.T.reshape(-1, 2, 8))
+    for fmt, stored in (("gptq_v2", zeros), ("gptq", _v1_words(zeros))):
+        tensors = {"l.qweight": _words(q.T.reshape(16, 8, 16).transpose(1, 2)), "l.qzeros": stored,
+                   "l.scales": scale.T.contiguous()}
+        quant = parse_checkpoint_quant({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                                                "checkpoint_format": fmt}})
+        assert quant is not None and quant.zeros_offset == (fmt == "gptq")
+        scheme = quant.scheme_for("l")
+        assert scheme is not None
+        layer = LayerTensors("l", tensors.get, lambda name: "model.safetensors")
+        torch.testing.assert_close(read_layer(quant, scheme, layer, 16, 128).dequantize(), want, rtol=0, atol=1e-6)
     tensors["l.g_idx"] = (torch.arange(128) % 4).to(torch.int32)
     with pytest.raises(CheckpointTensorError, match=r"^model\.safetensors: tensor l\.g_idx orders the inputs out of "
                                                     r"their groups \(act-order\), which is not loaded$"):

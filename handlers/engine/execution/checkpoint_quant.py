@@ -10,7 +10,8 @@ element i of a word at bits ``bits * i``):
                       (asymmetric) signed, packed the same way along the OUTPUT channels [out * bits / 32, groups];
                       ``weight_shape`` the unpacked [out, in]. W = (q - zero) * scale.
   GPTQ                ``qweight`` [in / 8, out], along the inputs; ``qzeros`` [groups, out / 8] along the outputs,
-                      stored minus one in the original format (``checkpoint_format`` gptq); ``scales`` [groups, out];
+                      stored minus one in the original format (``checkpoint_format`` gptq: read back by adding
+                      0x11111111 to each word, as GPTQModel does); ``scales`` [groups, out];
                       ``g_idx`` [in] each input's group (checked to be in order: act-order is refused).
                       W = (q - zero) * scale.
   AWQ (GEMM)          ``qweight`` [in, out / 8] along the outputs, each word's eight in AWQ's order
@@ -153,7 +154,12 @@ def read_gptq(t: LayerTensors, scheme: WeightScheme, out_features: int, in_featu
             raise CheckpointTensorError(f"{t.where('g_idx')}: tensor {t.prefix}.g_idx orders the inputs out of "
                                         "their groups (act-order), which is not loaded")
     q = unpack_rows(qweight.T, 4, in_features)  # [out, in]
-    zero = unpack_rows(qzeros, 4, out_features).T.to(torch.int16) + zeros_offset  # [out, groups]
+    if zeros_offset:
+        # the original format's zeros, stored minus one: one added to every nibble as GPTQModel converts them, on
+        # the whole word (0x11111111, carries included), so a zero of 0 stored as a borrow reads back as 0
+        qzeros = ((qzeros.to(torch.int64) + 0x11111111 * zeros_offset) & 0xFFFFFFFF)
+        qzeros = torch.where(qzeros >= 1 << 31, qzeros - (1 << 32), qzeros).to(torch.int32)
+    zero = unpack_rows(qzeros, 4, out_features).T  # [out, groups]
     return _from_zero_points(q, scales.T, zero, WeightScheme(4, group, False), in_features)
 
 

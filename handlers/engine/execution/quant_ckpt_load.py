@@ -139,7 +139,8 @@ def load_quantizing(folder: Path, mode: str, group_size: int, activations: str) 
     """The 16/32-bit checkpoint of ``folder`` with every linear layer quantized as it is read, as
     ``quantize_linears`` quantizes a loaded fp32 model (int4 keeps the output projection int8). None where the
     checkpoint's tensor names are not the model's own (transformers renames them on load): the caller loads it
-    whole instead. Raises ``ConfigError`` for a group size that does not divide a layer's inputs."""
+    whole instead, as it does for a model with linear layers of its own class. Raises ``ConfigError`` for a group
+    size that does not divide a layer's inputs."""
     bits = 8 if mode == "int8" else 4
 
     def linear(tensors: SafetensorsFolder, name: str, module: nn.Linear) -> nn.Module | None:
@@ -153,6 +154,8 @@ def load_quantizing(folder: Path, mode: str, group_size: int, activations: str) 
     model_probe = _empty_model(folder)
     head = model_probe.get_output_embeddings() if hasattr(model_probe, "get_output_embeddings") else None
     head_name = next((n for n, m in model_probe.named_modules() if m is head), None) if head is not None else None
+    if any(isinstance(m, nn.Linear) and type(m) is not nn.Linear for m in model_probe.modules()):
+        return None  # a family's own linear class (Falcon's), made plain by the engine's adapter before quantizing
     with SafetensorsFolder(folder) as tensors:
         wanted = [n for n, _ in model_probe.named_parameters(remove_duplicate=False)
                   if not (n.startswith(f"{head_name}.") and _tied(model_probe))]

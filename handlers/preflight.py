@@ -15,6 +15,7 @@ from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.families import ADMITTED_BY_LIST, admission, load_config_dict, unsupported_reason
 from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.engine.planning.memory import preflight
+from handlers.engine.planning.quant_config import checkpoint_parameter_count, parse_checkpoint_quant
 
 # The budget ``planned_memory`` plans with: far more than any model needs, so every figure is the model's own.
 UNBOUNDED_BUDGET_KIB = 1 << 40
@@ -77,6 +78,9 @@ def checkpoint_parameters(weights: Path) -> int | None:
     e.g. a model the worker downloads or converts at load)."""
     try:
         tensors = checkpoint_tensors(weights)
+        quant = parse_checkpoint_quant(load_config_dict(weights))
     except Exception:  # noqa: BLE001 -- an unreadable checkpoint fails at load with its own error
         return None
+    if quant is not None:  # int32 words of packed weights: counted as the weights they hold
+        return checkpoint_parameter_count(tensors, quant) or None
     return sum(t.numel for t in tensors) or None

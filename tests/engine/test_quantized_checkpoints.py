@@ -31,6 +31,7 @@ from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.memory import preflight
 from handlers.engine.planning.quant_config import parse_checkpoint_quant
 from handlers.huggingface import HuggingFaceHandler
+from handlers.preflight import checkpoint_parameters
 from rollcore.errors import ConfigError
 from rollcore.types import SamplingParams
 from tests.engine.conftest import greedy_together
@@ -234,6 +235,8 @@ def test_a_checkpoint_serves_the_formats_own_dequantization(checkpoints: dict[st
     plan = preflight(folder, EngineConfig.from_options({}))
     assert plan.weight_bytes == _served_bytes(model) and plan.dtype == "fp32", plan.weights.source
     assert "as integers" in plan.weights.source, plan.weights.source
+    # the server's layout counts parameters from the headers: packed words as the weights they hold
+    assert abs(checkpoint_parameters(folder) / checkpoint_parameters(smollm2_folder()) - 1) < 0.05  # type: ignore[operator]
     if name not in GREEDY:
         return
     prompts = [handler.tokenizer(text).input_ids for text in TEXTS]

@@ -218,3 +218,14 @@ def checkpoint_served_bytes(tensors: Sequence[Any], quant: CheckpointQuant, tied
             total += t.numel * 4 if t.floating else t.nbytes
     head = "; the output projection tied to the embedding" if tied_head else ""
     return total, f"safetensors headers: {quantized} layers of {quant.describe} as integers{head}"
+
+
+def checkpoint_parameter_count(tensors: Sequence[Any], quant: CheckpointQuant) -> int:
+    """Parameters of a quantized checkpoint from its headers' tensors: each packed int32 word of a quantized layer
+    counted as the 32 / bits weights it holds (the tables and zero points as they are)."""
+    marker = QUANT_SUFFIXES[quant.method][0]
+    total = 0
+    for t in tensors:
+        scheme = quant.scheme_for(t.name[: -len(marker) - 1]) if t.name.endswith(f".{marker}") else None
+        total += t.numel * (32 // scheme.bits) if scheme is not None else t.numel
+    return total

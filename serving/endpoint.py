@@ -157,14 +157,22 @@ class ModelEndpoint:
         self.reason = scrub_paths(reason, {str(self.config.model_dir): self.name})
         self.batcher.fail_pending(Unavailable(f"model {self.name!r} is FAILED: {self.reason}"))
 
+    def check_ready(self) -> None:
+        """Raises ``Unavailable`` (503, Retry-After) unless the model (or the version replacing it) is READY: routes
+        call it before they read the model's tokenizer or chat template, which a model that is not READY lacks."""
+        if self.successor is not None:
+            self.successor.check_ready()
+            return
+        if self.state is not ModelState.READY:
+            detail = f": {self.reason}" if self.reason else ""
+            raise Unavailable(f"model {self.name!r} is {self.state.value}{detail}", retry_after_s=5)
+
     def submit(self, request: GenerationRequest) -> ResultStream:
         """Queue ``request`` (its ``request_id`` is the client's id; see ``GenerationRequest``). Raises
         ``Unavailable`` unless READY, ``Conflict`` for a client id already live, ``Overloaded``."""
         if self.successor is not None:
             return self.successor.submit(request)
-        if self.state is not ModelState.READY:
-            detail = f": {self.reason}" if self.reason else ""
-            raise Unavailable(f"model {self.name!r} is {self.state.value}{detail}", retry_after_s=5)
+        self.check_ready()
         # a custom handler would ignore these: refuse rather than answer without them
         if request.params.grammar is not None and not self.info.get("structured_output"):
             raise InvalidRequest(f"model {self.name!r} does not apply structured-output constraints (its handler "
@@ -223,7 +231,7 @@ class ModelEndpoint:
             engine_options: dict[str, int] = {}
             if ENGINE_KNOBS & set(changed):  # the engines get both limits, so that every one has the same
                 engine_options = {k: int(new.options[k]) for k in sorted(ENGINE_KNOBS)
-                                  if str(new.options.get(k, "auto")).isdigit()}
+                                  if str(new.options.get(k) or "").isdigit()}  # max_itl_ms auto: left out
             self.config = new
             self.pool.update_init(new.handler_properties())
             b = new.batching

@@ -19,8 +19,9 @@ PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4 5", "Once upon
            "a", "Why is the sky blue?", "def main():", "The quick brown fox"]
 LONG = 142  # the longest answer of the rolling load
 ROLL = {"option.rolling_batch": "auto", "option.max_rolling_batch_size": "32", "option.max_model_len": "256",
-        # no prefill cap while decodes run: a raised batch size admits every waiting prompt at one step
-        "option.max_prefill_tokens_while_decoding": "0", "option.max_mixed_step_ratio": "0",
+        # no prefill cap while decodes run (by tokens, time ratio or latency target): a raised batch size admits
+        # every waiting prompt at one step
+        "option.max_prefill_tokens_while_decoding": "0", "option.max_mixed_step_ratio": "0", "option.max_itl_ms": "0",
         "option.predict_timeout": "900", "max_queue_time": "900"}
 DYN = {"option.entryPoint": "echo", "option.echo_delay_ms": "300", "batch_size": "8",
        "max_batch_delay": "600000",  # ten minutes: a batch goes out when full, never because of the delay

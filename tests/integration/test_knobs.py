@@ -174,7 +174,9 @@ def test_dynamic_batch_size_and_delay_change_while_64_requests_run(server: Serve
 def test_get_shows_every_knob_with_its_source(server: ServerProcess) -> None:
     knobs = server.describe("dyn")["knobs"]
     assert set(knobs) == {"batch_size", "max_batch_delay", "max_rolling_batch_size",
-                          "max_rolling_batch_prefill_tokens", "job_queue_size", "min_worker", "max_worker"}
+                          "max_rolling_batch_prefill_tokens", "max_itl_ms", "job_queue_size", "min_worker",
+                          "max_worker"}
+    assert knobs["max_itl_ms"] == {"value": "auto", "source": "default", "from": "default", "applies": False}
     prefill = knobs["max_rolling_batch_prefill_tokens"]
     assert prefill == {"value": 2048, "source": "env", "from": "env OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS",
                        "applies": False}

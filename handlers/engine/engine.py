@@ -154,8 +154,9 @@ class LLMEngine:
             self.prefill_budget = PrefillBudget(config.max_mixed_step_ratio, floor=config.block_size, fit=self.step_fit)
             self.scheduler.prefill_limit = self.prefill_budget.limit
         # the inter-token latency target (``handlers.engine.core.itl_target``); auto: from a decode step timed now
-        # (not under tensor parallelism: the other ranks step only with the engine)
-        self.itl = ItlTarget(self.step_fit, floor=config.block_size, target_ms=config.max_itl_ms)
+        # (under tensor parallelism, where the other ranks step only with the engine: from the first fit)
+        self.itl = ItlTarget(self.step_fit, floor=config.block_size, target_ms=config.max_itl_ms,
+                             full_batch=config.max_num_seqs)
         self.scheduler.itl_budget = self.itl.prefill_tokens
         decode_s = calibrate(self.runner.execute, self.scheduler.allocator, config.max_num_seqs,
                              self.step_fit) if tp_group is None else None

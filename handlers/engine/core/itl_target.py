@@ -35,10 +35,12 @@ def tokens_left_guess(seq: Sequence, max_model_len: int) -> int:
 class ItlTarget:
     """The target in force (seconds; None: off), its load-time default, and the steps that ran over it."""
 
-    def __init__(self, fit: StepFit, floor: int, target_ms: int | None = None) -> None:
-        """``target_ms``: the option's value (None: auto, set by ``derive``; 0: off)."""
+    def __init__(self, fit: StepFit, floor: int, target_ms: int | None = None, full_batch: int = 32) -> None:
+        """``target_ms``: the option's value (None: auto, set by ``derive``, or from the fit's decode step of
+        ``full_batch`` rows once there is one, where nothing was measured at load; 0: off)."""
         self.fit = fit
         self.floor = max(1, floor)
+        self.full_batch = full_batch
         self.derived_ms: float | None = None  # the auto default, once measured
         self.option_ms = target_ms
         self.source = "auto" if target_ms is None else "option"
@@ -66,6 +68,8 @@ class ItlTarget:
         lasts at most the target (at least ``floor``); None when no target is in force, no row decodes, or the
         step cost is not fitted yet."""
         m = self.fit.model
+        if m is not None and self.source == "auto" and self.derived_ms is None:  # not measured at load
+            self.derive(m.decode_seconds(self.full_batch))
         if self.target_s is None or m is None or decode_rows <= 0:
             return None
         spare = self.target_s - m.decode_seconds(decode_rows)

@@ -197,6 +197,14 @@ def test_the_auto_target_is_derived_from_a_measured_decode_step() -> None:
     assert set_one.target_s == 0.2
     with pytest.raises(ValueError, match="max_itl_ms must be an integer >= 0"):
         set_one.set(-1)
+    # nothing measured at load (tensor parallelism): auto comes from the fit's full-batch decode step once fitted
+    lazy_fit = StepFit()
+    lazy = ItlTarget(lazy_fit, floor=16, full_batch=32)
+    assert lazy.prefill_tokens(4) is None and lazy.derived_ms is None
+    for rows, tokens in ((1, 0), (32, 0), (1, 0), (32, 0), (0, 64), (0, 64), (16, 0), (8, 32)):
+        lazy_fit.record(rows, tokens, _cost(rows, tokens))
+    assert lazy.prefill_tokens(4) == int((AUTO_DECODE_STEPS * _cost(32, 0) - _cost(4, 0)) / PER_TOKEN)
+    assert lazy.as_dict()["derived_ms"] == round(AUTO_DECODE_STEPS * _cost(32, 0) * 1e3, 1)
 
 
 def test_steps_over_the_target_are_counted_with_their_excess() -> None:

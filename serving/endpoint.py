@@ -406,6 +406,9 @@ class FailedEndpoint:
         self.info: dict[str, Any] = {}
         self.available = False
 
+    def check_ready(self) -> None:
+        raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
+
     def submit(self, request: GenerationRequest) -> ResultStream:
         raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
 

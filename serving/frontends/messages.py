@@ -151,6 +151,7 @@ class MessagesRoutes:
             raise InvalidRequest("missing field 'model'")
         ep, adapter = resolve_model(self.ctx.registry, model)
         request.state.model = ep.name  # the metrics label
+        ep.check_ready()  # a model not READY has no template to read: 503
         return body, ep, adapter
 
     def _parse(self, body: Any, ep: Any, text: ModelText, rid: str, ignored: list[str],

@@ -106,6 +106,7 @@ class OpenAIRoutes:
 
     async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool,
                    adapter: str | None = None) -> Response:
+        ep.check_ready()  # a model not READY has no template to read: 503, not a 400 about its template
         check_generates(ep)
         text = self.texts.get(ep)
         args = (body, ep.name, text, rid, self.ctx.limits, strict_parameters(ep))

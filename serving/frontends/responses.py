@@ -218,6 +218,7 @@ class ResponsesRoutes:
         if req.background and req.stream:
             raise InvalidRequest("'background' with 'stream' is not supported: stream, or poll a background response")
         items = [*history, *input_items(req)]
+        ep.check_ready()  # a model not READY has no template to read: 503
         text = self.texts.get(ep)
         parsed = await off_loop(pool, size, _parse, req, items, ep, text, rid, self.ctx.limits)
         if parsed.stream:

@@ -202,6 +202,9 @@ def test_serving_config_reports_a_folder_with_nothing_to_load(tmp_path: Path) ->
 
 # --- 6. no answer names a server path ---
 
+MESSAGE = {"role": "user", "content": "x"}
+
+
 def answers_about(server: ServerProcess, model: str) -> dict[str, httpx.Response]:
     mgmt, inference = server.mgmt_headers, server.inference_headers
     return {
@@ -212,6 +215,13 @@ def answers_about(server: ServerProcess, model: str) -> dict[str, httpx.Response
                                                  headers=inference, timeout=10),
         f"POST /v1/completions {model}": httpx.post(f"{server.url}/v1/completions", headers=inference, timeout=10,
                                                    json={"model": model, "prompt": "x"}),
+        # the chat APIs: 503 too (the model is not READY), not a 400 about a template it never loaded
+        f"POST /v1/chat/completions {model}": httpx.post(f"{server.url}/v1/chat/completions", headers=inference,
+                                                         timeout=10, json={"model": model, "messages": [MESSAGE]}),
+        f"POST /v1/messages {model}": httpx.post(f"{server.url}/v1/messages", headers=inference, timeout=10,
+                                                 json={"model": model, "max_tokens": 4, "messages": [MESSAGE]}),
+        f"POST /v1/responses {model}": httpx.post(f"{server.url}/v1/responses", headers=inference, timeout=10,
+                                                  json={"model": model, "input": "x"}),
     }
 
 

@@ -44,6 +44,7 @@ from serving.frontends.lmi import LmiRoutes
 from serving.frontends.management import ManagementRoutes
 from serving.frontends.messages import GUARD_BODIES, MessagesRoutes
 from serving.frontends.model_versions import VersionRoutes
+from serving.frontends.oip_rest import OipRestRoutes
 from serving.frontends.openai import OpenAIRoutes
 from serving.frontends.responses import GUARD_BODIES as RESPONSES_GUARD_BODIES
 from serving.frontends.responses import ResponsesRoutes
@@ -113,7 +114,7 @@ class Server:
                 *openai_routes.routes(), *EmbeddingRoutes(self.http).routes(), *TokenizerRoutes(self.http).routes(),
                 *ResponsesRoutes(self.http, self.authority.required(Scope.INFERENCE)).routes(),
                 *MessagesRoutes(self.http).routes(),
-                *tgi.routes(self.http),
+                *tgi.routes(self.http), *OipRestRoutes(self.http, self.health).routes(),
                 openapi.route(lambda: openapi.inference_document(self.limits, sorted(self.registry.endpoints)))]
 
     def _management_app(self, metrics_route: Any, reads_only: bool = False) -> Any:

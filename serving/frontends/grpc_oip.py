@@ -44,7 +44,7 @@ from serving.frontends.grpc_tensors import TextInputs, decode_inputs, text_respo
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
 from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as pb_grpc
 from serving.health import Health
-from serving.params import check_sequences, check_text, check_wire_value, parse_lmi_parameters
+from serving.params import Limits, check_sequences, check_text, check_wire_value, parse_lmi_parameters
 
 log = logging.getLogger("serving.grpc")
 
@@ -112,22 +112,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         check_serving(self.ctx)
         ep = self.registry.get(_ref(request.model_name, request.model_version))
         inputs = decode_inputs(request)
-        limits = self.ctx.limits
-        ignored: list[str] = []
-        params = parse_lmi_parameters(inputs.parameters, limits, strict=strict_parameters(ep), ignored=ignored)
-        if ignored and is_text_model(ep):
-            log.warning("model %s: ignored unknown sampling parameters: %s", ep.name, ", ".join(ignored))
-        check_sequences(len(inputs.prompts), limits, "'text_input'")
-        prompts = [check_text("text_input", p, max_chars=limits.max_prompt_chars) for p in inputs.prompts]
-        if not is_text_model(ep):
-            check_wire_value("sampling_parameters", inputs.parameters)
-        rid = new_request_id(request.id)
-        deadline = deadline_of(context)
-        text_model = is_text_model(ep)
-        reqs = [GenerationRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", model=ep.name, prompt=p,
-                                  params=params, stream=inputs.stream, deadline=deadline,
-                                  payload=None if text_model else {"inputs": p, "parameters": inputs.parameters})
-                for i, p in enumerate(prompts)]
+        reqs = text_requests(self.ctx.limits, ep, inputs, new_request_id(request.id), deadline_of(context))
         return ep, inputs, reqs
 
     async def _whole(self, ep: Any, request: Any, inputs: TextInputs, reqs: list[GenerationRequest],
@@ -141,9 +126,8 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
             for s in streams:
                 if not s.done:
                     s.cancel()
-        include_prompt = inputs.exclude_input is False or inputs.exclude_input is None
-        texts = [(q.prompt if include_prompt else "") + _text_of(r) for q, r in zip(reqs, results, strict=True)]
-        return text_response(request, texts, inputs.shape, parameters, version=_version(ep))
+        return text_response(request, whole_texts(inputs, reqs, results), inputs.shape, parameters,
+                             version=_version(ep))
 
     @guarded
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
@@ -281,6 +265,30 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise ModelNotFound(f"model {request.model_name!r} is not registered")
         await self.registry.unregister(request.model_name, self.drain_timeout_s)
         return pb.RepositoryModelUnloadResponse()
+
+
+def text_requests(limits: Limits, ep: Any, inputs: TextInputs, rid: str, deadline: float | None
+                  ) -> list[GenerationRequest]:
+    """The OIP inputs -> one ``GenerationRequest`` per prompt: the translation gRPC and REST (``oip_rest``) share."""
+    ignored: list[str] = []
+    params = parse_lmi_parameters(inputs.parameters, limits, strict=strict_parameters(ep), ignored=ignored)
+    if ignored and is_text_model(ep):
+        log.warning("model %s: ignored unknown sampling parameters: %s", ep.name, ", ".join(ignored))
+    check_sequences(len(inputs.prompts), limits, "'text_input'")
+    prompts = [check_text("text_input", p, max_chars=limits.max_prompt_chars) for p in inputs.prompts]
+    if not is_text_model(ep):
+        check_wire_value("sampling_parameters", inputs.parameters)
+    text_model = is_text_model(ep)
+    return [GenerationRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", model=ep.name, prompt=p,
+                              params=params, stream=inputs.stream, deadline=deadline,
+                              payload=None if text_model else {"inputs": p, "parameters": inputs.parameters})
+            for i, p in enumerate(prompts)]
+
+
+def whole_texts(inputs: TextInputs, reqs: list[GenerationRequest], results: list[Any]) -> list[str]:
+    """Each whole answer's ``text_output``: the prompt first unless ``exclude_input_in_output`` is true."""
+    include_prompt = inputs.exclude_input is False or inputs.exclude_input is None
+    return [(q.prompt if include_prompt else "") + _text_of(r) for q, r in zip(reqs, results, strict=True)]
 
 
 def _ref(name: str, version: str) -> str:

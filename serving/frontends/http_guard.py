@@ -22,7 +22,8 @@ from starlette.responses import JSONResponse
 
 from serving.auth import Scope, TokenAuthority
 
-HEALTH_PATHS = frozenset({"/ping", "/health/live", "/health/ready"})
+# the OIP v2 probes too (KServe and Triton probe them: oip_rest)
+HEALTH_PATHS = frozenset({"/ping", "/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
 
 ErrorBody = Callable[[int, str, str], dict[str, Any]]  # (status, message, request id) -> the JSON body
 ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],

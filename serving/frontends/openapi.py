@@ -21,6 +21,7 @@ from starlette.routing import Route
 from serving import knobs
 from serving.frontends import messages_schema
 from serving.frontends.embeddings import embedding_components, embedding_paths
+from serving.frontends.oip_rest_schema import oip_components, oip_paths
 from serving.frontends.responses_schema import RESPONSES_MODELS
 from serving.frontends.schemas import ROUTE_MODELS
 from serving.frontends.tokenizer_routes import TOKENIZER_MODELS
@@ -95,6 +96,7 @@ def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
     return {
         **requests,
         **embedding_components(limits),  # /v1/embeddings (OpenAI's error body)
+        **oip_components(),  # the OIP v2 REST routes (oip_rest)
         **messages_schema.openapi_components(limits),  # Anthropic's Messages API (its own names: no clash)
         "Error": {"type": "object", "required": ["error", "error_type", "request_id"], "properties": {
             "error": {"type": "string"}, "error_type": {"type": "string"}, "request_id": {"type": "string"}}},
@@ -167,9 +169,10 @@ def inference_document(limits: Limits, models: Sequence[str] = ()) -> dict[str, 
         "/v1/chat/completions": _post("OpenAI chat completions (the model's chat template)", "ChatRequest",
                                       openai_ok),
         **embedding_paths(ERRORS),
+        **oip_paths(ERRORS),
         **responses_paths(),
-        **messages_schema.openapi_paths(ERRORS),
         **tokenizer_paths(models),
+        **messages_schema.openapi_paths(ERRORS),
         "/generate": _post("TGI generate", "TgiRequest", tgi_ok, _TGI_ERRORS, model_q),
         "/generate_stream": _post("TGI generate_stream (SSE)", "TgiRequest", tgi_stream, _TGI_ERRORS, model_q),
         "/": _post("TGI compat route: generate (a one-element list), or generate_stream with stream=true",

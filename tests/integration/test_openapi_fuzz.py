@@ -19,7 +19,12 @@ INFERENCE_ROUTES = {"/ping", "/health/live", "/health/ready", "/predictions/{mod
                     "/v1/chat/completions", "/v1/responses", "/v1/responses/{response_id}",
                     "/v1/responses/{response_id}/cancel", "/generate", "/generate_stream", "/", "/info",
                     "/openapi.json", "/tokenize", "/detokenize", "/tokenizer_info", "/v1/models/{model_id}",
-                    "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings"}
+                    "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings",
+                    # OIP v2 REST (KServe, Triton)
+                    "/v2", "/v2/health/live", "/v2/health/ready",
+                    *(f"{base}{tail}" for base in ("/v2/models/{model_name}",
+                                                   "/v2/models/{model_name}/versions/{model_version}")
+                      for tail in ("", "/ready", "/infer", "/generate", "/generate_stream"))}
 MANAGEMENT_ROUTES = {"/models", "/models/{name}", "/requests/{request_id}", "/ping", "/health/live",
                      "/health/ready", "/metrics", "/openapi.json"}
 

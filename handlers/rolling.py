@@ -109,6 +109,7 @@ class HuggingFaceRollingHandler(RollingHandler):
             "structured_output": True,  # grammars are applied (handlers.engine.execution.grammar)
             "prompt_logprobs": True,
             "adapters": sorted(engine.lora.adapters) if engine.lora is not None else [],
+            "max_loras": engine.config.max_loras if engine.lora is not None else 0,  # adapters one batch runs
             "itl_target": engine.itl.as_dict(),  # the target at load and the default measured (itl_target)
             **self.task.describe(int(engine.model.config.hidden_size)),
         }

@@ -30,6 +30,7 @@ from starlette.responses import Response
 
 from rollcore.errors import ErrorKind
 from serving.batching.streams import ResultStream
+from serving.metrics_gateway import GatewayCollector
 from serving.metrics_state import StateCollector, VersionSource
 from serving.versions import DEFAULT_VERSION, RESOLVED
 
@@ -120,7 +121,10 @@ class ServingMetrics:
                                    "decoding (option.speculative_draft)", m, registry=r)
         self.spec_accepted = Counter("rollserve_spec_decode_num_accepted_tokens", "Guessed tokens the model "
                                      "confirmed", m, registry=r)
-        r.register(StateCollector(versions if versions is not None else self._default_versions))
+        state = StateCollector(versions if versions is not None else self._default_versions)
+        r.register(state)
+        # the same gauges under the names gateways' endpoint pickers scrape (vLLM's: serving.metrics_gateway)
+        r.register(GatewayCollector(state, versions if versions is not None else self._default_versions))
 
     def _default_versions(self) -> list[tuple[str, str, Any]]:
         return [(n, str(getattr(ep, "version", DEFAULT_VERSION)), ep) for n, ep in self._models().items()]

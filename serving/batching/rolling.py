@@ -30,7 +30,7 @@ import asyncio
 import collections
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rollcore.errors import (
@@ -175,6 +175,9 @@ class RollingBatcher:
                 "max_rolling_batch_size": self.max_rolling_batch_size, "job_queue_size": self.job_queue_size,
                 "steps_total": self.num_steps,
                 "watchdog_restarts": self.num_watchdog_kills,
+                # the LoRA adapters requests run and wait for (the gateway protocol's vllm:lora_requests_info)
+                "running_adapters": _adapters(self._running.values()),
+                "waiting_adapters": _adapters(self._waiting.values()),
                 "engines": {str(k): self._by_client_id(v) for k, v in self.engine_stats.items()}}
 
     def _by_client_id(self, stats: dict[str, Any]) -> dict[str, Any]:
@@ -430,3 +433,8 @@ class RollingBatcher:
             kill = getattr(worker, "kill_soon", None)
             if kill is not None:
                 kill()
+
+
+def _adapters(entries: Iterable[_Admitted]) -> list[str]:
+    """The LoRA adapters ``entries`` ask for, each once, sorted."""
+    return sorted({e.request.params.adapter for e in entries if e.request.params.adapter is not None})

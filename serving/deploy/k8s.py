@@ -1,12 +1,14 @@
 """``serving k8s MODEL_DIR``: Kubernetes manifests for serving a model folder, as multi-document YAML on stdout.
 
-    serving k8s MODEL_DIR [--replicas N] [--max-replicas N] [--kserve] [--nodes N] [--namespace NS]
+    serving k8s MODEL_DIR [--replicas N] [--max-replicas N] [--kserve] [--inference-pool] [--nodes N]
+                          [--namespace NS]
                           [--image IMAGE] [--name NAME] [--cpus N] [--gpu] [--memory QTY] [--weights-claim NAME]
 
 Emits a ConfigMap with the folder's serving.properties (the model folder in the pod), then a Deployment, a
 Service, a HorizontalPodAutoscaler on the server's queue depth, a ServiceMonitor and the prometheus-adapter rule
 for that metric; ``--nodes N`` a LeaderWorkerSet (one model's ranks over N pods) in place of the Deployment;
 ``--kserve`` a KServe ServingRuntime and InferenceService in place of the Deployment, Service and autoscaling.
+``--inference-pool`` adds the Gateway API Inference Extension's InferencePool over the server pods.
 What the user creates: the Secret of tokens (and the cluster secret with ``--nodes``), and the weights' claim
 when the checkpoint is local; the notes on stderr name them. docs/deploying.md ("Kubernetes") has the rest.
 """
@@ -30,6 +32,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                                             "autoscaler's minimum (default 1)")
     ap.add_argument("--max-replicas", type=int, help="the autoscaler's maximum (default 4 x --replicas)")
     ap.add_argument("--kserve", action="store_true", help="a KServe ServingRuntime and InferenceService")
+    ap.add_argument("--inference-pool", action="store_true", help="a Gateway API Inference Extension InferencePool "
+                                                                  "over the server pods (for an inference gateway)")
     ap.add_argument("--nodes", type=int, default=1, help="pods one model's tensor-parallel ranks span (a "
                                                          "LeaderWorkerSet when more than 1)")
     ap.add_argument("--namespace", help="the objects' namespace (default: kubectl's)")
@@ -50,6 +54,7 @@ class Request:
     replicas: int = 1
     max_replicas: int | None = None
     kserve: bool = False
+    inference_pool: bool = False
     nodes: int = 1
     namespace: str | None = None
     image: str = DEFAULT_IMAGE

@@ -5,9 +5,10 @@ ConfigMap mounted as the model folder, the weights' claim as ``storageUri`` (KSe
 ``/mnt/models``, where ``OPTION_MODEL_ID`` points), the pinned layout, the tokens and the resources.
 
 Protocols: rollserve speaks KServe's Open Inference Protocol over gRPC (``inference.GRPCInferenceService``,
-``serving.frontends.grpc_oip``), not its REST form (no ``/v2/models/...`` route), so the runtime declares
-``grpc-v2`` alone and exposes the gRPC port as KServe's one container port (``h2c``); the HTTP APIs (OpenAI, LMI,
-TGI) answer on 8080 inside the pod. RawDeployment mode: KServe makes a Deployment, Service and HPA, no Knative.
+``serving.frontends.grpc_oip``) and REST (``/v2/models/...``, ``serving.frontends.oip_rest``), so the runtime
+declares ``grpc-v2`` and ``v2``; the InferenceService uses ``grpc-v2`` and the gRPC port is KServe's one container
+port (``h2c``); the HTTP APIs (OpenAI, LMI, TGI, OIP REST) answer on 8080 inside the pod. RawDeployment mode:
+KServe makes a Deployment, Service and HPA, no Knative.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from serving.deploy.pods import (
 
 MODEL_FORMAT = "rollserve"
 MODEL_FORMAT_VERSION = "1"
-PROTOCOL_VERSIONS = ["grpc-v2"]
+PROTOCOL_VERSIONS = ["grpc-v2", "v2"]  # the first: the InferenceService's (its port is gRPC's)
 KSERVE_MOUNT = "/mnt/models"  # where KServe mounts the storageUri
 CONTAINER = "kserve-container"  # KServe merges the InferenceService's model into the runtime's container of this name
 

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from rollcore.errors import ConfigError
-from serving.deploy import kserve, lws, monitoring
+from serving.deploy import inference_pool, kserve, lws, monitoring
 from serving.deploy.k8s import Request
 from serving.deploy.model import ModelFolder, read_model_folder
 from serving.deploy.pods import (
@@ -68,6 +68,9 @@ def _check(req: Request) -> None:
     if req.kserve and req.nodes > 1:
         raise ConfigError("--kserve with --nodes: a model over several pods is a LeaderWorkerSet here; KServe's "
                           "multi-node workerSpec is not generated")
+    if req.kserve and req.inference_pool:
+        raise ConfigError("--kserve with --inference-pool: KServe's objects bring their own pods and routing (its "
+                          "LLMInferenceService makes its own InferencePool)")
     if req.name is not None and (len(req.name) > MAX_NAME or not _DNS_LABEL.match(req.name)):
         raise ConfigError(f"--name {req.name!r}: expected lowercase letters, digits and '-', starting with a letter, "
                           f"at most {MAX_NAME} characters")
@@ -137,6 +140,10 @@ def build(req: Request) -> Manifests:
     docs += [workload, monitoring.service(ctx, ns, component),
              monitoring.autoscaler(ctx, ns, target, req.replicas, max_replicas),
              monitoring.service_monitor(ctx, ns, component), monitoring.adapter_config_map(ctx, ns)]
-    return Manifests(docs, _notes(ctx, req), ctx)
+    notes = _notes(ctx, req)
+    if req.inference_pool:
+        docs.append(inference_pool.inference_pool(ctx, ns, component))
+        notes.append(inference_pool.note(ctx))
+    return Manifests(docs, notes, ctx)
 
 

@@ -21,6 +21,7 @@ from serving.batching.dynamic import DynamicBatcher
 from serving.batching.rolling import RollingBatcher
 from serving.ipc.messages import Batch, BatchResult, Deltas, Reject
 from serving.metrics import UNKNOWN_MODEL, ServingMetrics
+from serving.metrics_gateway import PROTOCOL_NAMES
 
 
 class FakeWorker:
@@ -240,7 +241,8 @@ def test_exposition_conventions() -> None:
     text = m.render().decode()
     assert "_created" not in text
     families = list(text_string_to_metric_families(text))
-    assert families and all(f.name.startswith("rollserve_") for f in families)
+    # rollserve's own, and the gateway protocol's vLLM names (serving.metrics_gateway)
+    assert families and all(f.name.startswith("rollserve_") or f.name in PROTOCOL_NAMES for f in families)
     for f in families:
         if f.type == "counter":
             assert all(s.name.endswith("_total") for s in f.samples), f.name

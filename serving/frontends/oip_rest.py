@@ -25,7 +25,7 @@ from starlette.routing import Route
 from rollcore.errors import InvalidRequest, PayloadTooLarge, ServingError, Unavailable
 from rollcore.types import ModelState
 from serving.batching.streams import ResultStream
-from serving.frontends.grpc_calls import is_text_model, require_streaming, strict_parameters
+from serving.frontends.grpc_calls import is_text_model, new_request_id, require_streaming, strict_parameters
 from serving.frontends.grpc_oip import text_requests, whole_texts
 from serving.frontends.grpc_tensors import TextInputs, decode_inputs
 from serving.frontends.httpio import (
@@ -143,7 +143,9 @@ class OipRestRoutes:
             raise InvalidRequest(f"unknown fields: {', '.join(repr(k) for k in rest.ignored)} "
                                  "(option.strict_parameters=true)")
         inputs = decode_inputs(rest.request)
-        reqs = text_requests(self.ctx.limits, ep, inputs, rest.request.id or rid, None)
+        # the body's id names the request (409 while one of that id is live) when usable as one, as on gRPC
+        reqs = text_requests(self.ctx.limits, ep, inputs, new_request_id(rest.request.id) if rest.request.id else rid,
+                             None)
         return ep, version, rest, inputs, reqs
 
     async def infer(self, request: Request) -> Response:

@@ -42,6 +42,7 @@ class ItlTarget:
         self.floor = max(1, floor)
         self.full_batch = full_batch
         self.derived_ms: float | None = None  # the auto default, once measured
+        self.decode_step_ms: float | None = None  # the full batch's decode step it came from
         self.option_ms = target_ms
         self.source = "auto" if target_ms is None else "option"
         self.target_s: float | None = None if not target_ms else target_ms / 1e3
@@ -52,6 +53,7 @@ class ItlTarget:
 
     def derive(self, decode_step_s: float) -> None:
         """The auto default from a measured decode step of a full batch (applies unless a value was set)."""
+        self.decode_step_ms = round(decode_step_s * 1e3, 3)
         self.derived_ms = round(AUTO_DECODE_STEPS * decode_step_s * 1e3, 1)
         if self.option_ms is None and self.source == "auto":
             self.target_s = self.derived_ms / 1e3
@@ -90,5 +92,6 @@ class ItlTarget:
         """What the engine reports (``GET /models/{name}``): the target in force (ms, 0 = off), where it came
         from, the auto default measured at load, and the steps over it."""
         return {"max_itl_ms": round(self.target_s * 1e3, 1) if self.target_s is not None else OFF,
-                "source": self.source, "derived_ms": self.derived_ms, "steps_over_total": self.steps_over,
+                "source": self.source, "derived_ms": self.derived_ms, "decode_step_ms": self.decode_step_ms,
+                "steps_over_total": self.steps_over,
                 "seconds_over_total": round(self.seconds_over, 6), "max_gap_ms": round(self.max_gap_s * 1e3, 1)}

@@ -4,10 +4,12 @@ Design note: the inter-token latency target's default (``handlers.engine.core.it
 multiple of the decode step of ``max_num_seqs`` rows, which only this machine, this model and its kernels can
 tell; and until the engine has run a few steps its step fit (``step_budget.StepFit``) has nothing to price prompt
 tokens with. So the engine runs, once at load, steps shaped like its own: a decode-shaped step of ``rows``
-one-token sequences, one of a single row, a prompt chunk, and a mixed one, each timed twice after a warm-up pass
-(8 steps: the fit's minimum), and feeds them to the fit as it feeds measured steps. The rows sit at position 0
-in blocks borrowed from the allocator and given back at once (no prefix is registered, nothing is committed), so
-the cache and the scheduler are as before. The real steps refit the line online (their contexts are longer).
+one-token sequences, one of a single row, a prompt chunk, and a mixed one, each timed ``REPEATS`` times after a
+warm-up pass, and feeds the fastest time of each shape to the fit twice (8 steps: the fit's minimum). The fastest,
+because a busy machine only ever adds time to a step, and a noisy first fit would price prompt tokens wrongly.
+The rows sit at position 0 in blocks borrowed from the allocator and given back at once (no prefix is
+registered, nothing is committed), so the cache and the scheduler are as before. The real steps refit the line
+online (their contexts are longer).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from rollcore.types import SamplingParams
 logger = logging.getLogger(__name__)
 
 PROMPT_TOKENS = 64  # the timed prompt chunk: long enough that its slope shows above the step's fixed cost
-REPEATS = 2
+REPEATS = 3
 
 
 def _timed(execute: Callable[[Seq[ScheduledChunk]], torch.Tensor], chunks: Seq[ScheduledChunk]) -> float:
@@ -65,13 +67,11 @@ def calibrate(execute: Callable[[Seq[ScheduledChunk]], torch.Tensor], allocator:
                                    prompt_tokens // 2))
         for chunks, _, _ in shapes:  # warm-up: kernels built, buffers sized
             _timed(execute, chunks)
-        best = float("inf")
-        for _ in range(REPEATS):
-            for chunks, decode_rows, tokens in shapes:
-                seconds = _timed(execute, chunks)
+        fastest = [min(_timed(execute, chunks) for _ in range(REPEATS)) for chunks, _, _ in shapes]
+        for _ in range(2):
+            for (_, decode_rows, tokens), seconds in zip(shapes, fastest, strict=True):
                 fit.record(decode_rows, tokens, seconds)
-                if chunks is decode:
-                    best = min(best, seconds)
+        best = fastest[0]
     finally:
         for seq in lent:
             allocator.free(seq.block_ids)

@@ -236,3 +236,20 @@ def test_readiness_and_metadata_routes(server: ServerProcess) -> None:
     assert get("/v2/models/nope/ready").status_code == 404
     assert get("/v2/models/nope").json()["error"] == "model 'nope' is not registered"
     assert get("/v2/models/empty").json()["name"] == "empty"  # metadata of a model that is not READY
+
+
+def test_the_real_model_answers_alike_on_every_protocol(smollm2_server: ServerProcess) -> None:
+    """SmolLM2-135M-Instruct, rolling (``smollm2``) and dynamic (``dyn``): tritonclient's infer and Triton's
+    generate give the LMI route's greedy text."""
+    client = triton_client(smollm2_server)
+    for name in ("smollm2", "dyn"):
+        expected = lmi(smollm2_server, name).json()["generated_text"]
+        prompt = triton.InferInput("text_input", [1], "BYTES")
+        prompt.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
+        exclude = triton.InferInput("exclude_input_in_output", [1], "BOOL")
+        exclude.set_data_from_numpy(np.array([True]))
+        result = client.infer(name, [prompt, triton_params(PARAMS), exclude], headers=smollm2_server.inference_headers)
+        assert result.as_numpy("text_output").tolist() == [expected.encode()]
+        r = post(smollm2_server, f"/v2/models/{name}/generate", {"text_input": PROMPT, "parameters": PARAMS})
+        assert r.json() == {"model_name": name, "model_version": "1", "text_output": PROMPT + expected}
+    client.close()

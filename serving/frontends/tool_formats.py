@@ -10,7 +10,9 @@ call therefore always names one of the request's functions with arguments valid 
 Formats (vLLM's parser names): ``hermes`` (``<tool_call>{json}</tool_call>``: Hermes, Qwen 2.5/3, SmolLM3, and
 the generic format this server prompts any model with whose template ignores ``tools``), ``llama3_json``
 (``<|python_tag|>`` or bare ``{"name", "parameters"}``), ``mistral`` (``[TOOL_CALLS][{...}]``), ``granite``
-(``<|tool_call|>[{...}]``), ``pythonic`` (``[f(a=1), g(b="x")]``: Llama 3.2/4; read only, no grammar). With
+(``<|tool_call|>[{...}]``), ``qwen3_xml`` (``<tool_call><function=f><parameter=a>1</parameter></function></tool_call>``:
+Qwen3-Coder; the grammar holds function and parameter names, values are free text), ``pythonic``
+(``[f(a=1), g(b="x")]``: Llama 3.2/4; read only, no grammar). With
 ``option.tool_call_parser=auto`` (the default) the format is read from the chat template.
 """
 
@@ -18,17 +20,19 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from typing import Any
 
 from serving import structured
 
-PARSERS = ("hermes", "llama3_json", "mistral", "granite", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "granite", "qwen3_xml", "pythonic")
 MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>",
-           "granite": "<|tool_call|>"}
+           "granite": "<|tool_call|>", "qwen3_xml": "<tool_call>"}
 
-# what in a chat template says which format it renders (first match wins: Granite's marker contains Hermes')
+# what in a chat template says which format it renders (first match wins: Granite's marker contains Hermes',
+# Qwen3-Coder's calls sit inside Hermes' tags)
 _TEMPLATE_SIGNS = (("<|tool_call|>", "granite"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
-                   ("<tool_call>", "hermes"))
+                   ("<function=", "qwen3_xml"), ("<tool_call>", "hermes"))
 
 
 def detect(template: str | None) -> str:
@@ -70,7 +74,7 @@ def parse(text: str, parser: str) -> tuple[str | None, list[dict[str, str]]]:
     """A whole answer in ``parser``'s format -> (content before the calls, calls as ``{"name", "arguments"}``
     with the arguments as JSON text). Text that is not a well-formed call gives ``(text, [])``."""
     readers = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "granite": _granite,
-               "pythonic": _pythonic}
+               "qwen3_xml": _qwen3_xml, "pythonic": _pythonic}
     try:
         content, raw = readers[parser](text)
         calls = [_one_call(c) for c in raw]
@@ -140,6 +144,35 @@ def _granite(text: str) -> tuple[str, list[Any]]:
     return _listed(text, "<|tool_call|>")
 
 
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _qwen3_xml(text: str) -> tuple[str, list[Any]]:
+    """``<tool_call><function=f><parameter=a>value</parameter></function></tool_call>``; a value that reads as JSON
+    other than a string (a number, true, an object) is that value, anything else the text itself (as vLLM's
+    parser, which has the schema, mostly decides)."""
+    start = text.find("<tool_call>")
+    if start < 0:
+        return text, []
+    calls = []
+    for part in text[start:].split("<tool_call>")[1:]:
+        found = _XML_FUNCTION.search(part)
+        if found is None:
+            raise ValueError("a tool call without a function")
+        calls.append({"name": found.group(1).strip(), "arguments": {
+            m.group(1).strip(): _xml_value(m.group(2)) for m in _XML_PARAMETER.finditer(found.group(2))}})
+    return text[:start], calls
+
+
+def _xml_value(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return text if isinstance(value, str) else value
+
+
 def _pythonic(text: str) -> tuple[str, list[Any]]:
     """``[f(a=1), g(b="x")]``: a Python list of calls with keyword arguments of literal values."""
     stripped = text.strip()
@@ -185,6 +218,8 @@ def triggered_grammar(parser: str, functions: tuple[dict[str, Any], ...], parall
     # the token that completes a marker written as text may carry text before it: anything but the marker's
     # first character
     prefix = "" if token is not None else f"/[^{_class_escape(marker[0])}]*/"
+    if parser == "qwen3_xml":
+        return structured.lark(_xml_lark(functions, parallel), "tools"), marker
     if parser == "hermes":
         one = f'{start} "\\n"? call "\\n"? "</tool_call>"'
         rest = f" (WS {one})*" if parallel else ""
@@ -201,6 +236,22 @@ def triggered_grammar(parser: str, functions: tuple[dict[str, Any], ...], parall
         lark = lark.replace("start: PREFIX ", "start: ")
     lark += f"call: %json {call}\n"
     return structured.lark(lark, "tools"), marker
+
+
+def _xml_lark(functions: tuple[dict[str, Any], ...], parallel: bool) -> str:
+    """Qwen3-Coder's calls: the names of a request's functions and of their parameters, each value free text up to
+    its closing tag."""
+    rules = []
+    for k, f in enumerate(functions):
+        names = list(parameters(f).get("properties") or {})
+        param = (f'"<parameter=" ({" | ".join(json.dumps(n) for n in names)}) ">\\n" value "\\n"' if names
+                 else None)
+        rules.append(f'f{k}: "<function={f["name"]}>\\n" {f"({param})*" if param else ""} "</function>"')
+    one = '"<tool_call>\\n" call "\\n</tool_call>"'
+    rest = f" (WS {one})*" if parallel else ""
+    return (f"start: PREFIX {one}{rest}\nWS: /[ \\n]*/\nPREFIX: /[^<]*/\n"
+            f"call: {' | '.join(f'f{k}' for k in range(len(functions)))}\n" + "\n".join(rules) + "\n"
+            'value[suffix="</parameter>"]: /(.|\\n)*/\n')
 
 
 def _class_escape(ch: str) -> str:

@@ -33,6 +33,7 @@ TEMPLATES = {
     "llama3_json": "{%- if tools %}{{- '<|python_tag|>' + tool_call.name }}{%- endif %}",
     "mistral": "{%- if tools %}[AVAILABLE_TOOLS]{%- endif %}{{- '[TOOL_CALLS] [' }}",
     "granite": "{%- if tools %}{{- '<|tool_call|>' + message.tool_calls | tojson }}{%- endif %}",
+    "qwen3_xml": "{%- if tools %}{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{%- endif %}",
 }
 
 
@@ -56,6 +57,13 @@ def test_a_template_without_tools_gets_the_generic_format_and_an_option_override
      [("get_weather", '{"city": "Paris"}')]),
     ("granite", 'Sure. <|tool_call|>[{"name": "get_time", "arguments": {}}, {"name": "get_weather", '
                 '"arguments": {"city": "Oslo"}}]', "Sure.", [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')]),
+    ("qwen3_xml", 'Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n'
+                  '<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>', "Sure.",
+     [("get_weather", '{"city": "New York", "unit": "c"}')]),
+    ("qwen3_xml", '<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=set>\n'
+                  '<parameter=n>\n42\n</parameter>\n<parameter=on>\ntrue\n</parameter>\n</function>\n</tool_call>',
+     None, [("get_time", "{}"), ("set", '{"n": 42, "on": true}')]),  # JSON values other than strings as such
+    ("qwen3_xml", "<tool_call>\nno function here</tool_call>", "<tool_call>\nno function here</tool_call>", []),
     ("pythonic", '[get_weather(city="Paris", unit="c"), get_time()]', None,
      [("get_weather", '{"city": "Paris", "unit": "c"}'), ("get_time", "{}")]),
     ("pythonic", "[get_weather(city=open('x'))]", "[get_weather(city=open('x'))]", []),  # not a literal: no call
@@ -122,6 +130,10 @@ def grammar_accepts(tokenizer: Tokenizer, ll_tokenizer: Any, parser: str, call_t
     ("mistral", ' [{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]',
      [' [{"name": "get_time", "arguments": {"zone": 3}}]']),
     ("granite", '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', ['[{"name": "get_weather"}]']),
+    ("qwen3_xml", "\n<function=get_weather>\n<parameter=city>\nSan Jose, CA\n</parameter>\n</function>\n"
+                  "</tool_call>",
+     ["\n<function=get_wether>\n</function>\n</tool_call>",  # no such function
+      "\n<function=get_time>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"]),  # not its
 ])
 def test_a_started_call_can_only_be_valid(tokenizer: Tokenizer, ll_tokenizer: Any, parser: str, good: str,
                                           bad: list[str]) -> None:

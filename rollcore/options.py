@@ -132,9 +132,10 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("enable_auto_tool_choice", boolean, "true", (SERVING,),
           "tool_choice auto (OpenAI's default with tools): the model decides, its calls read in its own format "
           "and kept valid once started; false refuses auto"),
-    _spec("tool_call_parser", choice(("auto", "hermes", "llama3_json", "mistral", "granite", "qwen3_xml", "pythonic")), "auto",
-          (SERVING,), "how tool calls look in the model's text; auto: as its chat template renders them (hermes, "
-          "the generic format, when the template does not render tools)"),
+    _spec("tool_call_parser", choice(("auto", "hermes", "llama3_json", "mistral", "granite", "qwen3_xml",
+                                      "pythonic")), "auto", (SERVING,),
+          "how tool calls look in the model's text; auto: as its chat template renders them (hermes, the generic "
+          "format, when the template does not render tools)"),
     _spec("reasoning_parser", choice(("auto", "none", "think", "deepseek_r1", "qwen3", "granite")), "auto",
           (SERVING,), "reasoning kept apart from the answer (reasoning_content, thinking blocks, reasoning items) for "
           "models that think in <think>...</think>; auto: when the chat template writes <think>; none: never; the "

@@ -184,7 +184,8 @@ def status(key):
 before = status("VmRSS:")
 open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM: the peak from here on
 model = gguf_load.load_gguf_model(Path(sys.argv[1]), Path(sys.argv[1]) / "model.gguf", "auto", 32)
-print(json.dumps({"before": before, "peak": status("VmHWM:"), "after": status("VmRSS:")}))
+held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
+print(json.dumps({"before": before, "peak": status("VmHWM:"), "after": status("VmRSS:"), "held": sum(held.values())}))
 """
 
 
@@ -198,9 +199,11 @@ def test_loading_the_real_file_never_holds_an_fp32_copy(tmp_path: Path) -> None:
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
     rss = json.loads(done.stdout.strip().splitlines()[-1])
-    grown, peak_over = rss["after"] - rss["before"], rss["peak"] - rss["after"]
-    # the model in memory is the served form (about the file's size), and the peak is that plus one tensor's work
-    assert grown <= 1.3 * header.served_bytes(), (rss, header.served_bytes())
+    peak_over = rss["peak"] - rss["after"]
+    # the model holds the served form, byte for byte as the header plans it (norms' fp32 and the packing's padding
+    # aside); RSS grows by that plus what the allocator and lazily imported code keep, and the peak is one tensor's
+    # work above it: never an fp32 copy
+    assert header.served_bytes() <= rss["held"] <= 1.05 * header.served_bytes(), (rss, header.served_bytes())
     assert peak_over <= 6 * largest, (rss, largest)
     assert rss["peak"] - rss["before"] < fp32 / 3, (rss, fp32)
 

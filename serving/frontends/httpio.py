@@ -116,8 +116,9 @@ def _reject_constant(name: str) -> Any:
     raise InvalidRequest(f"invalid JSON number {name}: NaN and Infinity are not allowed")
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The request body as JSON, or InvalidRequest/PayloadTooLarge. Size is checked before reading."""
+async def read_bytes(request: Request, max_bytes: int) -> bytes:
+    """The request body, or PayloadTooLarge (decided from Content-Length before reading, else while reading) /
+    InvalidRequest for a malformed Content-Length."""
     length = request.headers.get("content-length")
     if length is not None:
         if not (length.isascii() and length.isdigit()):
@@ -131,8 +132,13 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         if size > max_bytes:
             raise PayloadTooLarge(f"request body exceeds max_request_size={max_bytes}")
         chunks.append(chunk)
-    raw = b"".join(chunks)
     request.state.body_bytes = size  # how much work parsing it may be (see prompts.off_loop)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The request body as JSON, or InvalidRequest/PayloadTooLarge. Size is checked before reading."""
+    raw = await read_bytes(request, max_bytes)
     if not raw.strip():
         raise InvalidRequest("request body is empty: expected a JSON object")
     try:

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rollcore.errors import InvalidRequest, PayloadTooLarge, ServingError, Unavailable
+from rollcore.errors import InvalidRequest, ServingError, Unavailable
 from rollcore.types import ModelState
 from serving.batching.streams import ResultStream
 from serving.frontends.grpc_calls import is_text_model, new_request_id, require_streaming, strict_parameters
@@ -34,6 +34,7 @@ from serving.frontends.httpio import (
     collect_or_cancel,
     error_response,
     ignored_headers,
+    read_bytes,
     read_json,
     request_id,
     submit_all,
@@ -228,17 +229,7 @@ async def _read_body(request: Request, max_bytes: int) -> tuple[Any, bytes]:
         return await read_json(request, max_bytes), b""
     if not (length.isascii() and length.isdigit()) or len(length) > 12:
         raise InvalidRequest(f"invalid {HEADER_LENGTH} header (the JSON's length in bytes)")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
-        raise PayloadTooLarge(f"request body of {int(declared)} bytes exceeds max_request_size={max_bytes}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise PayloadTooLarge(f"request body exceeds max_request_size={max_bytes}")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    raw = await read_bytes(request, max_bytes)
     n = int(length)
     if n > len(raw):
         raise InvalidRequest(f"{HEADER_LENGTH} is {n} but the body has {len(raw)} bytes")

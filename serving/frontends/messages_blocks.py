@@ -9,7 +9,7 @@ reasoning hook first (``reasoning_splitter``: thinking vs answer text), then, wi
 back). A whole answer is the same events folded (``fold``), so streamed and whole answers always agree.
 
 Reasoning: for a thinking model (``option.reasoning_parser``), ``reasoning_splitter`` is the chat pipeline's
-``<think>`` splitter; its pieces of kind ``thinking`` become thinking blocks.
+``<think>`` splitter; its pieces of kind ``reasoning`` become thinking blocks.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ Event = dict[str, Any]
 
 
 class ReasoningSplit(Protocol):
-    """Splits an answer's text, as it arrives, into ``("thinking" | "text", piece)``."""
+    """Splits an answer's text, as it arrives, into ``("reasoning" | "content", piece)`` (``ReasoningSplitter``'s
+    kinds)."""
 
     def feed(self, text: str) -> list[tuple[str, str]]: ...
     def finish(self) -> list[tuple[str, str]]: ...
@@ -40,29 +41,16 @@ class NoReasoning:
     """Every piece is answer text (a model without a reasoning parser)."""
 
     def feed(self, text: str) -> list[tuple[str, str]]:
-        return [("text", text)] if text else []
+        return [("content", text)] if text else []
 
     def finish(self) -> list[tuple[str, str]]:
         return []
 
 
-class Thinking:
-    """The chat pipeline's reasoning splitter (``serving.frontends.reasoning``) in this module's kinds."""
-
-    def __init__(self, opened: bool) -> None:
-        self.splitter = ReasoningSplitter(opened)
-
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        return [("thinking" if kind == "reasoning" else "text", p) for kind, p in self.splitter.feed(text)]
-
-    def finish(self) -> list[tuple[str, str]]:
-        return [("thinking" if kind == "reasoning" else "text", p) for kind, p in self.splitter.finish()]
-
-
 def reasoning_splitter(opened: bool | None) -> ReasoningSplit:
     """The model's splitter: ``opened`` is the parsed chat request's ``reasoning`` (None: the model does not
     think)."""
-    return NoReasoning() if opened is None else Thinking(opened)
+    return NoReasoning() if opened is None else ReasoningSplitter(opened)
 
 
 def new_tool_use_id() -> str:
@@ -133,7 +121,7 @@ class AnswerReader:
         out: list[Event] = []
         pieces = self.split.feed(text) + (self.split.finish() if last else [])
         for kind, piece in pieces:
-            out += self.blocks.thinking(piece) if kind == "thinking" else self._answer(piece)
+            out += self.blocks.thinking(piece) if kind == "reasoning" else self._answer(piece)
         if last:
             self.finished = True
             if self.tools is not None:

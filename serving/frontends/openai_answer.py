@@ -64,17 +64,10 @@ class Answer:
                 body = choice.prompt_text + body
             entry: dict[str, Any] = {"index": choice.index, "logprobs": self._logprobs(tokens, prompt),
                                      "finish_reason": self._finish_reason(result.finish_reason)}
-            if self.chat and self.parsed.reasoning is not None:
-                thought, body = split_whole(body, self.parsed.reasoning)
-                entry["message"] = {"role": "assistant", "content": body, "reasoning_content": thought}
-            if self.chat and self.parsed.tools is not None:
-                reader = ToolStream(self.parsed.tools)
-                content, calls = fold(self.parsed.tools, reader.feed(body) + reader.finish())
-                entry["message"] = {**entry.get("message", {}), "role": "assistant", "content": content,
-                                    **({"tool_calls": calls} if calls else {})}
-                entry["finish_reason"] = _finish(result.finish_reason.openai, reader)
-            elif self.chat:
-                entry["message"] = {**entry.get("message", {}), "role": "assistant", "content": body}
+            if self.chat:
+                entry["message"], reader = self._message(body)
+                if reader is not None:
+                    entry["finish_reason"] = _finish(result.finish_reason.openai, reader)
             else:
                 entry["text"] = body
                 if self.parsed.prompt_logprobs is not None:
@@ -89,6 +82,23 @@ class Answer:
         if self.chat and self.parsed.prompt_logprobs is not None:  # vLLM: one prompt, on the answer
             answer["prompt_logprobs"] = self._prompt_logprobs(results[0].prompt_logprobs)
         return answer
+
+    def _message(self, body: str) -> tuple[dict[str, Any], ToolStream | None]:
+        """A whole chat answer's message: the reasoning split off first, then the tool calls read from the rest
+        (with the reader that read them, for the finish reason)."""
+        thought = None
+        if self.parsed.reasoning is not None:
+            thought, body = split_whole(body, self.parsed.reasoning)
+        message: dict[str, Any] = {"role": "assistant", "content": body}
+        reader = None
+        if self.parsed.tools is not None:
+            reader = ToolStream(self.parsed.tools)
+            message["content"], calls = fold(self.parsed.tools, reader.feed(body) + reader.finish())
+            if calls:
+                message["tool_calls"] = calls
+        if self.parsed.reasoning is not None:
+            message["reasoning_content"] = thought
+        return message, reader
 
     def _finish_reason(self, reason: FinishReason) -> str:
         return "length" if self.parsed.echo_only else reason.openai

@@ -1,8 +1,9 @@
 """The gauges of current state, read from the model registry at scrape time (``serving.metrics`` registers it).
 
-Design note: queue depth, running requests, KV blocks, workers, restarts, load time and state are read from every
-registered version of every model when Prometheus scrapes, so they never drift from the truth; each series
-carries the ``model`` and ``version`` labels (the version's number, ``1`` for a model without versions).
+Design note: queue depth, running requests, KV blocks, workers, restarts (by cause), retries, load time and state
+are read from every registered version of every model when Prometheus scrapes, so they never drift from the
+truth; each series carries the ``model`` and ``version`` labels (the version's number, ``1``
+for a model without versions).
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ class StateCollector(Collector):
         kv_used = GaugeMetricFamily("rollserve_kv_cache_used_blocks", "KV-cache blocks in use", labels=m)
         workers = GaugeMetricFamily("rollserve_workers", "Worker processes by state", labels=m + ["state"])
         restarts = CounterMetricFamily("rollserve_worker_restarts", "Worker processes restarted after an "
-                                       "unexpected exit", labels=m)
+                                       "unexpected exit, by cause (crash; watchdog: no engine step for "
+                                       "liveness_timeout)", labels=m + ["cause"])
+        retries = CounterMetricFamily("rollserve_request_retries", "Requests run again on another worker after "
+                                      "theirs died before their client received anything", labels=m)
         load_time = GaugeMetricFamily("rollserve_model_load_time_seconds", "Time the model took to load",
                                       labels=m)
         state = GaugeMetricFamily("rollserve_model_state", "1 for the model's current state", labels=m + ["state"])
@@ -52,12 +56,16 @@ class StateCollector(Collector):
                 workers.add_metric([*key, "ready"], ready)
                 workers.add_metric([*key, "starting"], getattr(pool, "num_starting", 0))
                 workers.add_metric([*key, "stopped"], len(pool.workers) - ready)
-                restarts.add_metric(key, pool.num_restarts)
+                for cause, n in sorted(pool.restarts_by_cause.items()):
+                    restarts.add_metric([*key, cause], n)
             batcher = getattr(ep, "batcher", None)
             if batcher is not None:
-                _queues(key, batcher.describe(), batcher.num_pending(), running, waiting, kv_ratio, kv_total,
+                d = batcher.describe()
+                if "retries_total" in d:
+                    retries.add_metric(key, d["retries_total"])
+                _queues(key, d, batcher.num_pending(), running, waiting, kv_ratio, kv_total,
                         kv_used)
-        yield from (running, waiting, kv_ratio, kv_total, kv_used, workers, restarts, load_time, state)
+        yield from (running, waiting, kv_ratio, kv_total, kv_used, workers, restarts, retries, load_time, state)
 
 
 def _queues(key: list[str], d: dict[str, Any], pending: int, running: GaugeMetricFamily,

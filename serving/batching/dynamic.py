@@ -73,6 +73,7 @@ class DynamicBatcher:
         self._rate = ServiceRate(clock)
         self._retiring: set[int] = set()  # worker ids that get no new batch (scaled away)
         self.num_batches = 0
+        self.num_retried = 0  # requests run again after their worker died (Prometheus: rollserve_request_retries)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"dynamic-batcher-{self.model}")
@@ -161,7 +162,8 @@ class DynamicBatcher:
     def describe(self) -> dict[str, Any]:
         return {"mode": "dynamic", "queued": len(self._queue), "in_flight_batches": len(self._inflight),
                 "idle_workers": len(self._idle), "batches_total": self.num_batches, "batch_size": self.batch_size,
-                "max_batch_delay": round(self.max_batch_delay_s * 1000), "job_queue_size": self.job_queue_size}
+                "max_batch_delay": round(self.max_batch_delay_s * 1000), "job_queue_size": self.job_queue_size,
+                "retries_total": self.num_retried}
 
     # --- live knobs ---
     def configure(self, batch_size: int | None = None, max_batch_delay_ms: int | None = None,
@@ -209,6 +211,7 @@ class DynamicBatcher:
                 continue
             if p.stream.num_retries == 0:
                 p.stream.num_retries += 1
+                self.num_retried += 1
                 self._queue.appendleft(p)
             else:
                 p.stream.fail(WorkerFailed(f"{reason}; retried once already"))

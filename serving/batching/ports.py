@@ -22,6 +22,7 @@ class Worker(Protocol):
     info: dict[str, Any]
 
     def send(self, msg: Any) -> None: ...
+    def kill_soon(self, cause: str = "crash") -> None: ...
 
 
 class BatchObserver(Protocol):

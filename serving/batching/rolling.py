@@ -5,12 +5,14 @@ worker's engine; this side only bounds admission. Up to ``max_rolling_batch_size
 per worker (``Add``); the rest wait in a queue of ``job_queue_size`` (full -> Overloaded). Each ``Deltas``
 frame is split into the requests' streams; a finished request frees its slot and the next waiting one is
 admitted at once. Cancel sends ``Abort`` so the engine frees the request's KV blocks before its next step.
-A dead worker's requests that had produced nothing are retried once; the others fail definitely.
+A dead worker's requests whose clients have received nothing are run again once on another worker
+(``serving.batching.retry``); the others fail definitely.
 
 No request waits forever: a watch task fails requests queued longer than ``max_queue_time_s`` (503 +
 ``Retry-After`` from the measured service rate) and is the liveness watchdog: a worker with requests
-admitted that reports no step for ``liveness_timeout_s`` is killed (its pool restarts it) after its
-requests are failed with a definite error. A FAILED or unregistered model fails its requests at once.
+admitted that reports no step for ``liveness_timeout_s`` is killed (its pool restarts it, cause ``watchdog``)
+and its requests are treated as those of a dead worker (frames still buffered from it are ignored). A FAILED or
+unregistered model fails its requests at once.
 
 ``configure`` changes ``max_rolling_batch_size``, ``job_queue_size`` and the engines' live options on the
 running model: admission follows the new size at once (a lowered one admits nothing until fewer run, and
@@ -19,15 +21,19 @@ that the new size admitted, so the engine's next step plans them under its new l
 ``Configured``. A worker started later gets the same options before its first request. ``retire`` stops
 admitting into a worker that is being scaled away; ``worker_load`` tells how many of its requests still run.
 
-A request with an ``affinity`` key (a SageMaker session) goes to the worker the key's earlier requests went to
-(its prefix cache holds the conversation), waiting for a slot there while others pass it; when that worker died or
-retires, it goes to the least loaded one, which the key then sticks to.
+A request goes to the worker whose prefix cache holds the longest prefix of its prompt, the least loaded on a tie,
+never to one running ``max_imbalance`` requests more than the least loaded (``routing.Router``; the engines report
+their cache's keys with their step frames). A request with an ``affinity`` key (a SageMaker session, an OpenAI
+``user`` or ``prompt_cache_key``) goes to the worker the key's earlier requests went to (its prefix cache holds the
+conversation), waiting for a slot there while others pass it; when that worker died, retires or is past the
+imbalance bound, it is routed afresh and the key then sticks to the worker it got.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 from collections.abc import Iterable, Mapping
@@ -40,12 +46,14 @@ from rollcore.errors import (
     RequestTimeout,
     ServingError,
     Unavailable,
-    WorkerFailed,
     error_from_kind,
 )
 from rollcore.types import GenerationRequest, TokenDelta
+from serving.batching.deadlines import ServiceTimes, admit, expired_while_queued, overdue, predicted_wait_s
 from serving.batching.pacing import ServiceRate, send_each
 from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
+from serving.batching.retry import Retries
+from serving.batching.routing import Router
 from serving.batching.streams import ResultStream
 from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Reject
 
@@ -54,13 +62,14 @@ MAX_AFFINITY_KEYS = 65536  # sessions remembered per model (each bounded by its 
 
 
 class _Admitted:
-    __slots__ = ("request", "stream", "worker", "timer")
+    __slots__ = ("request", "stream", "worker", "timer", "keys")
 
     def __init__(self, request: GenerationRequest, stream: ResultStream, worker: Worker | None = None) -> None:
         self.request = request
         self.stream = stream
         self.worker = worker
         self.timer: asyncio.TimerHandle | None = None
+        self.keys: list[int] | None = None  # its prompt's prefix-cache keys, once routing computed them
 
 
 class RollingBatcher:
@@ -68,7 +77,8 @@ class RollingBatcher:
 
     def __init__(self, model: str, max_rolling_batch_size: int, job_queue_size: int, predict_timeout_s: float,
                  observer: BatchObserver | None = None, clock: Clock = DEFAULT_CLOCK, *,
-                 max_queue_time_s: float | None = None, liveness_timeout_s: float | None = None) -> None:
+                 max_queue_time_s: float | None = None, liveness_timeout_s: float | None = None,
+                 router: Router[Worker] | None = None) -> None:
         self.model = model
         self.max_rolling_batch_size = max_rolling_batch_size
         self.job_queue_size = job_queue_size
@@ -83,10 +93,13 @@ class RollingBatcher:
         self._load: dict[int, int] = {}
         self._progress: dict[int, float] = {}  # worker id -> when it last stepped (or got work while idle)
         self._rate = ServiceRate(clock)
+        self._service = ServiceTimes()  # dispatch to last token: the queue's predicted wait (batching.deadlines)
         self._watch_task: asyncio.Task[None] | None = None
         self.engine_stats: dict[int, dict[str, Any]] = {}
         self.num_steps = 0
         self.num_watchdog_kills = 0
+        self.last_watchdog: dict[str, Any] | None = None  # the latest kill: worker, seconds without a step
+        self._retries = Retries(model)
         self.engine_options: dict[str, int] = {}  # live options changed over the API (sent to every worker)
         self.adapters: dict[str, str] | None = None  # LoRA adapters registered over the API (sent likewise)
         self._configure_seq = itertools.count(1)
@@ -94,6 +107,8 @@ class RollingBatcher:
         self._retiring: set[int] = set()  # worker ids admitting nothing new (scaled away)
         # affinity key (a SageMaker session) -> the worker its requests go to; least recently used dropped first
         self._affinity: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.router: Router[Worker] = router if router is not None else Router()
+        self._routed_keys: set[str] = set()  # affinity keys whose worker routing chose (a pinned one never moves)
 
     def start(self) -> None:
         limits = [t for t in (self.max_queue_time_s, self.liveness_timeout_s) if t]
@@ -115,6 +130,7 @@ class RollingBatcher:
             self._observer.on_rejected(self.model, "queue_full")
             raise Overloaded(f"model {self.model!r} queue is full ({self.job_queue_size} requests waiting)",
                              retry_after_s=self._rate.retry_after_s(len(self._waiting)))
+        admit(self.model, request, self._clock(), self._predicted_wait_s(), self._observer)
         stream = ResultStream(request.request_id, self._clock, on_cancel=self.cancel,
                               on_finish=lambda st: self._observer.on_finished(self.model, st))
         entry = _Admitted(request, stream)
@@ -150,8 +166,9 @@ class RollingBatcher:
         if entry is None:
             return
         entry.timer = None
-        err = RequestTimeout(f"request exceeded its deadline ({self.predict_timeout_s:g}s predict timeout "
-                             "or the client's deadline)")
+        queued = request_id in self._waiting and overdue(entry.request, self._clock())
+        err = expired_while_queued() if queued else RequestTimeout(
+            f"request exceeded its deadline ({self.predict_timeout_s:g}s predict timeout or the client's deadline)")
         entry.stream.fail(err)  # the observer counts it as rejected (timeout) when the stream ends
         self.cancel(request_id)  # dequeue or abort: the engine frees its KV blocks before the next step
 
@@ -174,10 +191,12 @@ class RollingBatcher:
         return {"mode": "rolling", "waiting": len(self._waiting), "running": len(self._running),
                 "max_rolling_batch_size": self.max_rolling_batch_size, "job_queue_size": self.job_queue_size,
                 "steps_total": self.num_steps,
-                "watchdog_restarts": self.num_watchdog_kills,
+                "watchdog_restarts": self.num_watchdog_kills, "last_watchdog": self.last_watchdog,
+                "retries_total": self._retries.num_retried,
                 # the LoRA adapters requests run and wait for (the gateway protocol's vllm:lora_requests_info)
                 "running_adapters": _adapters(self._running.values()),
                 "waiting_adapters": _adapters(self._waiting.values()),
+                "routing": self.router.describe(),
                 "engines": {str(k): self._by_client_id(v) for k, v in self.engine_stats.items()}}
 
     def _by_client_id(self, stats: dict[str, Any]) -> dict[str, Any]:
@@ -237,41 +256,62 @@ class RollingBatcher:
         self._pump()
 
     def worker_lost(self, worker: Worker) -> None:
+        self._drop(worker, "died during generation")
+
+    def _drop(self, worker: Worker, cause: str) -> None:
+        """Forget ``worker`` (dead, or killed by the watchdog); its requests are retried or failed."""
         if worker in self._workers:
             self._workers.remove(worker)
         self._retiring.discard(worker.worker_id)
         self._load.pop(worker.worker_id, None)
         self._progress.pop(worker.worker_id, None)
         self.engine_stats.pop(worker.worker_id, None)
+        self.router.index.forget(worker.worker_id)
         for key in [k for k in self._acks if k[0] == worker.worker_id]:
             future = self._acks.pop(key)
             if not future.done():
                 future.set_result(None)
-        requeue: list[_Admitted] = []
+        self._requeue_from(worker, cause)
+        self._pump()
+
+    def _requeue_from(self, worker: Worker, cause: str) -> None:
+        """``worker``'s requests go back to the head of the queue, or fail (``serving.batching.retry``)."""
+        lost: list[tuple[str, _Admitted]] = []
         for rid, entry in list(self._running.items()):
-            if entry.worker is not worker:
-                continue
-            del self._running[rid]
-            entry.worker = None
-            if not entry.stream.started and entry.stream.num_retries == 0:
-                entry.stream.num_retries += 1
-                requeue.append(entry)
-            else:
+            if entry.worker is worker:
+                del self._running[rid]
+                entry.worker = None
+                lost.append((entry.request.client_id or rid, entry))
+        requeue = self._retries.split(lost, cause)
+        for _, entry in lost:
+            if entry.stream.done:
                 self._finish_entry(entry)
-                entry.stream.fail(WorkerFailed("the worker serving this request died during generation"))
         for entry in reversed(requeue):
             self._waiting[entry.request.request_id] = entry
             self._waiting.move_to_end(entry.request.request_id, last=False)
-        self._pump()
+
+    def pin(self, key: str, worker_id: int) -> None:
+        """Requests with affinity ``key`` go to worker ``worker_id`` (the deep health check probes each worker)."""
+        self._affinity[key] = worker_id
+
+    def silent_s(self, worker_id: int) -> float | None:
+        """Seconds since ``worker_id`` last stepped while it holds requests; None when it holds none."""
+        if not self._load.get(worker_id):
+            return None
+        return self._clock() - self._progress.get(worker_id, self._clock())
 
     def on_message(self, worker: Worker, msg: Any) -> None:
+        if worker not in self._workers:
+            return  # taken away by the watchdog: its requests run elsewhere now
         self._progress[worker.worker_id] = self._clock()
         if isinstance(msg, Deltas):
             self.num_steps += 1
             self.engine_stats[worker.worker_id] = msg.stats
+            if msg.prefix:
+                self.router.index.update(worker.worker_id, msg.prefix)
             self._observer.on_step(self.model, worker.worker_id, msg.stats, msg.step_s, len(msg.deltas))
             for d in msg.deltas:
-                self._deliver(d)
+                self._deliver(worker, d)
             self._pump()
         elif isinstance(msg, Configured):
             if msg.error is None:
@@ -283,8 +323,9 @@ class RollingBatcher:
             if future is not None and not future.done():
                 future.set_result(msg)
         elif isinstance(msg, Reject):
-            entry = self._running.pop(msg.request_id, None)
-            if entry is not None:
+            entry = self._running.get(msg.request_id)
+            if entry is not None and entry.worker is worker:
+                del self._running[msg.request_id]
                 self._release(entry)
                 self._finish_entry(entry)
                 if msg.kind == ErrorKind.INVALID.value:  # an engine failure is not the client's fault
@@ -292,11 +333,11 @@ class RollingBatcher:
                 entry.stream.fail(error_from_kind(msg.kind, msg.message))
                 self._pump()
 
-    def _deliver(self, d: dict[str, Any]) -> None:
+    def _deliver(self, worker: Worker, d: dict[str, Any]) -> None:
         """One delta into its stream; a malformed one fails its request, never the frame's others."""
         rid = d.get("id") if isinstance(d, dict) else None
         entry = self._running.get(rid) if isinstance(rid, str) else None
-        if entry is None:
+        if entry is None or entry.worker is not worker:
             return  # aborted meanwhile
         try:
             delta = TokenDelta.from_wire(d)
@@ -312,6 +353,8 @@ class RollingBatcher:
             self._release(entry)
             self._finish_entry(entry)
             self._rate.record()
+            if entry.stream.dispatched is not None:
+                self._service.record(self._clock() - entry.stream.dispatched)
 
     def _finish_entry(self, entry: _Admitted) -> None:
         if entry.timer is not None:
@@ -326,6 +369,7 @@ class RollingBatcher:
     def forget_affinity(self, key: str) -> None:
         """``key``'s requests may go to any worker again (its session closed or expired)."""
         self._affinity.pop(key, None)
+        self._routed_keys.discard(key)
 
     def _pinned(self, key: str | None) -> Worker | None:
         """The live worker that ``key``'s earlier requests went to, or None (no key, or that worker is gone)."""
@@ -338,15 +382,23 @@ class RollingBatcher:
         adds: dict[int, list[_Admitted]] = {}
         for rid in list(self._waiting):  # in arrival order; one pinned to a full worker waits, the others pass it
             entry = self._waiting[rid]
+            if not entry.stream.done and overdue(entry.request, self._clock()):  # its timer has not run yet
+                self._finish_entry(entry)
+                entry.stream.fail(expired_while_queued())
             if entry.stream.done:
                 del self._waiting[rid]
                 continue
             key = entry.request.affinity
             worker = self._pinned(key)
+            if worker is not None and key in self._routed_keys and \
+                    not self.router.within_bound(self._load[worker.worker_id], self._floor()):
+                worker = None  # its worker is too far ahead of the least loaded one: the key moves
             if worker is None:
-                worker = self._least_loaded()
+                worker = self._route(entry)
                 if worker is None:
                     break  # every worker is full
+                if key is not None:
+                    self._routed_keys.add(key)
             elif self._load.get(worker.worker_id, 0) >= self.max_rolling_batch_size:
                 continue
             del self._waiting[rid]
@@ -354,7 +406,7 @@ class RollingBatcher:
                 self._affinity[key] = worker.worker_id
                 self._affinity.move_to_end(key)
                 if len(self._affinity) > MAX_AFFINITY_KEYS:
-                    self._affinity.popitem(last=False)
+                    self._routed_keys.discard(self._affinity.popitem(last=False)[0])
             if self._load[worker.worker_id] == 0:
                 self._progress[worker.worker_id] = self._clock()  # the watchdog counts from the first work
             entry.worker = worker
@@ -372,20 +424,32 @@ class RollingBatcher:
             except ConnectionError:
                 pass  # worker_lost will requeue them
 
+    def _predicted_wait_s(self) -> float | None:
+        """How long a request submitted now would wait for a slot (``serving.batching.deadlines``)."""
+        live = [w for w in self._workers if w.alive and w.worker_id not in self._retiring]
+        free = sum(max(0, self.max_rolling_batch_size - self._load.get(w.worker_id, 0)) for w in live)
+        return predicted_wait_s(len(self._waiting), free, len(live) * self.max_rolling_batch_size,
+                                self._service.mean_s())
+
     def _fail_unsent(self, entry: _Admitted, error: ServingError) -> None:
         self._running.pop(entry.request.request_id, None)
         self._release(entry)
         self._finish_entry(entry)
         entry.stream.fail(error)
 
-    def _least_loaded(self) -> Worker | None:
-        best: Worker | None = None
-        for w in self._workers:
-            if w.alive and w.worker_id not in self._retiring and \
-                    self._load.get(w.worker_id, 0) < self.max_rolling_batch_size:
-                if best is None or self._load[w.worker_id] < self._load[best.worker_id]:
-                    best = w
-        return best
+    def _open_workers(self) -> list[Worker]:
+        return [w for w in self._workers if w.alive and w.worker_id not in self._retiring]
+
+    def _floor(self) -> int:
+        """The load of the least loaded worker that takes work."""
+        return min((self._load[w.worker_id] for w in self._open_workers()), default=0)
+
+    def _route(self, entry: _Admitted) -> Worker | None:
+        """The worker for ``entry`` by prefix and load (``routing.Router``); None when every worker is full."""
+        if entry.keys is None:
+            entry.keys = self.router.prompt_keys(entry.request)
+        candidates = [(w, w.worker_id, self._load[w.worker_id]) for w in self._open_workers()]
+        return self.router.choose(candidates, self.max_rolling_batch_size, entry.keys)
 
     # --- watch: queue-wait limit and liveness watchdog ---
     async def _watch(self, interval_s: float) -> None:
@@ -412,27 +476,24 @@ class RollingBatcher:
             self.cancel(rid)
 
     def check_liveness(self) -> None:
-        """Kill a worker that has requests but reported no step for ``liveness_timeout_s``; fail its requests."""
+        """Kill a worker that has requests but reported no step for ``liveness_timeout_s``; its requests are
+        retried elsewhere or failed as a dead worker's are."""
         if not self.liveness_timeout_s:
             return
-        now = self._clock()
         for worker in list(self._workers):
-            wid = worker.worker_id
-            if not self._load.get(wid) or now - self._progress.get(wid, now) < self.liveness_timeout_s:
+            silent = self.silent_s(worker.worker_id)
+            if silent is None or silent < self.liveness_timeout_s:
                 continue
             self.num_watchdog_kills += 1
-            log.error("model %s: worker %d made no progress for %.0fs with %d requests (liveness_timeout); "
-                      "restarting it", self.model, wid, now - self._progress[wid], self._load[wid])
-            error = WorkerFailed(f"the model's worker stopped making progress (no engine step for "
-                                 f"{self.liveness_timeout_s:g}s, the liveness_timeout); it is being restarted")
-            for rid, entry in list(self._running.items()):
-                if entry.worker is worker:
-                    entry.stream.fail(error)
-                    self.cancel(rid)
-            self._workers.remove(worker)  # no new work until the pool replaces it
-            kill = getattr(worker, "kill_soon", None)
-            if kill is not None:
-                kill()
+            self.last_watchdog = {"worker": worker.worker_id, "silent_s": round(silent, 3),
+                                  "requests": self._load[worker.worker_id]}
+            log.error("model %s: worker %d made no progress for %.1fs with %d requests (liveness_timeout); "
+                      "restarting it", self.model, worker.worker_id, silent, self._load[worker.worker_id])
+            # no new work until the pool replaces it; its requests run elsewhere
+            self._drop(worker, f"made no engine step for {silent:.1f}s (liveness_timeout "
+                               f"{self.liveness_timeout_s:g}s) and is being restarted")
+            with contextlib.suppress(ProcessLookupError):
+                worker.kill_soon("watchdog")
 
 
 def _adapters(entries: Iterable[_Admitted]) -> list[str]:

@@ -3,6 +3,10 @@
 Design note: a batcher pushes ``TokenDelta``s (rolling) or one whole output (dynamic) into the stream; a
 frontend either iterates the deltas (streaming) or awaits ``collect()`` (whole answer). The stream also
 records the request's timings on the frontend's monotonic clock. Runs on the event loop only.
+
+A batcher may ``restart`` a stream whose worker died while nothing of it reached the client (``delivered`` is
+False: no delta was handed to a streaming consumer; a whole answer is only assembled at the end): what the dead
+worker produced is dropped and the retry's deltas replace it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from rollcore.types import FinishReason, GenerationResult, RequestTimings, Token
 log = logging.getLogger(__name__)
 
 _END = object()
+_RESTART = object()  # a whole answer being collected starts over (the dead worker's deltas are dropped)
 
 
 class ResultStream:
@@ -40,6 +45,7 @@ class ResultStream:
         self.last_token: float | None = None
         self.token_gaps_s: list[float] = []  # gap before each token-bearing delta after the first (ITL)
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of prompt_tokens, those the engine's prefix cache served
         self.prompt_logprobs: tuple[TokenInfo, ...] | None = None
         self.num_tokens = 0
         self.finish_reason: FinishReason | None = None
@@ -49,6 +55,7 @@ class ResultStream:
         self._done = False
         self._finish_callbacks: list[Callable[[ResultStream], None]] = []
         self.num_retries = 0
+        self._handed = 0  # deltas handed to a streaming consumer: their bytes may have reached the client
         self.worker_id: int | None = None  # the worker serving it (set by the batcher; a retry moves it)
 
     # --- producer side (batchers) ---
@@ -57,9 +64,22 @@ class ResultStream:
         return self._done
 
     @property
-    def started(self) -> bool:
-        """True once any token or output reached the client side (no transparent retry after that)."""
-        return self.first_token is not None
+    def delivered(self) -> bool:
+        """True once a delta went to a streaming consumer (what the client may have seen cannot be taken back)."""
+        return self._handed > 0
+
+    def restart(self) -> None:
+        """Forget the deltas produced so far (the request runs again elsewhere); only while not ``delivered``."""
+        if self._done or self.delivered:
+            raise RuntimeError(f"request {self.request_id}: a stream that ended or reached its client cannot restart")
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(_RESTART)  # for a collect() that already took some deltas
+        self.first_token = self.last_token = None
+        self.token_gaps_s = []
+        self.num_tokens = self.prompt_tokens = self.cached_tokens = 0
+        self.prompt_logprobs = None
+        self.embedding = None
 
     def add_finish_callback(self, callback: Callable[[ResultStream], None]) -> None:
         """Call ``callback(self)`` once when the stream ends (at once if it already has)."""
@@ -79,6 +99,8 @@ class ResultStream:
         self.mark_dispatched()
         if delta.prompt_tokens is not None:
             self.prompt_tokens = delta.prompt_tokens
+        if delta.cached_tokens is not None:
+            self.cached_tokens = delta.cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.embedding is not None:
@@ -129,7 +151,8 @@ class ResultStream:
         if self._on_cancel is not None:
             self._on_cancel(self.request_id)
 
-    async def __aiter__(self) -> AsyncIterator[TokenDelta]:
+    async def _items(self) -> AsyncIterator[Any]:
+        """Deltas and ``_RESTART`` markers until the end; raises the request's ServingError."""
         while True:
             item = await self._queue.get()
             if item is _END:
@@ -138,17 +161,27 @@ class ResultStream:
                 raise item
             yield item
 
+    async def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        async for item in self._items():
+            if item is not _RESTART:  # nothing was handed out before a restart (see ``restart``)
+                self._handed += 1
+                yield item
+
     async def collect(self) -> GenerationResult:
         """Wait for the end and assemble the whole answer; raises the request's ServingError."""
         tokens: list[TokenInfo] = []
         parts: list[str] = []
-        async for delta in self:
+        async for delta in self._items():
+            if delta is _RESTART:
+                tokens.clear()
+                parts.clear()
+                continue
             tokens.extend(delta.tokens)
             parts.append(delta.text)
         return GenerationResult(request_id=self.request_id, text="".join(parts),
                                 finish_reason=self.finish_reason or FinishReason.LENGTH, tokens=tuple(tokens),
                                 prompt_tokens=self.prompt_tokens, timings=self.timings(), payload=self.payload,
-                                prompt_logprobs=self.prompt_logprobs)
+                                prompt_logprobs=self.prompt_logprobs, cached_tokens=self.cached_tokens)
 
     def timings(self) -> RequestTimings:
         end = self.finished if self.finished is not None else self._clock()

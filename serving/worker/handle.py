@@ -61,6 +61,7 @@ class WorkerHandle:
         self._reader_task: asyncio.Task[None] | None = None
         self._listener: WorkerListener | None = None
         self._exit_reported = False
+        self.exit_cause = "crash"  # why the process went away, for the restart counts: crash or watchdog
 
     async def start(self, listener: WorkerListener, timeout_s: float) -> None:
         """Spawn, load, and wait for Ready. Raises WorkerLoadError or TimeoutError; never leaves a process."""
@@ -170,8 +171,9 @@ class WorkerHandle:
             await self.kill()
         await self._reap()
 
-    def kill_soon(self) -> None:
+    def kill_soon(self, cause: str = "crash") -> None:
         """Kill the process from a synchronous context (e.g. a stuck handler); exit is reported as usual."""
+        self.exit_cause = cause
         if self._proc is not None and self._proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(signal.SIGKILL)

@@ -73,6 +73,7 @@ class WorkerPool:
         self._crashes = 0  # crashes in a row of workers that had not stayed up stable_after_s
         self._stable_after_s = stable_after_s
         self.num_restarts = 0
+        self.restarts_by_cause: dict[str, int] = {"crash": 0, "watchdog": 0}  # the worker's exit_cause
         self.last_error: str | None = None
         self._stopping = False
         self._retiring: set[int] = set()
@@ -156,9 +157,11 @@ class WorkerPool:
             self._crashes = 0  # it had been serving for a while: not a crash loop
         self._crashes += 1
         self.num_restarts += 1
+        cause = getattr(worker, "exit_cause", "crash")
+        self.restarts_by_cause[cause] = self.restarts_by_cause.get(cause, 0) + 1
         delay = BACKOFF_S[min(self._crashes - 1, len(BACKOFF_S) - 1)]
-        log.warning("model %s: worker %d (pid %s) exited; restarting in %.1fs", self.model, worker.worker_id,
-                    worker.pid, delay)
+        log.warning("model %s: worker %d (pid %s) exited (%s); restarting in %.1fs", self.model, worker.worker_id,
+                    worker.pid, cause, delay)
         self._spawn(self._restart_after(delay))
 
     async def _restart_after(self, delay: float) -> None:

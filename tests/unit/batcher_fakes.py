@@ -28,8 +28,9 @@ class FakeWorker:
             raise ConnectionError("worker is not running")
         self.sent.append(msg)
 
-    def kill_soon(self) -> None:
+    def kill_soon(self, cause: str = "crash") -> None:
         self.killed = True
+        self.kill_cause = cause
 
     def of(self, kind: type) -> list[Any]:
         return [m for m in self.sent if isinstance(m, kind)]

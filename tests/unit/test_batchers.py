@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -220,26 +221,52 @@ def test_rolling_queue_full_is_overloaded() -> None:
     run(main())
 
 
-def test_rolling_worker_lost_requeues_unstarted_and_fails_started() -> None:
+def test_rolling_worker_lost_reruns_what_no_client_saw_and_fails_a_sent_stream() -> None:
     async def main() -> None:
         b = RollingBatcher("m", max_rolling_batch_size=4, job_queue_size=10, predict_timeout_s=30)
         w1 = FakeWorker(1)
         b.worker_ready(w1)
-        started, fresh = b.submit(req("a")), b.submit(req("b"))
-        b.on_message(w1, Deltas(step=1, deltas=[delta("a", 1)]))
+        whole, fresh, sent = b.submit(req("a")), b.submit(req("b")), b.submit(req("s"))
+        collecting = asyncio.ensure_future(whole.collect())  # a whole answer: nothing reaches its client before the end
+        reader = sent.__aiter__()
+        b.on_message(w1, Deltas(step=1, deltas=[delta("a", 1), delta("a", 2), delta("s", 7)]))
+        assert (await reader.__anext__()).text == "t7"  # this stream's first delta went to its client
+        await asyncio.sleep(0)  # collect() takes the dead worker's deltas before the loss
         w1.alive = False
         b.worker_lost(w1)
-        with pytest.raises(WorkerFailed):
-            await started.collect()
-        assert not fresh.done and b.describe()["waiting"] == 1
+        with pytest.raises(WorkerFailed, match="already been sent"):
+            await reader.__anext__()
+        assert not whole.done and not fresh.done and b.describe()["waiting"] == 2
         w2 = FakeWorker(2)
         b.worker_ready(w2)
-        assert added(w2) == ["b"]
+        assert added(w2) == ["a", "b"]  # in their arrival order, ahead of anything that came later
+        b.on_message(w1, Deltas(step=2, deltas=[delta("a", 9, FinishReason.EOS)]))  # a late frame of the dead one
+        b.on_message(w2, Deltas(step=1, deltas=[delta("a", 3), delta("a", 4, FinishReason.EOS)]))
+        result = await collecting
+        assert result.text == "t3t4" and [t.id for t in result.tokens] == [3, 4]  # the rerun's tokens only
+        assert whole.num_tokens == 2 and b.describe()["retries_total"] == 2
         w2.alive = False
         b.worker_lost(w2)  # second loss: no more retries
-        with pytest.raises(WorkerFailed):
+        with pytest.raises(WorkerFailed, match="retried once already"):
             await fresh.collect()
-        assert b.num_pending() == 0
+        assert b.num_pending() == 0 and b.describe()["retries_total"] == 2
+    run(main())
+
+
+def test_a_health_probe_is_not_moved_to_another_worker() -> None:
+    async def main() -> None:
+        b = RollingBatcher("m", max_rolling_batch_size=4, job_queue_size=10, predict_timeout_s=30)
+        w1, w2 = FakeWorker(1), FakeWorker(2)
+        b.worker_ready(w1)
+        b.worker_ready(w2)
+        b.pin("probe-key", 1)
+        probe = b.submit(replace(req("x"), client_id="health-probe-1", affinity="probe-key"))
+        assert added(w1) == ["x"] and added(w2) == []
+        w1.alive = False
+        b.worker_lost(w1)
+        with pytest.raises(WorkerFailed, match="checks that one worker"):
+            await probe.collect()
+        assert added(w2) == [] and b.describe()["retries_total"] == 0
     run(main())
 
 

@@ -160,25 +160,33 @@ def test_rolling_malformed_delta_fails_its_request_only() -> None:
     run(main())
 
 
-def test_rolling_watchdog_fails_and_kills_a_worker_without_progress() -> None:
+def test_rolling_watchdog_kills_a_worker_without_progress_and_reruns_or_fails_its_requests() -> None:
     async def main() -> None:
         clock = FakeClock()
         b = RollingBatcher("m", 4, 10, 300, clock=clock, liveness_timeout_s=10)
         stuck, healthy = FakeWorker(1), FakeWorker(2)
         b.worker_ready(stuck)
         b.worker_ready(healthy)
-        a, c = b.submit(req("a")), b.submit(req("c"))  # one on each worker
-        assert added(stuck) == ["a"] and added(healthy) == ["c"]
+        a, c, s = b.submit(req("a")), b.submit(req("c")), b.submit(req("s"))  # a and s on the stuck worker
+        assert added(stuck) == ["a", "s"] and added(healthy) == ["c"]
+        b.on_message(stuck, Deltas(step=1, deltas=[delta("a", 1), delta("s", 1)]))
+        reader = s.__aiter__()
+        await reader.__anext__()  # s is a stream its client has seen a token of
         clock.now += 6
         b.on_message(healthy, Deltas(step=1, deltas=[delta("c", 1)]))
         clock.now += 6  # stuck: 12 s without a step; healthy: 6 s
         b.check_liveness()
-        assert stuck.killed and not healthy.killed
+        assert stuck.killed and stuck.kill_cause == "watchdog" and not healthy.killed
+        assert b.describe()["last_watchdog"] == {"worker": 1, "silent_s": 12.0, "requests": 2}
         with pytest.raises(WorkerFailed, match="liveness_timeout"):
-            await a.collect()
-        assert not c.done
+            await reader.__anext__()
+        assert added(healthy) == ["c", "a"] and not a.done and not c.done  # a's client saw nothing: run again
+        b.on_message(stuck, Deltas(step=2, deltas=[delta("a", 5, FinishReason.EOS)]))  # buffered before the kill
+        assert not a.done
+        b.on_message(healthy, Deltas(step=2, deltas=[delta("a", 2, FinishReason.EOS)]))
+        assert (await a.collect()).text == "t2"
         after = b.submit(req("after"))  # new work goes to the live worker only
-        assert added(healthy) == ["c", "after"] and not after.done
+        assert added(healthy) == ["c", "a", "after"] and not after.done
         idle = FakeWorker(3)
         b.worker_ready(idle)
         clock.now += 100

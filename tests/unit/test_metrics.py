@@ -202,14 +202,15 @@ def test_dynamic_queue_full_moves_the_rejected_counter() -> None:
 
 
 def test_state_gauges_are_read_at_scrape_time() -> None:
-    rolling = SimpleNamespace(describe=lambda: {"mode": "rolling", "waiting": 2, "running": 5, "engines": {
+    rolling = SimpleNamespace(describe=lambda: {"mode": "rolling", "waiting": 2, "running": 5, "retries_total": 4,
+                                                "engines": {
         "1": {"num_running": 3, "num_waiting": 1, "kv_blocks_total": 100, "kv_blocks_used": 25,
               "blocks_held": {"secret-request-id": 3}},
         "2": {"num_running": 1, "num_waiting": 0, "kv_blocks_total": 100, "kv_blocks_used": 15}}},
         num_pending=lambda: 7)
     dynamic = SimpleNamespace(describe=lambda: {"mode": "dynamic", "queued": 4}, num_pending=lambda: 6)
     pool = SimpleNamespace(workers={1: SimpleNamespace(alive=True), 2: SimpleNamespace(alive=False)},
-                           num_starting=1, num_restarts=3)
+                           num_starting=1, num_restarts=3, restarts_by_cause={"crash": 2, "watchdog": 1})
     eps = {"r": SimpleNamespace(state=ModelState.READY, load_time_s=2.5, pool=pool, batcher=rolling),
            "d": SimpleNamespace(state=ModelState.LOADING, load_time_s=None, pool=pool, batcher=dynamic),
            "f": SimpleNamespace(state=ModelState.FAILED)}
@@ -225,7 +226,10 @@ def test_state_gauges_are_read_at_scrape_time() -> None:
     assert value(s, "rollserve_workers", model="r", state="ready") == 1
     assert value(s, "rollserve_workers", model="r", state="starting") == 1
     assert value(s, "rollserve_workers", model="r", state="stopped") == 1
-    assert value(s, "rollserve_worker_restarts_total", model="r") == 3
+    assert value(s, "rollserve_worker_restarts_total", model="r", cause="crash") == 2
+    assert value(s, "rollserve_worker_restarts_total", model="r", cause="watchdog") == 1
+    assert value(s, "rollserve_request_retries_total", model="r") == 4
+
     assert value(s, "rollserve_model_load_time_seconds", model="r") == 2.5
     assert value(s, "rollserve_model_state", model="d", state="LOADING") == 1
     assert value(s, "rollserve_model_state", model="f", state="FAILED") == 1

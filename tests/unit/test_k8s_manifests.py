@@ -12,39 +12,31 @@ JSON schemas written here from their published CRDs (kubernetes-sigs/lws ``leade
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import copy
 import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
 from handlers.engine.execution.cluster import leader_spec
 from handlers.engine.execution.rendezvous import SECRET_ENV
-from handlers.preflight import planned_memory
 from handlers.synthetic_model import build_model
-from serving.config import load_model_config
 from serving.deploy import DEFAULT_CPUS
 from serving.deploy.k8s import Request
 from serving.deploy.manifests import Manifests, build, dns_name
 from serving.deploy.resources import (
-    GIB,
     KV_TOUCH_RATE,
     LOAD_RATE,
-    MIB,
-    PROCESS_OVERHEAD,
-    RANK_OVERHEAD,
-    SHM,
     STARTUP_FLOOR_S,
 )
 from serving.frontends import openapi
 from serving.frontends.grpc import SERVICE_NAMES
 from serving.health import HealthRoutes
-from serving.layout import auto_layout, checkpoint_parameters
 from serving.metrics import ServingMetrics
 from serving.params import Limits
 from serving.server_config import load_server_config
@@ -146,47 +138,50 @@ def test_names_labels_and_namespace(case: tuple[Request, Manifests]) -> None:
     assert len(dns_name("x" * 100)) == 40
 
 
-def test_resources_are_the_preflight_figures(case: tuple[Request, Manifests], tp2: Path) -> None:
-    """Memory from ``planned_memory`` (computed here, the same function) by the documented formula; CPU = workers x
-    ranks x threads as ``auto`` picks them on --cpus; GPUs = the pod's ranks on GPUs."""
+# The pod sizes of each case, worked out by hand from the tiny model's config.json (2 layers, hidden 64, 4 heads of
+# 16 of which 2 KV heads, MLP 128, vocab 512, untied head, 2,048 positions) and resources.py's docstring, not from
+# the module's constants: MiB = 1,048,576 bytes.
+#   Weights (fp32, tensor parallel 2): each rank holds half of every layer's projections (2 x (64x64 + 2 x 64x32 +
+#   64x64 + 3 x 64x128) / 2 = 36,864 values), every norm (2 x 2 x 64 + 64 = 320) and the whole embedding and head
+#   (2 x 512 x 64 = 65,536): 102,720 values = 410,880 bytes a rank, 821,760 for both.
+#   Prepacked copy (hybrid's plain + packed): the linear weights a rank holds, 36,864 + 32,768 (head) = 69,632
+#   values = 278,528 bytes a rank, 557,056 for both. Activations: 2 ranks x 2,048 tokens x 64 wide x 64 bytes
+#   = 16,777,216. KV cache at full size: 8 sequences x 2,048 positions x 2 (K, V) x 2 layers x 2 KV heads x 16 x 4
+#   bytes = 8,388,608, planned at fraction 0.9.
+#   CPU rank: (821,760 + 557,056 + 16,777,216 + 8,388,608 / 0.9) / 2 = 13,738,354 bytes = 13.10 MiB.
+#   GPU rank: the weights passing through the host, 410,880 bytes = 0.39 MiB.
+#   Pod: 512 MiB for its main process + workers x ranks x (512 MiB + rank) (+ 1,024 MiB of /dev/shm for a pod
+#   with several ranks on GPUs); rounded up to whole MiB:
+#   tp2 (4 CPUs: 1 worker of 2 ranks x 2 threads)      512 + 2 x 525.10 = 1,562.2   -> 1563Mi
+#   tp2-gpu (8 CPUs: 1 worker of 2 ranks x 4 threads)  512 + 2 x 512.39 + 1,024 = 2,560.8 -> 2561Mi, 2 GPUs
+#   tp2-nodes (one rank a pod, 4 threads)              512 + 525.10 = 1,037.1       -> 1038Mi
+#   tp2-nodes-gpu                                      512 + 512.39 = 1,024.4       -> 1025Mi, 1 GPU
+#   the real model, fetched at start (no plan): 1 worker of 4 threads, 4 GiB a rank: 512 + 512 + 4,096 -> 5120Mi
+SIZES = {  # case: (cpu, memory, GPUs, workers, threads a rank)
+    "default": ("4", "5120Mi", None, 1, 4), "default-kserve": ("4", "5120Mi", None, 1, 4),
+    "tp2": ("4", "1563Mi", None, 1, 2), "tp2-kserve": ("4", "1563Mi", None, 1, 2),
+    "tp2-gpu": ("8", "2561Mi", "2", 1, 4), "tp2-nodes": ("4", "1038Mi", None, 1, 4),
+    "tp2-nodes-gpu": ("4", "1025Mi", "1", 1, 4),
+}
+TP2_PLAN = ("weights=821760 prepacked=557056 activations=16777216 kv-cache=8388608 kv-source=auto kv-fraction=0.9 "
+            "tensor-parallel-degree=2")
+
+
+def test_resources_are_the_preflight_figures(case: tuple[Request, Manifests], tp2: Path,
+                                             request: pytest.FixtureRequest) -> None:
+    """Every container asks for the figures worked out by hand above (requests = limits), and the pod template
+    carries the memory plan they came from (the KV cache at full size, whatever this machine's memory)."""
     req, m = case
     assert m.context is not None
-    folder = tp2 if m.context.model.path == tp2.resolve() else DEFAULT_MODEL
-    cfg = load_model_config(folder, env={})
-    tp, nodes = cfg.parallel.tensor_parallel_degree, req.nodes
-    ranks = tp // nodes
-    plan = planned_memory(folder, cfg.model_id, cfg.handler_properties())
-    if folder == tp2:
-        assert plan is not None and plan.tensor_parallel_degree == 2
-        # the KV cache at its full size, whatever this machine's memory: every sequence at the model's length
-        c = json.loads((tp2 / "config.json").read_text())
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4  # fp32 K and V
-        assert plan.kv_cache_bytes == cfg.batching.max_rolling_batch_size * c["max_position_embeddings"] * per_token
-        layout = auto_layout(req.cpus, checkpoint_parameters(tp2), tp)
-        workers = 1 if nodes > 1 else layout.workers
-        if req.gpu:
-            rank = math.ceil(plan.weight_bytes / tp)
-        else:
-            kv = plan.kv_cache_bytes / plan.kv_fraction
-            rank = math.ceil((plan.weight_bytes + plan.prepack_bytes + plan.activation_bytes + kv) / tp)
-        memory = PROCESS_OVERHEAD + workers * ranks * (RANK_OVERHEAD + rank) + (SHM if req.gpu and ranks > 1 else 0)
-        figures = (f"weights={plan.weight_bytes} prepacked={plan.prepack_bytes} activations={plan.activation_bytes} "
-                   f"kv-cache={plan.kv_cache_bytes} kv-source=auto kv-fraction=0.9 tensor-parallel-degree=2")
-    else:
-        assert plan is None  # fetched at start: no plan before it runs
-        layout = auto_layout(req.cpus, None, tp)
-        workers = layout.workers
-        memory = PROCESS_OVERHEAD + workers * ranks * (RANK_OVERHEAD + 4 * GIB)
-        figures = None
-    threads = layout.threads_per_worker if nodes == 1 else req.cpus // ranks
-    expected = {"cpu": str(workers * ranks * threads), "memory": f"{math.ceil(memory / MIB)}Mi"}
-    if req.gpu:
-        expected["nvidia.com/gpu"] = str(workers * ranks)
+    name = request.node.callspec.params["case"]
+    cpu, memory, gpus, workers, threads = SIZES[name]
+    expected = {"cpu": cpu, "memory": memory} | ({"nvidia.com/gpu": gpus} if gpus else {})
+    figures = TP2_PLAN if name.startswith("tp2") else None
     containers = [t["spec"]["containers"][0] for t in pod_templates(m)]
     for isvc in by_kind(m, "InferenceService"):
         containers.append(isvc["spec"]["predictor"]["model"])
         annotations = isvc["spec"]["predictor"]["annotations"]
+    assert containers
     for c in containers:
         assert c["resources"] == {"requests": expected, "limits": expected}
         env = env_of(c)
@@ -360,6 +355,29 @@ def test_leader_worker_set(case: tuple[Request, Manifests]) -> None:
     assert str(args.model_store) == leader["args"][1]
     assert SECRET_ENV in env_of(worker)
     assert by_kind(m, "Service")[0]["spec"]["selector"] == template["leaderTemplate"]["metadata"]["labels"]
+
+
+@pytest.mark.parametrize(("kind", "path", "value", "message"), [
+    ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate", "groupSize"), 2, "Additional properties"),
+    ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate", "restartPolicy"), "Always", "is not one of"),
+    ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate", "size"), "2", "is not of type 'integer'"),
+    ("LeaderWorkerSet", ("apiVersion",), "leaderworkerset.x-k8s.io/v2", "is not served by the CRD"),
+    ("ServiceMonitor", ("spec", "endpoints", 0, "interval"), "15 s", "does not match"),
+    ("ServiceMonitor", ("spec", "endpoints", 0, "portName"), "metrics", "Additional properties"),
+    ("ServiceMonitor", ("spec", "selector", "matchLabel"), {"a": "b"}, "Additional properties"),
+])
+def test_the_published_crds_refuse_what_the_api_server_would(kind: str, path: tuple[Any, ...], value: Any,
+                                                              message: str, tp2: Path) -> None:
+    """The check is live: one field the CRD does not define, of the wrong type or value, fails the document."""
+    m = build(Request(model_dir=tp2, nodes=2) if kind == "LeaderWorkerSet" else Request(DEFAULT_MODEL))
+    (doc,) = copy.deepcopy(by_kind(m, kind))
+    validate(copy.deepcopy(doc))
+    target = doc
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises((jsonschema.ValidationError, AssertionError), match=message):
+        validate(doc)
 
 
 def test_kserve_protocols_are_what_the_server_speaks(case: tuple[Request, Manifests]) -> None:

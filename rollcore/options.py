@@ -124,6 +124,17 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("tensor_parallel_degree", integer(1), "1", (SERVING, ENGINE),
           "rolling engine: ranks per worker over torch.distributed (gloo on CPU, nccl on GPU); max = the "
           "visible GPUs"),
+    _spec("follower_weights", choice(("auto", "resolve", "stream")), "auto", (SERVING, ENGINE),
+          "tensor parallelism over several hosts: how a follower host gets the weights. resolve: from "
+          "option.model_id itself (its own credentials and cache; a local folder from its own model store); "
+          "stream: the leader's files over the group's authenticated connection; auto: resolve where the "
+          "follower can, else stream. Either way every file is checked against the leader's (name, size, "
+          "SHA-256) before a rank loads"),
+    _spec("origin_model_id", text, None, (ENGINE,),
+          "set by the server, not by hand: the option.model_id a fetched model came from (followers resolve it)"),
+    _spec("tensor_parallel_timeout", number(0, exclusive=True), "60", (SERVING, ENGINE),
+          "seconds rank 0 waits for another rank within a step once the group is up: a host that died "
+          "silently fails the step and its requests within this bound (the ranks' loading is not bounded by it)"),
     _spec("strict_parameters", boolean, "false", (SERVING,),
           "true: unknown request parameters are a 400 (default: ignored, named in X-Ignored-Parameters)"),
     _spec("output_formatter", any_text, None, (SERVING,),

@@ -309,7 +309,8 @@ class ModelRegistry(ModelApi):
             allow_unsafe=str(cfg.options.get("allow_unsafe_weights", "false")).lower() == "true", env=self._env,
             root=root, progress=lambda line: log.info("model %s: %s", name, line))
         log.info("model %s: option.model_id=%s is served from %s", name, cfg.model_id, local)
-        return {**overrides, "option.model_id": str(local)}
+        # followers of a multi-host group resolve the same source on their own hosts (handlers' cluster)
+        return {**overrides, "option.model_id": str(local), "option.origin_model_id": cfg.model_id}
 
     async def stop_all(self, drain_timeout_s: float) -> None:
         eps = [ep for _, _, ep in self.all_endpoints()] + list(self.retiring)

@@ -108,7 +108,8 @@ def test_the_frontend_reaches_the_backend_through_preflight_and_the_worker_entry
                "handlers.preflight.memory_plan_text", "handlers.preflight.checkpoint_parameters",
                "handlers.preflight.planned_memory", "handlers.preflight.PlannedMemory"}
     worker = {"handlers.base", "handlers.loader", "handlers.engine.execution.follower",
-              "handlers.engine.execution.rendezvous", "handlers.engine.execution.cluster"}  # the agent: torch-free
+              "handlers.engine.execution.rendezvous", "handlers.engine.execution.cluster",
+              "handlers.engine.execution.weights"}  # the agent: torch-free
     offenders = {}
     for m, deps in modules("serving").items():
         mine = {i for i in deps if _inside(i, "handlers")} - allowed
@@ -140,7 +141,8 @@ def test_the_engine_folder_by_role_and_its_torch_free_parts() -> None:
 
 def test_a_follower_hosts_agent_is_torch_free() -> None:
     """``serving worker`` only supervises its ranks: it starts at once, and a torch import would double that."""
-    code = ("import sys, serving.worker.follower, handlers.engine.execution.follower\n"
+    code = ("import sys, serving.worker.follower, serving.worker.follower_weights, "
+            "handlers.engine.execution.follower\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

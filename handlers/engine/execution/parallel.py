@@ -26,21 +26,26 @@ import secrets
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from handlers.engine.execution.auth_store import AuthStore
 from handlers.engine.execution.cluster import gloo_interface, leader_spec, spawn_rank
 from handlers.engine.execution.rendezvous import SECRET_ENV, Rendezvous
 from handlers.engine.execution.runner import StepInputs
 from handlers.engine.execution.sharding import shard_model
+from handlers.engine.execution.weights import WeightsMismatch, manifest, weight_files
+from handlers.engine.planning.checkpoint import weights_dir
 
 logger = logging.getLogger(__name__)
 
 _STOP = -1
+DEFAULT_STEP_TIMEOUT_S = 60.0  # option.tensor_parallel_timeout's default (rollcore.options)
 
 
 def pack_step(inputs: StepInputs) -> torch.Tensor:
@@ -76,6 +81,8 @@ class TensorParallelGroup:
     control: Any = None  # the group that carries steps (host tensors): gloo beside NCCL on GPUs, else the default
     rendezvous: Rendezvous | None = None  # rank 0: the group's store and the follower hosts' lifelines
     broken: bool = False  # a step failed on rank 0 (a dead peer's collective): the ranks are out of step
+    step_timeout_s: float | None = None  # rank 0: the longest wait for a peer in a step, once every rank is ready
+    _ready: bool = False
 
     def healthy(self) -> bool:
         """False once a step failed on rank 0, a rank this host started has exited or a follower host has left."""
@@ -85,9 +92,25 @@ class TensorParallelGroup:
     def mark_broken(self) -> None:
         self.broken = True
 
+    def wait_ready(self) -> None:
+        """Every rank: meet once all ranks have built their runners (loading may take minutes, waited for with
+        torch's long default). From then on rank 0's collectives give up on a peer after ``step_timeout_s``: a
+        host that died without closing its connections fails the step, and the requests in it, within that
+        bound. The other ranks keep the long wait: between requests they wait for the next step indefinitely."""
+        if self._ready:
+            return
+        dist.barrier(group=self.control)
+        self._ready = True
+        if self.rank == 0 and self.step_timeout_s:
+            timeout = timedelta(seconds=self.step_timeout_s)
+            for group in [None] if self.control is None else [None, self.control]:
+                _set_pg_timeout(timeout, group)
+
     def broadcast_step(self, inputs: StepInputs | None) -> StepInputs | None:
         """Rank 0 sends the step (``None`` = stop); other ranks receive it."""
         if self.rank == 0:
+            if inputs is not None:
+                self.wait_ready()
             payload = pack_step(inputs) if inputs is not None else torch.tensor([], dtype=torch.long)
             size = torch.tensor([payload.numel() if inputs is not None else _STOP], dtype=torch.long, device="cpu")
             dist.broadcast(size, 0, group=self.control)
@@ -127,8 +150,9 @@ class TensorParallelGroup:
 def start_group(world_size: int, model_dir: Path, options: Mapping[str, str],
                 gpu: bool = False) -> TensorParallelGroup:
     """On the worker (rank 0): form the group (``gpu``: each rank on its own device). On one host, start ranks
-    1..N-1 here; with follower hosts (``cluster.leader_spec``), wait until they join, hand each its ranks, and
-    start this host's share."""
+    1..N-1 here; with follower hosts (``cluster.leader_spec``), wait until they join, hand each its ranks and the
+    manifest of the weights, wait until each holds a verified copy (``WeightsMismatch`` when one cannot: the
+    model fails, naming the file), and start this host's share."""
     spec = leader_spec(os.environ, world_size)
     secret = spec.secret if spec is not None else secrets.token_hex(32)
     host = spec.bind if spec is not None else "127.0.0.1"
@@ -138,9 +162,11 @@ def start_group(world_size: int, model_dir: Path, options: Mapping[str, str],
     try:
         if spec is not None:
             followers = rendezvous.wait_followers(spec.nodes - 1)
+            weights = _share_weights(rendezvous, model_dir, options)
             for node, follower in enumerate(followers, start=1):
-                rendezvous.assign(follower, {"world_size": world_size, "first_rank": node * local, "ranks": local,
-                                             "model": model_dir.name, "options": dict(options), "gpu": gpu})
+                _assign(rendezvous, follower, {
+                    "world_size": world_size, "first_rank": node * local, "ranks": local, "model": model_dir.name,
+                    "options": dict(options), "gpu": gpu, "weights": weights})
             env.update(gloo_interface(followers[0].local_address))
             os.environ.update(env)  # rank 0 meets the remote ranks on the same interface as its children
         store_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
@@ -153,7 +179,30 @@ def start_group(world_size: int, model_dir: Path, options: Mapping[str, str],
         raise
     where = f" on {spec.nodes} hosts" if spec is not None else ""
     logger.info("tensor parallel group of %d ranks up%s (%s)", world_size, where, dist.get_backend())
-    return TensorParallelGroup(0, world_size, children, control, rendezvous)
+    timeout_s = float(options.get("tensor_parallel_timeout") or DEFAULT_STEP_TIMEOUT_S)
+    return TensorParallelGroup(0, world_size, children, control, rendezvous, step_timeout_s=timeout_s)
+
+
+def _share_weights(rendezvous: Rendezvous, model_dir: Path, options: Mapping[str, str]) -> dict[str, Any]:
+    """The weights part of a follower's assignment: the manifest of the folder rank 0 loads (shared for
+    streaming), the source it came from and how followers get theirs (``option.follower_weights``)."""
+    folder = weights_dir(model_dir, options.get("model_id"))
+    rendezvous.share(weight_files(folder))
+    entries = manifest(folder)
+    logger.info("weights for the follower hosts: %d files, %.1f MiB", len(entries),
+                sum(e.size for e in entries) / 2**20)
+    return {"manifest": [e.to_wire() for e in entries], "origin": options.get("origin_model_id"),
+            "mode": options.get("follower_weights") or "auto"}
+
+
+def _assign(rendezvous: Rendezvous, follower: Any, assignment: dict[str, Any]) -> None:
+    answer = rendezvous.assign(follower, assignment)
+    host = follower.address[0]
+    if not answer.get("ok"):
+        error = f"follower host {host}: {answer.get('error', 'no answer about the weights')}"
+        raise WeightsMismatch(error) if answer.get("permanent") else RuntimeError(error)
+    logger.info("follower host %s holds the weights (%s): %d files, %.1f MiB verified", host, answer.get("how"),
+                answer.get("files", 0), answer.get("bytes", 0) / 2**20)
 
 
 def _init(rank: int, world_size: int, store: AuthStore, device: torch.device) -> Any:
@@ -199,6 +248,7 @@ def rank_main(argv: list[str] | None = None) -> None:
                              num_kv_heads=kv_heads, fuse_weights=config.fuse_projections,
                              use_kernels=config.attention_kernel == "native",
                              step_tokens=config.max_num_batched_tokens)
+        group.wait_ready()
         while True:
             inputs = group.broadcast_step(None)
             if inputs is None:

@@ -6,9 +6,11 @@ on the network. Here rank 0 runs ``Rendezvous``, a small threaded TCP server: ev
 knows the shared secret (HMAC-SHA256 challenge and response, both ways, the secret never sent), then speaks
 length-prefixed msgpack requests. Ranks reach it through ``auth_store.AuthStore``, a ``torch.distributed.Store``
 that gloo and NCCL use like any store. A follower host's agent connects the same way and sends ``join``; the
-leader answers with its assignment (which ranks, which model, the options), and the connection stays open as
-the follower's lifeline: when it closes, the leader knows the follower is gone (and the follower knows the
-leader is). Torch-free, like the agent that imports it.
+leader answers with its assignment (which ranks, which model, the options, the manifest of the weights), the
+follower answers once it holds a verified copy of the weights (``handlers.engine.execution.weights``; it may read
+the leader's shared files through a connection of its own), and the connection stays open as the follower's
+lifeline: when it closes, the leader knows the follower is gone (and the follower knows the leader is).
+Torch-free, like the agent that imports it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import socket
 import struct
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -30,6 +33,7 @@ logger = logging.getLogger(__name__)
 SECRET_ENV = "ROLLSERVE_CLUSTER_SECRET"
 NONCE = 32
 _MAX_FRAME = 64 << 20
+MAX_READ = 8 << 20  # bytes of a shared file one ``file`` operation returns: well under a frame
 WAIT_S = 600.0  # how long a store read waits for its key (ranks of one group start within minutes)
 
 
@@ -120,6 +124,7 @@ class Rendezvous:
         self._cond = threading.Condition()
         self._followers: list[Follower] = []
         self._lost: list[str] = []
+        self._shared: dict[str, Path] = {}  # the weight files peers may read (``share``)
         self._closed = False
         self._listener = socket.create_server((host, port), reuse_port=False, backlog=64)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -141,9 +146,23 @@ class Rendezvous:
             joined = list(self._followers)
         return sorted(joined, key=lambda f: (f.node_rank is None, f.node_rank or 0))
 
-    def assign(self, follower: Follower, assignment: dict[str, Any]) -> None:
+    def share(self, files: dict[str, Path]) -> None:
+        """Let peers read these files (relative name -> path) with the ``file`` operation, and no other."""
+        self._shared = dict(files)
+
+    def assign(self, follower: Follower, assignment: dict[str, Any]) -> dict[str, Any]:
+        """Send ``follower`` its assignment and wait for its answer about the weights (``{"ok": ...}`` or
+        ``{"error": ..., "permanent": ...}``); on success the connection becomes the follower's watched
+        lifeline. Raises ``ConnectionError`` when the follower leaves first."""
         send_frame(follower.sock, {"assignment": assignment})
-        threading.Thread(target=self._watch, args=(follower,), name="follower-watch", daemon=True).start()
+        try:
+            answer = recv_frame(follower.sock)
+        except (OSError, ValueError, msgpack.UnpackException) as exc:
+            raise ConnectionError(f"follower host {follower.address[0]} left while getting the weights: "
+                                  f"{exc or type(exc).__name__}") from None
+        if answer.get("ok"):
+            threading.Thread(target=self._watch, args=(follower,), name="follower-watch", daemon=True).start()
+        return answer
 
     @property
     def lost(self) -> list[str]:
@@ -229,7 +248,20 @@ class Rendezvous:
                 return {"value": data.pop(r["key"], None) is not None}
             if op == "num_keys":
                 return {"value": len(data)}
+        if op == "file":  # outside the lock: a read of a large file must not hold up the store
+            try:
+                return {"data": self._read_shared(str(r["name"]), int(r["offset"]), int(r["length"]))}
+            except KeyError:
+                return {"error": f"{r['name']!r} is not among the leader's weight files"}
+            except OSError as exc:
+                return {"error": f"{r['name']}: {exc.strerror or exc}"}
         return {"error": f"unknown store operation {op!r}"}
+
+    def _read_shared(self, name: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes of the shared file ``name`` from ``offset``; KeyError for any other name."""
+        with self._shared[name].open("rb") as f:
+            f.seek(offset)
+            return f.read(min(length, MAX_READ))
 
     def close(self) -> None:
         self._closed = True

@@ -36,6 +36,7 @@ from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
 from rollcore.errors import InvalidRequest, ServingError
 from rollcore.options import option_value
+from rollcore.tokenizer_probe import TOKENIZER_PROBE
 from rollcore.types import FinishReason, SamplingParams, TokenInfo
 from rollcore.values import AUTO
 
@@ -155,6 +156,8 @@ class HuggingFaceHandler(Handler):
             eos = min(self.eos_token_ids)
         return {"max_model_len": self.max_model_len, "eos_token_id": eos,
                 "chat_template": self.tokenizer.chat_template or None, "vocab_size": self.vocab_size,
+                # the frontend sends its own token ids when it encodes this probe alike (rollcore.tokenizer_probe)
+                "tokenizer_probe": list(self.tokenizer(TOKENIZER_PROBE)["input_ids"]),
                 "structured_output": True, "prompt_logprobs": True, "beam_search": True,
                 **(self.embedder.task.describe(int(self.model.config.hidden_size)) if self.embedder else {})}
 

@@ -16,6 +16,7 @@ from handlers.base import Context, Input, RollingHandler
 from handlers.embedding import EmbeddingTask, model_folder
 from handlers.engine.engine import LLMEngine
 from handlers.validation import check_prompt_ids, check_sampling, check_token_ids
+from rollcore.tokenizer_probe import TOKENIZER_PROBE
 from rollcore.types import TokenDelta
 
 
@@ -102,6 +103,8 @@ class HuggingFaceRollingHandler(RollingHandler):
             "chat_template": getattr(tok, "chat_template", None) if isinstance(
                 getattr(tok, "chat_template", None), str) else None,
             "vocab_size": self.vocab_size,
+            # the frontend sends its own token ids when it encodes this probe alike (rollcore.tokenizer_probe)
+            "tokenizer_probe": list(tok(TOKENIZER_PROBE)["input_ids"]),
             "block_size": engine.config.block_size,
             "num_blocks": engine.scheduler.allocator.num_blocks,
             # how the architecture was admitted: the verified list, or the load-time self-check's summary

@@ -181,7 +181,7 @@ def parse(body: Any, ep: Any, text: ModelText, rid: str, limits: Any) -> Parsed:
         requests.append(GenerationRequest(
             request_id=rid if len(inputs) == 1 else f"{rid}-{k}", model=ep.name,
             prompt=item if isinstance(item, str) else "",
-            prompt_token_ids=None if isinstance(item, str) else tuple(item),
+            prompt_token_ids=text.worker_ids(ids) if isinstance(item, str) else tuple(item),
             params=SamplingParams(max_new_tokens=0, embed=True)))
     return Parsed(requests, req.encoding_format == "base64", req.dimensions, tuple(ignored))
 

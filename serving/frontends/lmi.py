@@ -165,14 +165,18 @@ class LmiRoutes:
         self.ctx = ctx
         self.texts = ModelTexts()
 
-    def check_lengths(self, ep: Any, reqs: list[GenerationRequest]) -> None:
-        """Before any work: a prompt that cannot fit the model's context is a 400 naming both counts."""
+    def tokenize(self, ep: Any, reqs: list[GenerationRequest]) -> list[GenerationRequest]:
+        """Before any work: a prompt that cannot fit the model's context is a 400 naming both counts. Returns the
+        requests carrying the ids counted, when the worker takes them (``ModelText.worker_ids``)."""
         if not is_text_model(ep):
-            return
+            return reqs
         text = self.texts.get(ep)
+        out = []
         for r in reqs:
             ids = text.encode(r.prompt)
             text.check_length(len(ids) if ids is not None else None, r.params.max_new_tokens, "max_new_tokens")
+            out.append(replace(r, prompt_token_ids=text.worker_ids(ids)))
+        return out
 
     def routes(self) -> list[Route]:
         return [Route("/predictions/{model_name}", self.predictions, methods=["POST"]),
@@ -210,7 +214,7 @@ class LmiRoutes:
             extra = ignored_headers(ignored, rid, ep.name)
             if is_text_model(ep):
                 self.texts.get(ep)  # on the loop: the cache is not thread-safe
-                await off_loop(self.ctx.tokenize_pool, body_size(request), self.check_lengths, ep, reqs)
+                reqs = await off_loop(self.ctx.tokenize_pool, body_size(request), self.tokenize, ep, reqs)
             if stream:
                 if len(reqs) != 1:
                     raise InvalidRequest("'stream' takes a single string in 'inputs'")

@@ -162,7 +162,7 @@ def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: L
             req_id = rid if len(prompts) * best_of == 1 else f"{rid}-{index}"
             request = GenerationRequest(
                 request_id=req_id, model=model, prompt=prompt if isinstance(prompt, str) else "",
-                prompt_token_ids=None if isinstance(prompt, str) else tuple(prompt), params=params,
+                prompt_token_ids=text.worker_ids(ids) if isinstance(prompt, str) else tuple(prompt), params=params,
                 stream=stream)
             choices.append(Choice(index, p_index, prompt_text, request))
     return ParsedRequest(choices, stream, include_usage, logprobs, echo, None, req.prompt_logprobs, echo_only,
@@ -217,7 +217,7 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
         params = base if base.seed is None or n == 1 else replace(base, seed=base.seed + j)
         request = GenerationRequest(request_id=rid if n == 1 else f"{rid}-{j}", model=model, prompt=prompt,
                                     params=params, stream=stream,
-                                    prompt_token_ids=tuple(cut) if cut is not None else None)
+                                    prompt_token_ids=tuple(cut) if cut is not None else text.worker_ids(ids))
         choices.append(Choice(j, 0, prompt, request))
     return ParsedRequest(choices, stream, include_usage, logprobs, False, plan, req.prompt_logprobs,
                          ignored=tuple(ignored), reasoning=opened)

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from tokenizers import Tokenizer
 
 from rollcore.errors import InvalidRequest
+from rollcore.tokenizer_probe import TOKENIZER_PROBE
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,10 @@ class ModelText:
             str(tok.content): i for i, tok in (self.tokenizer.get_added_tokens_decoder().items() if self.tokenizer
                                                else ()) if getattr(tok, "special", False)}
         self._special_ids: frozenset[int] = frozenset(self.special_by_text.values())
+        # the worker takes these ids instead of tokenizing the text again once it encodes the probe alike
+        probe = info.get("tokenizer_probe")
+        self.ids_travel = self.tokenizer is not None and isinstance(probe, list) and probe == self.encode(
+            TOKENIZER_PROBE)
 
     def encode(self, text: str) -> list[int] | None:
         """Token ids of ``text`` as the worker will see them (special tokens added), or None."""
@@ -53,6 +58,12 @@ class ModelText:
         # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized on a
         # thread (see ``off_loop``) then leaves the event loop free.
         return list(self.tokenizer.encode_batch([text])[0].ids)
+
+    def worker_ids(self, ids: list[int] | None) -> tuple[int, ...] | None:
+        """``ids`` (this side's encoding of a prompt) as the request's ``prompt_token_ids`` when the worker's
+        tokenizer agrees with this one (``rollcore.tokenizer_probe``), so that the prompt is tokenized once; else
+        None: the worker tokenizes the text."""
+        return tuple(ids) if ids is not None and self.ids_travel else None
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str | None:
         if self.tokenizer is None:

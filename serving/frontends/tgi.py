@@ -179,7 +179,7 @@ class TgiRoutes:
         best_of = (p.best_of if p is not None else None) or 1
         check_best_of(best_of, params, want)
         request = GenerationRequest(request_id=rid, model=ep.name, prompt=req.inputs, params=params,
-                                    prompt_token_ids=token_ids, stream=want)
+                                    prompt_token_ids=token_ids or text.worker_ids(ids), stream=want)
         return request, want, best_of
 
 

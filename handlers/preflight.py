@@ -13,12 +13,15 @@ from typing import Any
 from handlers.engine.planning.checkpoint import checkpoint_tensors, weights_dir
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.families import ADMITTED_BY_LIST, admission, load_config_dict, unsupported_reason
-from handlers.engine.planning.gguf_plan import gguf_file_in
+from handlers.engine.planning.gguf_plan import gguf_file_in, whole_gguf
 from handlers.engine.planning.memory import preflight
 from handlers.engine.planning.quant_config import checkpoint_parameter_count, parse_checkpoint_quant
 
 # The budget ``planned_memory`` plans with: far more than any model needs, so every figure is the model's own.
 UNBOUNDED_BUDGET_KIB = 1 << 40
+
+
+__all__ = ["whole_gguf"]  # the watched store asks whether a GGUF file is whole yet
 
 
 def engine_admission(folder: Path, max_model_len: int | None) -> tuple[dict[str, Any], str | None, bool]:

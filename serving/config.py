@@ -189,7 +189,7 @@ def model_config_keys() -> tuple[str, ...]:
     return (*MODEL_KEYS, *OPTION_SPECS)
 
 # Server-level keys that SERVING_* sets on the server, not on each model.
-_SERVER_LEVEL_MODEL_KEYS = frozenset({"job_queue_size", "max_queue_time"})
+_SERVER_LEVEL_MODEL_KEYS = frozenset({"job_queue_size", "max_queue_time", "load_on_demand"})
 
 
 def _model_env(env: Mapping[str, str]) -> dict[str, Setting]:
@@ -255,8 +255,10 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
     defaults["option.entryPoint"] = Setting(
         "model.py" if (model_dir / "model.py").is_file() else "huggingface", "default", "default")
     if server is not None:
-        for key, value in (("job_queue_size", str(server.job_queue_size)),
-                           ("max_queue_time", render(server.max_queue_time_s))):
+        inherit = [("job_queue_size", str(server.job_queue_size)), ("max_queue_time", render(server.max_queue_time_s))]
+        if server.load_on_demand:  # only when on: models that do not say stay as they were
+            inherit.append(("load_on_demand", "true"))
+        for key, value in inherit:
             inherited = f"server config ({server.sources.get(key, 'default')})"
             defaults[key] = Setting(value, inherited, inherited)
     settings = {**defaults,

@@ -90,9 +90,13 @@ class ModelEndpoint:
             entry = "rolling"
         init = Init(model_name=self.name, model_dir=str(config.model_dir), entry_point=entry,
                     properties=config.handler_properties(), rolling=b.rolling, log_format=log_format)
-        self.pool = WorkerPool(self.name, init, self.batcher, config.min_workers,
-                               config.model_loading_timeout_s, on_failed=self._failed, env=env, devices=devices,
-                               launcher=launcher)
+        self._new_pool = lambda: WorkerPool(self.name, init, self.batcher, config.min_workers,
+                                            config.model_loading_timeout_s, on_failed=self._failed, env=env,
+                                            devices=devices, launcher=launcher)
+        self.pool = self._new_pool()
+        self._batcher_started = False
+        # the host's memory budget (serving.models.residency), when the registry manages one
+        self.residency: Any = None
 
     @classmethod
     def failed(cls, name: str, reason: str) -> FailedEndpoint:
@@ -119,7 +123,9 @@ class ModelEndpoint:
     async def start(self) -> None:
         self.state = ModelState.LOADING
         t0 = time.monotonic()
-        self.batcher.start()
+        if not self._batcher_started:  # a model loaded again after an unload keeps its batcher
+            self._batcher_started = True
+            self.batcher.start()
         if await self.pool.start():
             self.state = ModelState.READY
             self.load_time_s = time.monotonic() - t0
@@ -163,6 +169,8 @@ class ModelEndpoint:
         if self.successor is not None:
             self.successor.check_ready()
             return
+        if self.state is not ModelState.READY and self.residency is not None:
+            self.residency.refuse(self)  # loads it on demand; says when to come back
         if self.state is not ModelState.READY:
             detail = f": {self.reason}" if self.reason else ""
             raise Unavailable(f"model {self.name!r} is {self.state.value}{detail}", retry_after_s=5)
@@ -172,7 +180,8 @@ class ModelEndpoint:
         ``Unavailable`` unless READY, ``Conflict`` for a client id already live, ``Overloaded``."""
         if self.successor is not None:
             return self.successor.submit(request)
-        self.check_ready()
+        if self.residency is None or not self.residency.queues(self):  # a model loading again: the request waits
+            self.check_ready()
         # a custom handler would ignore these: refuse rather than answer without them
         if request.params.grammar is not None and not self.info.get("structured_output"):
             raise InvalidRequest(f"model {self.name!r} does not apply structured-output constraints (its handler "
@@ -356,6 +365,18 @@ class ModelEndpoint:
                               "applies": knob.applies in ("any", mode)}
         return out
 
+    async def unload(self) -> None:
+        """Stop the workers and keep the model registered (evicted under the memory budget): the next ``start``
+        loads it again with a fresh pool; what the handler described (``info``) stays known meanwhile."""
+        self.state = ModelState.UNLOADED
+        if self._autoscaler is not None:
+            self._autoscaler.cancel()
+            self._autoscaler = None
+        old = self.pool
+        self.pool = self._new_pool()
+        self.pool.info, self.pool.num_restarts = old.info, old.num_restarts
+        await old.stop()
+
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests, wait up to ``timeout_s`` for in-flight ones, then stop the workers."""
         if self.state is ModelState.READY:
@@ -366,6 +387,7 @@ class ModelEndpoint:
         await self.stop()
 
     async def stop(self) -> None:
+        self.residency = None  # unregistered (or the server stops): never loaded again on demand
         if self._autoscaler is not None:
             self._autoscaler.cancel()
         await self.pool.stop()
@@ -391,6 +413,7 @@ class ModelEndpoint:
             "worker_restarts": self.pool.num_restarts, "load_time_s": self.load_time_s,
             "config": c.handler_properties(), "batcher": self.batcher.describe(), "knobs": self.knobs(),
             "sources": {key: {"source": knobs.source_kind(raw), "from": raw} for key, raw in sorted(c.sources.items())},
+            **({"residency": self.residency.describe(self)} if self.residency is not None else {}),
         }
 
 

@@ -1,4 +1,5 @@
-"""Liveness and readiness of the server, for HTTP (``/health/live``, ``/health/ready``, ``/ping``) and gRPC.
+"""Liveness and readiness of the server, for HTTP (``/health/live``, ``/health/ready``, ``/ping``) and gRPC; the
+deep check (``/health/generate``, a token through every worker) is ``serving.telemetry.deep_health``.
 
 Design note (Triton's split): *liveness* means the process answers (its event loop runs); an orchestrator
 restarts a server that is not live, so a FAILED model never makes it so. *Readiness* follows
@@ -65,16 +66,30 @@ class Health:
         return {name: ep.state.value for name, ep in sorted(self.registry.endpoints.items())}
 
 
-class HealthRoutes:
-    """``GET /ping`` (readiness, SageMaker's contract), ``/health/ready`` and ``/health/live``."""
+class DeepCheck(Protocol):
+    async def result(self) -> tuple[bool, dict[str, Any]]: ...
 
-    def __init__(self, health: Health) -> None:
+
+class HealthRoutes:
+    """``GET /ping`` (readiness, SageMaker's contract), ``/health/ready``, ``/health/live`` and, given a deep
+    check, ``/health/generate``."""
+
+    def __init__(self, health: Health, deep: DeepCheck | None = None) -> None:
         self.health = health
+        self.deep = deep
 
     def routes(self) -> list[Route]:
-        return [Route("/ping", self.ping, methods=["GET"]),
-                Route("/health/ready", self.ping, methods=["GET"]),
-                Route("/health/live", self.live, methods=["GET"])]
+        routes = [Route("/ping", self.ping, methods=["GET"]),
+                  Route("/health/ready", self.ping, methods=["GET"]),
+                  Route("/health/live", self.live, methods=["GET"])]
+        if self.deep is not None:
+            routes.append(Route("/health/generate", self.generate, methods=["GET"]))
+        return routes
+
+    async def generate(self, request: Request) -> Response:
+        assert self.deep is not None
+        healthy, body = await self.deep.result()
+        return JSONResponse(body, status_code=200 if healthy else 503)
 
     async def ping(self, request: Request) -> Response:
         if self.health.state.draining:

@@ -21,6 +21,7 @@ from rollcore.values import (
     number,
     text,
 )
+from serving.models.budget import memory_budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,14 @@ MODEL_KEYS = _table(
     KeySpec("gpu.maxWorkers", integer(0), None, _ACCEPTED),
     KeySpec("cpu.minWorkers", integer(0), None, _ACCEPTED),
     KeySpec("cpu.maxWorkers", integer(0), None, _ACCEPTED),
+    KeySpec("load_on_demand", boolean, None,
+            "true: register the model at start and load it on its first request (requests wait up to "
+            "model_load_wait); under model_memory_budget such models are unloaded, least recently used first, when "
+            "another needs the room (docs/model-store.md); unset: the server's load_on_demand"),
+    KeySpec("pin", boolean, None, "true: never unload the model to make room under model_memory_budget"),
+    KeySpec("idle_ttl", number(0, exclusive=True), None,
+            "seconds without a request after which the model is unloaded (it loads again on its next request); "
+            "unset: it stays loaded until the budget needs its room"),
     KeySpec("version", integer(1), None,
             "the model's version (a positive integer; unset: 1); in a versioned folder (NAME/2/) the sub-folder's "
             "name is the version and this key is not read (docs/model-store.md)"),
@@ -115,6 +124,13 @@ SERVER_KEYS = _table(
     KeySpec("max_workers_per_model", integer(1, 1024), "16", "workers one model may ask for"),
     KeySpec("grpc_max_concurrent_rpcs", integer(1), "1000", "gRPC calls served at once; more: RESOURCE_EXHAUSTED"),
     KeySpec("grpc_max_stream_requests", integer(1), "64", "requests one gRPC stream may carry at once"),
+    KeySpec("model_memory_budget", memory_budget, "80%",
+            "the memory the models' workers may hold together: a size (6GiB, 512MiB, 2G, bytes) or a share of "
+            "MemAvailable at start (80%); models loaded on demand are unloaded to stay under it (docs/model-store.md)"),
+    KeySpec("model_load_wait", number(0), "60",
+            "seconds a request waits for its model to load on demand; a load expected to take longer: 503 with "
+            "Retry-After"),
+    KeySpec("load_on_demand", boolean, "false", "the default of the model key"),
     KeySpec("model_store_watch", boolean, "false",
             "watch the model store: a new complete folder loads, a removed one drains and unloads, a changed one "
             "reloads without downtime (with or without enable_model_api; docs/model-store.md)"),

@@ -34,6 +34,7 @@ from serving.devices import DevicePlan, plan_devices, visible_devices
 from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
 from serving.live_requests import LiveRequests
 from serving.model_files import nothing_to_load
+from serving.models.residency import Residency
 from serving.redact import scrub_paths
 from serving.registry_api import ModelApi
 from serving.reload import reload_version
@@ -66,6 +67,9 @@ class ModelRegistry(ModelApi):
             else ExecLauncher()
         # GPUs the server may hand to workers, learned once without torch (serving.devices); none on a CPU host
         self.visible_devices = visible_devices(env)
+        # the models' memory budget: loads on demand, unloads of idle models (serving.models.residency)
+        self.residency = Residency(server.model_memory_budget.resolve(), server.model_memory_budget.describe(),
+                                   server.model_load_wait_s, self.all_endpoints, lambda: self.retiring)
         if self.visible_devices:
             log.info("devices: %d GPU(s) visible (%s)", len(self.visible_devices), ",".join(self.visible_devices))
 
@@ -214,6 +218,7 @@ class ModelRegistry(ModelApi):
         ep = ModelEndpoint(cfg, observer, env=env, log_format=self._server.log_format, live=self.live,
                            devices=devices, launcher=self.launcher)
         ep.version = version
+        self.residency.manage(ep)
         return ep
 
     def _without_paths(self, message: str, name: str, model_dir: Path) -> str:
@@ -228,7 +233,15 @@ class ModelRegistry(ModelApi):
         self.route(name)
 
     async def _start(self, name: str, ep: AnyEndpoint) -> None:
+        if self.residency.defers(ep):  # registered: it loads on its first request
+            mv = self.versions.get(name)
+            if self.startup_models is not None and mv is not None and all(map(self.residency.defers,
+                                                                               mv.entries.values())):
+                self.startup_models.discard(name)  # readiness does not wait for a model nobody asked for yet
+            log.info("model %s (version %s): registered; it loads on its first request", name, ep.version)
+            return
         await ep.start()
+        self.residency.loaded(ep)
         self.route(name)  # a version that became READY may now be the default
 
     async def _prepare(self, name: str, version: str, folder: Path, overrides: Mapping[str, str]) -> AnyEndpoint:
@@ -314,6 +327,7 @@ class ModelRegistry(ModelApi):
 
     async def stop_all(self, drain_timeout_s: float) -> None:
         eps = [ep for _, _, ep in self.all_endpoints()] + list(self.retiring)
+        await self.residency.close()
         await asyncio.gather(*(ep.drain(drain_timeout_s) for ep in eps), return_exceptions=True)
         await self.launcher.close()
 

@@ -79,14 +79,19 @@ async def reload_version(registry: Any, ref: str, drain_timeout_s: float) -> dic
         if isinstance(new, FailedEndpoint):
             raise fail(f"invalid configuration: {new.reason}")
         assert isinstance(new, ModelEndpoint)
-        await new.start()
-        if new.state is not ModelState.READY:
+        # a model loaded on demand that is not loaded now stays so: the new configuration loads on its next request
+        unloaded = registry.residency.defers(new) and old.state in (ModelState.PENDING, ModelState.UNLOADED)
+        if not unloaded:
+            await new.start()
+            registry.residency.loaded(new)
+        if not unloaded and new.state is not ModelState.READY:
             reason = new.reason or f"its workers did not load ({new.state.value})"
             await new.stop()
             raise fail(f"the new workers failed to load: {reason}")
         try:
             await carry_adapters(old, new)
-            await warm_up(new)
+            if not unloaded:
+                await warm_up(new)
         except ServingError as exc:
             await new.stop()
             raise fail(f"the new workers were not ready: {exc.message}") from None

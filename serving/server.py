@@ -58,6 +58,7 @@ from serving.params import Limits
 from serving.registry import ModelRegistry
 from serving.server_config import ServerConfig
 from serving.store_watch import StoreWatcher
+from serving.telemetry.deep_health import DeepCheck
 
 log = logging.getLogger("serving.server")
 KEEP_ALIVE_S = 75  # idle keep-alive connections are closed after this (see _serve_http)
@@ -97,6 +98,7 @@ class Server:
                                 tokenize_pool=self.tokenize_pool)
         self.authority = build_authority(config, Path.cwd())  # raises ConfigError for a bad key file
         self.health = Health(self.registry, self.state, config.ping_requires)
+        self.deep_check = DeepCheck(self.health, config.health_generate_interval_s, config.health_generate_timeout_s)
         self._servers: list[_Uvicorn] = []
         self._stop = asyncio.Event()
         self.ports: dict[str, int] = {}
@@ -109,7 +111,7 @@ class Server:
         openai_routes = OpenAIRoutes(self.http)
         self.state.extra["chat_handler"] = openai_routes.chat_for_lmi  # LMI bodies with `messages`
         self.state.extra["completion_handler"] = openai_routes.completion_for_lmi  # LMI bodies with `prompt`
-        return [*HealthRoutes(self.health).routes(), *SessionRoutes(self.http, self.lmi).routes(),
+        return [*HealthRoutes(self.health, self.deep_check).routes(), *SessionRoutes(self.http, self.lmi).routes(),
                 *self.lmi.routes(), *self.versions.inference_routes(),
                 *openai_routes.routes(), *EmbeddingRoutes(self.http).routes(), *TokenizerRoutes(self.http).routes(),
                 *ResponsesRoutes(self.http, self.authority.required(Scope.INFERENCE)).routes(),
@@ -125,7 +127,7 @@ class Server:
         else:
             # adapters before versions: /models/{name}/adapters is not a version
             app = build_app(routes.routes() + AdapterRoutes(self.registry).routes()
-                            + self.versions.management_routes() + HealthRoutes(self.health).routes()
+                            + self.versions.management_routes() + HealthRoutes(self.health, self.deep_check).routes()
                             + [openapi.route(lambda: openapi.management_document(
                                 self.limits, sorted(self.registry.endpoints)))])
         c = self.config

@@ -13,6 +13,7 @@ from types import MappingProxyType
 from rollcore.errors import ConfigError
 from rollcore.values import integer, split_host_port
 from serving.keys import SERVER_KEYS
+from serving.models.budget import BudgetSetting
 from serving.settings import (
     EMPTY,
     Setting,
@@ -69,6 +70,10 @@ class ServerConfig:
     model_store_watch_quiet_ms: int = 1000
     worker_fork_server: bool = True  # serving.worker.launcher
     worker_preload: tuple[str, ...] = ()
+    # residency (serving.models.residency): the models' memory budget, the wait for a load on demand
+    model_memory_budget: BudgetSetting = BudgetSetting(share=0.8)
+    model_load_wait_s: float = 60.0
+    load_on_demand: bool = False
     sources: Mapping[str, str] = field(default_factory=empty_mapping)
 
     def inference_host_port(self) -> tuple[str, int]:
@@ -199,6 +204,9 @@ def load_server_config(path: Path | None, *, env: Mapping[str, str] = EMPTY,
         model_store_watch_quiet_ms=values["model_store_watch_quiet_ms"],
         worker_fork_server=values["worker_fork_server"],
         worker_preload=values["worker_preload"],
+        model_memory_budget=values["model_memory_budget"],
+        model_load_wait_s=values["model_load_wait"],
+        load_on_demand=values["load_on_demand"],
         sources=MappingProxyType(sources),
     )
 

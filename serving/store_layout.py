@@ -4,16 +4,20 @@ Design note: a model folder ``NAME/`` is either one version (its ``serving.prope
 or, when it has no ``serving.properties`` of its own and sub-folders named by digits, one version per such
 sub-folder (``NAME/1/``, ``NAME/2/``: each a complete model folder). ``NAME/model.properties`` may pin the
 default version (``default_version=2``); without it the highest version serves the name. The watched store
-(``serving.store_watch``) loads a folder only when it is whole: every ``*.safetensors`` file is as long as its
-header says and every shard an index names exists, so a copy that paused longer than the quiet period still
-does not load half-way. Reads only; torch-free.
+(``serving.store_watch``) loads a folder only when it is whole: every ``*.safetensors`` and ``*.gguf`` file is as
+long as its header says, every shard an index names exists, every ``*.json`` (config, tokenizer, adapter config)
+parses, and every ``*.bin``/``*.pt`` file written by ``torch.save`` (a zip archive) has its directory at its end;
+so a copy that paused longer than the quiet period still does not load half-way. Reads only; torch-free.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import zipfile
 from pathlib import Path
+
+from handlers.preflight import whole_gguf  # torch-free: reads the header
 
 from rollcore.errors import ConfigError, InvalidRequest
 from rollcore.values import integer
@@ -87,21 +91,47 @@ def pinned_default(folder: Path) -> str | None:
 
 
 def incomplete_files(folder: Path) -> list[str]:
-    """Weight files under ``folder`` that are not whole yet: a ``*.safetensors`` shorter than its header says
-    (or with a header still being written), a shard named by a ``*.safetensors.index.json`` that is missing."""
+    """Files under ``folder`` that are not whole yet: a ``*.safetensors`` or ``*.gguf`` shorter than its header
+    says (or with a header still being written), a shard named by an ``*.index.json`` that is missing, a ``*.json``
+    that does not parse, a ``torch.save`` archive (``*.bin``, ``*.pt``, ``*.pth``) without its closing directory."""
     missing: list[str] = []
-    for index in folder.rglob("*.safetensors.index.json"):
+    for index in sorted(folder.rglob("*.index.json")):
         try:
             shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
         except (OSError, ValueError, AttributeError):
-            missing.append(str(index.relative_to(folder)))
-            continue
+            continue  # reported below as a JSON file that does not parse
         missing += [str((index.parent / s).relative_to(folder)) for s in sorted(shards)
                     if isinstance(s, str) and not (index.parent / s).is_file()]
-    for weights in folder.rglob("*.safetensors"):
-        if not _whole_safetensors(weights):
-            missing.append(str(weights.relative_to(folder)))
+    checks = {".safetensors": _whole_safetensors, ".gguf": whole_gguf, ".json": _whole_json,
+              ".bin": _whole_archive, ".pt": _whole_archive, ".pth": _whole_archive}
+    for path in sorted(folder.rglob("*")):
+        check = checks.get(path.suffix.lower())
+        if check is not None and path.is_file() and not check(path):
+            missing.append(str(path.relative_to(folder)))
     return missing
+
+
+def _whole_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _whole_archive(path: Path) -> bool:
+    """A zip archive (``torch.save``'s format) is whole once its central directory, written last, is there; a
+    file of the legacy pickle format cannot tell and counts as whole."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+        if head != b"PK\x03\x04":
+            return len(head) == 4 and head[:2] != b"PK"
+        with zipfile.ZipFile(path) as archive:
+            archive.infolist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+    return True
 
 
 def _whole_safetensors(path: Path) -> bool:

@@ -156,7 +156,7 @@ class StoreWatcher:
         age = time.time() - _newest_mtime(folder)
         if not missing and age >= self.quiet_s:
             return False
-        why = f"weights not whole yet ({', '.join(missing[:3])})" if missing else f"a file changed {age:.1f}s ago"
+        why = f"files not whole yet ({', '.join(missing[:3])})" if missing else f"a file changed {age:.1f}s ago"
         log.info("model store: %s is not settled: %s; looking again in %.1fs", name, why, self.quiet_s)
         self.mark(name)
         return True

@@ -45,6 +45,7 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.frontends.schemas import MAX_TOKEN_ID, Prompt, Text, TokenIds
+from serving.models.residency import ensure_resident
 from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, StrictModel, json_schemas
 from serving.validation import RequestSchema
 
@@ -230,6 +231,7 @@ class EmbeddingRoutes:
             body, model = await read_request(self.ctx, request)
             ep = self.ctx.registry.get(model) if model else self.ctx.registry.only()
             request.state.model = ep.name  # the metrics label
+            await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
             parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse, body, ep, self.texts.get(ep),
                                     rid, self.ctx.limits)
             streams = submit_all(ep, parsed.requests)

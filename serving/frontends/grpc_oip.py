@@ -44,6 +44,7 @@ from serving.frontends.grpc_tensors import TextInputs, decode_inputs, text_respo
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
 from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as pb_grpc
 from serving.health import Health
+from serving.models.residency import ensure_resident
 from serving.params import Limits, check_sequences, check_text, check_wire_value, parse_lmi_parameters
 
 log = logging.getLogger("serving.grpc")
@@ -132,6 +133,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     @guarded
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
         ep, inputs, reqs = self._requests(request, context)
+        await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
         if inputs.stream:
             raise InvalidRequest("'stream' needs ModelStreamInfer (a bidirectional stream); ModelInfer answers "
                                  "once")
@@ -187,6 +189,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         stream: ResultStream | None = None
         try:
             ep, inputs, reqs = self._requests(request, context)
+            await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
             empty_final = request.parameters[EMPTY_FINAL].bool_param if EMPTY_FINAL in request.parameters else False
             if not inputs.stream:
                 final = {FINAL: True}

@@ -37,6 +37,7 @@ from serving.frontends.grpc_calls import (
 )
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as pb_grpc
+from serving.models.residency import ensure_resident
 from serving.params import build_sampling_params, check_text
 
 FINISH_REASON = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.EOS: pb.FINISH_REASON_EOS_TOKEN,
@@ -108,6 +109,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @guarded
     async def Generate(self, msg: Any, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         ep, req = self._request(msg, context, stream=False)
+        await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
         result = await collect(ep.submit(req))
         text = result.text
         if not text and result.payload is not None:
@@ -123,6 +125,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GenerateStream(self, msg: Any, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         ep, req = self._request(msg, context, stream=True)
+        await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
         require_streaming(ep)
         stream: ResultStream = ep.submit(req)
         prefix = req.prompt if msg.return_full_text else ""

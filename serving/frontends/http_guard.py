@@ -1,8 +1,9 @@
 """ASGI guard in front of an HTTP API: token check, and (management) the browser and DNS-rebinding checks.
 
 Design note: one middleware per listener, applied by the composition root. Health probes (``/ping``,
-``/health/live``, ``/health/ready``) pass without a token: orchestrators and SageMaker cannot send one,
-and they reveal only model states. On the management API a request carrying an ``Origin`` header (a
+``/health/live``, ``/health/ready``, ``/health/generate``) pass without a token: orchestrators and SageMaker cannot
+send one, and they reveal only model and worker states (the deep check's probes run at most once per
+``health_generate_interval``). On the management API a request carrying an ``Origin`` header (a
 browser page) is refused unless the origin is listed in ``management_allowed_origins`` (CSRF), and the
 ``Host`` header must be an IP literal, ``localhost`` or a name listed in ``management_allowed_hosts``
 (DNS rebinding: a hostile page's own name resolving to 127.0.0.1), as Jupyter does. Refusals use the
@@ -23,7 +24,8 @@ from starlette.responses import JSONResponse
 from serving.auth import Scope, TokenAuthority
 
 # the OIP v2 probes too (KServe and Triton probe them: oip_rest)
-HEALTH_PATHS = frozenset({"/ping", "/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
+HEALTH_PATHS = frozenset({"/ping", "/health/live", "/health/ready", "/health/generate", "/v2/health/live",
+                          "/v2/health/ready"})
 
 ErrorBody = Callable[[int, str, str], dict[str, Any]]  # (status, message, request id) -> the JSON body
 ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],

@@ -43,6 +43,7 @@ from serving.frontends.httpio import (
 from serving.frontends.prompts import ModelTexts, off_loop
 from serving.frontends.schemas import LMI
 from serving.frontends.tgi import whole_answer as tgi_answer
+from serving.models.residency import ensure_resident
 from serving.params import check_best_of, check_wire_value, lmi_sampling_params, parse_lmi_parameters
 from serving.validation import kind_of, type_error
 
@@ -200,6 +201,7 @@ class LmiRoutes:
                 raise Unavailable("server is shutting down", retry_after_s=5)
             ep = self.ctx.registry.get(model_name) if model_name else self.ctx.registry.only()
             request.state.model = ep.name  # the metrics label (serving.metrics.MODEL_STATE_KEY)
+            await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
             if body is _UNREAD:
                 body = await read_json(request, self.ctx.max_request_size)
             chat = self.ctx.state.extra.get("chat_handler")

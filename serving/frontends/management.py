@@ -24,6 +24,7 @@ from rollcore.errors import InvalidRequest, ModelNotFound, ServingError
 from serving import knobs
 from serving.frontends.djl import describe_model
 from serving.frontends.httpio import REQUEST_ID_HEADER, HttpContext, error_response, request_id
+from serving.models.residency import residency_entry
 
 
 class Registry(Protocol):
@@ -93,7 +94,8 @@ class ManagementRoutes:
     async def list_models(self, request: Request) -> Response:
         async def run() -> tuple[Any, int]:
             return {"models": [{"modelName": n, "modelUrl": _folder(ep), "status": ep.state.value,
-                                "version": ep.version, "versions": self.registry.versions_of(n)}
+                                "version": ep.version, "versions": self.registry.versions_of(n),
+                                **residency_entry(ep)}
                                for n, ep in sorted(self.registry.endpoints.items())]}, 200
         return await self._guard(request, run)
 

@@ -47,6 +47,7 @@ from serving.frontends.messages_schema import to_chat, validate
 from serving.frontends.openai import require_streaming
 from serving.frontends.openai_schema import ParsedRequest, parse_chat
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
+from serving.models.residency import ensure_resident
 from serving.validation import type_error
 
 ERROR_TYPES = {ErrorKind.INVALID: "invalid_request_error", ErrorKind.METHOD: "invalid_request_error",
@@ -151,6 +152,7 @@ class MessagesRoutes:
             raise InvalidRequest("missing field 'model'")
         ep, adapter = resolve_model(self.ctx.registry, model)
         request.state.model = ep.name  # the metrics label
+        await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
         ep.check_ready()  # a model not READY has no template to read: 503
         return body, ep, adapter
 

@@ -41,6 +41,7 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.oip_rest_tensors import RestInfer, generate_request, infer_request, text_outputs
 from serving.health import Health
+from serving.models.residency import ensure_resident
 
 HEADER_LENGTH = "inference-header-content-length"  # Triton's binary tensor extension: the JSON's length
 EXTENSIONS = ["binary_tensor_data", "generate"]
@@ -132,6 +133,7 @@ class OipRestRoutes:
         if self.ctx.state.draining:
             raise Unavailable("server is shutting down", retry_after_s=5)
         ep, version = self._endpoint(request)
+        await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
         ep.check_ready()
         rid = request_id(request)
         if generate:

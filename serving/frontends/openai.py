@@ -38,6 +38,7 @@ from serving.frontends.httpio import (
 from serving.frontends.openai_answer import Answer
 from serving.frontends.openai_schema import parse_chat, parse_completion
 from serving.frontends.prompts import ModelTexts, off_loop
+from serving.models.residency import ensure_resident
 
 
 def routes(ctx: HttpContext) -> list[Route]:
@@ -106,6 +107,7 @@ class OpenAIRoutes:
 
     async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool,
                    adapter: str | None = None) -> Response:
+        await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
         ep.check_ready()  # a model not READY has no template to read: 503, not a 400 about its template
         check_generates(ep)
         text = self.texts.get(ep)

@@ -277,14 +277,21 @@ def responses_paths() -> dict[str, Any]:
 
 
 def health_paths() -> dict[str, Any]:
-    """``/ping`` and ``/health/ready`` (readiness, ``ping_requires``) and ``/health/live`` (liveness); no token."""
+    """``/ping`` and ``/health/ready`` (readiness, ``ping_requires``), ``/health/live`` (liveness) and
+    ``/health/generate`` (the deep check); no token."""
     body = {"application/json": {"schema": {"type": "object"}}}
     ready = {"get": {"summary": "readiness (ping_requires: all|any|none); no token needed", "security": [],
                      "responses": {"200": {"description": "ready", "content": body},
                                    "503": {"description": "not ready, or the server is draining", "content": body}}}}
     live = {"get": {"summary": "liveness: 200 while the process serves; no token needed", "security": [],
                     "responses": {"200": {"description": "live", "content": body}}}}
-    return {"/ping": ready, "/health/ready": ready, "/health/live": live}
+    deep = {"get": {"summary": "deep check: one token through every worker of every ready model (within "
+                               "health_generate_timeout, reused for health_generate_interval); no token needed",
+                    "security": [], "responses": {
+                        "200": {"description": "every probe produced its token", "content": body},
+                        "503": {"description": "not ready, draining, or a probe failed (the body names the models "
+                                               "and workers)", "content": body}}}}
+    return {"/ping": ready, "/health/ready": ready, "/health/live": live, "/health/generate": deep}
 
 
 def _document(title: str, paths: dict[str, Any], limits: Limits, models: Sequence[str]) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from serving.frontends.responses_schema import (
     responses_param,
 )
 from serving.frontends.responses_store import ResponseStore, Stored, namespace
+from serving.models.residency import ensure_resident
 from serving.params import Limits
 from serving.validation import type_error
 
@@ -218,6 +219,7 @@ class ResponsesRoutes:
         if req.background and req.stream:
             raise InvalidRequest("'background' with 'stream' is not supported: stream, or poll a background response")
         items = [*history, *input_items(req)]
+        await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
         ep.check_ready()  # a model not READY has no template to read: 503
         text = self.texts.get(ep)
         parsed = await off_loop(pool, size, _parse, req, items, ep, text, rid, self.ctx.limits)

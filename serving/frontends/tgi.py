@@ -45,6 +45,7 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.prompts import ModelText, ModelTexts, off_loop
 from serving.frontends.schemas import TGI
+from serving.models.residency import ensure_resident
 from serving.params import check_best_of, lmi_sampling_params
 
 VERSION = "rollserve-0.1.0"
@@ -128,6 +129,7 @@ class TgiRoutes:
             if self.ctx.state.draining:
                 raise Unavailable("server is shutting down", retry_after_s=5)
             ep = self._endpoint(request)
+            await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
             body = await read_json(request, self.ctx.max_request_size)
             text = self.texts.get(ep)
             ignored: list[str] = []

@@ -160,7 +160,7 @@ def test_a_folder_whose_weights_are_still_being_written_never_loads_half_way(
     print(f"watch latency of a torch model (weights whole -> READY): {time.monotonic() - written:.2f}s")
     assert greedy(server, "/predictions/half") == ref_a
     log = server.log()
-    assert "half is not settled: weights not whole yet (model.safetensors)" in log
+    assert "half is not settled: files not whole yet (model.safetensors)" in log
     assert "model half: invalid configuration" not in log and not re.search(r"model half: worker \d+ failed", log)
 
 

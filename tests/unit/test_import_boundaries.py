@@ -106,7 +106,8 @@ def test_the_frontend_reaches_the_backend_through_preflight_and_the_worker_entry
     ``handlers``."""
     allowed = {"handlers", "handlers.preflight", "handlers.preflight.engine_admission",
                "handlers.preflight.memory_plan_text", "handlers.preflight.checkpoint_parameters",
-               "handlers.preflight.planned_memory", "handlers.preflight.PlannedMemory"}
+               "handlers.preflight.planned_memory", "handlers.preflight.PlannedMemory",
+               "handlers.preflight.whole_gguf"}
     worker = {"handlers.base", "handlers.loader", "handlers.engine.execution.follower",
               "handlers.engine.execution.rendezvous", "handlers.engine.execution.cluster",
               "handlers.engine.execution.weights"}  # the agent: torch-free

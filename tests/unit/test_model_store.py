@@ -124,3 +124,55 @@ def test_each_version_counts_under_its_own_label() -> None:
                                                  ("version", "")))] == 1
     assert samples[("rollserve_model_state", (("model", "m"), ("state", "READY"), ("version", "1")))] == 1
     assert samples[("rollserve_model_state", (("model", "m"), ("state", "READY"), ("version", "2")))] == 1
+
+
+GGUF = Path(__file__).resolve().parents[1] / "data" / "gguf" / "tiny-Q4_0.gguf"
+
+
+def test_gguf_files_are_whole_only_when_as_long_as_their_header_says(tmp_path: Path) -> None:
+    m = folder(tmp_path, "m")
+    data = GGUF.read_bytes()
+    for cut in (3, 64, len(data) // 2, len(data) - 1):  # magic, header, tensor data, the last byte
+        (m / "model.gguf").write_bytes(data[:cut])
+        assert incomplete_files(m) == ["model.gguf"], cut
+    (m / "model.gguf").write_bytes(data)
+    assert incomplete_files(m) == []
+
+
+def test_a_whole_gguf_of_a_type_the_server_does_not_load_is_whole(tmp_path: Path) -> None:
+    """Its load fails, naming the type; waiting for it to grow would wait for ever."""
+    import gguf
+    import numpy as np
+
+    m = folder(tmp_path, "m")
+    writer = gguf.GGUFWriter(str(m / "model.gguf"), "llama")
+    writer.add_tensor("w", np.zeros((2, 18), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert incomplete_files(m) == []
+
+
+def test_json_files_are_whole_only_when_they_parse(tmp_path: Path) -> None:
+    m = folder(tmp_path, "m")
+    text = json.dumps({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}}, "added_tokens": []})
+    (m / "tokenizer.json").write_text(text[: len(text) - 2])
+    (m / "adapter_config.json").write_text("")
+    assert incomplete_files(m) == ["adapter_config.json", "tokenizer.json"]
+    (m / "tokenizer.json").write_text(text)
+    (m / "adapter_config.json").write_text('{"r": 8}')
+    assert incomplete_files(m) == []
+
+
+def test_torch_save_archives_are_whole_only_with_their_closing_directory(tmp_path: Path) -> None:
+    import torch
+
+    m = folder(tmp_path, "m")
+    torch.save({"w": torch.arange(4096, dtype=torch.float32)}, tmp_path / "whole.bin")
+    data = (tmp_path / "whole.bin").read_bytes()
+    for cut in (2, 100, len(data) - 10):
+        (m / "pytorch_model.bin").write_bytes(data[:cut])
+        assert incomplete_files(m) == ["pytorch_model.bin"], cut
+    (m / "pytorch_model.bin").write_bytes(data)
+    assert incomplete_files(m) == []

@@ -44,6 +44,12 @@ _STRING, _ARRAY = 8, 9
 class GGUFFileError(ConfigError):
     """A GGUF file whose header cannot be served; the message names the file, never its path."""
 
+    unsupported = False  # the file may be whole: it holds a tensor type this server does not load
+
+
+class UnsupportedGGUFType(GGUFFileError):
+    unsupported = True
+
 
 @dataclass(frozen=True)
 class GGUFTensor:
@@ -171,7 +177,7 @@ def read_header(path: Path) -> GGUFHeader:
                 tensor = GGUFTensor(name, kind, tuple(int(d) for d in shape))
                 if kind not in GGML_TYPES:
                     loads = ", ".join(t[0] for t in GGML_TYPES.values())
-                    raise GGUFFileError(f"GGUF file {path.name}: tensor {name} is {tensor.type_name}, which this "
+                    raise UnsupportedGGUFType(f"GGUF file {path.name}: tensor {name} is {tensor.type_name}, which this "
                                         f"server does not load (it loads {loads})")
                 found.append((tensor, offset))
                 ends = max(ends, offset + tensor.file_bytes())
@@ -186,6 +192,19 @@ def read_header(path: Path) -> GGUFHeader:
         raise GGUFFileError(f"GGUF file {path.name} is truncated: its tensors need {data_start + ends} bytes, the "
                             f"file has {size}")
     return GGUFHeader(arch, tuple(tensors), size, numbers)
+
+
+def whole_gguf(path: Path) -> bool:
+    """False while a GGUF file is shorter than its header says (or its header is still being written): the watched
+    store's test for a copy in progress. A whole file of a type this server does not load counts as whole (its load
+    then fails, naming the type)."""
+    try:
+        read_header(path)
+    except GGUFFileError as exc:
+        return exc.unsupported
+    except OSError:
+        return False
+    return True
 
 
 def gguf_file_in(folder: Path) -> Path | None:

@@ -1,0 +1,1 @@
+"""Metrics, logs, redaction, health checks and watchdogs."""

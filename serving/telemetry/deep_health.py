@@ -1,0 +1,148 @@
+"""The deep health check (``GET /health/generate``): one real token through every worker of every ready model.
+
+Design note: readiness (``serving.health``) says the models are loaded and have workers; it cannot tell a worker
+wedged mid-decode from a working one. The deep check sends each serving worker of each available model a
+one-token greedy probe (pinned to that worker on rolling batching; one probe per model on dynamic batching,
+whose batches go to any idle worker) and waits at most ``timeout_s`` for the answers. It answers 200 when
+every probe produced its token, else 503 naming the models and workers that failed and why (no token in time,
+an error, a worker that died under it). A worker the liveness watchdog sees holding requests without a step
+is reported with its silent seconds. The result is cached for ``interval_s`` and concurrent callers share one
+run, so a probe storm cannot load the models. Not ready (loading, draining) answers 503 at once, unprobed.
+
+It is a separate route rather than ``/ping`` because SageMaker wants ``/ping`` answered within two seconds and
+orchestrators poll readiness often; TGI's ``/health`` likewise runs a one-token generation, and vLLM's only
+checks that its engine loop lives. A probe is never moved to another worker when its own dies
+(``serving.batching.retry``), so the death is reported, not hidden.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from rollcore.errors import ServingError
+from rollcore.types import GenerationRequest, SamplingParams
+from serving.batching.retry import PROBE_PREFIX
+from serving.health import Health
+from serving.reload import TEXT_ENTRY_POINTS
+from serving.reload import WARMUP_PROMPT as PROMPT
+
+
+class DeepCheck:
+    """Runs and caches the deep check. Event loop only."""
+
+    def __init__(self, health: Health, interval_s: float, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.health = health
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._last: tuple[float, bool, dict[str, Any]] | None = None  # (finished at, healthy, body)
+        self._running: asyncio.Task[tuple[bool, dict[str, Any]]] | None = None
+
+    async def result(self) -> tuple[bool, dict[str, Any]]:
+        """(healthy, body): the cached result while younger than ``interval_s``, else a fresh run."""
+        if self.health.state.draining:
+            return False, {"status": "draining", "models": self.health.models()}
+        if not self.health.ready():
+            return False, {"status": "Unhealthy", "reason": "not ready (ping_requires "
+                           f"{self.health.ping_requires})", "models": self.health.models()}
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < self.interval_s:
+            at, healthy, body = self._last
+            return healthy, {**body, "age_s": round(now - at, 3)}
+        if self._running is None:
+            self._running = asyncio.ensure_future(self._run())
+        task = self._running
+        try:
+            healthy, body = await asyncio.shield(task)
+        finally:
+            if self._running is task and task.done():
+                self._running = None
+        return healthy, {**body, "age_s": 0.0}
+
+    async def _run(self) -> tuple[bool, dict[str, Any]]:
+        probes: list[tuple[str, int | None, asyncio.Future[dict[str, Any]]]] = []
+        models: dict[str, dict[str, Any]] = {}
+        for name, ep in sorted(self.health.registry.endpoints.items()):
+            if not getattr(ep, "available", False):
+                models[name] = {"status": getattr(getattr(ep, "state", None), "value", "UNKNOWN"), "probed": False}
+                continue
+            models[name] = {"status": "ok", "workers": {}}
+            for wid in _worker_ids(ep):
+                probes.append((name, wid, asyncio.ensure_future(self._probe(ep, wid))))
+        if probes:
+            await asyncio.wait([f for _, _, f in probes])
+        failed: list[str] = []
+        for name, wid, future in probes:
+            outcome = future.result()
+            entry = models[name]
+            entry["workers"][str(outcome.pop("worker", wid) or "any")] = outcome
+            if not outcome["ok"]:
+                entry["status"] = "failed"
+                if name not in failed:
+                    failed.append(name)
+        healthy = not failed
+        body: dict[str, Any] = {"status": "Healthy" if healthy else "Unhealthy", "models": models,
+                                "timeout_s": self.timeout_s, "interval_s": self.interval_s}
+        if failed:
+            body["failed"] = failed
+        self._last = (self._clock(), healthy, body)
+        return healthy, body
+
+    async def _probe(self, ep: Any, wid: int | None) -> dict[str, Any]:
+        """One greedy token through ``ep`` (on worker ``wid`` when given); never raises."""
+        key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+        batcher = getattr(ep, "batcher", None)
+        if wid is not None:
+            batcher.pin(key, wid)
+        t0 = self._clock()
+        outcome: dict[str, Any] = {"ok": False}
+        stream = None
+        try:
+            stream = ep.submit(_request(ep, key, affinity=key if wid is not None else None))
+            result = await asyncio.wait_for(stream.collect(), self.timeout_s)
+            outcome = {"ok": result.timings.generated_tokens > 0 or result.payload is not None
+                       or stream.embedding is not None}
+            if not outcome["ok"]:
+                outcome["error"] = "the model answered without a token"
+        except asyncio.TimeoutError:
+            outcome["error"] = f"no token within {self.timeout_s:g}s (health_generate_timeout)"
+        except ServingError as exc:
+            outcome["error"] = f"{exc.kind.value}: {exc.message}"
+        finally:
+            if stream is not None and not stream.done:
+                stream.cancel()
+            if wid is not None:
+                batcher.forget_affinity(key)
+        outcome["seconds"] = round(self._clock() - t0, 3)
+        served = stream.worker_id if stream is not None and stream.worker_id is not None else wid
+        if served is not None:
+            outcome["worker"] = served
+            silent = getattr(batcher, "silent_s", lambda _: None)(served)
+            if silent is not None:
+                outcome["silent_s"] = round(silent, 3)  # seconds since the worker's last engine step
+        return outcome
+
+
+def _worker_ids(ep: Any) -> list[int | None]:
+    """The workers to probe one by one (rolling: pinned probes), or [None]: one probe for the model."""
+    pool, batcher = getattr(ep, "pool", None), getattr(ep, "batcher", None)
+    if pool is None or not hasattr(batcher, "pin") or getattr(ep, "successor", None) is not None:
+        return [None]
+    ids: list[int | None] = [w["id"] for w in pool.describe() if w["status"] == "READY"]
+    return ids or [None]
+
+
+def _request(ep: Any, request_id: str, affinity: str | None) -> GenerationRequest:
+    info = getattr(ep, "info", {}) or {}
+    if info.get("tasks") == ["embedding"]:  # an embedding model's one forward pass
+        return GenerationRequest(request_id=request_id, model=ep.name, prompt=PROMPT,
+                                 params=SamplingParams(embed=True), affinity=affinity)
+    text = getattr(getattr(ep, "config", None), "entry_point", "rolling") in TEXT_ENTRY_POINTS
+    payload = None if text else {"inputs": PROMPT, "parameters": {"max_new_tokens": 1}}
+    return GenerationRequest(request_id=request_id, model=ep.name, prompt=PROMPT,
+                             params=SamplingParams(max_new_tokens=1), payload=payload, affinity=affinity)

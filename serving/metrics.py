@@ -37,7 +37,8 @@ from serving.versions import DEFAULT_VERSION, RESOLVED
 log = logging.getLogger("serving.requests")
 
 UNKNOWN_MODEL = "__unknown__"
-REJECT_REASONS = ("queue_full", "queue_timeout", "invalid", "cancelled", "timeout")
+REJECT_REASONS = ("queue_full", "queue_timeout", "invalid", "cancelled", "timeout", "deadline_refused",
+                  "deadline_expired")
 MODEL_STATE_KEY = "model"  # a route sets ``request.state.model = ep.name`` once it resolved the model
 REQUEST_ID_HEADER = b"x-request-id"
 INVALID_STATUSES = (400, 413, 422)
@@ -77,7 +78,9 @@ class ServingMetrics:
         self.requests = Counter("rollserve_requests", "Inference requests by HTTP status class",
                                 m + ["status_class"], registry=r)
         self.rejected = Counter("rollserve_requests_rejected", "Requests rejected or ended early, by reason "
-                                "(queue_full, queue_timeout, invalid, cancelled, timeout)", m + ["reason"], registry=r)
+                                "(queue_full, queue_timeout, invalid, cancelled, timeout; deadline_refused: could not "
+                                "start before its deadline; deadline_expired: its deadline passed before it reached a "
+                                "worker)", m + ["reason"], registry=r)
         self.success = Counter("rollserve_request_success", "Requests that finished, by finish reason",
                                m + ["finished_reason"], registry=r)
         self.failures = Counter("rollserve_request_failures", "Requests that ended in an error, by error kind",
@@ -229,8 +232,8 @@ class ServingMetrics:
             self.failures.labels(model, v, kind.value).inc()
             if kind is ErrorKind.CANCELLED:
                 self.rejected.labels(model, v, "cancelled").inc()
-            elif kind is ErrorKind.TIMEOUT:
-                self.rejected.labels(model, v, "timeout").inc()
+            elif kind is ErrorKind.TIMEOUT:  # before dispatch: it waited past its deadline in the queue
+                self.rejected.labels(model, v, "timeout" if stream.dispatched is not None else "deadline_expired").inc()
             return
         t = stream.timings()
         self.e2e.labels(model, v).observe(t.e2e_s)

@@ -56,6 +56,7 @@ from serving.listeners import ListenError, bind_all, listen_error
 from serving.metrics import ServingMetrics
 from serving.params import Limits
 from serving.registry import ModelRegistry
+from serving.requests.deadlines import DeadlineScope
 from serving.server_config import ServerConfig
 from serving.store_watch import StoreWatcher
 from serving.telemetry.deep_health import DeepCheck
@@ -139,7 +140,8 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         metrics_route = self.metrics.route
-        inference: Any = ApiGuard(build_app(self._inference_routes()), self.authority, Scope.INFERENCE,
+        # deadline headers read as a request arrives (the routes queue it with them: serving.requests.deadlines)
+        inference: Any = ApiGuard(DeadlineScope(build_app(self._inference_routes())), self.authority, Scope.INFERENCE,
                                   error_bodies=(*GUARD_BODIES, *RESPONSES_GUARD_BODIES))  # the APIs' own shapes
         management_hp = self.config.management_host_port()
         if management_hp is not None:  # DJL serves both APIs on one port: its clients read models there

@@ -31,6 +31,14 @@ from rollcore.errors import (
     error_from_kind,
 )
 from rollcore.types import FinishReason, GenerationRequest, TokenDelta, tokens_from_wire
+from serving.batching.deadlines import (
+    ServiceTimes,
+    admit,
+    as_ms,
+    expired_while_queued,
+    overdue,
+    predicted_wait_s,
+)
 from serving.batching.pacing import ServiceRate, send_each
 from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
 from serving.batching.streams import ResultStream
@@ -71,6 +79,7 @@ class DynamicBatcher:
         self._watch_task: asyncio.Task[None] | None = None
         self.max_queue_time_s = max_queue_time_s
         self._rate = ServiceRate(clock)
+        self._service = ServiceTimes()  # dispatch to results of each batch: the queue's predicted wait
         self._retiring: set[int] = set()  # worker ids that get no new batch (scaled away)
         self.num_batches = 0
         self.num_retried = 0  # requests run again after their worker died (Prometheus: rollserve_request_retries)
@@ -125,6 +134,7 @@ class DynamicBatcher:
             self._observer.on_rejected(self.model, "queue_full")
             raise Overloaded(f"model {self.model!r} queue is full ({self.job_queue_size} requests waiting)",
                              retry_after_s=self._rate.retry_after_s(len(self._queue)))
+        admit(self.model, request, self._clock(), self._predicted_wait_s(), self._observer)
         stream = ResultStream(request.request_id, self._clock, on_cancel=self.cancel, on_finish=self._finished)
         self._queue.append(_Pending(request, stream))
         if request.deadline is not None:
@@ -134,11 +144,20 @@ class DynamicBatcher:
         return stream
 
     def _on_deadline(self, stream: ResultStream) -> None:
-        """The client's deadline passed: fail the request; a queued one never reaches a worker."""
+        """The client's deadline passed: fail the request (counted as its stream ends); a queued one never reaches
+        a worker, an in-flight one's result is dropped."""
         if stream.done:
             return
-        self._observer.on_rejected(self.model, "timeout")
-        stream.fail(RequestTimeout("the request's deadline passed before it completed"))
+        stream.fail(expired_while_queued() if stream.dispatched is None else
+                    RequestTimeout("the request's deadline passed before it completed"))
+
+    def _predicted_wait_s(self) -> float | None:
+        """How long a request submitted now would wait for a batch slot (``serving.batching.deadlines``)."""
+        busy = {id(w) for w, _, _ in self._inflight.values()}
+        gathering = self._current_worker is not None
+        num_workers = len(self._idle) + len(busy) + (1 if gathering else 0)
+        free = self.batch_size * len(self._idle) + (max(0, self.batch_size - len(self._gathering)) if gathering else 0)
+        return predicted_wait_s(len(self._queue), free, num_workers * self.batch_size, self._service.mean_s())
 
     def cancel(self, request_id: str) -> bool:
         """Drop a queued request (an in-flight batch cannot be interrupted; its result is discarded)."""
@@ -162,6 +181,7 @@ class DynamicBatcher:
     def describe(self) -> dict[str, Any]:
         return {"mode": "dynamic", "queued": len(self._queue), "in_flight_batches": len(self._inflight),
                 "idle_workers": len(self._idle), "batches_total": self.num_batches, "batch_size": self.batch_size,
+                "predicted_wait_ms": as_ms(self._predicted_wait_s()),  # for a request submitted now
                 "max_batch_delay": round(self.max_batch_delay_s * 1000), "job_queue_size": self.job_queue_size,
                 "retries_total": self.num_retried}
 
@@ -225,6 +245,9 @@ class DynamicBatcher:
             return
         _, batch, timer = entry
         timer.cancel()
+        sent = [p.stream.dispatched for p in batch if p.stream.dispatched is not None]
+        if sent:
+            self._service.record(self._clock() - max(sent))
         by_id = {o.get("request_id"): o for o in msg.outputs if isinstance(o, dict)
                  and isinstance(o.get("request_id"), str)}
         for p in batch:
@@ -299,6 +322,9 @@ class DynamicBatcher:
                 break
         while len(batch) > self.batch_size:  # the size was lowered meanwhile: the newest go back, in order
             self._queue.appendleft(batch.pop())
+        for p in batch:
+            if overdue(p.request, self._clock()):  # its deadline timer has not run yet
+                self._on_deadline(p.stream)
         batch = [p for p in batch if not p.stream.done]
         self._gathering = []
         self._current_worker = None

@@ -46,6 +46,14 @@ from rollcore.errors import (
     error_from_kind,
 )
 from rollcore.types import GenerationRequest, TokenDelta
+from serving.batching.deadlines import (
+    ServiceTimes,
+    admit,
+    as_ms,
+    expired_while_queued,
+    overdue,
+    predicted_wait_s,
+)
 from serving.batching.pacing import ServiceRate, send_each
 from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
 from serving.batching.retry import Retries
@@ -86,6 +94,7 @@ class RollingBatcher:
         self._load: dict[int, int] = {}
         self._progress: dict[int, float] = {}  # worker id -> when it last stepped (or got work while idle)
         self._rate = ServiceRate(clock)
+        self._service = ServiceTimes()  # dispatch to last token: the queue's predicted wait (batching.deadlines)
         self._watch_task: asyncio.Task[None] | None = None
         self.engine_stats: dict[int, dict[str, Any]] = {}
         self.num_steps = 0
@@ -120,6 +129,7 @@ class RollingBatcher:
             self._observer.on_rejected(self.model, "queue_full")
             raise Overloaded(f"model {self.model!r} queue is full ({self.job_queue_size} requests waiting)",
                              retry_after_s=self._rate.retry_after_s(len(self._waiting)))
+        admit(self.model, request, self._clock(), self._predicted_wait_s(), self._observer)
         stream = ResultStream(request.request_id, self._clock, on_cancel=self.cancel,
                               on_finish=lambda st: self._observer.on_finished(self.model, st))
         entry = _Admitted(request, stream)
@@ -155,9 +165,10 @@ class RollingBatcher:
         if entry is None:
             return
         entry.timer = None
-        err = RequestTimeout(f"request exceeded its deadline ({self.predict_timeout_s:g}s predict timeout "
-                             "or the client's deadline)")
-        entry.stream.fail(err)  # the observer counts it as rejected (timeout) when the stream ends
+        queued = request_id in self._waiting and overdue(entry.request, self._clock())
+        err = expired_while_queued() if queued else RequestTimeout(
+            f"request exceeded its deadline ({self.predict_timeout_s:g}s predict timeout or the client's deadline)")
+        entry.stream.fail(err)  # the observer counts it (timeout; deadline_expired if still queued) as it ends
         self.cancel(request_id)  # dequeue or abort: the engine frees its KV blocks before the next step
 
     def fail_pending(self, error: ServingError) -> None:
@@ -179,6 +190,7 @@ class RollingBatcher:
         return {"mode": "rolling", "waiting": len(self._waiting), "running": len(self._running),
                 "max_rolling_batch_size": self.max_rolling_batch_size, "job_queue_size": self.job_queue_size,
                 "steps_total": self.num_steps,
+                "predicted_wait_ms": as_ms(self._predicted_wait_s()),  # for a request submitted now
                 "watchdog_restarts": self.num_watchdog_kills, "last_watchdog": self.last_watchdog,
                 "retries_total": self._retries.num_retried,
                 # the LoRA adapters requests run and wait for (the gateway protocol's vllm:lora_requests_info)
@@ -337,6 +349,8 @@ class RollingBatcher:
             self._release(entry)
             self._finish_entry(entry)
             self._rate.record()
+            if entry.stream.dispatched is not None:
+                self._service.record(self._clock() - entry.stream.dispatched)
 
     def _finish_entry(self, entry: _Admitted) -> None:
         if entry.timer is not None:
@@ -363,6 +377,9 @@ class RollingBatcher:
         adds: dict[int, list[_Admitted]] = {}
         for rid in list(self._waiting):  # in arrival order; one pinned to a full worker waits, the others pass it
             entry = self._waiting[rid]
+            if not entry.stream.done and overdue(entry.request, self._clock()):  # its timer has not run yet
+                self._finish_entry(entry)
+                entry.stream.fail(expired_while_queued())
             if entry.stream.done:
                 del self._waiting[rid]
                 continue
@@ -396,6 +413,13 @@ class RollingBatcher:
                           self._fail_unsent)
             except ConnectionError:
                 pass  # worker_lost will requeue them
+
+    def _predicted_wait_s(self) -> float | None:
+        """How long a request submitted now would wait for a slot (``serving.batching.deadlines``)."""
+        live = [w for w in self._workers if w.alive and w.worker_id not in self._retiring]
+        free = sum(max(0, self.max_rolling_batch_size - self._load.get(w.worker_id, 0)) for w in live)
+        return predicted_wait_s(len(self._waiting), free, len(live) * self.max_rolling_batch_size,
+                                self._service.mean_s())
 
     def _fail_unsent(self, entry: _Admitted, error: ServingError) -> None:
         self._running.pop(entry.request.request_id, None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as pb_gr
 from serving.health import Health
 from serving.models.residency import ensure_resident
 from serving.params import Limits, check_sequences, check_text, check_wire_value, parse_lmi_parameters
+from serving.requests.deadlines import earliest, triton_timeout
 
 log = logging.getLogger("serving.grpc")
 
@@ -113,7 +115,8 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         check_serving(self.ctx)
         ep = self.registry.get(_ref(request.model_name, request.model_version))
         inputs = decode_inputs(request)
-        reqs = text_requests(self.ctx.limits, ep, inputs, new_request_id(request.id), deadline_of(context))
+        deadline = earliest(deadline_of(context), triton_timeout(request.parameters, time.monotonic()))
+        reqs = text_requests(self.ctx.limits, ep, inputs, new_request_id(request.id), deadline)
         return ep, inputs, reqs
 
     async def _whole(self, ep: Any, request: Any, inputs: TextInputs, reqs: list[GenerationRequest],

@@ -67,7 +67,8 @@ def sampling_values(params: Any) -> dict[str, Any]:
 
 def timings_message(t: RequestTimings) -> pb.Timings:
     return pb.Timings(queue_s=t.queue_s, ttft_s=t.ttft_s, prefill_s=t.prefill_s, decode_s=t.decode_s,
-                      e2e_s=t.e2e_s, prompt_tokens=t.prompt_tokens, generated_tokens=t.generated_tokens)
+                      e2e_s=t.e2e_s, prompt_tokens=t.prompt_tokens, generated_tokens=t.generated_tokens,
+                      max_itl_s=t.max_itl_s)
 
 
 def token_message(t: TokenInfo, text: str | None = None) -> pb.Token:

@@ -25,6 +25,7 @@ from rollcore.errors import ErrorKind, InvalidRequest, ModelNotFound, PayloadToo
 from rollcore.types import GenerationRequest, GenerationResult, RequestTimings
 from serving.batching.streams import ResultStream
 from serving.params import Limits
+from serving.requests.deadlines import with_headers
 from serving.validation import type_error
 
 log = logging.getLogger("serving.http")
@@ -224,9 +225,11 @@ AFFINITY: ContextVar[str | None] = ContextVar("affinity", default=None)
 
 
 def submit_all(ep: Any, reqs: Sequence[GenerationRequest]) -> list[ResultStream]:
-    """Submit every request, or none: a refusal cancels those already queued."""
+    """Submit every request, or none: a refusal cancels those already queued. Each carries the HTTP request's
+    deadline headers (``serving.requests.deadlines``; a bad value: InvalidRequest naming the header)."""
     streams: list[ResultStream] = []
     key = AFFINITY.get()
+    reqs = [replace(r, deadline=with_headers(r.deadline)) for r in reqs]
     try:
         for r in reqs:
             streams.append(ep.submit(r if key is None else replace(r, affinity=key)))

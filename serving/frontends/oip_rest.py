@@ -41,6 +41,7 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.oip_rest_tensors import RestInfer, generate_request, infer_request, text_outputs
 from serving.health import Health
+from serving.requests.deadlines import arrival, triton_timeout
 from serving.models.residency import ensure_resident
 
 HEADER_LENGTH = "inference-header-content-length"  # Triton's binary tensor extension: the JSON's length
@@ -148,7 +149,7 @@ class OipRestRoutes:
         inputs = decode_inputs(rest.request)
         # the body's id names the request (409 while one of that id is live) when usable as one, as on gRPC
         reqs = text_requests(self.ctx.limits, ep, inputs, new_request_id(rest.request.id) if rest.request.id else rid,
-                             None)
+                             triton_timeout(rest.request.parameters, arrival()))
         return ep, version, rest, inputs, reqs
 
     async def infer(self, request: Request) -> Response:

@@ -21,10 +21,11 @@ from typing import Any
 from rollcore.errors import InvalidRequest
 from serving.frontends.grpc_tensors import OUTPUT_NAME, frame_bytes
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
+from serving.requests.deadlines import TRITON_TIMEOUT, rest_timeout
 from serving.validation import type_error
 
 REQUEST_FIELDS = ("id", "model_name", "model_version", "parameters", "inputs", "outputs")
-PROTOCOL_PARAMETERS = ("binary_data_output",)  # request parameters that are the protocol's, not sampling's
+PROTOCOL_PARAMETERS = ("binary_data_output", TRITON_TIMEOUT)  # request parameters the protocol's, not sampling's
 GENERATE_FLAGS = ("stream", "exclude_input_in_output")  # BOOL inputs the generate body may give (or its parameters)
 
 
@@ -120,6 +121,8 @@ def infer_request(body: Any, tail: bytes, model_name: str, model_version: str) -
     if not isinstance(params, dict):
         raise type_error("parameters", "an object", params)
     binary_output = _flag(params, "binary_data_output", "parameters")
+    if params.get(TRITON_TIMEOUT) is not None:  # Triton's schedule policy: the request's deadline, as on gRPC
+        request.parameters[TRITON_TIMEOUT].int64_param = rest_timeout(params[TRITON_TIMEOUT])
     sampling = {k: v for k, v in params.items() if k not in PROTOCOL_PARAMETERS}
     inputs = body.get("inputs")
     if not isinstance(inputs, list):

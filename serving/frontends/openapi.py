@@ -38,7 +38,7 @@ ERRORS = {
     "422": "validation error (TGI routes)", "424": "the model's handler failed for this request",
     "429": "queue full (TGI routes)", "499": "the client disconnected before the answer",
     "500": "internal error", "502": "the worker serving the request died", "503": "queue full, model not "
-    "ready or server draining (Retry-After)", "504": "the request exceeded its predict timeout",
+    "ready or server draining (Retry-After)", "504": "the request exceeded its deadline or predict timeout",
 }
 _INFERENCE_ERRORS = ("400", "401", "404", "409", "413", "424", "499", "500", "502", "503", "504")
 _TGI_ERRORS = ("401", "404", "409", "413", "422", "424", "429", "499", "500", "502", "503", "504")

@@ -140,7 +140,7 @@ class TgiRoutes:
                 raise InvalidRequest("streaming needs a rolling-batch model (set option.rolling_batch=auto); "
                                      f"model {ep.name!r} uses dynamic batching")
             if want_stream:
-                result_stream = ep.submit(req)
+                result_stream = submit_all(ep, [req])[0]  # with the HTTP request's deadline headers
                 return StreamingResponse(tgi_events(req, result_stream, text), media_type="text/event-stream",
                                          headers={REQUEST_ID_HEADER: rid, "Cache-Control": "no-cache", **extra})
             tries = candidates(req, best_of)

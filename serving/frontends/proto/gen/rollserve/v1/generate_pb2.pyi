@@ -125,7 +125,7 @@ class Token(_message.Message):
     def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "prompt_tokens", "generated_tokens")
+    __slots__ = ("queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "prompt_tokens", "generated_tokens", "max_itl_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class Timings(_message.Message):
     E2E_S_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ITL_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     ttft_s: float
     prefill_s: float
@@ -140,7 +141,8 @@ class Timings(_message.Message):
     e2e_s: float
     prompt_tokens: int
     generated_tokens: int
-    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    max_itl_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., max_itl_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "finish_reason", "tokens", "timings")

@@ -1,0 +1,1 @@
+"""Requests: turning an API body (and its headers) into one typed request: schemas, params, validation, deadlines."""

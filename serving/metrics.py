@@ -12,7 +12,7 @@ versions (``serving.versions``: ``1`` for a model without versions; empty for ``
 paths or user strings as labels.
 ``*_created`` series are dropped when rendering (registry-local; no process-global switch). Each endpoint's
 batcher reports through ``for_version(version)``, an observer that adds the version label; an HTTP request's
-version is the one the registry's lookup resolved for it (``serving.versions.RESOLVED``).
+version is the one the registry's lookup resolved for it (``serving.served_version.RESOLVED``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from rollcore.errors import ErrorKind
 from serving.batching.streams import ResultStream
 from serving.metrics_gateway import GatewayCollector
 from serving.metrics_state import StateCollector, VersionSource
-from serving.versions import DEFAULT_VERSION, RESOLVED
+from serving.served_version import DEFAULT_VERSION, RESOLVED
 
 log = logging.getLogger("serving.requests")
 

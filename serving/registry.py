@@ -38,12 +38,13 @@ from serving.models.residency import Residency
 from serving.redact import scrub_paths
 from serving.registry_api import ModelApi
 from serving.reload import reload_version
+from serving.served_version import DEFAULT_VERSION, note_resolved
 from serving.server_config import ServerConfig
 from serving.sources.cache import default_root
 from serving.sources.errors import SourceError
 from serving.sources.resolve import needs_resolving, resolve
 from serving.store_layout import is_versioned, pinned_default, versions_of
-from serving.versions import DEFAULT_VERSION, ModelVersions, note_resolved, split_ref
+from serving.versions import ModelVersions, split_ref
 from serving.worker.launcher import ExecLauncher, ForkLauncher, Launcher
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,9 @@ from handlers.preflight import whole_gguf  # torch-free: reads the header
 from rollcore.errors import ConfigError, InvalidRequest
 from rollcore.values import integer
 from serving.keys import STORE_KEYS
+from serving.served_version import DEFAULT_VERSION
 from serving.settings import canonical_keys, norm, read_file, resolve
-from serving.versions import DEFAULT_VERSION, check_version
+from serving.versions import check_version
 
 MODEL_PROPERTIES = "serving.properties"
 VERSIONS_FILE = "model.properties"

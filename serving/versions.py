@@ -9,8 +9,7 @@ that is still loading never takes the name's traffic from one that serves. The r
 ``endpoints[NAME]`` pointing at the default (one dict assignment: routing switches atomically).
 
 A client names ``NAME`` (the default) or ``NAME:VERSION`` (model names cannot hold ``:``); ``split_ref``
-parses it. ``RESOLVED`` lets the metrics learn which version served an HTTP request: the request's ASGI
-wrapper sets a dict, the registry's lookup writes the endpoint's version into it.
+parses it. Which version answered a request is told to the metrics through ``serving.served_version``.
 """
 
 from __future__ import annotations
@@ -18,16 +17,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rollcore.errors import InvalidRequest
 from rollcore.types import ModelState
-
-DEFAULT_VERSION = "1"
-RESOLVED: ContextVar[dict[str, str] | None] = ContextVar("rollserve_resolved_version", default=None)
 
 
 def split_ref(ref: str) -> tuple[str, str | None]:
@@ -44,13 +39,6 @@ def check_version(version: str) -> str:
     if not (version.isascii() and version.isdigit()) or len(version) > 9 or int(version) == 0:
         raise InvalidRequest(f"model version must be a positive integer (ASCII digits, at most 9), got {version!r}")
     return str(int(version))
-
-
-def note_resolved(ep: Any) -> None:
-    """Tell the request's metrics wrapper (if any) which version answers it."""
-    seen = RESOLVED.get()
-    if seen is not None:
-        seen["version"] = str(getattr(ep, "version", DEFAULT_VERSION))
 
 
 @dataclass

@@ -64,6 +64,7 @@ def test_generate_unary_and_stream_match_http(server: ServerProcess, channel: gr
     assert whole.finish_reason == pb.FINISH_REASON_LENGTH
     assert len(whole.tokens) == 8 and whole.timings.generated_tokens == 8
     assert whole.timings.e2e_s >= whole.timings.ttft_s > 0
+    assert 0 < whole.timings.max_itl_s <= whole.timings.decode_s  # its own longest gap between two tokens
 
     messages = list(stub.GenerateStream(gen_request(max_new_tokens=8, ignore_eos=True, request_id="s-1"),
                                         timeout=60))
@@ -74,6 +75,7 @@ def test_generate_unary_and_stream_match_http(server: ServerProcess, channel: gr
     assert [m.finish_reason for m in messages[:-1]] == [pb.FINISH_REASON_UNSPECIFIED] * 7
     assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert messages[-1].timings.generated_tokens == 8 and not messages[0].HasField("timings")
+    assert 0 < messages[-1].timings.max_itl_s <= messages[-1].timings.decode_s
 
     full = stub.Generate(pb.GenerateRequest(model="roll", prompt=PROMPT, return_full_text=True,
                                             parameters=pb.SamplingParameters(max_new_tokens=8, ignore_eos=True)))

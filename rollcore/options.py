@@ -91,9 +91,10 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "the workers start, into model_cache_dir, and reused"),
     _spec("gguf_file", text, None, (SERVING,), "which .gguf file of option.model_id's folder to load"),
     _spec("dtype", choice(DTYPES, DTYPE_ALIASES), "fp32", (SERVING, *_BOTH),
-          "weights and KV cache dtype: fp32, fp16, bf16, or auto = the checkpoint's config.json dtype (fp32 when "
-          "absent; fp16 runs as fp32 on a CPU, whose fp16 matmuls are slow). GPU workers: unset or auto is the "
-          "checkpoint's bf16/fp16 (bf16 for an fp32 checkpoint)"),
+          "weights and KV cache dtype: fp32, fp16, bf16, or auto. Rolling engine on a CPU: auto is bf16 where the CPU "
+          "runs bf16 natively (AVX512-BF16 or AMX) and fp32 elsewhere, whatever the checkpoint stores (the choice is "
+          "logged); on a GPU, unset or auto is the checkpoint's bf16/fp16 (bf16 for an fp32 checkpoint). Dynamic "
+          "(HF generate): auto is the checkpoint's config.json dtype"),
     _spec("quantize", choice(("auto", "none", "int8", "int4")), "auto", (SERVING, *_BOTH),
           "weight-only int8 (a scale per output channel) or int4 (a scale and minimum per group of "
           "quantize_group_size inputs, llama.cpp's Q4_1 form) linear layers through a C kernel built on first use; "

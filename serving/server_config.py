@@ -45,6 +45,8 @@ class ServerConfig:
     log_format: str = "text"
     max_queue_time_s: float = 60.0
     ping_requires: str = "all"  # readiness: every load_models model READY, any model READY, or none (liveness)
+    health_generate_timeout_s: float = 10.0  # the deep check's wait for each probe's token
+    health_generate_interval_s: float = 5.0  # the deep check's result is reused this long
     # Security: token authorization (TorchServe-style), the model API switch, browser/DNS-rebinding guards.
     disable_token_authorization: bool = False
     inference_auth: str = "auto"  # auto: required when the inference address is not loopback
@@ -192,6 +194,8 @@ def load_server_config(path: Path | None, *, env: Mapping[str, str] = EMPTY,
         log_format=values["log_format"],
         max_queue_time_s=values["max_queue_time"],
         ping_requires=values["ping_requires"],
+        health_generate_timeout_s=values["health_generate_timeout"],
+        health_generate_interval_s=values["health_generate_interval"],
         disable_token_authorization=values["disable_token_authorization"],
         inference_auth=values["inference_auth"],
         key_file=Path(values["key_file"]) if values.get("key_file") else None,

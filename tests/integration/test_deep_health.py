@@ -157,3 +157,25 @@ def test_a_frozen_worker_is_named_by_the_deep_check_and_restarted_by_the_watchdo
     final = other_stream.lines[-1]
     assert "error" not in final and final["details"]["generated_tokens"] == 600, final
     assert_no_leaks(server, "roll")
+
+
+def test_the_deep_check_is_reused_for_its_interval_and_probes_dynamic_batching_once(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # a custom handler (the echo test handler) on dynamic batching: its probe is its raw payload's one-token form
+    s = ServerProcess.start(tmp_path_factory.mktemp("deep-health-cached"), models={
+        "dyn": {"option.entryPoint": "echo", "option.echo_delay_ms": "0", "batch_size": "2", "minWorkers": "2",
+                "maxWorkers": "2"}},
+        config={"health_generate_interval": "3600"}, timeout_s=300)
+    try:
+        with ThreadPoolExecutor(4) as pool:  # concurrent callers share one run
+            first = [r.json() for r in pool.map(lambda _: deep(s), range(4))]
+        assert all(b["status"] == "Healthy" and b["age_s"] == 0.0 for b in first), first
+        assert all(b["models"] == first[0]["models"] for b in first)
+        (probe,) = first[0]["models"]["dyn"]["workers"].values()  # one probe: any worker may take the batch
+        assert probe["ok"] is True
+        assert s.describe("dyn")["batcher"]["batches_total"] == 1  # four callers, one probe
+        later = deep(s).json()
+        assert later["models"] == first[0]["models"] and later["age_s"] > 0  # the same result, not a new probe
+        assert s.describe("dyn")["batcher"]["batches_total"] == 1
+    finally:
+        s.stop()

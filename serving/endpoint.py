@@ -90,7 +90,7 @@ class ModelEndpoint:
             entry = "rolling"
         init = Init(model_name=self.name, model_dir=str(config.model_dir), entry_point=entry,
                     properties=config.handler_properties(), rolling=b.rolling, log_format=log_format)
-        self._new_pool = lambda: WorkerPool(self.name, init, self.batcher, config.min_workers,
+        self._new_pool = lambda: WorkerPool(self.name, init, self.batcher, self.config.min_workers,
                                             config.model_loading_timeout_s, on_failed=self._failed, env=env,
                                             devices=devices, launcher=launcher)
         self.pool = self._new_pool()
@@ -373,7 +373,8 @@ class ModelEndpoint:
             self._autoscaler.cancel()
             self._autoscaler = None
         old = self.pool
-        self.pool = self._new_pool()
+        self.pool = self._new_pool()  # with the knobs changed over the API since
+        self.pool.update_init(self.config.handler_properties())
         self.pool.info, self.pool.num_restarts = old.info, old.num_restarts
         await old.stop()
 

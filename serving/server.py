@@ -54,6 +54,7 @@ from serving.health import Health, HealthRoutes
 from serving.heap import trim_periodically
 from serving.listeners import ListenError, bind_all, listen_error
 from serving.metrics import ServingMetrics
+from serving.models.residency_metrics import ResidencyCollector
 from serving.params import Limits
 from serving.registry import ModelRegistry
 from serving.requests.deadlines import DeadlineScope
@@ -89,6 +90,7 @@ class Server:
         self.metrics = ServingMetrics(CollectorRegistry(), models=lambda: self.registry.endpoints,
                                       versions=lambda: self.registry.all_endpoints())
         self.registry = ModelRegistry(config, env, self.metrics)
+        self.metrics.registry.register(ResidencyCollector(self.registry.all_endpoints, self.registry.residency))
         self.limits = Limits(max_stop_sequences=config.max_stop_sequences, max_stop_length=config.max_stop_length,
                              max_stop_token_ids=config.max_stop_token_ids,
                              max_sequences_per_request=config.max_sequences_per_request)
@@ -174,6 +176,7 @@ class Server:
         self._write_ports()
         models = self.registry.discover(self.extra_models)
         load = asyncio.create_task(self.registry.start_all(models))
+        self.registry.residency.start()
         if self.config.model_store_watch:
             self.watcher = StoreWatcher(self.registry, self.config.model_store_watch_quiet_ms / 1000.0,
                                         self.config.drain_timeout_s)

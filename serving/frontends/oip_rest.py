@@ -41,8 +41,8 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.oip_rest_tensors import RestInfer, generate_request, infer_request, text_outputs
 from serving.health import Health
-from serving.requests.deadlines import arrival, triton_timeout
 from serving.models.residency import ensure_resident
+from serving.requests.deadlines import arrival, triton_timeout
 
 HEADER_LENGTH = "inference-header-content-length"  # Triton's binary tensor extension: the JSON's length
 EXTENSIONS = ["binary_tensor_data", "generate"]

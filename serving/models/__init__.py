@@ -1,0 +1,1 @@
+"""Model lifecycle: registry, versions, reload, store, endpoint, residency under a memory budget."""

@@ -64,6 +64,20 @@ def publish(entry: Path, fill: Callable[[Path], None]) -> Path:
     return entry
 
 
+def newest(root: Path, prefix: str) -> Path | None:
+    """The most recently completed entry whose name starts with ``prefix``, or None."""
+    done = [e for e in root.glob(f"{prefix}*") if cached(e)] if root.is_dir() else []
+    return max(done, key=lambda e: (e / MARKER).stat().st_mtime_ns, default=None)
+
+
+def prune(root: Path, prefix: str, keep: int) -> None:
+    """Remove all but the ``keep`` newest completed entries starting with ``prefix`` (workers of a model that
+    still maps a removed entry's files keep their bytes: an unlinked file lives while it is open)."""
+    done = sorted((e for e in root.glob(f"{prefix}*") if cached(e)), key=lambda e: (e / MARKER).stat().st_mtime_ns)
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _owner_alive(tmp: Path) -> bool:
     """Whether the process that made ``tmp`` (``.<entry>.tmp-<pid>-<id>``) still runs."""
     try:

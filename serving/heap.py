@@ -4,7 +4,7 @@ The frontend's C libraries (gRPC's core, the tokenizers, the h11/asyncio buffers
 allocate with the C allocator, on the event loop's thread and on the tokenizer pool's. glibc returns a
 freed chunk to the system only from the top of an arena: chunks freed in the middle of the heap stay in the
 process's resident set, which under steady streaming load grows slowly as the free space fragments (the
-soak of ``benchmarks/soak.py``; benchmarks/README.md, "Soak"). ``malloc_trim(0)`` releases every free page
+soak of ``benchmarks/soak.py``; benchmarks/HISTORY.md, "Soak"). ``malloc_trim(0)`` releases every free page
 of every arena, so a periodic call bounds that growth; it costs well under a millisecond on a heap of tens
 of MiB. Elsewhere than glibc it is a no-op.
 """
@@ -55,7 +55,7 @@ class IdleTrim:
     Workers keep freed blocks on purpose (``keep_freed_memory``: a step's temporaries do not fault their pages
     in again), so their resident set is the high-water mark of every batch since the start: one batch of a
     larger shape than any before raised a dynamic worker's RSS by 12 MiB for good in a 30-minute soak
-    (benchmarks/README.md, "Soak"). Trimming when idle bounds it by the current load instead; the cost is
+    (benchmarks/HISTORY.md, "Soak"). Trimming when idle bounds it by the current load instead; the cost is
     one batch's page faults per ``every_s``. Rolling workers are not trimmed: their steps reuse the same
     shapes (packed kernels built at load) and a trim between two bursts would fault the next step's pages in.
     """

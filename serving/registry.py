@@ -212,7 +212,7 @@ class ModelRegistry(ModelApi):
         for warning in cfg.warnings:  # an unknown option.* key that looks like a typo of a known one
             log.warning("model %s: %s", name, warning)
         # Workers of different models share the machine's cores: option.num_threads=auto divides the cores by
-        # the models loaded at start too (more OpenMP threads than cores spin; benchmarks/README.md, Soak).
+        # the models loaded at start too (more OpenMP threads than cores spin; benchmarks/HISTORY.md, Soak).
         env = {**self._env, CORE_SHARERS_ENV: str(max(1, len(self.startup_models or ())))}
         for_version = getattr(self._observer, "for_version", None)  # the metrics' version label
         observer = for_version(version) if for_version is not None else self._observer

@@ -15,7 +15,7 @@ from serving.tune.space import Config, Group
 STOP_S = 2.0  # a server's stop, before one was measured
 REPORT_S = 2.0  # writing the report and its figure (matplotlib's import included)
 # A worker's load (interpreter, torch, the weights) is mostly one thread's work, so workers load side by side,
-# one a core, each beyond the first slowing the round by this share (benchmarks/README.md, tune quality).
+# one a core, each beyond the first slowing the round by this share (benchmarks/HISTORY.md, tune quality).
 LOAD_CONTENTION = 0.3
 
 _BUDGET = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>s|m|min|h)?$")

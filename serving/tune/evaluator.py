@@ -130,7 +130,7 @@ class LiveEvaluator:
         self.warm_e2e += [r.e2e() for r in recs if r.ok]
         # Then every request of the workload at once (new prompts, a few tokens each): the worker's first large
         # batches grow its heap to what the biggest step needs; the first timed run after a start is then not
-        # the slow one (benchmarks/README.md, tune quality).
+        # the slow one (benchmarks/HISTORY.md, tune quality).
         burst = [BenchRequest(r.index, r.prompt, r.prompt_token_ids, min(r.max_new_tokens, WARM_BURST_TOKENS))
                  for r in self.fresh().requests]
         recs = run_requests(self.api, self.target, burst, [0.0] * len(burst), self.stream)

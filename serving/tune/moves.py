@@ -20,7 +20,7 @@ from serving.tune.space import Group, clipped_knobs, knobs_of, make_config
 STEP_SHARE = 0.8
 # The knee of the step-cost line: the token budget at which the fixed part (reading every weight once) is 10%
 # of a step. A CPU's matmuls are compute-bound from a few dozen rows on, so a step 10x the knee computes its
-# tokens at most 10% cheaper while every running sequence waits the whole step (benchmarks/README.md, tune
+# tokens at most 10% cheaper while every running sequence waits the whole step (benchmarks/HISTORY.md, tune
 # quality: the 110M model's best budget for both SLOs was near its knee, the folder's 2048 far behind).
 KNEE = 9
 
@@ -87,7 +87,7 @@ def compass(g: Group, ev: Evidence, fitted: LineMove | None) -> list[dict[str, i
     * Otherwise (TTFT, E2E: the requests queued), or no failing run: a bigger batch first, for a rolling
       group both the sequences and the prefill tokens, then each alone.
     Before all of them, for a rolling group whose step-cost line is measured, the line's budget. The other
-    directions follow (benchmarks/README.md, tune quality: a TTFT-bound SLO wanted a bigger prefill budget than
+    directions follow (benchmarks/HISTORY.md, tune quality: a TTFT-bound SLO wanted a bigger prefill budget than
     the folder's, a tight ITL one a far smaller one)."""
     params = ev.knobs
     first, second = (k.name for k in knobs_of(g.mode))  # sequences / batch; prefill tokens / delay

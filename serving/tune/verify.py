@@ -1,6 +1,6 @@
 """The head-to-head at the end of a tune: the chosen configuration and the folder's, measured again,
 alternating, at the chosen one's rung. A configuration is chosen for its best run among many noisy ones, so
-that run flatters it (benchmarks/README.md, "Tune quality", Run 9: a pick printed as much better than the
+that run flatters it (benchmarks/HISTORY.md, "Tune quality", Run 9: a pick printed as much better than the
 folder's was level with it when both were measured again); the pick must hold up here or the folder's
 configuration is kept."""
 

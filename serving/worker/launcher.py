@@ -29,7 +29,7 @@ WORKER_MODULE = "serving.worker.main"
 
 # MKL keeps the buffers of its GEMMs in a pool it grows as it meets new row counts, so a worker's memory would
 # grow with traffic after load; without the pool the buffers return to malloc, which keeps freed blocks for reuse
-# (handlers.engine.planning.cpu), and the GEMMs measured as fast (benchmarks/README.md, "Measured kernel choice").
+# (handlers.engine.planning.cpu), and the GEMMs measured as fast (benchmarks/HISTORY.md, "Measured kernel choice").
 MKL_DISABLE_FAST_MM = "1"
 
 

@@ -11,7 +11,7 @@ output projection, a prompt row does not); ``PrefillBudget`` turns a time bound 
 ``ratio`` decode-only steps. While more requests wait for their first token than sequences decode (a burst), the
 allowance grows by that proportion: a second of prefill delays ``d`` streams by a second, while a second given to
 the decodes delays every waiting request's first token by as much, so the time goes to the side where more requests
-wait (the fixed ratio alone cost a burst its TTFT and some throughput: benchmarks/README.md, "Smooth streams").
+wait (the fixed ratio alone cost a burst its TTFT and some throughput: benchmarks/HISTORY.md, "Smooth streams").
 Mixed steps inform the fit as much as pure ones, which matters under a burst, where every step prefills something
 for a long time. When the two kinds of rows never varied apart (collinear), one line over all rows is used; until a
 fit exists the token cap alone applies. The result is within ``[floor, cap]``: a prompt always moves.

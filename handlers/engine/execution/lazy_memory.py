@@ -11,7 +11,7 @@ Why eager stays the default: until the pool has been used once, new requests kee
 touched and each such fault lands inside a step, so every early measurement and user pays it; faulting the
 region in a background thread was no better (the host-side faults interfere with the steps at any
 priority). ``lazy`` is for fast starts where the first minutes' latency matters less: development, tests,
-scale-from-zero. Figures: benchmarks/README.md, "Prepacked weights and the lazy KV cache".
+scale-from-zero. Figures: benchmarks/HISTORY.md, "Prepacked weights and the lazy KV cache".
 
 With ``lazy`` the worker's RSS grows with use up to the planned KV size (the memory plan checked at load
 that it is available); engine stats report ``kv_blocks_touched``. Huge pages are for ``eager`` only: touched
@@ -33,7 +33,7 @@ def huge_pages(region: mmap.mmap) -> bool:
     True when it accepted. Where THP is ``madvise`` (the common default) memory is otherwise mapped in 4 KiB
     pages, and a decode step that reads KV blocks scattered over the pool misses the TLB at every 4 KiB block
     of every head (on a virtual machine each miss walks two page tables); huge pages made the decode-attention
-    kernel faster over scattered blocks (benchmarks/README.md, "Prepacked weights and the lazy KV cache"). A
+    kernel faster over scattered blocks (benchmarks/HISTORY.md, "Prepacked weights and the lazy KV cache"). A
     no-op where THP is off."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:

@@ -3,7 +3,7 @@
 Design note (why: no instruction-set rule gets it right): oneDNN's packed weight beats MKL's plain GEMM on
 large weights and skinny inputs (SmolLM2's 576 x 1536 projections from 4 rows on) and loses on small weights
 (a 3.4M model's 256-wide layers) and on single rows, with crossovers that move with the CPU, the shape, the
-row count and the threads (benchmarks/README.md, "Measured kernel choice"). Timing one shape alone misleads:
+row count and the threads (benchmarks/HISTORY.md, "Measured kernel choice"). Timing one shape alone misleads:
 in a step the layers' calls follow one another, and switching kernels between them costs more than either
 kernel alone (a 256-wide model's MLP on the packed weight measured faster alone and slower in sequence).
 So with ``prepack_weights=auto`` the engine times passes through its first decoder layers' linear layers in
@@ -202,7 +202,7 @@ def timed(passes: Mapping[int, Sequence[nn.Linear]], cache: TimingCache | None, 
 def stream_bytes() -> int:
     """The weight a pass must read for none of it to be found in a cache: twice the last-level cache, at least
     STREAM_BYTES (a VM's large L3 held a small model's first layers, and timed there the plain GEMM looked as fast
-    as the packed one where a step, streaming every layer from memory, ran slower on it: benchmarks/README.md)."""
+    as the packed one where a step, streaming every layer from memory, ran slower on it: benchmarks/HISTORY.md)."""
     return max(STREAM_BYTES, 2 * last_level_cache_bytes())
 
 

@@ -2,7 +2,7 @@
 laid out once at load so that a step streams it from memory in order.
 
 Design note: oneDNN's packed weight and MKL's GEMM are built for large inputs; at 1-64 rows a step is bound by
-reading the weight, and their blocking costs more than that read (benchmarks/README.md, "A linear kernel for
+reading the weight, and their blocking costs more than that read (benchmarks/HISTORY.md, "A linear kernel for
 decode steps"). Which rows a layer runs here is measured with the other two kernels (``linear_choice``), so a CPU
 where it loses never uses it. Each output is one chain of FMAs over the input in order, whatever the batch, so a
 sequence's logits do not depend on its batch-mates on this path.

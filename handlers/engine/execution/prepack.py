@@ -1,5 +1,5 @@
 """oneDNN-prepacked linear layers: faster skinny matmuls on CPU (+19-55% per decode step at B >= 8 here;
-benchmarks/README.md, run 3).
+benchmarks/HISTORY.md, run 3).
 
 Design note: each ``nn.Linear`` weight is reordered once into oneDNN's blocked layout with the stock
 ``torch.ops.mkldnn._reorder_linear_weight`` and run with ``torch.ops.mkldnn._linear_pointwise`` (the
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # Hybrid mode keeps decode batches and small chunks on the packed weight, prefill chunks on the plain one: on
-# AVX2-only CPUs packed wins from 2 to 128 rows inside the engine (benchmarks/README.md, "Prepacked weights").
+# AVX2-only CPUs packed wins from 2 to 128 rows inside the engine (benchmarks/HISTORY.md, "Prepacked weights").
 HYBRID_MAX_PACKED_ROWS = 128
 # One row is a matrix-vector product, which the plain weight (MKL's sgemv) runs faster than oneDNN's GEMM.
 HYBRID_MIN_PACKED_ROWS = 2
@@ -24,10 +24,10 @@ HYBRID_MIN_PACKED_ROWS = 2
 # rounded up beyond, the input zero-padded) whose kernels the runner builds at load (``warm_packed_kernels``),
 # so the memory is taken once, up front.
 EXACT_PACKED_ROWS = 32
-KERNEL_BYTES = 576 * 1024  # the heap one cached kernel takes, whatever the weight (benchmarks/README.md)
+KERNEL_BYTES = 576 * 1024  # the heap one cached kernel takes, whatever the weight (benchmarks/HISTORY.md)
 # Prefill-sized inputs (more than HYBRID_MAX_PACKED_ROWS rows) run packed too when their kernel was built at
 # load (``large_rows``: the engine's token budget per step) and rounding them up to their bucket pads at most
-# 1/LARGE_MAX_PADDING of them; else the plain weight (benchmarks/README.md, "Prefill and the GEMM libraries").
+# 1/LARGE_MAX_PADDING of them; else the plain weight (benchmarks/HISTORY.md, "Prefill and the GEMM libraries").
 LARGE_MAX_PADDING = 16
 
 

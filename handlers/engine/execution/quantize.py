@@ -9,7 +9,7 @@ batch-mates, which PyTorch's dynamically quantized linear breaks: it quantizes a
   int4: asymmetric per group of ``group_size`` inputs (llama.cpp's Q4_1 form: q * scale + min, q in 0..15), so a
         Q4_1 GGUF file's blocks (32 inputs) come back on the same grid. The output projection stays int8.
 PyTorch's own weight-only operators (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) and
-``torch._int_mm`` were measured many times slower than the fp32 GEMM on an AVX2 CPU (benchmarks/README.md,
+``torch._int_mm`` were measured many times slower than the fp32 GEMM on an AVX2 CPU (benchmarks/HISTORY.md,
 "Quantized weights"), hence the C kernel. Tensor parallelism, GPUs, fused projections and oneDNN prepacking
 are not combined with it (the engine refuses or skips them, naming why).
 """

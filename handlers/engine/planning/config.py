@@ -44,7 +44,7 @@ class EngineConfig:
     prepack_weights: str = "hybrid"  # hybrid | true | false (see handlers.engine.execution.prepack)
     measure_linears: bool = False  # prepack_weights=auto: per weight shape, the faster kernel as measured here
     attention_kernel: str = "native"  # native (handlers.engine.execution.kernels, PyTorch when it cannot build) | torch
-    fuse_projections: bool = False  # no faster on AVX2 CPUs (benchmarks/README.md); on by default on GPUs
+    fuse_projections: bool = False  # no faster on AVX2 CPUs (benchmarks/HISTORY.md); on by default on GPUs
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
     seed: int = 0

@@ -60,7 +60,7 @@ def keep_freed_memory(max_block_bytes: int = _MMAP_THRESHOLD_MAX) -> bool:
     """Tell glibc's malloc to keep freed blocks (up to ``max_block_bytes``, at most 32 MiB) for reuse instead
     of returning them to the kernel. A step's activations are large (a 2048-token prefill of a 110M model allocates
     ~0.5 GB of temporaries); by default each is a fresh mmap whose pages fault in one by one and are unmapped
-    at free (a page fault per page and system time every such step; benchmarks/README.md). The heap then
+    at free (a page fault per page and system time every such step; benchmarks/HISTORY.md). The heap then
     holds the peak activation memory, which the memory plan budgets anyway. Returns False where it does not
     apply (not glibc). Process-wide: call it once in a worker process."""
     import ctypes

@@ -184,7 +184,10 @@ def echo_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
     """Models of the echo handler (no weights: they load in a moment) that a request never waits for
     (``model_load_wait=0``), one unloaded after a second without requests."""
     root = tmp_path_factory.mktemp("residency-echo")
-    server = ServerProcess.start(root, models={"e1": {"option.entryPoint": "echo", "idle_ttl": "1"}},
+    for version in ("1", "2"):  # a model of two versions, each loaded on demand
+        write_model(root / "model_store" / "ver", version, {"option.entryPoint": "echo"})
+    server = ServerProcess.start(root, models={"e1": {"option.entryPoint": "echo", "idle_ttl": "1"},
+                                               "e2": {"option.entryPoint": "echo"}},
                                  config={"model_load_wait": "0", "load_on_demand": "true"})
     yield server
     server.stop()
@@ -220,3 +223,28 @@ def test_a_load_longer_than_the_wait_answers_503_with_retry_after_from_the_load_
     assert m[("rollserve_model_unloads_total", frozenset({("model", "e1"), ("version", "1"),
                                                           ("reason", "idle_ttl")}))] == 1
     assert m[("rollserve_model_loads_total", frozenset({("model", "e1"), ("version", "1")}))] >= 1
+
+
+def test_versions_and_reloads_of_models_loaded_on_demand(echo_store: ServerProcess) -> None:
+    server = echo_store
+    # every version has its own residency: a request for version 1 loads version 1 alone
+    assert httpx.post(f"{server.url}/predictions/ver/1", json={"inputs": "hi"}, timeout=30).status_code == 503
+    wait_state(server, "ver/1", "ready")
+    assert model(server, "ver/2")["residency"]["state"] == "registered"
+    r = httpx.post(f"{server.url}/predictions/ver/1", json={"inputs": "hi"}, timeout=30)
+    assert r.status_code == 200, r.text
+    # a reload of a model that is not loaded leaves it so: the new configuration loads on its next request
+    r = httpx.put(f"{server.mgmt}/models/e2/reload", headers=server.mgmt_headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["workers"] == []
+    entry = model(server, "e2")
+    assert entry["residency"]["state"] == "registered" and entry["last_reload"]["status"] == "reloaded"
+    assert httpx.post(f"{server.url}/predictions/e2", json={"inputs": "hi"}, timeout=30).status_code == 503
+    wait_state(server, "e2", "ready")
+    # a loaded one reloads as before: new workers, loaded (and counted) at once
+    r = httpx.put(f"{server.mgmt}/models/e2/reload", headers=server.mgmt_headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["workers"]) == 1
+    entry = model(server, "e2")
+    assert entry["residency"]["state"] == "ready" and entry["residency"]["loads"] == 1
+    assert httpx.post(f"{server.url}/predictions/e2", json={"inputs": "hi"}, timeout=30).status_code == 200

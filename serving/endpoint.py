@@ -170,7 +170,7 @@ class ModelEndpoint:
             self.successor.check_ready()
             return
         if self.state is not ModelState.READY and self.residency is not None:
-            self.residency.refuse(self)  # loads it on demand; says when to come back
+            self.residency.refuse(self, load=False)  # not loaded: says when it could be
         if self.state is not ModelState.READY:
             detail = f": {self.reason}" if self.reason else ""
             raise Unavailable(f"model {self.name!r} is {self.state.value}{detail}", retry_after_s=5)
@@ -180,7 +180,10 @@ class ModelEndpoint:
         ``Unavailable`` unless READY, ``Conflict`` for a client id already live, ``Overloaded``."""
         if self.successor is not None:
             return self.successor.submit(request)
-        if self.residency is None or not self.residency.queues(self):  # a model loading again: the request waits
+        # a model that loaded before waits in its queue for a load on demand; one never loaded is refused, loading
+        if self.residency is None or not self.residency.queues(self):
+            if self.residency is not None:
+                self.residency.refuse(self)
             self.check_ready()
         # a custom handler would ignore these: refuse rather than answer without them
         if request.params.grammar is not None and not self.info.get("structured_output"):

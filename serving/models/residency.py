@@ -166,14 +166,16 @@ class Residency:
         self._demand(ep)
         return True
 
-    def refuse(self, ep: Any) -> None:
-        """Raise the ``Unavailable`` that says why ``ep`` is not READY, loading it on demand meanwhile."""
+    def refuse(self, ep: Any, load: bool = True) -> None:
+        """Raise the ``Unavailable`` that says why ``ep`` is not READY; with ``load`` (a request) it loads on demand
+        meanwhile, without (a readiness check, a route reading the model's template) nothing starts."""
         r = getattr(ep, "residence", None)
         if r is None or not self._wanted(ep):
             return
         if r.refusal:
             raise Unavailable(f"model {ep.name!r}: {r.refusal}")
-        self._demand(ep)
+        if load:
+            self._demand(ep)
         raise self._busy(ep, self.expected_load_s(ep))
 
     @staticmethod
@@ -183,10 +185,15 @@ class Residency:
         return ep.state in NOT_RESIDENT or (ep.state is ModelState.LOADING and task is not None and not task.done())
 
     def _busy(self, ep: Any, expected_s: float) -> Unavailable:
-        return Unavailable(f"model {ep.name!r} is {state_of(ep)}: it loads on demand, in about {expected_s:.0f}s "
-                           f"(longer than model_load_wait, {self.wait_s:g}s)" if expected_s > self.wait_s else
-                           f"model {ep.name!r} is still loading (model_load_wait, {self.wait_s:g}s, passed)",
-                           retry_after_s=max(1, math.ceil(expected_s)))
+        task = ep.residence.task
+        if task is None or task.done():
+            why = f"is {state_of(ep)}: it loads on its first request, in about {expected_s:.0f}s"
+        elif expected_s > self.wait_s:
+            why = (f"is {state_of(ep)}: it loads on demand, in about {expected_s:.0f}s (longer than model_load_wait, "
+                   f"{self.wait_s:g}s)")
+        else:
+            why = f"is still loading (model_load_wait, {self.wait_s:g}s, passed)"
+        return Unavailable(f"model {ep.name!r} {why}", retry_after_s=max(1, math.ceil(expected_s)))
 
     def expected_load_s(self, ep: Any) -> float:
         """How long a load of ``ep`` takes: its last load, an earlier one of the same weights, else a guess."""

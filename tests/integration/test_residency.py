@@ -186,8 +186,8 @@ def echo_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
     root = tmp_path_factory.mktemp("residency-echo")
     for version in ("1", "2"):  # a model of two versions, each loaded on demand
         write_model(root / "model_store" / "ver", version, {"option.entryPoint": "echo"})
-    server = ServerProcess.start(root, models={"e1": {"option.entryPoint": "echo", "idle_ttl": "1"},
-                                               "e2": {"option.entryPoint": "echo"}},
+    echo = {"option.entryPoint": "echo"}
+    server = ServerProcess.start(root, models={"e1": {**echo, "idle_ttl": "1"}, "e2": echo, "e3": echo},
                                  config={"model_load_wait": "0", "load_on_demand": "true"})
     yield server
     server.stop()
@@ -248,3 +248,13 @@ def test_versions_and_reloads_of_models_loaded_on_demand(echo_store: ServerProce
     entry = model(server, "e2")
     assert entry["residency"]["state"] == "ready" and entry["residency"]["loads"] == 1
     assert httpx.post(f"{server.url}/predictions/e2", json={"inputs": "hi"}, timeout=30).status_code == 200
+
+
+def test_a_readiness_check_loads_nothing(echo_store: ServerProcess) -> None:
+    server = echo_store
+    r = httpx.get(f"{server.url}/v2/models/e3/ready", timeout=30)
+    assert r.status_code == 503, r.text
+    assert "loads on its first request" in r.text
+    assert httpx.get(f"{server.url}/ping", timeout=30).status_code == 200  # it waits for no model loaded on demand
+    entry = model(server, "e3")
+    assert entry["residency"]["state"] == "registered" and entry["residency"]["loads"] == 0

@@ -3,10 +3,13 @@
 Design note: only what a server loads is fetched (safetensors or GGUF weights, config, tokenizer and chat-template
 files), never code, and pickle weights (``*.bin``) only when the operator allows unsafe weights: a pickle runs
 code when loaded. The revision is resolved to its commit first and every file is fetched at that commit, so a
-branch moving during the download cannot mix two versions. Files go straight into the fetcher's private folder,
-with huggingface_hub's metadata and cache folder inside it (removed at the end): the user's global cache is
-neither read nor written. Each file's size is checked against the repository listing, so a truncated body is an
-error here, not a corrupt model at load time.
+branch moving during the download cannot mix two versions, and the cache entry is named by that commit (a
+start or a reload asks the hub which commit the revision is now: a new commit is a new entry). With
+``option.gguf_file`` only that GGUF file is fetched. A file already in the user's own hub cache (``HF_HUB_CACHE``,
+``HF_HOME``) at that commit is linked from there instead of downloaded; the user's cache is never written. Other
+files go straight into the fetcher's private folder, with huggingface_hub's metadata folder inside it (removed at
+the end). Each file's size is checked against the repository listing, so a truncated body is an error here, not a
+corrupt model at load time.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import re
 import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx2
-from huggingface_hub import HfApi, constants, hf_hub_download
+from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
 from huggingface_hub.errors import (
     HfHubHTTPError,
     HFValidationError,
@@ -32,7 +36,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import tqdm
 
-from serving.sources.errors import SourceError
+from serving.sources.errors import SourceError, SourceUnreachable
 from serving.sources.fetch import Progress
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
@@ -55,28 +59,47 @@ def parse_hub_id(model_id: str) -> tuple[str, str | None] | None:
     return repo_id, revision or None
 
 
-def fetch_hub(repo_id: str, revision: str | None, dest: Path, env: Mapping[str, str], progress: Progress,
-              allow_unsafe: bool) -> None:
-    """Download the loadable files of ``repo_id`` at ``revision`` (default branch when None) into ``dest``."""
-    endpoint = (env.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-    token = env.get("HF_TOKEN") or None
-    label = f"{repo_id}@{revision}" if revision else repo_id
-    timeout = _seconds(env, "HF_HUB_ETAG_TIMEOUT", constants.HF_HUB_ETAG_TIMEOUT)
+@dataclass(frozen=True)
+class HubListing:
+    commit: str  # what the revision names now
+    sizes: dict[str, int | None]  # file -> bytes
+
+
+def list_hub(repo_id: str, revision: str | None, env: Mapping[str, str]) -> HubListing:
+    """The commit ``revision`` (default branch when None) names now, and the repository's files: one request."""
+    endpoint, token, timeout, label = _client_settings(repo_id, revision, env)
     with _hub_errors(label, endpoint, revision):
         info = HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision, files_metadata=True,
                                                                 timeout=timeout)
-    sizes = {s.rfilename: s.size for s in info.siblings or []}
-    wanted = select_files(label, sorted(sizes), allow_unsafe)
-    commit = info.sha or revision or constants.DEFAULT_REVISION
+    return HubListing(info.sha or revision or constants.DEFAULT_REVISION,
+                      {s.rfilename: s.size for s in info.siblings or []})
+
+
+def fetch_hub(repo_id: str, revision: str | None, dest: Path, env: Mapping[str, str], progress: Progress,
+              allow_unsafe: bool, gguf_file: str | None = None, listing: HubListing | None = None) -> None:
+    """Download the loadable files of ``repo_id`` at ``revision`` (``listing``: its listing, if already made)
+    into ``dest``."""
+    endpoint, token, timeout, label = _client_settings(repo_id, revision, env)
+    listing = listing or list_hub(repo_id, revision, env)
+    sizes, commit = listing.sizes, listing.commit
+    wanted = select_files(label, sorted(sizes), allow_unsafe, gguf_file)
     total = sum(sizes[name] or 0 for name in wanted)
     progress(f"{label}: {len(wanted)} files, {_mib(total)} MiB")
     done = 0
     cache = dest / ".cache" / "huggingface"
+    user_cache = env.get("HF_HUB_CACHE") or (os.path.join(env["HF_HOME"], "hub") if env.get("HF_HOME")
+                                             else constants.HF_HUB_CACHE)
     try:
         for i, name in enumerate(wanted, 1):
-            with _hub_errors(label, endpoint, revision, name):
-                path = hf_hub_download(repo_id, name, revision=commit, local_dir=dest, cache_dir=cache / "hub",
-                                       endpoint=endpoint, token=token, etag_timeout=timeout, tqdm_class=_Silent)
+            held = try_to_load_from_cache(repo_id, name, cache_dir=user_cache, revision=commit)
+            if isinstance(held, str) and os.path.getsize(held) == sizes[name]:
+                path = str(dest / name)
+                _link(Path(held), Path(path))
+                progress(f"{label}: {name} from the hub cache")
+            else:
+                with _hub_errors(label, endpoint, revision, name):
+                    path = hf_hub_download(repo_id, name, revision=commit, local_dir=dest, cache_dir=cache / "hub",
+                                           endpoint=endpoint, token=token, etag_timeout=timeout, tqdm_class=_Silent)
             got, expected = os.path.getsize(path), sizes[name]
             if expected is not None and got != expected:
                 raise SourceError(f"hub repository {label}: {name} truncated: got {got} of {expected} bytes")
@@ -88,8 +111,25 @@ def fetch_hub(repo_id: str, revision: str | None, dest: Path, env: Mapping[str, 
             (dest / ".cache").rmdir()
 
 
-def select_files(label: str, names: list[str], allow_unsafe: bool) -> list[str]:
-    """The files to fetch from a listing: support files plus one kind of weights, safest first."""
+def _client_settings(repo_id: str, revision: str | None, env: Mapping[str, str]) -> tuple[str, str | None, float, str]:
+    endpoint = (env.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    label = f"{repo_id}@{revision}" if revision else repo_id
+    timeout = _seconds(env, "HF_HUB_ETAG_TIMEOUT", constants.HF_HUB_ETAG_TIMEOUT)
+    return endpoint, env.get("HF_TOKEN") or None, timeout, label
+
+
+def _link(source: Path, target: Path) -> None:
+    """The cached file's bytes without a copy where the filesystem allows (a hard link of the blob), else a copy."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source.resolve(), target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def select_files(label: str, names: list[str], allow_unsafe: bool, gguf_file: str | None = None) -> list[str]:
+    """The files to fetch from a listing: support files plus one kind of weights, safest first (with
+    ``gguf_file``, that GGUF file only)."""
     for name in names:
         parts = PurePosixPath(name).parts
         if name.startswith("/") or ".." in parts:
@@ -99,6 +139,12 @@ def select_files(label: str, names: list[str], allow_unsafe: bool) -> list[str]:
         return [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns)]
 
     weights = matching(_SAFE_WEIGHTS) if matching(("*.safetensors",)) else matching(_GGUF)
+    if gguf_file:
+        ggufs = matching(_GGUF)
+        if gguf_file not in ggufs:
+            raise SourceError(f"option.gguf_file={gguf_file!r} is not in hub repository {label} (GGUF files: "
+                              f"{', '.join(ggufs) or 'none'})")
+        weights = [gguf_file]
     if not weights and matching(_PICKLE):
         if not allow_unsafe:
             raise SourceError(f"hub repository {label} has only pickle weights ({', '.join(matching(_PICKLE))}), "
@@ -118,7 +164,10 @@ def _hub_errors(label: str, endpoint: str, revision: str | None, name: str | Non
     except SourceError:
         raise
     except Exception as error:
-        raise SourceError(_message(error, label, endpoint, revision, name)) from error
+        offline = isinstance(error, (OfflineModeIsEnabled, LocalEntryNotFoundError, httpx2.ConnectError,
+                                     httpx2.TimeoutException))
+        raise (SourceUnreachable if offline else SourceError)(_message(error, label, endpoint, revision, name)) \
+            from error
 
 
 def _message(error: Exception, label: str, endpoint: str, revision: str | None, name: str | None) -> str:

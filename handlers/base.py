@@ -121,6 +121,12 @@ class RollingHandler(abc.ABC):
         """Engine gauges/counters (running, waiting, kv blocks, preemptions, prefix hits, ...)."""
         return {}
 
+    def prefix_events(self) -> dict[str, Any] | None:
+        """The prefix-cache block keys (``rollcore.prefix_keys.short_key``) registered (``add``) and evicted
+        (``del``) since the last call, with the ``block_size`` they cover (``reset``: ``add`` is the whole set); the
+        frontend routes a prompt to the worker holding its longest prefix. None: nothing changed (or no cache)."""
+        return None
+
     def configure(self, options: Mapping[str, int]) -> None:
         """Apply new values of ``live_options`` (already checked by the frontend) from the next step on,
         between steps; called only with keys of ``live_options``."""

@@ -74,6 +74,9 @@ class HuggingFaceRollingHandler(RollingHandler):
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def prefix_events(self) -> dict[str, Any] | None:
+        return self.engine.prefix_events() if self._engine is not None else None
+
     def configure(self, options: Mapping[str, int]) -> None:
         """The engine's batch size, step token budget and inter-token latency target, from the next step on."""
         self.engine.configure(max_num_seqs=options.get("max_rolling_batch_size"),

@@ -122,6 +122,12 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
     _spec("max_rolling_batch_size", integer(1), "32", (SERVING, ENGINE), "sequences running at once per worker"),
     _spec("max_rolling_batch_prefill_tokens", integer(1), "2048", (SERVING, ENGINE),
           "token budget of one engine step (longer prompts are prefilled in chunks)"),
+    _spec("routing", choice(("prefix", "least_loaded")), "prefix", (SERVING,),
+          "rolling, several workers: prefix sends a request to the worker whose prefix cache holds the longest "
+          "prefix of its prompt (the least loaded on a tie); least_loaded ignores the prefix (docs/routing.md)"),
+    _spec("routing_max_imbalance", integer(1), "4", (SERVING,),
+          "rolling: a request (a session's too) goes to a worker only while it runs fewer than this many requests "
+          "more than the least loaded worker"),
     _spec("tensor_parallel_degree", integer(1), "1", (SERVING, ENGINE),
           "rolling engine: ranks per worker over torch.distributed (gloo on CPU, nccl on GPU); max = the "
           "visible GPUs"),

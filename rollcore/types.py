@@ -71,6 +71,9 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool = False
     adapter: str | None = None  # a LoRA adapter of the model by name (None: the base model)
+    # vLLM's cache_salt: mixed into the first prefix-cache block's key, so only requests of the same salt share
+    # cached blocks (rollcore.prefix_keys)
+    cache_salt: str | None = None
     # an embedding request (/v1/embeddings): the prompt's forward pass only, answered with its pooled hidden state
     embed: bool = False
 
@@ -180,6 +183,7 @@ class TokenDelta:
     error: str | None = None
     prompt_logprobs: tuple[TokenInfo, ...] | None = None
     embedding: tuple[float, ...] | None = None  # an embedding request's pooled vector (its only delta)
+    cached_tokens: int | None = None  # with prompt_tokens: how many of them the prefix cache served
 
     def to_wire(self) -> dict[str, Any]:
         wire = {
@@ -194,6 +198,8 @@ class TokenDelta:
             wire["pl"] = tokens_to_wire(self.prompt_logprobs)
         if self.embedding is not None:
             wire["em"] = list(self.embedding)
+        if self.cached_tokens is not None:
+            wire["ct"] = self.cached_tokens
         return wire
 
     @classmethod
@@ -207,6 +213,7 @@ class TokenDelta:
             error=d["er"],
             prompt_logprobs=tokens_from_wire(d["pl"]) if d.get("pl") is not None else None,
             embedding=tuple(float(x) for x in d["em"]) if d.get("em") is not None else None,
+            cached_tokens=int(d["ct"]) if d.get("ct") is not None else None,
         )
 
 
@@ -250,6 +257,7 @@ class GenerationResult:
     timings: RequestTimings = field(default_factory=RequestTimings)
     payload: Any = None  # custom handlers may return arbitrary JSON instead of text
     prompt_logprobs: tuple[TokenInfo, ...] | None = None  # when asked: see ``TokenDelta``
+    cached_tokens: int = 0  # of prompt_tokens, those the engine's prefix cache served (rolling)
 
     @property
     def generated_tokens(self) -> int:

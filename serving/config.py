@@ -103,6 +103,8 @@ class BatchingConfig:
     max_rolling_batch_prefill_tokens: int = 2048
     rolling_batch_requested: str = "disable"  # option.rolling_batch as configured: one of ROLLING_BATCH_MODES
     rolling_batch_reason: str = "option.rolling_batch=disable: dynamic batching"  # why ``rolling_batch``
+    routing: str = "prefix"  # rolling: how a request's worker is picked (serving.batching.routing)
+    routing_max_imbalance: int = 4  # rolling: most requests a chosen worker may run beyond the least loaded
 
     @property
     def rolling(self) -> bool:
@@ -319,6 +321,8 @@ def load_model_config(model_dir: Path, *, name: str | None = None, env: Mapping[
             max_rolling_batch_prefill_tokens=values["option.max_rolling_batch_prefill_tokens"],
             rolling_batch_requested=values["option.rolling_batch"],
             rolling_batch_reason=rolling_reason,
+            routing=values["option.routing"],
+            routing_max_imbalance=values["option.routing_max_imbalance"],
         ),
         parallel=ParallelConfig(tensor_parallel_degree=values["option.tensor_parallel_degree"],
                                 load_on_devices=values["load_on_devices"]),

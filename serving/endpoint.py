@@ -29,6 +29,7 @@ from serving.adapters import ApiAdapters
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.ports import BatchObserver, Clock, NullObserver
 from serving.batching.rolling import RollingBatcher
+from serving.batching.routing import Router
 from serving.batching.streams import ResultStream
 from serving.config import ModelConfig
 from serving.devices import DevicePlan
@@ -69,7 +70,8 @@ class ModelEndpoint:
             self.batcher = RollingBatcher(self.name, b.max_rolling_batch_size, b.job_queue_size,
                                           config.predict_timeout_s, self._observer, clock,
                                           max_queue_time_s=b.max_queue_time_s,
-                                          liveness_timeout_s=config.liveness_timeout_s)
+                                          liveness_timeout_s=config.liveness_timeout_s,
+                                          router=Router(b.routing, b.routing_max_imbalance))
             self.adapters: ApiAdapters | None = ApiAdapters(self.name, self.batcher, config.liveness_timeout_s)
         else:
             self.adapters = None

@@ -444,9 +444,11 @@ class LLMEngine:
             piece += unpieced  # a character the last tokens left unfinished: its U+FFFD is the last token's text
         prompt_tokens = None
         prompt_scores = None
+        cached_tokens = None
         if not req.sent_first:
             req.sent_first = True
             prompt_tokens = seq.num_prompt_tokens
+            cached_tokens = seq.num_cached_prompt_tokens
             if req.prompt_scores is not None:
                 prompt_scores = tuple(t for t in req.prompt_scores if t is not None)
             self._counters["prompt_tokens_total"] += prompt_tokens
@@ -456,7 +458,8 @@ class LLMEngine:
             self._release(self._requests.pop(seq.request_id))
             self._counters["num_requests_finished_total"] += 1
         info = TokenInfo(token, piece, sampled.logprob, sampled.top_logprobs)
-        return TokenDelta(seq.request_id, (info,), text, finish, prompt_tokens, prompt_logprobs=prompt_scores)
+        return TokenDelta(seq.request_id, (info,), text, finish, prompt_tokens, prompt_logprobs=prompt_scores,
+                          cached_tokens=cached_tokens)
 
     # ------------------------------------------------------------------ stats
     def set_runtime_adapters(self, adapters: Mapping[str, str]) -> None:
@@ -464,6 +467,12 @@ class LLMEngine:
         if self.lora is None:
             raise AdapterError("this model serves no LoRA adapters: option.enable_lora is off")
         self.lora.set_runtime(adapters)
+
+    def prefix_events(self) -> dict[str, Any] | None:
+        """The prefix-cache keys registered and evicted since the last call (``BlockAllocator.take_events``) with
+        the block size they cover, for the frontend's prefix-aware routing; None when nothing changed."""
+        events = self.scheduler.allocator.take_events()
+        return None if events is None else {**events, "block_size": self.config.block_size}
 
     def stats(self) -> dict[str, Any]:
         """Gauges and counters; ``blocks_held`` maps each live request id to its number of KV blocks;

@@ -21,9 +21,12 @@ that the new size admitted, so the engine's next step plans them under its new l
 ``Configured``. A worker started later gets the same options before its first request. ``retire`` stops
 admitting into a worker that is being scaled away; ``worker_load`` tells how many of its requests still run.
 
-A request with an ``affinity`` key (a SageMaker session) goes to the worker the key's earlier requests went to
-(its prefix cache holds the conversation), waiting for a slot there while others pass it; when that worker died or
-retires, it goes to the least loaded one, which the key then sticks to.
+A request goes to the worker whose prefix cache holds the longest prefix of its prompt, the least loaded on a tie,
+never to one running ``max_imbalance`` requests more than the least loaded (``routing.Router``; the engines report
+their cache's keys with their step frames). A request with an ``affinity`` key (a SageMaker session, an OpenAI
+``user`` or ``prompt_cache_key``) goes to the worker the key's earlier requests went to (its prefix cache holds the
+conversation), waiting for a slot there while others pass it; when that worker died, retires or is past the
+imbalance bound, it is routed afresh and the key then sticks to the worker it got.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from serving.batching.deadlines import (
 from serving.batching.pacing import ServiceRate, send_each
 from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
 from serving.batching.retry import Retries
+from serving.batching.routing import Router
 from serving.batching.streams import ResultStream
 from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Reject
 
@@ -65,13 +69,14 @@ MAX_AFFINITY_KEYS = 65536  # sessions remembered per model (each bounded by its 
 
 
 class _Admitted:
-    __slots__ = ("request", "stream", "worker", "timer")
+    __slots__ = ("request", "stream", "worker", "timer", "keys")
 
     def __init__(self, request: GenerationRequest, stream: ResultStream, worker: Worker | None = None) -> None:
         self.request = request
         self.stream = stream
         self.worker = worker
         self.timer: asyncio.TimerHandle | None = None
+        self.keys: list[int] | None = None  # its prompt's prefix-cache keys, once routing computed them
 
 
 class RollingBatcher:
@@ -79,7 +84,8 @@ class RollingBatcher:
 
     def __init__(self, model: str, max_rolling_batch_size: int, job_queue_size: int, predict_timeout_s: float,
                  observer: BatchObserver | None = None, clock: Clock = DEFAULT_CLOCK, *,
-                 max_queue_time_s: float | None = None, liveness_timeout_s: float | None = None) -> None:
+                 max_queue_time_s: float | None = None, liveness_timeout_s: float | None = None,
+                 router: Router[Worker] | None = None) -> None:
         self.model = model
         self.max_rolling_batch_size = max_rolling_batch_size
         self.job_queue_size = job_queue_size
@@ -108,6 +114,8 @@ class RollingBatcher:
         self._retiring: set[int] = set()  # worker ids admitting nothing new (scaled away)
         # affinity key (a SageMaker session) -> the worker its requests go to; least recently used dropped first
         self._affinity: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.router: Router[Worker] = router if router is not None else Router()
+        self._routed_keys: set[str] = set()  # affinity keys whose worker routing chose (a pinned one never moves)
 
     def start(self) -> None:
         limits = [t for t in (self.max_queue_time_s, self.liveness_timeout_s) if t]
@@ -196,6 +204,7 @@ class RollingBatcher:
                 # the LoRA adapters requests run and wait for (the gateway protocol's vllm:lora_requests_info)
                 "running_adapters": _adapters(self._running.values()),
                 "waiting_adapters": _adapters(self._waiting.values()),
+                "routing": self.router.describe(),
                 "engines": {str(k): self._by_client_id(v) for k, v in self.engine_stats.items()}}
 
     def _by_client_id(self, stats: dict[str, Any]) -> dict[str, Any]:
@@ -265,6 +274,7 @@ class RollingBatcher:
         self._load.pop(worker.worker_id, None)
         self._progress.pop(worker.worker_id, None)
         self.engine_stats.pop(worker.worker_id, None)
+        self.router.index.forget(worker.worker_id)
         for key in [k for k in self._acks if k[0] == worker.worker_id]:
             future = self._acks.pop(key)
             if not future.done():
@@ -305,6 +315,8 @@ class RollingBatcher:
         if isinstance(msg, Deltas):
             self.num_steps += 1
             self.engine_stats[worker.worker_id] = msg.stats
+            if msg.prefix:
+                self.router.index.update(worker.worker_id, msg.prefix)
             self._observer.on_step(self.model, worker.worker_id, msg.stats, msg.step_s, len(msg.deltas))
             for d in msg.deltas:
                 self._deliver(worker, d)
@@ -365,6 +377,7 @@ class RollingBatcher:
     def forget_affinity(self, key: str) -> None:
         """``key``'s requests may go to any worker again (its session closed or expired)."""
         self._affinity.pop(key, None)
+        self._routed_keys.discard(key)
 
     def _pinned(self, key: str | None) -> Worker | None:
         """The live worker that ``key``'s earlier requests went to, or None (no key, or that worker is gone)."""
@@ -385,10 +398,15 @@ class RollingBatcher:
                 continue
             key = entry.request.affinity
             worker = self._pinned(key)
+            if worker is not None and key in self._routed_keys and \
+                    not self.router.within_bound(self._load[worker.worker_id], self._floor()):
+                worker = None  # its worker is too far ahead of the least loaded one: the key moves
             if worker is None:
-                worker = self._least_loaded()
+                worker = self._route(entry)
                 if worker is None:
                     break  # every worker is full
+                if key is not None:
+                    self._routed_keys.add(key)
             elif self._load.get(worker.worker_id, 0) >= self.max_rolling_batch_size:
                 continue
             del self._waiting[rid]
@@ -396,7 +414,7 @@ class RollingBatcher:
                 self._affinity[key] = worker.worker_id
                 self._affinity.move_to_end(key)
                 if len(self._affinity) > MAX_AFFINITY_KEYS:
-                    self._affinity.popitem(last=False)
+                    self._routed_keys.discard(self._affinity.popitem(last=False)[0])
             if self._load[worker.worker_id] == 0:
                 self._progress[worker.worker_id] = self._clock()  # the watchdog counts from the first work
             entry.worker = worker
@@ -427,14 +445,19 @@ class RollingBatcher:
         self._finish_entry(entry)
         entry.stream.fail(error)
 
-    def _least_loaded(self) -> Worker | None:
-        best: Worker | None = None
-        for w in self._workers:
-            if w.alive and w.worker_id not in self._retiring and \
-                    self._load.get(w.worker_id, 0) < self.max_rolling_batch_size:
-                if best is None or self._load[w.worker_id] < self._load[best.worker_id]:
-                    best = w
-        return best
+    def _open_workers(self) -> list[Worker]:
+        return [w for w in self._workers if w.alive and w.worker_id not in self._retiring]
+
+    def _floor(self) -> int:
+        """The load of the least loaded worker that takes work."""
+        return min((self._load[w.worker_id] for w in self._open_workers()), default=0)
+
+    def _route(self, entry: _Admitted) -> Worker | None:
+        """The worker for ``entry`` by prefix and load (``routing.Router``); None when every worker is full."""
+        if entry.keys is None:
+            entry.keys = self.router.prompt_keys(entry.request)
+        candidates = [(w, w.worker_id, self._load[w.worker_id]) for w in self._open_workers()]
+        return self.router.choose(candidates, self.max_rolling_batch_size, entry.keys)
 
     # --- watch: queue-wait limit and liveness watchdog ---
     async def _watch(self, interval_s: float) -> None:

@@ -45,6 +45,7 @@ class ResultStream:
         self.last_token: float | None = None
         self.token_gaps_s: list[float] = []  # gap before each token-bearing delta after the first (ITL)
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of prompt_tokens, those the engine's prefix cache served
         self.prompt_logprobs: tuple[TokenInfo, ...] | None = None
         self.num_tokens = 0
         self.finish_reason: FinishReason | None = None
@@ -76,7 +77,7 @@ class ResultStream:
         self._queue.put_nowait(_RESTART)  # for a collect() that already took some deltas
         self.first_token = self.last_token = None
         self.token_gaps_s = []
-        self.num_tokens = self.prompt_tokens = 0
+        self.num_tokens = self.prompt_tokens = self.cached_tokens = 0
         self.prompt_logprobs = None
         self.embedding = None
 
@@ -98,6 +99,8 @@ class ResultStream:
         self.mark_dispatched()
         if delta.prompt_tokens is not None:
             self.prompt_tokens = delta.prompt_tokens
+        if delta.cached_tokens is not None:
+            self.cached_tokens = delta.cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.embedding is not None:
@@ -178,7 +181,7 @@ class ResultStream:
         return GenerationResult(request_id=self.request_id, text="".join(parts),
                                 finish_reason=self.finish_reason or FinishReason.LENGTH, tokens=tuple(tokens),
                                 prompt_tokens=self.prompt_tokens, timings=self.timings(), payload=self.payload,
-                                prompt_logprobs=self.prompt_logprobs)
+                                prompt_logprobs=self.prompt_logprobs, cached_tokens=self.cached_tokens)
 
     def timings(self) -> RequestTimings:
         end = self.finished if self.finished is not None else self._clock()

@@ -179,17 +179,18 @@ class MessageAnswer:
         self.stops = parsed.choices[0].request.params.stop
         self.reader = AnswerReader(parsed.tools, reasoning_splitter(parsed.reasoning))
 
-    def _message(self, content: list[dict[str, Any]], reason: str | None, stop: str | None, input_tokens: int,
-                 output_tokens: int) -> dict[str, Any]:
+    def _message(self, content: list[dict[str, Any]], reason: str | None, stop: str | None, prompt_tokens: int,
+                 output_tokens: int, cached_tokens: int) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": reason, "stop_sequence": stop,
-                "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+                "stop_reason": reason, "stop_sequence": stop, "usage": _usage(prompt_tokens, output_tokens,
+                                                                              cached_tokens)}
 
     def whole(self, result: GenerationResult) -> dict[str, Any]:
         text, stop = cut_stop(result.text, result.finish_reason, self.stops)
         content = fold(self.reader.feed(text, last=True))
         reason = stop_reason(result.finish_reason, stop, self.reader.blocks.tool_uses)
-        return self._message(content, reason, stop, result.prompt_tokens, result.generated_tokens)
+        return self._message(content, reason, stop, result.prompt_tokens, result.generated_tokens,
+                             result.cached_tokens)
 
     async def events(self, stream: ResultStream, rid: str) -> AsyncIterator[str]:
         """``message_start`` (with the first delta), the blocks' events with a ``ping`` after the first block's
@@ -201,8 +202,8 @@ class MessageAnswer:
             async for delta in stream:
                 if not started:
                     started = True
-                    yield _sse({"type": "message_start", "message": self._message([], None, None,
-                                                                                  stream.prompt_tokens, 0)})
+                    yield _sse({"type": "message_start", "message": self._message(
+                        [], None, None, stream.prompt_tokens, 0, stream.cached_tokens)})
                 finish = delta.finish_reason or finish
                 text, stop = cut_stop(delta.text, delta.finish_reason, self.stops)
                 for event in self.reader.feed(text, last=delta.finish_reason is not None):
@@ -211,8 +212,8 @@ class MessageAnswer:
                         pinged = True
                         yield _sse({"type": "ping"})
             if not started:
-                yield _sse({"type": "message_start", "message": self._message([], None, None, stream.prompt_tokens,
-                                                                              0)})
+                yield _sse({"type": "message_start", "message": self._message(
+                    [], None, None, stream.prompt_tokens, 0, stream.cached_tokens)})
             if not self.reader.finished:
                 for event in self.reader.feed("", last=True):
                     yield _sse(event)
@@ -220,7 +221,7 @@ class MessageAnswer:
                 yield _sse({"type": "ping"})
             reason = stop_reason(finish, stop, self.reader.blocks.tool_uses)
             yield _sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop},
-                        "usage": {"input_tokens": stream.prompt_tokens, "output_tokens": stream.num_tokens}})
+                        "usage": _usage(stream.prompt_tokens, stream.num_tokens, stream.cached_tokens)})
             yield _sse({"type": "message_stop"})
         except ServingError as exc:
             body = error_body(ERROR_TYPES.get(exc.kind, "api_error"), exc.message, rid)
@@ -228,3 +229,10 @@ class MessageAnswer:
         finally:
             if not stream.done:
                 stream.cancel()
+
+
+def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, int]:
+    """Anthropic's usage: ``input_tokens`` are the prompt's tokens not read from the prefix cache, which
+    ``cache_read_input_tokens`` counts (nothing is written to a cache on request: ``cache_creation_input_tokens`` 0)."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens,
+            "cache_creation_input_tokens": 0, "output_tokens": output_tokens}

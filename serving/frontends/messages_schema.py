@@ -287,8 +287,8 @@ def to_chat(req: CountTokensRequest) -> dict[str, Any]:
 # --- /openapi.json ----------------------------------------------------------------------------------------
 def openapi_components(limits: Any) -> dict[str, Any]:
     """The request schemas (from the models above) and the answers' and errors' shapes."""
-    usage = {"type": "object", "properties": {"input_tokens": {"type": "integer"}, "output_tokens": {"type":
-                                                                                                    "integer"}}}
+    usage = {"type": "object", "properties": {name: {"type": "integer"} for name in (
+        "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "output_tokens")}}
     return {**json_schemas(MODELS, limits),
             "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
                 "type": {"const": "error"}, "request_id": {"type": "string"},

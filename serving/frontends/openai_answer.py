@@ -105,15 +105,18 @@ class Answer:
 
     def _usage(self, results: list[Any], choices: list[Choice] | None = None) -> dict[str, Any]:
         prompt: dict[int, int] = {}
+        cached: dict[int, int] = {}  # per prompt: its tokens the prefix cache served (OpenAI's cached_tokens)
         completion = 0
         for choice, r in zip(choices or self.parsed.choices, results, strict=True):
             prompt[choice.prompt_index] = r.prompt_tokens
+            cached[choice.prompt_index] = r.cached_tokens
             completion += r.generated_tokens if isinstance(r, GenerationResult) else r.num_tokens
         if self.parsed.echo_only:
             completion = 0  # the one token generated is not part of the answer
         total_prompt = sum(prompt.values())
         return {"prompt_tokens": total_prompt, "completion_tokens": completion,
-                "total_tokens": total_prompt + completion}
+                "total_tokens": total_prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     def _logprobs(self, tokens: list[TokenInfo], prompt: tuple[TokenInfo, ...] | None = None) -> dict[str, Any] | None:
         if self.parsed.logprobs is None:

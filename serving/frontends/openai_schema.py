@@ -81,10 +81,19 @@ def sampling(body: OpenAIRequest, max_new_tokens: int | None, logprobs: int | No
         "bad_words": tuple(body.bad_words) if body.bad_words else None,
         "include_stop_str_in_output": body.include_stop_str_in_output, "skip_special_tokens": body.skip_special_tokens,
         "grammar": structured.one_of(("tool_choice", tool_grammar), ("response_format", constraint(body)))}, limits)
-    params = replace(params, do_sample=params.temperature != 0.0, prompt_logprobs=body.prompt_logprobs)
+    params = replace(params, do_sample=params.temperature != 0.0, prompt_logprobs=body.prompt_logprobs,
+                     cache_salt=body.cache_salt)
     if logprobs is not None:
         params = replace(params, details=True, logprobs=logprobs)
     return params
+
+
+def affinity(body: OpenAIRequest) -> str | None:
+    """The key whose requests stick to one worker (``rolling`` batcher): OpenAI's ``prompt_cache_key``, else the
+    ``user``; prefixed so that neither can name the other's key or a SageMaker session."""
+    if body.prompt_cache_key is not None:
+        return "prompt_cache_key:" + body.prompt_cache_key
+    return "user:" + body.user if body.user is not None else None
 
 
 def constraint(body: OpenAIRequest) -> str | None:
@@ -163,7 +172,7 @@ def parse_completion(body: Any, model: str, text: ModelText, rid: str, limits: L
             request = GenerationRequest(
                 request_id=req_id, model=model, prompt=prompt if isinstance(prompt, str) else "",
                 prompt_token_ids=text.worker_ids(ids) if isinstance(prompt, str) else tuple(prompt), params=params,
-                stream=stream)
+                stream=stream, affinity=affinity(req))
             choices.append(Choice(index, p_index, prompt_text, request))
     return ParsedRequest(choices, stream, include_usage, logprobs, echo, None, req.prompt_logprobs, echo_only,
                          tuple(ignored), n if best_of > n else None)
@@ -216,7 +225,7 @@ def parse_chat(body: Any, model: str, text: ModelText, rid: str, limits: Limits,
     for j in range(n):
         params = base if base.seed is None or n == 1 else replace(base, seed=base.seed + j)
         request = GenerationRequest(request_id=rid if n == 1 else f"{rid}-{j}", model=model, prompt=prompt,
-                                    params=params, stream=stream,
+                                    params=params, stream=stream, affinity=affinity(req),
                                     prompt_token_ids=tuple(cut) if cut is not None else text.worker_ids(ids))
         choices.append(Choice(j, 0, prompt, request))
     return ParsedRequest(choices, stream, include_usage, logprobs, False, plan, req.prompt_logprobs,

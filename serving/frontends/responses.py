@@ -368,7 +368,8 @@ class Job:
             r["status"] = "completed"
         r["output"] = builder.finish("completed" if r["status"] == "completed" else "incomplete")
         prompt, generated = self.stream.prompt_tokens, self.stream.num_tokens
-        r["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        r["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": self.stream.cached_tokens,
+                                                                "cache_write_tokens": 0},
                       "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                       "total_tokens": prompt + generated}
         if r["status"] == "completed":

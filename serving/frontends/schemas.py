@@ -121,7 +121,13 @@ class OpenAIRequest(StrictModel):
         None, description="choices per prompt (default 1); prompts x n at most max_sequences_per_request")
     stop: Stop | None = None
     seed: Seed | None = Field(None, description="reproducible sampling; choice j of n uses seed + j")
-    user: Annotated[str, Field(max_length=256), TEXT] | None = Field(None, description="an end-user id (ignored)")
+    user: Annotated[str, Field(max_length=256), TEXT] | None = Field(
+        None, description="an end-user id: without prompt_cache_key, the user's requests stick to one worker "
+        "(its prefix cache holds their conversation)")
+    prompt_cache_key: Annotated[str, Field(min_length=1, max_length=256), TEXT] | None = Field(
+        None, description="OpenAI's: requests with the same key stick to one worker (its prefix cache)")
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256), TEXT] | None = Field(
+        None, description="vLLM's: only requests with the same salt share prefix-cache blocks")
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None

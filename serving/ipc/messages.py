@@ -91,6 +91,8 @@ class Deltas:
     deltas: list[dict[str, Any]]
     stats: dict[str, Any] = field(default_factory=dict)
     step_s: float = 0.0
+    # the prefix-cache keys registered and evicted since the last frame (RollingHandler.prefix_events), or None
+    prefix: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

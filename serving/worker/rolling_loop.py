@@ -74,7 +74,8 @@ class RollingLoop:
             self._admit_probation()
             if not self.handler.has_work():
                 if aborted:  # no step will follow: publish the freed blocks now
-                    self.conn.send(Deltas(step=self.step, deltas=[], stats=self.handler.stats()))
+                    self.conn.send(Deltas(step=self.step, deltas=[], stats=self.handler.stats(),
+                                          prefix=self.handler.prefix_events()))
                 continue
             self._step()
 
@@ -189,7 +190,7 @@ class RollingLoop:
             if d.finish_reason is not None:
                 self.active.discard(d.request_id)
         self.conn.send(Deltas(step=self.step, deltas=[d.to_wire() for d in deltas], stats=self.handler.stats(),
-                              step_s=time.perf_counter() - t0))
+                              step_s=time.perf_counter() - t0, prefix=self.handler.prefix_events()))
 
     def _step_failed(self, exc: Exception) -> None:
         self._check_health()  # a dead rank explains the failure: restart instead of failing requests

@@ -44,6 +44,11 @@ def client(server: ServerProcess) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=300)
 
 
+def prompt_of(usage: Any) -> int:
+    """The prompt's tokens: Anthropic's usage splits off those read from the prefix cache."""
+    return int(usage.input_tokens + (usage.cache_read_input_tokens or 0))
+
+
 def create(client: anthropic.Anthropic, **kwargs: Any) -> Message:
     """``messages.create``, its JSON validated as the SDK's ``Message`` (the SDK itself builds it unchecked)."""
     raw = client.messages.with_raw_response.create(**kwargs)
@@ -101,8 +106,8 @@ def test_a_plain_answer_is_the_chat_routes_greedy_answer(server: ServerProcess, 
     choice = same["choices"][0]
     assert msg.content[0].text == choice["message"]["content"]  # type: ignore[union-attr]
     assert msg.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[choice["finish_reason"]]
-    assert (msg.usage.input_tokens, msg.usage.output_tokens) == (same["usage"]["prompt_tokens"],
-                                                                 same["usage"]["completion_tokens"])
+    assert (prompt_of(msg.usage), msg.usage.output_tokens) == (same["usage"]["prompt_tokens"],
+                                                                same["usage"]["completion_tokens"])
 
 
 def test_system_blocks_and_a_string_system_are_one_prompt(client: anthropic.Anthropic) -> None:
@@ -121,12 +126,15 @@ def test_a_streamed_answer_is_the_whole_answer_in_anthropics_events(server: Serv
         final = stream.get_final_message()
     assert names[:2] == ["message_start", "content_block_start"] and names[-2:] == ["message_delta", "message_stop"]
     assert blocks(final) == blocks(whole) and final.stop_reason == whole.stop_reason
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    # the prompt's tokens: those read from the prefix cache (the second call's hit) and the rest
+    prompt = prompt_of(whole.usage)
+    assert prompt_of(final.usage) == prompt
     assert final.usage.output_tokens == whole.usage.output_tokens
     events = sse(server, kwargs, {"anthropic-beta": "some-beta-2025-01-01"})  # headers accepted and ignored
     assert_order([n for n, _ in events])
     start, delta = events[0][1], events[-2][1]
-    assert start["message"]["usage"]["input_tokens"] == whole.usage.input_tokens
+    usage = start["message"]["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt
     assert start["message"]["stop_reason"] is None and start["message"]["content"] == []
     assert delta["delta"] == {"stop_reason": whole.stop_reason, "stop_sequence": None}
     assert delta["usage"]["output_tokens"] == whole.usage.output_tokens
@@ -146,7 +154,7 @@ def test_tool_use_with_any_then_a_tool_result_turn(server: ServerProcess, client
         assert use.id.startswith("toolu_") and use.name == "get_weather"
         jsonschema.validate(use.input, WEATHER["input_schema"])
     assert client.messages.count_tokens(model=MODEL, tools=[WEATHER], tool_choice={"type": "any"},
-                                        messages=ask).input_tokens == msg.usage.input_tokens
+                                        messages=ask).input_tokens == prompt_of(msg.usage)
 
     events = sse(server, kwargs)
     assert_order([n for n, _ in events])
@@ -170,9 +178,9 @@ def test_tool_use_with_any_then_a_tool_result_turn(server: ServerProcess, client
                     tool_choice={"type": "none"}, messages=turn)
     assert answer.stop_reason in ("end_turn", "max_tokens") and [b.type for b in answer.content] == ["text"]
     assert answer.content[0].text.strip()  # type: ignore[union-attr]
-    assert answer.usage.input_tokens > msg.usage.input_tokens  # the call and its result reached the prompt
+    assert prompt_of(answer.usage) > prompt_of(msg.usage)  # the call and its result reached the prompt
     assert client.messages.count_tokens(model=MODEL, tools=[WEATHER], tool_choice={"type": "none"},
-                                        messages=turn).input_tokens == answer.usage.input_tokens
+                                        messages=turn).input_tokens == prompt_of(answer.usage)
 
 
 def test_a_named_tool_gives_one_call_of_that_tool(client: anthropic.Anthropic) -> None:
@@ -202,7 +210,7 @@ def test_count_tokens_is_the_answers_input_tokens(client: anthropic.Anthropic) -
     raw = client.messages.with_raw_response.count_tokens(model=MODEL, system=SYSTEM, tools=[WEATHER],
                                                          tool_choice={"type": "auto"}, messages=conversation)
     count = MessageTokensCount.model_validate(raw.http_response.json())
-    assert count.input_tokens == msg.usage.input_tokens
+    assert count.input_tokens == prompt_of(msg.usage)
     plain = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=conversation).input_tokens
     assert plain < count.input_tokens  # the tools are part of the prompt
 
@@ -298,10 +306,10 @@ def test_x_api_key_is_the_inference_token(auth_server: ServerProcess) -> None:
     good = anthropic.Anthropic(base_url=auth_server.url, api_key=token, max_retries=0, timeout=120)
     msg = create(good, model="tiny-rb", max_tokens=3, messages=ASK)
     assert msg.usage.input_tokens > 0 and msg.stop_reason in ("end_turn", "max_tokens")
-    assert good.messages.count_tokens(model="tiny-rb", messages=ASK).input_tokens == msg.usage.input_tokens
+    assert good.messages.count_tokens(model="tiny-rb", messages=ASK).input_tokens == prompt_of(msg.usage)
     bearer = anthropic.Anthropic(base_url=auth_server.url, auth_token=token, max_retries=0, timeout=120)
-    assert create(bearer, model="tiny-rb", max_tokens=3, extra_body=GREEDY, messages=ASK).usage == create(
-        good, model="tiny-rb", max_tokens=3, extra_body=GREEDY, messages=ASK).usage
+    usages = [create(c, model="tiny-rb", max_tokens=3, extra_body=GREEDY, messages=ASK).usage for c in (bearer, good)]
+    assert len({(prompt_of(u), u.output_tokens) for u in usages}) == 1
     for wrong in (token[:-1] + ("A" if token[-1] != "A" else "B"), auth_server.tokens["management"]):
         bad = anthropic.Anthropic(base_url=auth_server.url, api_key=wrong, max_retries=0, timeout=120)
         for counting in (False, True):

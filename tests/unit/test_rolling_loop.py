@@ -55,6 +55,9 @@ class FakeEngine:
     def stats(self) -> dict[str, Any]:
         return {"num_running": len(self.requests)}
 
+    def prefix_events(self) -> dict[str, Any] | None:
+        return None  # no prefix cache
+
     def step(self) -> list[TokenDelta]:
         self.steps += 1
         if self.wedged or any(r[0].prompt == "wedge" for r in self.requests.values()):

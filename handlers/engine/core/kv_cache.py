@@ -6,7 +6,8 @@ block of a known token prefix, evictable least-recently-used). A full block's ke
 of its parent block's key and its own token ids, so equal prefixes map to equal chains of keys and a hit
 needs no verification: two different prefixes sharing a key would take a SHA-256 collision (as vLLM;
 Python's ``hash()`` collides trivially, e.g. ``hash(2**61 - 1) == hash(0)``, and would serve one request's
-KV to another).
+KV to another). The keys come from ``rollcore.prefix_keys``, which the frontend's router shares: the allocator
+records the keys it registers and evicts (``take_events``) so that the worker can report them.
 
 Placement favours *contiguous* block tables (a sequence's next block is the one after its last, when
 free; a new sequence starts in the middle of the largest free run) because the runner can then read a
@@ -15,26 +16,15 @@ sequence's KV as a view instead of gathering it every step.
 
 from __future__ import annotations
 
-import hashlib
 import re
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
+from rollcore.prefix_keys import block_key, root_key, short_key
+
+__all__ = ["BlockAllocator", "block_key", "root_key"]
+
 _FREE_RUN = re.compile(b"\x01+")
-_ROOT = b"\x00" * 32  # the parent of a sequence's first block
-
-
-def block_key(parent: bytes | None, tokens: Seq[int]) -> bytes:
-    """Prefix-cache key of a full block: ``sha256(parent key + token ids as little-endian uint64)``, 32
-    bytes; it depends on every token of the prefix up to the block's end."""
-    return hashlib.sha256((parent or _ROOT) + struct.pack(f"<{len(tokens)}Q", *tokens)).digest()
-
-
-def root_key(adapter: str | None) -> bytes | None:
-    """The parent key of a sequence's first block: None for the base model; for a LoRA adapter a key of its
-    own, since the same tokens under another adapter hold other KV."""
-    return None if adapter is None else hashlib.sha256(b"adapter\x00" + adapter.encode()).digest()
 
 
 class BlockAllocator:
@@ -59,6 +49,11 @@ class BlockAllocator:
         self.num_touched_blocks = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # short_key -> held (True: registered, False: evicted) since the last take_events, the latest change of
+        # each key winning; past the bound nobody took them (an engine with no frontend): dropped, and the next
+        # report is the whole set instead
+        self._changes: dict[int, bool] = {}
+        self._resync = False
 
     # ----------------------------------------------------------------- gauges
     @property
@@ -118,6 +113,27 @@ class BlockAllocator:
         if key not in self._by_key:
             self._by_key[key] = block_id
             self._key[block_id] = key
+            self._note(key, True)
+
+    def _note(self, key: bytes, held: bool) -> None:
+        if self._resync:
+            return
+        self._changes[short_key(key)] = held
+        if len(self._changes) > 2 * self.num_blocks:
+            self._changes.clear()
+            self._resync = True
+
+    def take_events(self) -> dict[str, object] | None:
+        """The prefix keys registered (``add``) and evicted (``del``) since the last call (net of each other), or
+        None when none; ``reset``: ``add`` is the whole set the cache holds (earlier changes were dropped)."""
+        if self._resync:
+            self._resync = False
+            return {"reset": True, "add": [short_key(k) for k in self._by_key], "del": []}
+        if not self._changes:
+            return None
+        changes, self._changes = self._changes, {}
+        return {"add": [k for k, held in changes.items() if held],
+                "del": [k for k, held in changes.items() if not held]}
 
     # ------------------------------------------------------------- allocation
     def allocate(self, block_table: list[int], num_new: int) -> None:
@@ -165,6 +181,7 @@ class BlockAllocator:
         key = self._key[block]
         if key is not None and self._by_key.get(key) == block:
             del self._by_key[key]
+            self._note(key, False)
         self._key[block] = None
         return block
 

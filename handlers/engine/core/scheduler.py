@@ -399,7 +399,7 @@ class Scheduler:
         bs = self.config.block_size
         while len(seq.block_hashes) < seq.num_computed_tokens // bs:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else root_key(seq.params.adapter)
+            parent = seq.block_hashes[-1] if seq.block_hashes else _root(seq)
             key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(key)
             self.allocator.register_full_block(seq.block_ids[i], key)
@@ -459,7 +459,7 @@ class Scheduler:
         # prompt (a cached block holds KV, not logits or hidden states).
         whole = seq.params.prompt_logprobs is not None or seq.pooling not in (None, "last")
         reusable = 0 if whole else seq.num_tokens - 1
-        cached, keys = alloc.match_prefix(seq.token_ids, reusable, root_key(seq.params.adapter))
+        cached, keys = alloc.match_prefix(seq.token_ids, reusable, _root(seq))
         num_cached_tokens = len(cached) * self.config.block_size
         n = min(seq.num_tokens - num_cached_tokens, budget)
         total_blocks = -(-(num_cached_tokens + n) // self.config.block_size)
@@ -476,3 +476,8 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return ScheduledChunk(seq, num_cached_tokens, n)
+
+
+def _root(seq: Sequence) -> bytes | None:
+    """The parent key of ``seq``'s first block: its adapter and cache salt (``rollcore.prefix_keys.root_key``)."""
+    return root_key(seq.params.adapter, seq.params.cache_salt)

@@ -7,6 +7,7 @@ requests."""
 from __future__ import annotations
 
 import math
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -188,7 +189,8 @@ def echo_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
         write_model(root / "model_store" / "ver", version, {"option.entryPoint": "echo"})
     echo = {"option.entryPoint": "echo"}
     server = ServerProcess.start(root, models={"e1": {**echo, "idle_ttl": "1"}, "e2": echo, "e3": echo},
-                                 config={"model_load_wait": "0", "load_on_demand": "true"})
+                                 config={"model_load_wait": "0", "load_on_demand": "true", "model_store_watch": "true",
+                                         "model_store_watch_quiet_ms": "200"})
     yield server
     server.stop()
 
@@ -258,3 +260,20 @@ def test_a_readiness_check_loads_nothing(echo_store: ServerProcess) -> None:
     assert httpx.get(f"{server.url}/ping", timeout=30).status_code == 200  # it waits for no model loaded on demand
     entry = model(server, "e3")
     assert entry["residency"]["state"] == "registered" and entry["residency"]["loads"] == 0
+
+
+def test_the_watched_store_registers_a_new_folder_without_loading_it(echo_store: ServerProcess) -> None:
+    server = echo_store
+    folder = write_model(server.workdir / "model_store", "e4", {"option.entryPoint": "echo"})
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{server.mgmt}/models/e4", headers=server.mgmt_headers, timeout=10).status_code == 404:
+        assert time.monotonic() < deadline, "the watched store did not register e4"
+        time.sleep(0.05)
+    assert model(server, "e4")["residency"]["state"] == "registered"
+    assert httpx.post(f"{server.url}/predictions/e4", json={"inputs": "hi"}, timeout=30).status_code == 503
+    wait_state(server, "e4", "ready")
+    assert httpx.post(f"{server.url}/predictions/e4", json={"inputs": "hi"}, timeout=30).status_code == 200
+    shutil.rmtree(folder)  # removed: unregistered, its workers stopped
+    while httpx.get(f"{server.mgmt}/models/e4", headers=server.mgmt_headers, timeout=10).status_code != 404:
+        assert time.monotonic() < deadline + 60, "the watched store did not unregister e4"
+        time.sleep(0.05)

@@ -103,8 +103,9 @@ def test_every_option_the_engine_reads_is_in_the_schema_and_back() -> None:
     read = engine_reads()
     assert read - set(OPTIONS) == set()
     assert all(ENGINE in OPTIONS[key].readers for key in read)
-    # ...and the schema names no engine option that EngineConfig ignores (model_id: where the loader looks)
-    assert {key for key, spec in OPTIONS.items() if ENGINE in spec.readers} - read == {"model_id"}
+    # ...and the schema names no engine option that EngineConfig ignores (model_id: where the loader looks;
+    # origin_model_id: where a follower host fetches the same weights)
+    assert {key for key, spec in OPTIONS.items() if ENGINE in spec.readers} - read == {"model_id", "origin_model_id"}
 
 
 def test_engine_defaults_are_the_schemas() -> None:

@@ -41,11 +41,11 @@ from handlers.engine.execution.runner import StepInputs
 from handlers.engine.execution.sharding import shard_model
 from handlers.engine.execution.weights import WeightsMismatch, manifest, weight_files
 from handlers.engine.planning.checkpoint import weights_dir
+from handlers.engine.planning.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 _STOP = -1
-DEFAULT_STEP_TIMEOUT_S = 60.0  # option.tensor_parallel_timeout's default (rollcore.options)
 
 
 def pack_step(inputs: StepInputs) -> torch.Tensor:
@@ -179,8 +179,8 @@ def start_group(world_size: int, model_dir: Path, options: Mapping[str, str],
         raise
     where = f" on {spec.nodes} hosts" if spec is not None else ""
     logger.info("tensor parallel group of %d ranks up%s (%s)", world_size, where, dist.get_backend())
-    timeout_s = float(options.get("tensor_parallel_timeout") or DEFAULT_STEP_TIMEOUT_S)
-    return TensorParallelGroup(0, world_size, children, control, rendezvous, step_timeout_s=timeout_s)
+    return TensorParallelGroup(0, world_size, children, control, rendezvous,
+                               step_timeout_s=EngineConfig.from_options(options).tensor_parallel_timeout_s)
 
 
 def _share_weights(rendezvous: Rendezvous, model_dir: Path, options: Mapping[str, str]) -> dict[str, Any]:
@@ -192,7 +192,7 @@ def _share_weights(rendezvous: Rendezvous, model_dir: Path, options: Mapping[str
     logger.info("weights for the follower hosts: %d files, %.1f MiB", len(entries),
                 sum(e.size for e in entries) / 2**20)
     return {"manifest": [e.to_wire() for e in entries], "origin": options.get("origin_model_id"),
-            "mode": options.get("follower_weights") or "auto"}
+            "mode": EngineConfig.from_options(options).follower_weights}
 
 
 def _assign(rendezvous: Rendezvous, follower: Any, assignment: dict[str, Any]) -> None:

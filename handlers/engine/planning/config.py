@@ -49,6 +49,8 @@ class EngineConfig:
     allow_unsafe_weights: bool = False
     seed: int = 0
     tensor_parallel_degree: int = 1
+    tensor_parallel_timeout_s: float = 60.0  # rank 0's longest wait for a peer within a step (execution.parallel)
+    follower_weights: str = "auto"  # auto | resolve | stream: how follower hosts get the weights
     speculative_draft: str = "none"  # none | ngram (handlers.engine.core.speculative)
     num_speculative_tokens: int = 8
     prompt_lookup_min: int = 1
@@ -113,6 +115,8 @@ class EngineConfig:
             allow_unsafe_weights=get("allow_unsafe_weights"),
             seed=get("seed"),
             tensor_parallel_degree=get("tensor_parallel_degree"),
+            tensor_parallel_timeout_s=get("tensor_parallel_timeout"),
+            follower_weights=get("follower_weights"),
             speculative_draft=get("speculative_draft"),
             num_speculative_tokens=get("num_speculative_tokens"),
             prompt_lookup_min=get("prompt_lookup_min"),

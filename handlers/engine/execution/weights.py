@@ -15,9 +15,10 @@ import hashlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from handlers.engine.execution.rendezvous import MAX_READ, recv_frame, send_frame
 from rollcore.errors import ConfigError
@@ -42,12 +43,12 @@ class FileEntry:
     size: int
     sha256: str
 
-    def to_wire(self) -> dict[str, object]:
+    def to_wire(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "sha256": self.sha256}
 
     @classmethod
-    def from_wire(cls, d: dict[str, object]) -> FileEntry:
-        return cls(str(d["name"]), int(d["size"]), str(d["sha256"]))  # type: ignore[call-overload]
+    def from_wire(cls, d: Mapping[str, Any]) -> FileEntry:
+        return cls(str(d["name"]), int(d["size"]), str(d["sha256"]))
 
 
 def weight_files(folder: Path) -> dict[str, Path]:

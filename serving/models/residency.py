@@ -4,8 +4,9 @@ Design note: every registered version has a ``Residence`` (its keys: ``load_on_d
 A model with ``load_on_demand`` is registered at start but loads on its first request; the others load at start
 as before. Loads on demand go one at a time, so each decision sees what the others hold: a model holds the
 largest proportional set size measured of its workers since it loaded (``serving.models.budget``), or, before a
-measurement, what it is predicted to take: an earlier load of the same weights, else the engine's memory plan
-(``handlers.preflight.planned_memory``) plus a worker's own overhead. When the prediction does not fit beside what
+measurement, what it is predicted to take: the engine's memory plan (``handlers.preflight.planned_memory``) plus
+a worker's own overhead; for a model the engine does not plan, an earlier load's measured peak, else its
+checkpoint's size. When the prediction does not fit beside what
 the others hold, idle models (nothing queued or running) are unloaded least recently used first; pinned ones never,
 and a busy one is waited for (its requests in flight finish first). A model that cannot fit even with every
 unpinned model unloaded fails its own requests with a 503 naming both figures; the others are untouched.
@@ -112,8 +113,8 @@ class Residency:
         ep.residency = self
 
     def _predict(self, cfg: Any, weights: str) -> tuple[int, str]:
-        if weights in self._peak:
-            return self._peak[weights], "measured"
+        """The engine's plan (an upper bound: its KV cache at full size); for a model it does not plan, an earlier
+        load's measured peak, else the checkpoint's size."""
         workers = max(1, cfg.min_workers)
         if cfg.batching.rolling:
             from handlers.preflight import planned_memory  # torch-free
@@ -126,6 +127,8 @@ class Residency:
                 one = (plan.weight_bytes + plan.prepack_bytes + plan.activation_bytes + plan.kv_cache_bytes
                        + WORKER_OVERHEAD * plan.tensor_parallel_degree)
                 return workers * one, "preflight"
+        if weights in self._peak:
+            return self._peak[weights], "measured"
         files = sum(p.stat().st_size for p in Path(cfg.model_dir).glob("*.safetensors") if p.is_file())
         return workers * (files + WORKER_OVERHEAD), "checkpoint"
 
@@ -210,6 +213,8 @@ class Residency:
         async with self._lock:
             if ep.state not in NOT_RESIDENT or ep.residency is not self:
                 return
+            if r.predicted_from != "preflight" and r.weights in self._peak:  # no plan: what it took last time
+                r.predicted_bytes, r.predicted_from = self._peak[r.weights], "measured"
             if not await self._make_room(ep):
                 return
             r.refusal = None

@@ -91,8 +91,10 @@ def _schemas(limits: Limits, models: Sequence[str]) -> dict[str, Any]:
         for name in ("CompletionRequest", "ChatRequest", "ResponsesRequest"):
             model = requests[name]["properties"]["model"]
             model["anyOf"] = [{**b, "enum": list(models)} if b.get("type") == "string" else b for b in model["anyOf"]]
-    usage = {"type": "object", "properties": {k: {"type": "integer"} for k in
-                                              ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    usage = {"type": "object", "properties": {
+        **{k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+        # the prompt's tokens that the prefix cache served (docs/routing.md)
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
     return {
         **requests,
         **embedding_components(limits),  # /v1/embeddings (OpenAI's error body)

@@ -150,7 +150,10 @@ class ResponsesRequest(StrictModel):
                                     "with POST /v1/responses/{id}/cancel (needs store, not with stream)")
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = Field(
         None, description="up to 16 string pairs, returned with the response")
-    user: Annotated[str, Field(max_length=256)] | None = Field(None, description="an end-user id (ignored)")
+    user: Annotated[str, Field(max_length=256)] | None = Field(
+        None, description="an end-user id: without prompt_cache_key, the user's requests stick to one worker")
+    prompt_cache_key: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        None, description="requests with the same key stick to one worker (its prefix cache)")
     truncation: Annotated[str, Only(("disabled",), "must be 'disabled': a prompt longer than the context is a 400")
                           ] | None = None
     include: Annotated[list[Includable], Field(max_length=8)] | None = Field(
@@ -244,7 +247,7 @@ def chat_body(req: ResponsesRequest, model: str, messages: list[dict[str, Any]])
             body["response_format"] = {"type": "json_object"}
     fields = {"parallel_tool_calls": req.parallel_tool_calls, "max_completion_tokens": req.max_output_tokens,
               "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stream": req.stream,
-              "user": req.user}
+              "user": req.user, "prompt_cache_key": req.prompt_cache_key}
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
 

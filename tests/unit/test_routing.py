@@ -222,3 +222,15 @@ def test_a_pinned_key_ignores_the_bound() -> None:
         assert added(w1) == ["x", "p"]
 
     run(main())
+
+
+def test_openai_sessions_are_keyed_by_prompt_cache_key_then_user() -> None:
+    from serving.frontends.openai_schema import affinity
+    from serving.frontends.schemas import ChatRequest
+
+    def key(**fields: Any) -> str | None:
+        return affinity(ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields}))
+
+    assert key(user="ann", prompt_cache_key="k1") == "prompt_cache_key:k1"
+    assert key(user="ann") == "user:ann" and key() is None
+    assert key(prompt_cache_key="user:ann") != key(user="ann")  # neither names the other's key

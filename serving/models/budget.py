@@ -79,8 +79,8 @@ def human(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _children(proc: Path) -> dict[int, list[int]]:
-    """Parent pid -> child pids, from every ``/proc/PID/stat``."""
+def children_of(proc: Path = PROC) -> dict[int, list[int]]:
+    """Parent pid -> child pids, from every ``/proc/PID/stat``: where the kernel keeps no ``children`` lists."""
     out: dict[int, list[int]] = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
@@ -96,16 +96,40 @@ def _children(proc: Path) -> dict[int, list[int]]:
     return out
 
 
+def _kids(pid: int, proc: Path) -> list[int] | None:
+    """The children of ``pid`` from its threads' ``children`` lists; None where the kernel has none."""
+    out: list[int] = []
+    try:
+        tasks = list((proc / str(pid) / "task").iterdir())
+    except OSError:
+        return []  # gone
+    for task in tasks:
+        try:
+            out += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            if not (task / "children").parent.exists():
+                continue  # the thread ended
+            return None
+        except OSError:
+            continue
+    return out
+
+
 def tree(pids: Iterable[int], proc: Path = PROC) -> list[int]:
     """``pids`` and every process below them."""
-    children = _children(proc)
+    scanned: dict[int, list[int]] | None = None
     seen: list[int] = []
     todo = [p for p in pids if p]
     while todo:
         pid = todo.pop()
-        if pid not in seen:
-            seen.append(pid)
-            todo.extend(children.get(pid, ()))
+        if pid in seen:
+            continue
+        seen.append(pid)
+        kids = _kids(pid, proc) if scanned is None else None
+        if kids is None:
+            scanned = scanned if scanned is not None else children_of(proc)
+            kids = scanned.get(pid, [])
+        todo.extend(kids)
     return seen
 
 

@@ -288,9 +288,15 @@ class Residency:
 
     def sample(self, ep: Any) -> int:
         """Measure what ``ep``'s workers hold now (PSS of their process trees)."""
+        return self._record(ep, tree_pss(self._pids(ep), self._proc))
+
+    @staticmethod
+    def _pids(ep: Any) -> list[int]:
+        return [h.pid for h in ep.pool.workers.values() if h.pid]
+
+    def _record(self, ep: Any, size: int) -> int:
         r = ep.residence
-        pids = [h.pid for h in ep.pool.workers.values() if h.pid]
-        r.memory_bytes = tree_pss(pids, self._proc) if pids else 0
+        r.memory_bytes = size
         r.peak_bytes = max(r.peak_bytes, r.memory_bytes)
         if r.peak_bytes:
             self._peak[r.weights] = max(self._peak.get(r.weights, 0), r.peak_bytes)
@@ -319,9 +325,12 @@ class Residency:
         """Sample every loaded model; unload those idle past their ``idle_ttl``, then idle ones (least recently
         used first) while what the models hold exceeds the budget."""
         now = time.monotonic()
-        for ep in self._resident():
-            if ep.state is ModelState.READY:
-                self.sample(ep)
+        loaded = [(ep, self._pids(ep)) for ep in self._resident() if ep.state is ModelState.READY]
+        # read in a thread: /proc of many processes is no work for the event loop
+        sizes = await asyncio.to_thread(lambda: [tree_pss(pids, self._proc) for _, pids in loaded])
+        for (ep, _), size in zip(loaded, sizes, strict=True):
+            if ep.state is ModelState.READY:  # not unloaded meanwhile
+                self._record(ep, size)
         async with self._lock:
             for ep in self._resident():
                 r = ep.residence

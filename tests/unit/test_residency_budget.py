@@ -88,3 +88,24 @@ def test_model_keys_and_the_server_default(tmp_path: Path) -> None:
     (folder / "serving.properties").write_text("option.entryPoint=echo\nidle_ttl=0\n")
     with pytest.raises(ConfigError, match=r"serving\.properties:2: idle_ttl = '0': expected a number > 0"):
         load_model_config(folder)
+
+
+def _fake_proc(root: Path, parents: dict[int, int], children_files: bool) -> Path:
+    for pid, ppid in parents.items():
+        (root / str(pid) / "task" / str(pid)).mkdir(parents=True)
+        (root / str(pid) / "stat").write_text(f"{pid} (a (b) c) S {ppid} 0 0\n")
+        if children_files:
+            kids = " ".join(str(k) for k, p in parents.items() if p == pid)
+            (root / str(pid) / "task" / str(pid) / "children").write_text(kids + " " if kids else "")
+        (root / str(pid) / "smaps_rollup").write_text(f"Rss: 9 kB\nPss: {pid} kB\n")
+    return root
+
+
+@pytest.mark.parametrize("children_files", [True, False])
+def test_trees_from_children_lists_or_from_every_stat(tmp_path: Path, children_files: bool) -> None:
+    """A worker (10) with a child (11) and a grandchild (12), beside an unrelated process (20): the kernel's children
+    lists where it keeps them, else every process's parent from its stat line (a name with spaces and parentheses)."""
+    proc = _fake_proc(tmp_path, {10: 1, 11: 10, 12: 11, 20: 1}, children_files)
+    assert sorted(tree([10], proc)) == [10, 11, 12]
+    assert tree_pss([10], proc) == (10 + 11 + 12) * 1024
+    assert tree([], proc) == []

@@ -160,8 +160,8 @@ class WorkerPool:
         cause = getattr(worker, "exit_cause", "crash")
         self.restarts_by_cause[cause] = self.restarts_by_cause.get(cause, 0) + 1
         delay = BACKOFF_S[min(self._crashes - 1, len(BACKOFF_S) - 1)]
-        log.warning("model %s: worker %d (pid %s) exited (%s); restarting in %.1fs", self.model, worker.worker_id,
-                    worker.pid, cause, delay)
+        log.warning("model %s: worker %d (pid %s) exited; restarting in %.1fs (cause: %s)", self.model,
+                    worker.worker_id, worker.pid, delay, cause)
         self._spawn(self._restart_after(delay))
 
     async def _restart_after(self, delay: float) -> None:

@@ -35,6 +35,7 @@ from serving.config import ModelConfig
 from serving.devices import DevicePlan
 from serving.ipc.messages import Init
 from serving.live_requests import LiveRequests
+from serving.models.model_text import ModelText, TextSide
 from serving.redact import scrub_paths
 from serving.worker.launcher import Launcher
 from serving.worker.pool import WorkerPool
@@ -62,6 +63,7 @@ class ModelEndpoint:
         self.reason: str | None = None
         self._observer = observer or NullObserver()
         self.load_time_s: float | None = None
+        self._texts = TextSide(self.name, config.model_dir, config.options)  # the tokenizer every route reads
         self._autoscaler: asyncio.Task[None] | None = None
         self._update_lock = asyncio.Lock()
         b = config.batching
@@ -107,6 +109,19 @@ class ModelEndpoint:
     @property
     def rolling(self) -> bool:
         return self.config.batching.rolling
+
+    @property
+    def options(self) -> Mapping[str, str]:
+        return self.config.options
+
+    @property
+    def entry_point(self) -> str:
+        return self.config.entry_point
+
+    @property
+    def text(self) -> ModelText:
+        """The model's tokenizer, chat template and context length, shared by every route."""
+        return self._texts.get(self.pool.info)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -434,6 +449,16 @@ class FailedEndpoint:
         self.rolling = False
         self.info: dict[str, Any] = {}
         self.available = False
+        # what a loaded model has, none of it here (serving.models.endpoint_protocol)
+        self.config: ModelConfig | None = None
+        self.batcher: DynamicBatcher | RollingBatcher | None = None
+        self.pool: WorkerPool | None = None
+        self.adapters: ApiAdapters | None = None
+        self.load_time_s: float | None = None
+        self.successor: ModelEndpoint | None = None
+        self.options: Mapping[str, str] = MappingProxyType({})
+        self.entry_point = ""
+        self.text = ModelText(name, None, {})
 
     def check_ready(self) -> None:
         raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
@@ -443,6 +468,9 @@ class FailedEndpoint:
 
     def cancel(self, request_id: str) -> bool:
         return False
+
+    def forget_affinity(self, key: str) -> None:
+        pass
 
     async def start(self) -> None:
         pass

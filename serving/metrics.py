@@ -12,7 +12,7 @@ versions (``serving.versions``: ``1`` for a model without versions; empty for ``
 paths or user strings as labels.
 ``*_created`` series are dropped when rendering (registry-local; no process-global switch). Each endpoint's
 batcher reports through ``for_version(version)``, an observer that adds the version label; an HTTP request's
-version is the one the registry's lookup resolved for it (``serving.served_version.RESOLVED``).
+version is the one its route resolved (``serving.frontends.httpio.note_model``: the request's state).
 """
 
 from __future__ import annotations
@@ -32,14 +32,17 @@ from rollcore.errors import ErrorKind
 from serving.batching.streams import ResultStream
 from serving.metrics_gateway import GatewayCollector
 from serving.metrics_state import StateCollector, VersionSource
-from serving.served_version import DEFAULT_VERSION, RESOLVED
+from serving.models.endpoint_protocol import Endpoint
+from serving.served_version import DEFAULT_VERSION
 
 log = logging.getLogger("serving.requests")
 
 UNKNOWN_MODEL = "__unknown__"
 REJECT_REASONS = ("queue_full", "queue_timeout", "invalid", "cancelled", "timeout", "deadline_refused",
                   "deadline_expired")
-MODEL_STATE_KEY = "model"  # a route sets ``request.state.model = ep.name`` once it resolved the model
+# a route sets ``request.state.model`` and ``request.state.model_version`` once it resolved the endpoint
+MODEL_STATE_KEY = "model"
+MODEL_VERSION_STATE_KEY = "model_version"
 REQUEST_ID_HEADER = b"x-request-id"
 INVALID_STATUSES = (400, 413, 422)
 
@@ -52,7 +55,7 @@ TOKEN_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.02
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
-ModelSource = Callable[[], Mapping[str, Any]]
+ModelSource = Callable[[], Mapping[str, Endpoint]]
 
 
 def status_class(status: int) -> str:
@@ -129,8 +132,8 @@ class ServingMetrics:
         # the same gauges under the names gateways' endpoint pickers scrape (vLLM's: serving.metrics_gateway)
         r.register(GatewayCollector(state, versions if versions is not None else self._default_versions))
 
-    def _default_versions(self) -> list[tuple[str, str, Any]]:
-        return [(n, str(getattr(ep, "version", DEFAULT_VERSION)), ep) for n, ep in self._models().items()]
+    def _default_versions(self) -> list[tuple[str, str, Endpoint]]:
+        return [(n, ep.version, ep) for n, ep in self._models().items()]
 
     def for_version(self, version: str) -> VersionObserver:
         """The ``BatchObserver`` of one version's batcher: these metrics, with its ``version`` label."""
@@ -146,7 +149,8 @@ class ServingMetrics:
         if model == UNKNOWN_MODEL:
             return ""
         if version is None:
-            version = str(getattr(self._models().get(model), "version", DEFAULT_VERSION))
+            ep = self._models().get(model)
+            version = ep.version if ep is not None else DEFAULT_VERSION
         return version
 
     # --- frontends ---
@@ -167,8 +171,6 @@ class ServingMetrics:
                 return
             state = scope.setdefault("state", {})
             seen: dict[str, Any] = {"status": 500, "rid": "-"}
-            resolved: dict[str, str] = {}
-            token = RESOLVED.set(resolved)  # the registry's lookup notes the version that answers
             start = time.monotonic()
 
             async def send_wrapper(message: dict[str, Any]) -> None:
@@ -182,9 +184,8 @@ class ServingMetrics:
             try:
                 await app(scope, receive, send_wrapper)
             finally:
-                RESOLVED.reset(token)
                 model = self.model_label(state.get(MODEL_STATE_KEY))
-                self.record_request(model, seen["status"], resolved.get("version"))
+                self.record_request(model, seen["status"], state.get(MODEL_VERSION_STATE_KEY))
                 log.info("request %s model %s: %s -> %d in %.1f ms", seen["rid"], model, scope.get("path", ""),
                          seen["status"], (time.monotonic() - start) * 1000.0,
                          extra={"request_id": seen["rid"], "model": model})

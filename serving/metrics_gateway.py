@@ -17,13 +17,14 @@ as labels; its value is the scrape's time, the protocol's "last updated timestam
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from serving.metrics_state import StateCollector, VersionSource
+from serving.models.endpoint_protocol import Endpoint
 
 RUNNING = "rollserve_num_requests_running"
 WAITING = "rollserve_num_requests_waiting"
@@ -78,7 +79,7 @@ class GatewayCollector(Collector):
         now = self._clock()
         models: dict[str, dict[str, Any]] = {}  # a model's rolling versions together, as the gauges above
         for name, _, ep in self._versions():
-            batcher = getattr(ep, "batcher", None)
+            batcher = ep.batcher
             info = _info_of(ep)
             if name not in served or batcher is None or not info:
                 continue
@@ -100,10 +101,9 @@ class GatewayCollector(Collector):
         yield lora
 
 
-def _info_of(ep: Any) -> dict[str, Any]:
+def _info_of(ep: Endpoint) -> Mapping[str, Any]:
     """The endpoint's handler description (empty before a worker is ready)."""
     try:
-        info = getattr(ep, "info", None)
+        return ep.info
     except Exception:  # noqa: BLE001 - a scrape never fails on a model that is going away
         return {}
-    return info if isinstance(info, dict) else {}

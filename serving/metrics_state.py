@@ -15,8 +15,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from rollcore.types import ModelState
+from serving.models.endpoint_protocol import Endpoint
 
-VersionSource = Callable[[], Iterable[tuple[str, str, Any]]]  # (name, version, endpoint) of every version
+VersionSource = Callable[[], Iterable[tuple[str, str, Endpoint]]]  # (name, version, endpoint) of every version
 
 
 class StateCollector(Collector):
@@ -47,18 +48,17 @@ class StateCollector(Collector):
             key = [name, version]
             for s in ModelState:
                 state.add_metric([*key, s.value], 1.0 if ep.state is s else 0.0)
-            load_s = getattr(ep, "load_time_s", None)
-            if load_s is not None:
-                load_time.add_metric(key, load_s)
-            pool = getattr(ep, "pool", None)
+            if ep.load_time_s is not None:
+                load_time.add_metric(key, ep.load_time_s)
+            pool = ep.pool
             if pool is not None:
                 ready = sum(1 for w in pool.workers.values() if w.alive)
                 workers.add_metric([*key, "ready"], ready)
-                workers.add_metric([*key, "starting"], getattr(pool, "num_starting", 0))
+                workers.add_metric([*key, "starting"], pool.num_starting)
                 workers.add_metric([*key, "stopped"], len(pool.workers) - ready)
                 for cause, n in sorted(pool.restarts_by_cause.items()):
                     restarts.add_metric([*key, cause], n)
-            batcher = getattr(ep, "batcher", None)
+            batcher = ep.batcher
             if batcher is not None:
                 d = batcher.describe()
                 if "retries_total" in d:

@@ -38,7 +38,7 @@ from serving.models.residency import Residency
 from serving.redact import scrub_paths
 from serving.registry_api import ModelApi
 from serving.reload import reload_version
-from serving.served_version import DEFAULT_VERSION, note_resolved
+from serving.served_version import DEFAULT_VERSION
 from serving.server_config import ServerConfig
 from serving.sources.cache import default_root
 from serving.sources.errors import SourceError
@@ -132,7 +132,6 @@ class ModelRegistry(ModelApi):
         if ep is None:
             what = f"model {name!r}" + (f" version {version}" if version is not None else "")
             raise ModelNotFound(f"{what} is not registered")
-        note_resolved(ep)
         return ep
 
     def get(self, name: str) -> AnyEndpoint:
@@ -183,9 +182,7 @@ class ModelRegistry(ModelApi):
     def only(self) -> AnyEndpoint:
         """The single model (SageMaker ``/invocations`` without ``model_name``)."""
         if len(self.endpoints) == 1:
-            ep = next(iter(self.endpoints.values()))
-            note_resolved(ep)
-            return ep
+            return next(iter(self.endpoints.values()))
         if not self.endpoints:
             raise ModelNotFound("no model is registered")
         raise InvalidRequest(f"{len(self.endpoints)} models are registered: name one with ?model_name= "

@@ -108,17 +108,16 @@ class Server:
         self._stop = asyncio.Event()
         self.ports: dict[str, int] = {}
         self.grpc: Any = None
-        self.lmi = LmiRoutes(self.http)
+        self.openai = OpenAIRoutes(self.http)
+        # LMI bodies with `messages` (chat) or `prompt` (completions) are answered by the OpenAI routes
+        self.lmi = LmiRoutes(self.http, self.openai.chat_for_lmi, self.openai.completion_for_lmi)
         self.versions = VersionRoutes(self.registry, config.drain_timeout_s, self.lmi.predictions)
         self.watcher: StoreWatcher | None = None
 
     def _inference_routes(self) -> list[Any]:
-        openai_routes = OpenAIRoutes(self.http)
-        self.state.extra["chat_handler"] = openai_routes.chat_for_lmi  # LMI bodies with `messages`
-        self.state.extra["completion_handler"] = openai_routes.completion_for_lmi  # LMI bodies with `prompt`
         return [*HealthRoutes(self.health, self.deep_check).routes(), *SessionRoutes(self.http, self.lmi).routes(),
                 *self.lmi.routes(), *self.versions.inference_routes(),
-                *openai_routes.routes(), *EmbeddingRoutes(self.http).routes(), *TokenizerRoutes(self.http).routes(),
+                *self.openai.routes(), *EmbeddingRoutes(self.http).routes(), *TokenizerRoutes(self.http).routes(),
                 *ResponsesRoutes(self.http, self.authority.required(Scope.INFERENCE)).routes(),
                 *MessagesRoutes(self.http).routes(),
                 *tgi.routes(self.http), *OipRestRoutes(self.http, self.health).routes(),

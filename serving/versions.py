@@ -9,7 +9,7 @@ that is still loading never takes the name's traffic from one that serves. The r
 ``endpoints[NAME]`` pointing at the default (one dict assignment: routing switches atomically).
 
 A client names ``NAME`` (the default) or ``NAME:VERSION`` (model names cannot hold ``:``); ``split_ref``
-parses it. Which version answered a request is told to the metrics through ``serving.served_version``.
+parses it. The route that resolved a request's endpoint gives the metrics its version (``httpio.note_model``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 
 from rollcore.errors import InvalidRequest
 from rollcore.types import ModelState
+from serving.models.endpoint_protocol import Endpoint
 
 
 def split_ref(ref: str) -> tuple[str, str | None]:
@@ -59,7 +60,7 @@ class ModelVersions:
     """Every version of one model name. Event-loop only; ``lock`` orders reloads, removals and default changes."""
 
     name: str
-    entries: dict[str, Any] = field(default_factory=dict)  # version -> endpoint
+    entries: dict[str, Endpoint] = field(default_factory=dict)  # version -> endpoint
     folders: dict[str, Path] = field(default_factory=dict)
     overrides: dict[str, Mapping[str, str]] = field(default_factory=dict)
     reloads: dict[str, ReloadRecord] = field(default_factory=dict)
@@ -67,13 +68,13 @@ class ModelVersions:
     pinned_by: str | None = None  # "model.properties" or "API"
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    def add(self, version: str, ep: Any, folder: Path, overrides: Mapping[str, str]) -> None:
+    def add(self, version: str, ep: Endpoint, folder: Path, overrides: Mapping[str, str]) -> None:
         ep.version = version
         self.entries[version] = ep
         self.folders[version] = folder
         self.overrides[version] = dict(overrides)
 
-    def remove(self, version: str) -> Any:
+    def remove(self, version: str) -> Endpoint:
         self.folders.pop(version, None)
         self.overrides.pop(version, None)
         self.reloads.pop(version, None)

@@ -19,7 +19,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rollcore.errors import InvalidRequest, ModelNotFound, ServingError
+from serving.adapters import ApiAdapters
 from serving.frontends.httpio import REQUEST_ID_HEADER, error_response, request_id
+from serving.models.endpoint_protocol import Endpoint
 
 
 class AdapterRoutes:
@@ -39,15 +41,15 @@ class AdapterRoutes:
         except ServingError as exc:
             return error_response(exc, rid)
 
-    def _endpoint(self, request: Request) -> tuple[Any, Any]:
+    def _endpoint(self, request: Request) -> tuple[Endpoint, ApiAdapters]:
         ep = self.registry.get(request.path_params["model"])
-        api = getattr(ep, "adapters", None)
+        api = ep.adapters
         if api is None or "adapters" not in ep.info:
             raise InvalidRequest(f"model {ep.name!r} does not serve LoRA adapters: they run on the rolling engine "
                                  "(option.rolling_batch with option.enable_lora)")
         return ep, api
 
-    def _entries(self, ep: Any, api: Any) -> list[dict[str, str]]:
+    def _entries(self, ep: Endpoint, api: ApiAdapters) -> list[dict[str, str]]:
         registered = api.registered
         return [{"name": n, "src": "api" if n in registered else "model folder"} for n in ep.info["adapters"]]
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from serving.models.endpoint_protocol import Endpoint
 
-def describe_model(ep: Any, loaded_at_startup: bool, versions: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+
+def describe_model(ep: Endpoint, loaded_at_startup: bool, versions: dict[str, Any] | None = None
+                   ) -> list[dict[str, Any]]:
     """DJL's ``GET /models/{name}`` answer for one endpoint (a ``ModelEndpoint`` or a ``FailedEndpoint``);
     ``versions``: ``ModelVersions.describe`` of its version (merged into the model object)."""
     ours = dict(ep.describe())
@@ -24,14 +27,14 @@ def describe_model(ep: Any, loaded_at_startup: bool, versions: dict[str, Any] | 
     model: dict[str, Any] = {"modelName": ep.name, "modelUrl": ours.get("model_dir", ep.name),
                              "batchSize": ours.get("batch_size", 1),
                              "maxBatchDelayMillis": ours.get("max_batch_delay", 0),
-                             "maxIdleSeconds": _config(ep, "max_idle_time_s", 0),
+                             "maxIdleSeconds": int(ep.config.max_idle_time_s) if ep.config is not None else 0,
                              "queueSize": ours.get("job_queue_size", 0),
-                             "requestInQueue": ep.batcher.num_queued() if hasattr(ep, "batcher") else 0,
+                             "requestInQueue": ep.batcher.num_queued() if ep.batcher is not None else 0,
                              "status": _status(state, workers, ours.get("min_workers", 1)),
                              "loadedAtStartup": loaded_at_startup,
                              "workerGroups": _groups(workers, ours.get("min_workers", 0), ours.get("max_workers", 0)),
                              "state": state, **ours, **(versions or {})}
-    return [{"workflowName": ep.name, "version": getattr(ep, "version", None), "models": [model]}]
+    return [{"workflowName": ep.name, "version": ep.version, "models": [model]}]
 
 
 def model_entry(body: Any) -> dict[str, Any]:
@@ -44,11 +47,6 @@ def _status(state: str, workers: list[dict[str, Any]], min_workers: int) -> str:
         return state
     ready = sum(1 for w in workers if w.get("status") == "READY")
     return "Healthy" if ready >= max(1, min_workers) else "Unhealthy"
-
-
-def _config(ep: Any, name: str, default: int) -> int:
-    config = getattr(ep, "config", None)
-    return int(getattr(config, name, default)) if config is not None else default
 
 
 def _device(devices: list[str]) -> dict[str, Any]:

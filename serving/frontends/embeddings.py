@@ -38,13 +38,16 @@ from serving.frontends.httpio import (
     body_size,
     collect_or_cancel,
     ignored_headers,
+    note_model,
     read_request,
     request_id,
     strict_parameters,
     submit_all,
 )
-from serving.frontends.prompts import ModelText, ModelTexts, off_loop
+from serving.frontends.prompts import off_loop
 from serving.frontends.schemas import MAX_TOKEN_ID, Prompt, Text, TokenIds
+from serving.models.endpoint_protocol import Endpoint
+from serving.models.model_text import ModelText
 from serving.models.residency import ensure_resident
 from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, StrictModel, json_schemas
 from serving.validation import RequestSchema
@@ -145,11 +148,11 @@ class Parsed:
     ignored: tuple[str, ...]
 
 
-def parse(body: Any, ep: Any, text: ModelText, rid: str, limits: Any) -> Parsed:
+def parse(body: Any, ep: Endpoint, text: ModelText, rid: str, limits: Any) -> Parsed:
     """An embeddings body on model ``ep`` -> its requests. Raises ``InvalidRequest`` naming the field."""
     ignored: list[str] = []
     req = EMBEDDINGS.validate(body, limits, strict=strict_parameters(ep), ignored=ignored)
-    info = dict(getattr(ep, "info", None) or {})
+    info = dict(ep.info)
     check_embeds(ep.name, info)
     size = (info.get("embedding") or {}).get("size")
     if req.dimensions is not None and isinstance(size, int) and req.dimensions > size:
@@ -197,10 +200,10 @@ def check_embeds(name: str, info: dict[str, Any]) -> None:
     raise ParamError("model", f"model {name!r} does not compute embeddings: {why}")
 
 
-def check_generates(ep: Any) -> None:
+def check_generates(ep: Endpoint) -> None:
     """Refuse a generation route on an embedding-only model before its body is parsed (an encoder has no chat
     template to fail on first); ``serving.endpoint`` refuses the same at submit for every other route."""
-    if (getattr(ep, "info", None) or {}).get("tasks") == ["embedding"]:
+    if ep.info.get("tasks") == ["embedding"]:
         raise InvalidRequest(f"model {ep.name!r} serves the task 'embedding' (option.task=embedding): it generates "
                              "no text; use POST /v1/embeddings")
 
@@ -220,7 +223,6 @@ class EmbeddingRoutes:
 
     def __init__(self, ctx: HttpContext) -> None:
         self.ctx = ctx
-        self.texts = ModelTexts()
 
     def routes(self) -> list[Route]:
         return [Route("/v1/embeddings", self.embeddings, methods=["POST"])]
@@ -230,9 +232,9 @@ class EmbeddingRoutes:
         try:
             body, model = await read_request(self.ctx, request)
             ep = self.ctx.registry.get(model) if model else self.ctx.registry.only()
-            request.state.model = ep.name  # the metrics label
+            note_model(request, ep)  # the metrics labels: the model and its version
             await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
-            parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse, body, ep, self.texts.get(ep),
+            parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse, body, ep, ep.text,
                                     rid, self.ctx.limits)
             streams = submit_all(ep, parsed.requests)
             try:

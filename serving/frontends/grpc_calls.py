@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, TypeVar
 
@@ -22,6 +22,7 @@ import grpc
 from rollcore.errors import ErrorKind, InvalidRequest, ServingError, Unavailable
 from rollcore.types import GenerationResult, ModelState
 from serving.batching.streams import ResultStream
+from serving.models.endpoint_protocol import Endpoint, is_text_model
 from serving.params import Limits
 
 log = logging.getLogger("serving.grpc")
@@ -42,7 +43,6 @@ GRPC_CODE: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.HANDLER: grpc.StatusCode.INTERNAL,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
-TEXT_ENTRY_POINTS = ("huggingface", "rolling")
 MAX_OPTION_VALUE = 999_999_999  # registration options: what the HTTP API's 9 ASCII digits allow
 # RegisterModel / RepositoryModelLoad option -> serving.properties key (same names as the HTTP API).
 REGISTER_OVERRIDES = {"batch_size": "batch_size", "max_batch_delay": "max_batch_delay",
@@ -54,13 +54,13 @@ REGISTER_OVERRIDES = {"batch_size": "batch_size", "max_batch_delay": "max_batch_
 class Registry(Protocol):
     """What the gRPC servicers need from the model registry."""
 
-    endpoints: dict[str, Any]
-
+    @property
+    def endpoints(self) -> Mapping[str, Endpoint]: ...
     @property
     def model_store(self) -> Path: ...
-    def get(self, name: str) -> Any: ...
+    def get(self, name: str) -> Endpoint: ...
     def versions_of(self, name: str) -> list[str]: ...
-    def all_endpoints(self) -> list[tuple[str, str, Any]]: ...
+    def all_endpoints(self) -> Sequence[tuple[str, str, Endpoint]]: ...
     def resolve_url(self, url: str) -> Path: ...
     async def register(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {},
                        wait: bool = True) -> Any: ...
@@ -154,18 +154,12 @@ def check_serving(ctx: FrontendContext) -> None:
         raise Unavailable("server is shutting down", retry_after_s=5)
 
 
-def is_text_model(ep: Any) -> bool:
-    return getattr(getattr(ep, "config", None), "entry_point", "") in TEXT_ENTRY_POINTS
-
-
-def strict_parameters(ep: Any) -> bool:
+def strict_parameters(ep: Endpoint) -> bool:
     """Unknown parameters are refused for text models with ``option.strict_parameters=true`` (else dropped)."""
-    config = getattr(ep, "config", None)
-    option = str(config.options.get("strict_parameters", "false")) if config is not None else "false"
-    return is_text_model(ep) and option.lower() == "true"
+    return is_text_model(ep) and str(ep.options.get("strict_parameters", "false")).lower() == "true"
 
 
-def require_streaming(ep: Any) -> None:
+def require_streaming(ep: Endpoint) -> None:
     if not ep.rolling:
         raise InvalidRequest("'stream' needs a rolling-batch model (set option.rolling_batch=auto); "
                              f"model {ep.name!r} uses dynamic batching")
@@ -184,9 +178,11 @@ def all_ready(registry: Any) -> bool:
     return all(ep.state is ModelState.READY for ep in registry.endpoints.values())
 
 
-def batching_of(ep: Any) -> str:
-    return "rolling" if getattr(ep, "config", None) is not None and ep.rolling else \
-        ("dynamic" if getattr(ep, "config", None) is not None else "")
+def batching_of(ep: Endpoint) -> str:
+    """``rolling`` or ``dynamic``; empty for a model whose configuration failed."""
+    if ep.config is None:
+        return ""
+    return "rolling" if ep.rolling else "dynamic"
 
 
 def register_overrides(options: Mapping[str, int]) -> dict[str, str]:

@@ -45,6 +45,7 @@ from serving.frontends.grpc_tensors import TextInputs, decode_inputs, text_respo
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
 from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as pb_grpc
 from serving.health import Health
+from serving.models.endpoint_protocol import Endpoint
 from serving.models.residency import ensure_resident
 from serving.params import Limits, check_sequences, check_text, check_wire_value, parse_lmi_parameters
 from serving.requests.deadlines import earliest, triton_timeout
@@ -102,16 +103,16 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     @guarded
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelMetadataResponse:
         ep = self.registry.get(_ref(request.name, request.version))
-        platform = "rollserve_rolling" if getattr(ep, "rolling", False) else "rollserve_dynamic"
+        platform = "rollserve_rolling" if ep.rolling else "rollserve_dynamic"
         return pb.ModelMetadataResponse(
-            name=ep.name, versions=self.registry.versions_of(ep.name) or [_version(ep)], platform=platform,
+            name=ep.name, versions=self.registry.versions_of(ep.name) or [ep.version], platform=platform,
             inputs=[_tensor("text_input", "BYTES", [-1]), _tensor("stream", "BOOL", [1]),
                     _tensor("sampling_parameters", "BYTES", [1]), _tensor("exclude_input_in_output", "BOOL", [1])],
             outputs=[_tensor("text_output", "BYTES", [-1])])
 
     # --- inference ---
-    def _requests(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[Any, TextInputs,
-                                                                                  list[GenerationRequest]]:
+    def _requests(self, request: Any, context: grpc.aio.ServicerContext
+                  ) -> tuple[Endpoint, TextInputs, list[GenerationRequest]]:
         check_serving(self.ctx)
         ep = self.registry.get(_ref(request.model_name, request.model_version))
         inputs = decode_inputs(request)
@@ -119,7 +120,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         reqs = text_requests(self.ctx.limits, ep, inputs, new_request_id(request.id), deadline)
         return ep, inputs, reqs
 
-    async def _whole(self, ep: Any, request: Any, inputs: TextInputs, reqs: list[GenerationRequest],
+    async def _whole(self, ep: Endpoint, request: Any, inputs: TextInputs, reqs: list[GenerationRequest],
                      parameters: dict[str, bool] | None = None) -> pb.ModelInferResponse:
         streams: list[ResultStream] = []
         try:
@@ -131,7 +132,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if not s.done:
                     s.cancel()
         return text_response(request, whole_texts(inputs, reqs, results), inputs.shape, parameters,
-                             version=_version(ep))
+                             version=ep.version)
 
     @guarded
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
@@ -204,7 +205,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
                 raise InvalidRequest("'stream' takes a single element in 'text_input'")
             stream = ep.submit(reqs[0])
             prefix = reqs[0].prompt if inputs.exclude_input is False else ""
-            async for response in _token_responses(request, stream, prefix, empty_final, _version(ep)):
+            async for response in _token_responses(request, stream, prefix, empty_final, ep.version):
                 await emit(pb.ModelStreamInferResponse(infer_response=response))
         except ServingError as exc:
             await emit(pb.ModelStreamInferResponse(error_message=exc.message,
@@ -273,7 +274,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
 
-def text_requests(limits: Limits, ep: Any, inputs: TextInputs, rid: str, deadline: float | None
+def text_requests(limits: Limits, ep: Endpoint, inputs: TextInputs, rid: str, deadline: float | None
                   ) -> list[GenerationRequest]:
     """The OIP inputs -> one ``GenerationRequest`` per prompt: the translation gRPC and REST (``oip_rest``) share."""
     ignored: list[str] = []
@@ -300,10 +301,6 @@ def whole_texts(inputs: TextInputs, reqs: list[GenerationRequest], results: list
 def _ref(name: str, version: str) -> str:
     """The registry's reference for an OIP model name and version (``NAME:VERSION``; no version: the default)."""
     return f"{name}:{version}" if version else name
-
-
-def _version(ep: Any) -> str:
-    return str(getattr(ep, "version", "1"))
 
 
 def _text_of(result: Any) -> str:

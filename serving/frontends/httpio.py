@@ -12,10 +12,10 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from contextvars import ContextVar
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse
 from rollcore.errors import ErrorKind, InvalidRequest, ModelNotFound, PayloadTooLarge, ServingError, Unavailable
 from rollcore.types import GenerationRequest, GenerationResult, RequestTimings
 from serving.batching.streams import ResultStream
+from serving.models.endpoint_protocol import Endpoint
 from serving.params import Limits
 from serving.requests.deadlines import with_headers
 from serving.validation import type_error
@@ -50,11 +51,10 @@ REQUEST_ID_HEADER = "X-Request-Id"
 IGNORED_HEADER = "X-Ignored-Parameters"  # unknown request fields dropped (option.strict_parameters=false)
 
 
-def strict_parameters(ep: Any) -> bool:
+def strict_parameters(ep: Endpoint) -> bool:
     """Whether unknown request fields are a 400 on ``ep`` (``option.strict_parameters``; default: ignored, as
     DJL and vLLM do)."""
-    config = getattr(ep, "config", None)
-    return config is not None and str(config.options.get("strict_parameters", "false")).lower() == "true"
+    return str(ep.options.get("strict_parameters", "false")).lower() == "true"
 
 
 def ignored_headers(names: Sequence[str], rid: str, model: str) -> dict[str, str]:
@@ -70,10 +70,10 @@ def ignored_headers(names: Sequence[str], rid: str, model: str) -> dict[str, str
 class Lookup(Protocol):
     """What HTTP routes need from the model registry."""
 
-    endpoints: dict[str, Any]
-
-    def get(self, name: str) -> Any: ...
-    def only(self) -> Any: ...
+    @property
+    def endpoints(self) -> Mapping[str, Endpoint]: ...
+    def get(self, name: str) -> Endpoint: ...
+    def only(self) -> Endpoint: ...
 
 
 @dataclass
@@ -82,7 +82,6 @@ class ServerState:
 
     draining: bool = False
     started_at: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -95,6 +94,13 @@ class HttpContext:
     max_request_size: int
     metrics: Any = None  # serving.metrics.ServingMetrics, when present
     tokenize_pool: Executor | None = None  # where long prompts are parsed and tokenized (None: asyncio's default)
+
+
+def note_model(request: Request, ep: Endpoint) -> None:
+    """The request's metrics labels, once its route resolved the model: its name and the version that answers
+    (``serving.metrics``' request wrapper reads them when the answer is sent)."""
+    request.state.model = ep.name
+    request.state.model_version = ep.version
 
 
 def request_id(request: Request) -> str:
@@ -224,7 +230,7 @@ async def _wait_disconnect(request: Request) -> None:
 AFFINITY: ContextVar[str | None] = ContextVar("affinity", default=None)
 
 
-def submit_all(ep: Any, reqs: Sequence[GenerationRequest]) -> list[ResultStream]:
+def submit_all(ep: Endpoint, reqs: Sequence[GenerationRequest]) -> list[ResultStream]:
     """Submit every request, or none: a refusal cancels those already queued. Each carries the HTTP request's
     deadline headers (``serving.requests.deadlines``; a bad value: InvalidRequest naming the header)."""
     streams: list[ResultStream] = []
@@ -267,13 +273,13 @@ async def read_request(ctx: HttpContext, request: Request) -> tuple[Any, str | N
     return body, model
 
 
-def resolve_model(registry: Any, model: str) -> tuple[Any, str | None]:
+def resolve_model(registry: Lookup, model: str) -> tuple[Endpoint, str | None]:
     """``model`` -> (endpoint, LoRA adapter): a model's name, or one of its adapters' (vLLM's convention, which every
     OpenAI-style route follows). Raises ``ModelNotFound``."""
     try:
         return registry.get(model), None
     except ModelNotFound:
         for ep in registry.endpoints.values():
-            if model in (getattr(ep, "info", None) or {}).get("adapters", ()):
+            if model in ep.info.get("adapters", ()):
                 return ep, model
         raise

@@ -13,7 +13,7 @@ takes them: answered by the OpenAI routes' handlers, in their shapes.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +33,7 @@ from serving.frontends.httpio import (
     error_response,
     ignored_headers,
     likeliest_first,
+    note_model,
     read_json,
     request_id,
     strict_parameters,
@@ -40,25 +41,23 @@ from serving.frontends.httpio import (
     timing_headers,
     timings_json,
 )
-from serving.frontends.prompts import ModelTexts, off_loop
+from serving.frontends.prompts import off_loop
 from serving.frontends.schemas import LMI
 from serving.frontends.tgi import whole_answer as tgi_answer
+from serving.models.endpoint_protocol import Endpoint, is_text_model
+from serving.models.model_text import ModelText
 from serving.models.residency import ensure_resident
 from serving.params import check_best_of, check_wire_value, lmi_sampling_params, parse_lmi_parameters
 from serving.validation import kind_of, type_error
 
-TEXT_ENTRY_POINTS = ("huggingface", "rolling")
 SAGEMAKER_ATTRIBUTES = "x-amzn-sagemaker-custom-attributes"
 _UNREAD: Any = object()  # _serve reads the body itself
+# the OpenAI route's chat or completion handler, for an LMI body in its shape: (request, body, endpoint, request id)
+OpenAIHandler = Callable[[Request, Any, Endpoint, str], Awaitable[Response]]
 
 
-def is_text_model(ep: Any) -> bool:
-    return getattr(getattr(ep, "config", None), "entry_point", "") in TEXT_ENTRY_POINTS
-
-
-def model_option(ep: Any, key: str, default: str = "") -> str:
-    config = getattr(ep, "config", None)
-    return str(config.options.get(key, default)) if config is not None else default
+def model_option(ep: Endpoint, key: str, default: str = "") -> str:
+    return str(ep.options.get(key, default))
 
 
 def attributes_of(request: Request) -> dict[str, str]:
@@ -70,7 +69,7 @@ def attributes_of(request: Request) -> dict[str, str]:
     return {"custom_attributes": value}
 
 
-def build_requests(body: Any, ep: Any, rid: str, attributes: dict[str, str], ctx: HttpContext,
+def build_requests(body: Any, ep: Endpoint, rid: str, attributes: dict[str, str], ctx: HttpContext,
                    ignored: list[str] | None = None) -> tuple[list[GenerationRequest], bool, bool, int]:
     """LMI body -> (requests, was_list, stream, best_of). A text model's body is a ``schemas.LmiRequest``; a custom
     handler's is its own (only ``parameters`` and ``stream`` are checked, and that it can cross to a worker).
@@ -122,16 +121,27 @@ def _adapters(value: str | list[str] | None, num_prompts: int, default: str | No
     return list(value)
 
 
-def _tgi_compat(ep: Any) -> bool:
+def _tgi_compat(ep: Endpoint) -> bool:
     return model_option(ep, "tgi_compat").lower() == "true"
 
 
-def _streams(ep: Any, asked: bool, was_list: bool) -> bool:
+def _streams(ep: Endpoint, asked: bool, was_list: bool) -> bool:
     """Whether the answer streams, as DJL decides: a rolling-batch model streams when asked, and always with
     ``option.output_formatter=jsonlines`` (for one prompt); dynamic batching answers whole even when asked."""
     if not ep.rolling:
         return False
     return asked or (not was_list and model_option(ep, "output_formatter") == "jsonlines")
+
+
+def tokenize(text: ModelText, reqs: list[GenerationRequest]) -> list[GenerationRequest]:
+    """Before any work: a text model's prompt that cannot fit its context is a 400 naming both counts. Returns the
+    requests carrying the ids counted, when the worker takes them (``ModelText.worker_ids``)."""
+    out = []
+    for r in reqs:
+        ids = text.encode(r.prompt)
+        text.check_length(len(ids) if ids is not None else None, r.params.max_new_tokens, "max_new_tokens")
+        out.append(replace(r, prompt_token_ids=text.worker_ids(ids)))
+    return out
 
 
 def _not_an_object(body: Any) -> InvalidRequest:
@@ -160,24 +170,13 @@ def details_of(finish_reason: str, tokens: tuple[TokenInfo, ...] | list[TokenInf
 
 
 class LmiRoutes:
-    """The LMI inference routes bound to one HttpContext."""
+    """The LMI inference routes bound to one HttpContext; a body with ``messages`` or ``prompt`` goes to the OpenAI
+    routes' ``chat`` and ``completion`` handlers (LMI's vLLM handler takes both)."""
 
-    def __init__(self, ctx: HttpContext) -> None:
+    def __init__(self, ctx: HttpContext, chat: OpenAIHandler, completion: OpenAIHandler) -> None:
         self.ctx = ctx
-        self.texts = ModelTexts()
-
-    def tokenize(self, ep: Any, reqs: list[GenerationRequest]) -> list[GenerationRequest]:
-        """Before any work: a prompt that cannot fit the model's context is a 400 naming both counts. Returns the
-        requests carrying the ids counted, when the worker takes them (``ModelText.worker_ids``)."""
-        if not is_text_model(ep):
-            return reqs
-        text = self.texts.get(ep)
-        out = []
-        for r in reqs:
-            ids = text.encode(r.prompt)
-            text.check_length(len(ids) if ids is not None else None, r.params.max_new_tokens, "max_new_tokens")
-            out.append(replace(r, prompt_token_ids=text.worker_ids(ids)))
-        return out
+        self.chat = chat
+        self.completion = completion
 
     def routes(self) -> list[Route]:
         return [Route("/predictions/{model_name}", self.predictions, methods=["POST"]),
@@ -200,23 +199,21 @@ class LmiRoutes:
             if self.ctx.state.draining:
                 raise Unavailable("server is shutting down", retry_after_s=5)
             ep = self.ctx.registry.get(model_name) if model_name else self.ctx.registry.only()
-            request.state.model = ep.name  # the metrics label (serving.metrics.MODEL_STATE_KEY)
+            note_model(request, ep)  # the metrics labels: the model and its version
             await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
             if body is _UNREAD:
                 body = await read_json(request, self.ctx.max_request_size)
-            chat = self.ctx.state.extra.get("chat_handler")
-            if isinstance(body, dict) and "messages" in body and chat is not None:
-                return await chat(request, body, ep, rid)  # LMI: a body with messages is OpenAI chat
-            completion = self.ctx.state.extra.get("completion_handler")
-            if isinstance(body, dict) and "prompt" in body and "inputs" not in body and completion is not None:
-                return await completion(request, body, ep, rid)  # LMI's vLLM handler: OpenAI completions
+            if isinstance(body, dict) and "messages" in body:
+                return await self.chat(request, body, ep, rid)  # LMI: a body with messages is OpenAI chat
+            if isinstance(body, dict) and "prompt" in body and "inputs" not in body:
+                return await self.completion(request, body, ep, rid)  # LMI's vLLM handler: OpenAI completions
             ignored: list[str] = []
             reqs, was_list, stream, best_of = build_requests(body, ep, rid, attributes_of(request), self.ctx,
                                                              ignored)
             extra = ignored_headers(ignored, rid, ep.name)
             if is_text_model(ep):
-                self.texts.get(ep)  # on the loop: the cache is not thread-safe
-                reqs = await off_loop(self.ctx.tokenize_pool, body_size(request), self.tokenize, ep, reqs)
+                # ep.text is read on the loop (its cache is not thread-safe), the prompts are tokenized off it
+                reqs = await off_loop(self.ctx.tokenize_pool, body_size(request), tokenize, ep.text, reqs)
             if stream:
                 if len(reqs) != 1:
                     raise InvalidRequest("'stream' takes a single string in 'inputs'")
@@ -231,12 +228,12 @@ class LmiRoutes:
             return self._best_of(ep, tries, results, best_of, was_list, rid, extra)
         return self._whole(ep, reqs, results, was_list, rid, extra)
 
-    def _best_of(self, ep: Any, tries: list[GenerationRequest], results: list[GenerationResult], best_of: int,
+    def _best_of(self, ep: Endpoint, tries: list[GenerationRequest], results: list[GenerationResult], best_of: int,
                  was_list: bool, rid: str, extra: dict[str, str]) -> Response:
         """DJL's best_of answer per prompt: the likeliest candidate, the others in details.best_of_sequences."""
         answers = []
         tgi = _tgi_compat(ep)
-        text = self.texts.get(ep)
+        text = ep.text
         for start in range(0, len(tries), best_of):
             group, outs = tries[start:start + best_of], results[start:start + best_of]
             order = likeliest_first(outs)
@@ -249,20 +246,20 @@ class LmiRoutes:
         headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings), **extra}
         return JSONResponse(answers if was_list or tgi else answers[0], headers=headers)
 
-    def _whole(self, ep: Any, reqs: list[GenerationRequest], results: list[GenerationResult], was_list: bool,
+    def _whole(self, ep: Endpoint, reqs: list[GenerationRequest], results: list[GenerationResult], was_list: bool,
                rid: str, extra: dict[str, str]) -> Response:
         headers = {REQUEST_ID_HEADER: rid, **timing_headers(results[0].timings), **extra}
         if not is_text_model(ep) and results[0].payload is not None:
             return JSONResponse(results[0].payload, headers=headers)
         if _tgi_compat(ep):  # TGI's answer shape (a list), details included, as DJL's tgi_compat
-            text = self.texts.get(ep)
+            text = ep.text
             return JSONResponse([tgi_answer(q, r, text) for q, r in zip(reqs, results, strict=True)],
                                 headers=headers)
         answers = [lmi_answer(r, q.params.details, q.prompt, q.params.return_full_text)
                    for q, r in zip(reqs, results, strict=True)]
         return JSONResponse(answers if was_list else answers[0], headers=headers)
 
-    def _stream(self, ep: Any, req: GenerationRequest, stream: ResultStream, rid: str, extra: dict[str, str]
+    def _stream(self, ep: Endpoint, req: GenerationRequest, stream: ResultStream, rid: str, extra: dict[str, str]
                 ) -> Response:
         tgi = _tgi_compat(ep)
         sse = tgi or model_option(ep, "output_formatter") == "sse"

@@ -24,6 +24,7 @@ from rollcore.errors import InvalidRequest, ModelNotFound, ServingError
 from serving import knobs
 from serving.frontends.djl import describe_model
 from serving.frontends.httpio import REQUEST_ID_HEADER, HttpContext, error_response, request_id
+from serving.models.endpoint_protocol import Endpoint
 from serving.models.residency import residency_entry
 
 
@@ -34,7 +35,7 @@ class Registry(Protocol):
 
     def get(self, name: str) -> Any: ...
     def versions_of(self, name: str) -> list[str]: ...
-    def version_info(self, ep: Any) -> dict[str, Any]: ...
+    def version_info(self, ep: Endpoint) -> dict[str, Any]: ...
     def resolve_url(self, url: str) -> Any: ...
     async def register(self, name: str, model_dir: Any, overrides: dict[str, str], wait: bool = True) -> Any: ...
     async def unregister(self, name: str, drain_timeout_s: float) -> None: ...
@@ -56,9 +57,8 @@ def _int_param(request: Request, name: str) -> int | None:
     return int(v)
 
 
-def _folder(ep: Any) -> str:
-    config = getattr(ep, "config", None)
-    return str(config.model_dir.name) if config is not None else ep.name
+def _folder(ep: Endpoint) -> str:
+    return str(ep.config.model_dir.name) if ep.config is not None else ep.name
 
 
 class ManagementRoutes:

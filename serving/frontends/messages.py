@@ -35,6 +35,7 @@ from serving.frontends.httpio import (
     body_size,
     collect_or_cancel,
     ignored_headers,
+    note_model,
     read_request,
     request_id,
     resolve_model,
@@ -46,7 +47,9 @@ from serving.frontends.messages_blocks import AnswerReader, Event, cut_stop, fol
 from serving.frontends.messages_schema import to_chat, validate
 from serving.frontends.openai import require_streaming
 from serving.frontends.openai_schema import ParsedRequest, parse_chat
-from serving.frontends.prompts import ModelText, ModelTexts, off_loop
+from serving.frontends.prompts import off_loop
+from serving.models.endpoint_protocol import Endpoint
+from serving.models.model_text import ModelText
 from serving.models.residency import ensure_resident
 from serving.validation import type_error
 
@@ -80,11 +83,6 @@ GUARD_BODIES: tuple[tuple[str, Callable[[int, str, str], dict[str, Any]]], ...] 
 """Path prefix -> the body of the guard's refusals there (``http_guard.ApiGuard``'s ``error_bodies``)."""
 
 
-def _options(ep: Any) -> dict[str, str]:
-    config = getattr(ep, "config", None)
-    return {k: str(v) for k, v in config.options.items()} if config is not None else {}
-
-
 def _sse(event: Event) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
@@ -94,7 +92,6 @@ class MessagesRoutes:
 
     def __init__(self, ctx: HttpContext) -> None:
         self.ctx = ctx
-        self.texts = ModelTexts()
 
     def routes(self) -> list[Route]:
         return [Route("/v1/messages", self.create, methods=["POST"]),
@@ -104,7 +101,7 @@ class MessagesRoutes:
         rid = request_id(request)
         try:
             body, ep, adapter = await self._read(request)
-            text = self.texts.get(ep)
+            text = ep.text
             ignored: list[str] = []
             parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), self._parse, body, ep, text, rid,
                                     ignored, False)
@@ -114,7 +111,7 @@ class MessagesRoutes:
             if adapter is not None:
                 requests = [replace(r, params=replace(r.params, adapter=adapter)) for r in requests]
             streams = submit_all(ep, requests)
-            answer = MessageAnswer(f"msg_{rid}", body["model"], parsed, _options(ep))
+            answer = MessageAnswer(f"msg_{rid}", body["model"], parsed, dict(ep.options))
             extra = ignored_headers(ignored, rid, ep.name)
             if parsed.stream:
                 return StreamingResponse(answer.events(streams[0], rid), media_type="text/event-stream",
@@ -132,7 +129,7 @@ class MessagesRoutes:
         rid = request_id(request)
         try:
             body, ep, _ = await self._read(request)
-            text = self.texts.get(ep)
+            text = ep.text
             if text.tokenizer is None:
                 raise InvalidRequest(f"model {ep.name!r} has no tokenizer.json: its tokens cannot be counted here")
             ignored: list[str] = []
@@ -143,7 +140,7 @@ class MessagesRoutes:
         except ServingError as exc:
             return error_response(exc, rid)
 
-    async def _read(self, request: Request) -> tuple[Any, Any, str | None]:
+    async def _read(self, request: Request) -> tuple[Any, Endpoint, str | None]:
         """The body, and the model it names: (body, endpoint, LoRA adapter or None)."""
         body, model = await read_request(self.ctx, request)
         if not isinstance(body, dict):
@@ -151,18 +148,18 @@ class MessagesRoutes:
         if model is None:
             raise InvalidRequest("missing field 'model'")
         ep, adapter = resolve_model(self.ctx.registry, model)
-        request.state.model = ep.name  # the metrics label
+        note_model(request, ep)  # the metrics labels: the model and its version
         await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
         ep.check_ready()  # a model not READY has no template to read: 503
         return body, ep, adapter
 
-    def _parse(self, body: Any, ep: Any, text: ModelText, rid: str, ignored: list[str],
+    def _parse(self, body: Any, ep: Endpoint, text: ModelText, rid: str, ignored: list[str],
                count: bool) -> ParsedRequest:
         """Validate, translate, and parse as the chat route does (on the tokenize pool for long bodies)."""
         req = validate(body, self.ctx.limits, strict_parameters(ep), ignored, count)
-        return parse_chat(to_chat(req), ep.name, text, rid, self.ctx.limits, True, _options(ep))
+        return parse_chat(to_chat(req), ep.name, text, rid, self.ctx.limits, True, ep.options)
 
-    def _count(self, body: Any, ep: Any, text: ModelText, rid: str, ignored: list[str]) -> int:
+    def _count(self, body: Any, ep: Endpoint, text: ModelText, rid: str, ignored: list[str]) -> int:
         """The tokens of the prompt ``/v1/messages`` would send the model (tools included)."""
         choice = self._parse(body, ep, text, rid, ignored, True).choices[0]
         ids = choice.request.prompt_token_ids or text.encode(choice.prompt_text)

@@ -21,16 +21,17 @@ from starlette.routing import Route
 from rollcore.errors import ServingError
 from serving.frontends.djl import describe_model
 from serving.frontends.httpio import REQUEST_ID_HEADER, error_response, request_id
+from serving.models.endpoint_protocol import Endpoint
 from serving.reload import ReloadFailed
 from serving.versions import check_version
 
-Endpoint = Callable[[Request], Awaitable[Response]]
+RouteHandler = Callable[[Request], Awaitable[Response]]
 
 
 class VersionRoutes:
     """``registry``: a ``serving.registry.ModelRegistry``; ``predictions``: LMI's ``/predictions/{model_name}``."""
 
-    def __init__(self, registry: Any, drain_timeout_s: float, predictions: Endpoint | None = None) -> None:
+    def __init__(self, registry: Any, drain_timeout_s: float, predictions: RouteHandler | None = None) -> None:
         self.registry = registry
         self.drain_timeout_s = drain_timeout_s
         self.predictions = predictions
@@ -73,7 +74,7 @@ class VersionRoutes:
         version = request.path_params.get("version")
         return name if version is None else f"{name}:{check_version(version)}"
 
-    def _describe(self, ep: Any) -> list[dict[str, Any]]:
+    def _describe(self, ep: Endpoint) -> list[dict[str, Any]]:
         startup = ep.name in (self.registry.startup_models or ())
         return describe_model(ep, startup, self.registry.version_info(ep))
 

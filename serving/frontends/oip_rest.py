@@ -34,6 +34,7 @@ from serving.frontends.httpio import (
     collect_or_cancel,
     error_response,
     ignored_headers,
+    note_model,
     read_bytes,
     read_json,
     request_id,
@@ -41,6 +42,7 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.oip_rest_tensors import RestInfer, generate_request, infer_request, text_outputs
 from serving.health import Health
+from serving.models.endpoint_protocol import Endpoint
 from serving.models.residency import ensure_resident
 from serving.requests.deadlines import arrival, triton_timeout
 
@@ -91,13 +93,13 @@ class OipRestRoutes:
         ready = self.health.ready()
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
-    def _endpoint(self, request: Request) -> tuple[Any, str]:
+    def _endpoint(self, request: Request) -> tuple[Endpoint, str]:
         """The endpoint the path names (``ModelNotFound``: 404) and the version the answer reports."""
         name = request.path_params["model_name"]
         version = request.path_params.get("model_version", "")
         ep = self.ctx.registry.get(f"{name}:{version}" if version else name)
-        request.state.model = ep.name
-        return ep, str(getattr(ep, "version", "1"))
+        note_model(request, ep)  # the metrics labels: the model and its version
+        return ep, ep.version
 
     async def model_metadata(self, request: Request) -> Response:
         rid = request_id(request)
@@ -107,7 +109,7 @@ class OipRestRoutes:
             return error_response(exc, rid)
         versions = getattr(self.ctx.registry, "versions_of", lambda name: [])(ep.name) or [version]
         return JSONResponse({"name": ep.name, "versions": versions,
-                             "platform": "rollserve_rolling" if getattr(ep, "rolling", False) else "rollserve_dynamic",
+                             "platform": "rollserve_rolling" if ep.rolling else "rollserve_dynamic",
                              "inputs": INPUTS, "outputs": OUTPUTS}, headers={REQUEST_ID_HEADER: rid})
 
     async def model_ready(self, request: Request) -> Response:

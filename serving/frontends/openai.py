@@ -28,6 +28,7 @@ from serving.frontends.httpio import (
     collect_or_cancel,
     error_response,
     ignored_headers,
+    note_model,
     read_request,
     request_id,
     resolve_model,
@@ -37,7 +38,8 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.openai_answer import Answer
 from serving.frontends.openai_schema import parse_chat, parse_completion
-from serving.frontends.prompts import ModelTexts, off_loop
+from serving.frontends.prompts import off_loop
+from serving.models.endpoint_protocol import Endpoint
 from serving.models.residency import ensure_resident
 
 
@@ -46,12 +48,7 @@ def routes(ctx: HttpContext) -> list[Route]:
     return OpenAIRoutes(ctx).routes()
 
 
-def _options(ep: Any) -> dict[str, str]:
-    config = getattr(ep, "config", None)
-    return {k: str(v) for k, v in config.options.items()} if config is not None else {}
-
-
-def require_streaming(ep: Any) -> None:
+def require_streaming(ep: Endpoint) -> None:
     """Streaming needs a rolling-batch model (documented decision; DJL rejects the same way)."""
     if not ep.rolling:
         raise InvalidRequest("'stream' needs a rolling-batch model (set option.rolling_batch=auto); "
@@ -63,7 +60,6 @@ class OpenAIRoutes:
 
     def __init__(self, ctx: HttpContext) -> None:
         self.ctx = ctx
-        self.texts = ModelTexts()
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self.models, methods=["GET"]),
@@ -80,14 +76,14 @@ class OpenAIRoutes:
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, chat=True)
 
-    async def chat_for_lmi(self, request: Request, body: Any, ep: Any, rid: str) -> Response:
+    async def chat_for_lmi(self, request: Request, body: Any, ep: Endpoint, rid: str) -> Response:
         """LMI's ``/invocations`` with a ``messages`` body: an OpenAI chat request on ``ep``."""
         try:
             return await self._run(request, body, ep, rid, chat=True)
         except ServingError as exc:
             return error_response(exc, rid)
 
-    async def completion_for_lmi(self, request: Request, body: Any, ep: Any, rid: str) -> Response:
+    async def completion_for_lmi(self, request: Request, body: Any, ep: Endpoint, rid: str) -> Response:
         """LMI's ``/invocations`` with a ``prompt`` body: an OpenAI completions request on ``ep`` (what LMI's vLLM
         handler does), answered as ``POST /v1/completions`` answers it."""
         try:
@@ -100,20 +96,20 @@ class OpenAIRoutes:
         try:
             body, model = await read_request(self.ctx, request)
             ep, adapter = resolve_model(self.ctx.registry, model) if model else (self.ctx.registry.only(), None)
-            request.state.model = ep.name  # the metrics label
+            note_model(request, ep)  # the metrics labels: the model and its version
             return await self._run(request, body, ep, rid, chat, adapter)
         except ServingError as exc:
             return error_response(exc, rid)
 
-    async def _run(self, request: Request, body: Any, ep: Any, rid: str, chat: bool,
+    async def _run(self, request: Request, body: Any, ep: Endpoint, rid: str, chat: bool,
                    adapter: str | None = None) -> Response:
         await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
         ep.check_ready()  # a model not READY has no template to read: 503, not a 400 about its template
         check_generates(ep)
-        text = self.texts.get(ep)
+        text = ep.text
         args = (body, ep.name, text, rid, self.ctx.limits, strict_parameters(ep))
         if chat:
-            parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse_chat, *args, _options(ep))
+            parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse_chat, *args, ep.options)
         else:
             parsed = await off_loop(self.ctx.tokenize_pool, body_size(request), parse_completion, *args)
         if parsed.stream:
@@ -145,7 +141,7 @@ def model_objects(ctx: HttpContext) -> list[dict[str, Any]]:
     for name, ep in sorted(ctx.registry.endpoints.items()):
         entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "rollserve",
                                  "status": ep.state.value}
-        max_len = (getattr(ep, "info", None) or {}).get("max_model_len")
+        max_len = ep.info.get("max_model_len")
         if isinstance(max_len, int):
             entry["max_model_len"] = max_len
         data.append(entry)
@@ -154,6 +150,6 @@ def model_objects(ctx: HttpContext) -> list[dict[str, Any]]:
     return data
 
 
-def adapters_of(ep: Any) -> list[str]:
+def adapters_of(ep: Endpoint) -> list[str]:
     """The LoRA adapters a model serves (its workers' ``describe``)."""
-    return list((getattr(ep, "info", None) or {}).get("adapters") or ())
+    return list(ep.info.get("adapters") or ())

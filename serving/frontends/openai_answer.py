@@ -19,9 +19,9 @@ from rollcore.types import FinishReason, GenerationResult, TokenDelta, TokenInfo
 from serving.batching.streams import ResultStream
 from serving.frontends.httpio import timings_json
 from serving.frontends.openai_schema import Choice, ParsedRequest
-from serving.frontends.prompts import ModelText
 from serving.frontends.reasoning import ReasoningSplitter, reasoning_tokens, split_whole
 from serving.frontends.tools import ToolStream, fold
+from serving.models.model_text import ModelText
 
 
 class Answer:

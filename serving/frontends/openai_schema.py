@@ -23,9 +23,9 @@ from rollcore.types import GenerationRequest, SamplingParams
 from serving import structured
 from serving.frontends import reasoning, tools
 from serving.frontends.chat import render_chat, template_messages
-from serving.frontends.prompts import ModelText
 from serving.frontends.schemas import CHAT, COMPLETION, ChatRequest, CompletionRequest, NamedToolChoice, OpenAIRequest
 from serving.frontends.tools import ToolPlan
+from serving.models.model_text import ModelText
 from serving.params import Limits, check_sequences, sampling_params
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions

@@ -36,6 +36,7 @@ from serving.frontends.httpio import (
     HttpContext,
     body_size,
     ignored_headers,
+    note_model,
     read_request,
     request_id,
     resolve_model,
@@ -45,7 +46,7 @@ from serving.frontends.httpio import (
 )
 from serving.frontends.openai import require_streaming
 from serving.frontends.openai_schema import ParsedRequest, parse_chat
-from serving.frontends.prompts import ModelText, ModelTexts, off_loop
+from serving.frontends.prompts import off_loop
 from serving.frontends.responses_output import AnswerReader, OutputBuilder, new_id
 from serving.frontends.responses_schema import (
     RESPONSES,
@@ -58,6 +59,8 @@ from serving.frontends.responses_schema import (
     responses_param,
 )
 from serving.frontends.responses_store import ResponseStore, Stored, namespace
+from serving.models.endpoint_protocol import Endpoint
+from serving.models.model_text import ModelText
 from serving.models.residency import ensure_resident
 from serving.params import Limits
 from serving.validation import type_error
@@ -110,13 +113,12 @@ def _validate(body: Any, limits: Limits, strict: bool) -> tuple[ResponsesRequest
     return RESPONSES.validate(body, limits, strict=strict, ignored=ignored), ignored
 
 
-def _parse(req: ResponsesRequest, items: list[dict[str, Any]], ep: Any, text: ModelText, rid: str,
+def _parse(req: ResponsesRequest, items: list[dict[str, Any]], ep: Endpoint, text: ModelText, rid: str,
            limits: Limits) -> ParsedRequest:
     """The chat request of a Responses request; chat's messages renamed to this API's fields."""
-    options = {k: str(v) for k, v in ep.config.options.items()} if getattr(ep, "config", None) else {}
     try:
         body = chat_body(req, ep.name, chat_messages(req.instructions, items))
-        return parse_chat(body, ep.name, text, rid, limits, True, options)
+        return parse_chat(body, ep.name, text, rid, limits, True, ep.options)
     except InvalidRequest as exc:
         raise InvalidRequest(responses_message(exc.message)) from None
 
@@ -127,7 +129,6 @@ class ResponsesRoutes:
 
     def __init__(self, ctx: HttpContext, tokens_required: bool = False, store: ResponseStore | None = None) -> None:
         self.ctx = ctx
-        self.texts = ModelTexts()
         self.store = store if store is not None else ResponseStore()
         self.tokens_required = tokens_required
         self._background: set[asyncio.Task[None]] = set()  # held: a task nobody references may be collected
@@ -192,12 +193,12 @@ class ResponsesRoutes:
             if not isinstance(body, dict):
                 raise type_error("request body", "an object", body)
             ep, adapter = self._resolve(model)
-            request.state.model = ep.name  # the metrics label
+            note_model(request, ep)  # the metrics labels: the model and its version
             return await self._create(request, body, ep, adapter, rid)
         except ServingError as exc:
             return openai_error(exc, rid)
 
-    async def _create(self, request: Request, body: dict[str, Any], ep: Any, adapter: str | None,
+    async def _create(self, request: Request, body: dict[str, Any], ep: Endpoint, adapter: str | None,
                       rid: str) -> Response:
         pool, size = self.ctx.tokenize_pool, body_size(request)
         req, ignored = await off_loop(pool, size, _validate, body, self.ctx.limits, strict_parameters(ep))
@@ -221,7 +222,7 @@ class ResponsesRoutes:
         items = [*history, *input_items(req)]
         await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
         ep.check_ready()  # a model not READY has no template to read: 503
-        text = self.texts.get(ep)
+        text = ep.text
         parsed = await off_loop(pool, size, _parse, req, items, ep, text, rid, self.ctx.limits)
         if parsed.stream:
             require_streaming(ep)

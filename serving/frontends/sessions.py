@@ -25,7 +25,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -37,6 +36,7 @@ from serving.frontends.httpio import (
     REQUEST_ID_HEADER,
     HttpContext,
     error_response,
+    note_model,
     read_json,
     request_id,
 )
@@ -175,12 +175,12 @@ class SessionRoutes:
         """The name of the model the request is for (as ``/invocations`` resolves it)."""
         name = request.query_params.get("model_name")
         ep = self.ctx.registry.get(name) if name else self.ctx.registry.only()
-        request.state.model = ep.name  # the metrics label
+        note_model(request, ep)  # the metrics labels: the model and its version
         return str(ep.name)
 
     def _forget(self, session: Session) -> None:
-        ep: Any = self.ctx.registry.endpoints.get(session.model)
-        if ep is not None and hasattr(ep, "forget_affinity"):
+        ep = self.ctx.registry.endpoints.get(session.model)
+        if ep is not None:
             ep.forget_affinity(session.id)
 
 

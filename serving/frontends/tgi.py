@@ -36,6 +36,7 @@ from serving.frontends.httpio import (
     collect_or_cancel,
     ignored_headers,
     likeliest_first,
+    note_model,
     read_json,
     request_id,
     strict_parameters,
@@ -43,8 +44,10 @@ from serving.frontends.httpio import (
     timing_headers,
     timings_json,
 )
-from serving.frontends.prompts import ModelText, ModelTexts, off_loop
+from serving.frontends.prompts import off_loop
 from serving.frontends.schemas import TGI
+from serving.models.endpoint_protocol import Endpoint
+from serving.models.model_text import ModelText
 from serving.models.residency import ensure_resident
 from serving.params import check_best_of, lmi_sampling_params
 
@@ -78,7 +81,6 @@ class TgiRoutes:
 
     def __init__(self, ctx: HttpContext) -> None:
         self.ctx = ctx
-        self.texts = ModelTexts()
 
     def routes(self) -> list[Route]:
         return [Route("/generate", self.generate, methods=["POST"]),
@@ -86,10 +88,10 @@ class TgiRoutes:
                 Route("/", self.compat, methods=["POST"]),
                 Route("/info", self.info, methods=["GET"])]
 
-    def _endpoint(self, request: Request) -> Any:
+    def _endpoint(self, request: Request) -> Endpoint:
         name = request.query_params.get("model_name")
         ep = self.ctx.registry.get(name) if name else self.ctx.registry.only()
-        request.state.model = ep.name
+        note_model(request, ep)  # the metrics labels: the model and its version
         return ep
 
     async def info(self, request: Request) -> Response:
@@ -98,14 +100,14 @@ class TgiRoutes:
             ep = self._endpoint(request)
         except ServingError as exc:
             return tgi_error(exc, rid)
-        max_len = (getattr(ep, "info", None) or {}).get("max_model_len")
-        config = getattr(ep, "config", None)
-        batching = getattr(config, "batching", None)
+        max_len = ep.info.get("max_model_len")
+        config = ep.config
         limits = self.ctx.limits
         body = {"model_id": ep.name, "model_sha": None, "model_dtype": str(config.options.get("dtype", "fp32"))
                 if config is not None else None, "model_device_type": _device_type(ep),
                 "model_pipeline_tag": "text-generation",
-                "max_concurrent_requests": getattr(batching, "job_queue_size", None), "max_best_of": limits.max_n,
+                "max_concurrent_requests": config.batching.job_queue_size if config is not None else None,
+                "max_best_of": limits.max_n,
                 "max_stop_sequences": limits.max_stop_sequences, "max_input_tokens": (max_len - 1) if max_len else None,
                 "max_input_length": (max_len - 1) if max_len else None, "max_total_tokens": max_len,
                 "max_new_tokens": limits.max_new_tokens, "max_client_batch_size": 1,
@@ -131,7 +133,7 @@ class TgiRoutes:
             ep = self._endpoint(request)
             await ensure_resident(ep)  # a model loaded on demand: its first request waits for the load
             body = await read_json(request, self.ctx.max_request_size)
-            text = self.texts.get(ep)
+            text = ep.text
             ignored: list[str] = []
             req, want_stream, best_of = await off_loop(self.ctx.tokenize_pool, body_size(request), self._build,
                                                        body, ep, rid, text, stream, ignored)
@@ -160,7 +162,7 @@ class TgiRoutes:
         return JSONResponse([answer] if stream is None else answer,
                             headers={REQUEST_ID_HEADER: rid, **timing_headers(result.timings), **extra})
 
-    def _build(self, body: Any, ep: Any, rid: str, text: ModelText, stream: bool | None, ignored: list[str]
+    def _build(self, body: Any, ep: Endpoint, rid: str, text: ModelText, stream: bool | None, ignored: list[str]
                ) -> tuple[GenerationRequest, bool, int]:
         req = TGI.validate(body, self.ctx.limits, strict=strict_parameters(ep), ignored=ignored)
         p = req.parameters
@@ -241,8 +243,6 @@ async def tgi_events(req: GenerationRequest, stream: ResultStream, text: ModelTe
             stream.cancel()
 
 
-def _device_type(ep: object) -> str:
+def _device_type(ep: Endpoint) -> str:
     """``cuda`` when the model's workers run on GPUs (``serving.devices``), else ``cpu``."""
-    pool = getattr(ep, "pool", None)
-    plan = getattr(getattr(pool, "devices", None), "plan", None)
-    return "cuda" if plan is not None and plan.on_gpu else "cpu"
+    return "cuda" if ep.pool is not None and ep.pool.devices.plan.on_gpu else "cpu"

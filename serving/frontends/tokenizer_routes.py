@@ -1,8 +1,8 @@
 """Routes clients assume of an OpenAI-compatible server: vLLM's ``POST /tokenize``, ``POST /detokenize`` and
 ``GET /tokenizer_info`` (what lm-evaluation-harness's remote tokenizer calls), and OpenAI's ``GET /v1/models/{id}``.
 
-Design note: the frontend's own per-model text side (``prompts.ModelText``: the model folder's ``tokenizer.json`` and
-chat template) answers, so ``/tokenize`` counts exactly what a generation route counts. ``/tokenize`` with
+Design note: the frontend's own per-model text side (the endpoint's ``ModelText``: the model folder's ``tokenizer.json``
+and chat template) answers, so ``/tokenize`` counts exactly what a generation route counts. ``/tokenize`` with
 ``messages`` builds its prompt with the chat route's own parser (``openai_schema.parse_chat``), tools included, so
 its ``count`` is the chat answer's ``usage.prompt_tokens``. A request that names no ``model`` is answered for the one
 model served, or when several are, for the tokenizer they all share (one fine-tuned model served twice, as
@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import weakref
-from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field
@@ -33,14 +32,17 @@ from serving.frontends.httpio import (
     body_size,
     error_response,
     ignored_headers,
+    note_model,
     read_json,
     request_id,
     strict_parameters,
 )
 from serving.frontends.openai import adapters_of, model_objects
 from serving.frontends.openai_schema import parse_chat
-from serving.frontends.prompts import ModelText, ModelTexts, off_loop
+from serving.frontends.prompts import off_loop
 from serving.frontends.schemas import MAX_MESSAGES, MAX_TOOLS, ChatMessage, Tool
+from serving.models.endpoint_protocol import Endpoint
+from serving.models.model_text import ModelText
 from serving.params import TokenId
 from serving.schema import TEXT, Cap, StrictModel
 from serving.validation import RequestSchema, type_error
@@ -103,7 +105,6 @@ class TokenizerRoutes:
 
     def __init__(self, ctx: HttpContext) -> None:
         self.ctx = ctx
-        self.texts = ModelTexts()
         self._digests: weakref.WeakKeyDictionary[ModelText, str] = weakref.WeakKeyDictionary()
 
     def routes(self) -> list[Route]:
@@ -118,7 +119,7 @@ class TokenizerRoutes:
         try:
             body = await read_json(request, self.ctx.max_request_size)
             ep, text = self._pick(body)
-            request.state.model = ep.name  # the metrics label
+            note_model(request, ep)  # the metrics labels
             ignored: list[str] = []
             answer = await off_loop(self.ctx.tokenize_pool, body_size(request), self._tokenize, body, ep, text, rid,
                                     ignored)
@@ -131,7 +132,7 @@ class TokenizerRoutes:
         try:
             body = await read_json(request, self.ctx.max_request_size)
             ep, text = self._pick(body)
-            request.state.model = ep.name
+            note_model(request, ep)
             ignored: list[str] = []
             req = DETOKENIZE.validate(body, self.ctx.limits, strict=strict_parameters(ep), ignored=ignored)
             tokenizer = _tokenizer_of(text)
@@ -154,7 +155,7 @@ class TokenizerRoutes:
             model = request.query_params.get("model")
             ep, text = self._pick({"model": model} if model else {})
             _tokenizer_of(text)
-            info = {k: _plain(v) for k, v in _tokenizer_config(ep).items() if k not in _PRIVATE_KEYS}
+            info = {k: _plain(v) for k, v in text.tokenizer_config.items() if k not in _PRIVATE_KEYS}
             info.update(text.special_tokens)  # as the model's worker reported them
             info["chat_template"] = text.chat_template
             if text.max_model_len is not None:
@@ -173,7 +174,7 @@ class TokenizerRoutes:
         return openai_error(f"The model '{model_id[:200]}' does not exist.", "NotFoundError", "model", 404, rid)
 
     # --- work ---
-    def _tokenize(self, body: dict[str, Any], ep: Any, text: ModelText, rid: str, ignored: list[str]
+    def _tokenize(self, body: dict[str, Any], ep: Endpoint, text: ModelText, rid: str, ignored: list[str]
                   ) -> dict[str, Any]:
         """The answer of ``/tokenize`` (on the tokenize pool for a large body)."""
         strict = strict_parameters(ep)
@@ -191,12 +192,12 @@ class TokenizerRoutes:
             answer["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
         return answer
 
-    def _chat_prompt(self, body: dict[str, Any], chat: TokenizeChatRequest, ep: Any, text: ModelText, rid: str
+    def _chat_prompt(self, body: dict[str, Any], chat: TokenizeChatRequest, ep: Endpoint, text: ModelText, rid: str
                      ) -> str:
         """The prompt the chat route builds of these messages and tools (its own parser builds it); without the
         generation prompt when ``add_generation_prompt`` is false."""
         request: dict[str, Any] = {"messages": body["messages"]}
-        options = {k: str(v) for k, v in ep.config.options.items()} if getattr(ep, "config", None) else {}
+        options = ep.options
         if chat.tools:
             request["tools"] = body["tools"]
             if options.get("enable_auto_tool_choice", "false").lower() != "true":
@@ -212,7 +213,7 @@ class TokenizerRoutes:
         return prompt[:len(prompt) - len(suffix)]
 
     # --- which model ---
-    def _pick(self, body: Any) -> tuple[Any, ModelText]:
+    def _pick(self, body: Any) -> tuple[Endpoint, ModelText]:
         """The endpoint and text side a body names (``model``: a model or one of its adapters), else the one
         model served or the tokenizer every served model shares. Raises ``InvalidRequest`` naming ``model``."""
         if not isinstance(body, dict):
@@ -228,11 +229,11 @@ class TokenizerRoutes:
                 ep = next((e for e in registry.endpoints.values() if model in adapters_of(e)), None)
                 if ep is None:
                     raise
-            return ep, self.texts.get(ep)
+            return ep, ep.text
         served = sorted(registry.endpoints.items())
         if not served:
             raise ModelNotFound("no model is registered")
-        texts = [(ep, self.texts.get(ep)) for _, ep in served]
+        texts = [(ep, ep.text) for _, ep in served]
         with_tokenizer = [(ep, t) for ep, t in texts if t.tokenizer is not None]
         if len(texts) == 1 or not with_tokenizer:
             return texts[0]
@@ -267,22 +268,6 @@ def _generation_prompt(text: ModelText, chat: TokenizeChatRequest, model: str) -
     closed = render_chat(text.chat_template, messages, model=model, special_tokens=text.special_tokens,
                          add_generation_prompt=False)
     return opened[len(closed):] if opened.startswith(closed) else ""
-
-
-def _tokenizer_config(ep: Any) -> dict[str, Any]:
-    """The model folder's ``tokenizer_config.json`` (where ``prompts`` reads the tokenizer from), or {}."""
-    config = getattr(ep, "config", None)
-    if config is None:
-        return {}
-    folder = Path(config.model_dir)
-    model_id = config.options.get("model_id") if hasattr(config, "options") else None
-    if model_id and (folder / model_id).is_dir():
-        folder = folder / model_id
-    try:
-        data = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _plain(value: Any) -> Any:

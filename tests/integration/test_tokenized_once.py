@@ -62,6 +62,15 @@ def test_one_request_is_tokenized_once_across_frontend_and_worker(counted: tuple
     assert [(pid == server.proc.pid, texts) for pid, texts, _ in calls] == [(True, 1)], calls
 
 
+def test_the_model_text_side_is_built_once_for_every_route(counted: tuple[ServerProcess, Path]) -> None:
+    """The frontend loads a model's tokenizer once (its probe encoded once), whichever routes serve it."""
+    server, log = counted
+    for path, body in ROUTES:
+        _post(server, path, body)
+    frontend_probes = sum(p for pid, _, p in _encodes(log) if pid == server.proc.pid)
+    assert frontend_probes == 1
+
+
 def test_the_answer_from_token_ids_is_the_answer_from_text(counted: tuple[ServerProcess, Path]) -> None:
     """The worker's greedy answer to the frontend's ids is its answer to the same prompt given as ids by the client
     (the frontend and worker tokenizers agree: the ids are the worker's own)."""

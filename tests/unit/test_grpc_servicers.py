@@ -62,7 +62,10 @@ class FakeEndpoint:
         self.state = state
         self.reason: str | None = None
         self.rolling = True
+        self.version = "1"
         self.config = FakeConfig()
+        self.entry_point = self.config.entry_point
+        self.options = self.config.options
         self.streams: dict[str, ResultStream] = {}
         self.cancelled: list[str] = []
         self.submitted = asyncio.Event()

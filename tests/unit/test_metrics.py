@@ -19,6 +19,7 @@ from rollcore.errors import InvalidRequest, Overloaded
 from rollcore.types import GenerationRequest, ModelState
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.rolling import RollingBatcher
+from serving.endpoint import FailedEndpoint
 from serving.ipc.messages import Batch, BatchResult, Deltas, Reject
 from serving.metrics import UNKNOWN_MODEL, ServingMetrics
 from serving.metrics_gateway import PROTOCOL_NAMES
@@ -42,8 +43,14 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 10))
 
 
+def scraped(state: ModelState, **kw: Any) -> SimpleNamespace:
+    """An endpoint as a scrape reads it (``serving.models.endpoint_protocol``): no workers or batcher unless given."""
+    return SimpleNamespace(**{"state": state, "version": "1", "load_time_s": None, "pool": None, "batcher": None,
+                              "info": {}, **kw})
+
+
 def metrics(*names: str, endpoints: dict[str, Any] | None = None) -> ServingMetrics:
-    eps = endpoints if endpoints is not None else {n: SimpleNamespace(state=ModelState.READY) for n in names}
+    eps = endpoints if endpoints is not None else {n: scraped(ModelState.READY) for n in names}
     return ServingMetrics(CollectorRegistry(), models=lambda: eps)
 
 
@@ -211,9 +218,9 @@ def test_state_gauges_are_read_at_scrape_time() -> None:
     dynamic = SimpleNamespace(describe=lambda: {"mode": "dynamic", "queued": 4}, num_pending=lambda: 6)
     pool = SimpleNamespace(workers={1: SimpleNamespace(alive=True), 2: SimpleNamespace(alive=False)},
                            num_starting=1, num_restarts=3, restarts_by_cause={"crash": 2, "watchdog": 1})
-    eps = {"r": SimpleNamespace(state=ModelState.READY, load_time_s=2.5, pool=pool, batcher=rolling),
-           "d": SimpleNamespace(state=ModelState.LOADING, load_time_s=None, pool=pool, batcher=dynamic),
-           "f": SimpleNamespace(state=ModelState.FAILED)}
+    eps = {"r": scraped(ModelState.READY, load_time_s=2.5, pool=pool, batcher=rolling),
+           "d": scraped(ModelState.LOADING, pool=pool, batcher=dynamic),
+           "f": FailedEndpoint("f", "its configuration failed")}
     m = metrics(endpoints=eps)
     s = scrape(m)
     assert value(s, "rollserve_num_requests_running", model="r") == 4

@@ -105,8 +105,9 @@ def test_references_and_the_default_version() -> None:
 
 
 def test_each_version_counts_under_its_own_label() -> None:
-    eps = {"m": SimpleNamespace(state=ModelState.READY, version="2")}
-    versions = [("m", "1", SimpleNamespace(state=ModelState.READY)), ("m", "2", eps["m"])]
+    scraped = {"load_time_s": None, "pool": None, "batcher": None, "info": {}}  # no workers: what a scrape reads
+    eps = {"m": SimpleNamespace(state=ModelState.READY, version="2", **scraped)}
+    versions = [("m", "1", SimpleNamespace(state=ModelState.READY, version="1", **scraped)), ("m", "2", eps["m"])]
     m = ServingMetrics(CollectorRegistry(), models=lambda: eps, versions=lambda: versions)
     m.for_version("1").on_batch("m", 3)
     m.for_version("2").on_rejected("m", "queue_full")

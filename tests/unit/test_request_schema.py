@@ -48,8 +48,11 @@ class FakeText:
     def room(self, num_prompt_tokens: int | None, cap: int) -> int:
         return cap
 
+    def worker_ids(self, ids: list[int] | None) -> None:
+        return None
 
-TEXT_MODEL = SimpleNamespace(name="m", config=SimpleNamespace(entry_point="huggingface", options={}), rolling=True)
+
+TEXT_MODEL = SimpleNamespace(name="m", entry_point="huggingface", options={}, rolling=True)
 CTX = SimpleNamespace(limits=LIMITS)
 
 

@@ -12,8 +12,8 @@ from rollcore.errors import InvalidRequest
 from serving import structured
 from serving.frontends.grpc_typed import sampling_values
 from serving.frontends.openai_schema import parse_chat, parse_completion
-from serving.frontends.prompts import ModelText
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
+from serving.models.model_text import ModelText
 from serving.params import Limits, build_sampling_params, parse_lmi_parameters
 
 LIMITS = Limits()

@@ -491,5 +491,3 @@ class FailedEndpoint:
         return {"model_name": self.name, "version": self.version, "status": self.state.value, "reason": self.reason,
                 "workers": []}
 
-
-AnyEndpoint = ModelEndpoint | FailedEndpoint

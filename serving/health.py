@@ -12,11 +12,14 @@ per-model health for them. Draining (SIGTERM) makes the server not ready at once
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from serving.models.endpoint_protocol import Endpoint
 
 PING_REQUIRES = ("all", "any", "none")
 
@@ -24,7 +27,8 @@ PING_REQUIRES = ("all", "any", "none")
 class Models(Protocol):
     """What health needs from the registry."""
 
-    endpoints: dict[str, Any]
+    @property
+    def endpoints(self) -> Mapping[str, Endpoint]: ...
     startup_models: set[str] | None  # None until the startup models are known
 
 

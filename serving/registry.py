@@ -31,9 +31,10 @@ from rollcore.types import CORE_SHARERS_ENV
 from serving.batching.ports import BatchObserver
 from serving.config import ModelConfig, load_model_config, validate_model_name
 from serving.devices import DevicePlan, plan_devices, visible_devices
-from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
+from serving.endpoint import FailedEndpoint, ModelEndpoint
 from serving.live_requests import LiveRequests
 from serving.model_files import nothing_to_load
+from serving.models.endpoint_protocol import Endpoint
 from serving.models.residency import Residency
 from serving.redact import scrub_paths
 from serving.registry_api import ModelApi
@@ -58,9 +59,9 @@ class ModelRegistry(ModelApi):
         self._env = env
         self._observer = observer
         self._store = server.model_store.resolve()
-        self.endpoints: dict[str, AnyEndpoint] = {}  # name -> its default version's endpoint
+        self.endpoints: dict[str, Endpoint] = {}  # name -> its default version's endpoint
         self.versions: dict[str, ModelVersions] = {}
-        self.retiring: set[AnyEndpoint] = set()  # replaced by a reload, finishing their requests
+        self.retiring: set[Endpoint] = set()  # replaced by a reload, finishing their requests
         self.startup_models: set[str] | None = None  # known once discover() ran
         self.live = LiveRequests()
         # every model's workers fork from one process that has torch imported (exec'd when it cannot)
@@ -117,7 +118,7 @@ class ModelRegistry(ModelApi):
             raise InvalidRequest(f"url {url!r} is not a model folder in the model store")
         return candidate
 
-    def lookup(self, ref: str) -> AnyEndpoint:
+    def lookup(self, ref: str) -> Endpoint:
         """``NAME`` (its default version) or ``NAME:VERSION`` -> the endpoint, or ``ModelNotFound`` (also for a
         version that is not a number: the name may be something else's, e.g. a LoRA adapter's)."""
         try:
@@ -134,7 +135,7 @@ class ModelRegistry(ModelApi):
             raise ModelNotFound(f"{what} is not registered")
         return ep
 
-    def get(self, name: str) -> AnyEndpoint:
+    def get(self, name: str) -> Endpoint:
         """As ``lookup``: every frontend resolves names here."""
         return self.lookup(name)
 
@@ -142,12 +143,12 @@ class ModelRegistry(ModelApi):
         mv = self.versions.get(name)
         return sorted(mv.entries, key=int) if mv is not None else []
 
-    def version_info(self, ep: AnyEndpoint) -> dict[str, Any]:
+    def version_info(self, ep: Endpoint) -> dict[str, Any]:
         """The version's place among its model's (``ModelVersions.describe``); {} for an unregistered one."""
         mv = self.versions.get(ep.name)
         return mv.describe(ep.version) if mv is not None and mv.entries.get(ep.version) is ep else {}
 
-    def all_endpoints(self) -> list[tuple[str, str, AnyEndpoint]]:
+    def all_endpoints(self) -> list[tuple[str, str, Endpoint]]:
         """``(name, version, endpoint)`` of every registered version."""
         return [(name, v, ep) for name, mv in sorted(self.versions.items())
                 for v, ep in sorted(mv.entries.items(), key=lambda item: int(item[0]))]
@@ -179,7 +180,7 @@ class ModelRegistry(ModelApi):
             mv.pinned = None
         mv.pinned_by = "model.properties" if mv.pinned is not None else None
 
-    def only(self) -> AnyEndpoint:
+    def only(self) -> Endpoint:
         """The single model (SageMaker ``/invocations`` without ``model_name``)."""
         if len(self.endpoints) == 1:
             return next(iter(self.endpoints.values()))
@@ -189,7 +190,7 @@ class ModelRegistry(ModelApi):
                              f"(one of {sorted(self.endpoints)})")
 
     def build(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {},
-              version: str = DEFAULT_VERSION) -> AnyEndpoint:
+              version: str = DEFAULT_VERSION) -> Endpoint:
         """Parse the model's config and create its endpoint (FAILED endpoint on a config error)."""
         try:
             cfg: ModelConfig = load_model_config(model_dir, name=name, env=self._env, overrides=overrides,
@@ -226,11 +227,11 @@ class ModelRegistry(ModelApi):
         return scrub_paths(message, {str(model_dir.resolve()): name, str(model_dir): name,
                                      str(self._store): "<model_store>"})
 
-    def _add(self, name: str, version: str, ep: AnyEndpoint, folder: Path, overrides: Mapping[str, str]) -> None:
+    def _add(self, name: str, version: str, ep: Endpoint, folder: Path, overrides: Mapping[str, str]) -> None:
         self.versions.setdefault(name, ModelVersions(name)).add(version, ep, folder, overrides)
         self.route(name)
 
-    async def _start(self, name: str, ep: AnyEndpoint) -> None:
+    async def _start(self, name: str, ep: Endpoint) -> None:
         if self.residency.defers(ep):  # registered: it loads on its first request
             mv = self.versions.get(name)
             if self.startup_models is not None and mv is not None and all(map(self.residency.defers,
@@ -242,13 +243,13 @@ class ModelRegistry(ModelApi):
         self.residency.loaded(ep)
         self.route(name)  # a version that became READY may now be the default
 
-    async def _prepare(self, name: str, version: str, folder: Path, overrides: Mapping[str, str]) -> AnyEndpoint:
+    async def _prepare(self, name: str, version: str, folder: Path, overrides: Mapping[str, str]) -> Endpoint:
         """Resolve the version's source and build its endpoint (FAILED on an error), registered, not started."""
         try:
             resolved = await self.resolve_source(name, folder, overrides)
         except SourceError as exc:
             log.error("model %s: %s", name, exc)
-            ep: AnyEndpoint = FailedEndpoint(name, self._without_paths(str(exc), name, folder))
+            ep: Endpoint = FailedEndpoint(name, self._without_paths(str(exc), name, folder))
         else:
             ep = self.build(name, folder, resolved, version)
         self._add(name, version, ep, folder, overrides)

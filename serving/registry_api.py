@@ -19,7 +19,8 @@ from rollcore.errors import ConfigError, Forbidden, InvalidRequest, ModelNotFoun
 from rollcore.types import ModelState
 from serving import knobs
 from serving.config import validate_model_name
-from serving.endpoint import AnyEndpoint, FailedEndpoint
+from serving.endpoint import FailedEndpoint
+from serving.models.endpoint_protocol import Endpoint
 from serving.server_config import ServerConfig
 from serving.sources.errors import SourceError
 from serving.store_layout import versions_of
@@ -30,14 +31,14 @@ class ModelApi:
     """Model API operations; mixed into ``ModelRegistry``."""
 
     _server: ServerConfig
-    endpoints: dict[str, AnyEndpoint]
+    endpoints: dict[str, Endpoint]
     versions: dict[str, ModelVersions]
 
     # and, from ModelRegistry: get, build, route, remove, resolve_source, _add, _start, pin_from_store,
     # _without_paths
 
     async def register(self, name: str, model_dir: Path, overrides: Mapping[str, str] = {},
-                       wait: bool = True) -> AnyEndpoint:
+                       wait: bool = True) -> Endpoint:
         """Add a model (or new versions of one) over the model API and start loading it (waits for the load when
         ``wait``); returns the highest version added. Raises ``Forbidden`` (model API off), ``InvalidRequest``,
         ``Overloaded`` (``max_models``). Nothing is registered unless every version's configuration is valid."""
@@ -58,7 +59,7 @@ class ModelApi:
             if key in overrides:
                 self.check_num_workers(int(overrides[key]), "min_worker" if key == "minWorkers" else "max_worker",
                                        minimum=0 if key == "minWorkers" else 1)
-        built: list[tuple[str, Path, AnyEndpoint]] = []
+        built: list[tuple[str, Path, Endpoint]] = []
         for version, folder in sorted(found.items(), key=lambda item: int(item[0])):
             try:
                 resolved = await self.resolve_source(name, folder, overrides)
@@ -82,7 +83,7 @@ class ModelApi:
         self.require_model_api("unregistering a model")
         await self.remove(name, drain_timeout_s)
 
-    async def scale(self, name: str, num_workers: int) -> AnyEndpoint:
+    async def scale(self, name: str, num_workers: int) -> Endpoint:
         """Set a model's number of workers over the model API (1..``max_workers_per_model``)."""
         self.require_model_api("scaling a model")
         ep = self.get(name)

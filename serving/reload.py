@@ -26,7 +26,8 @@ from typing import Any
 
 from rollcore.errors import ModelNotFound, ServingError
 from rollcore.types import GenerationRequest, ModelState, SamplingParams
-from serving.endpoint import AnyEndpoint, FailedEndpoint, ModelEndpoint
+from serving.endpoint import FailedEndpoint, ModelEndpoint
+from serving.models.endpoint_protocol import Endpoint
 from serving.sources.errors import SourceError
 from serving.store_layout import declared_version, is_versioned
 from serving.versions import ModelVersions, split_ref
@@ -55,7 +56,7 @@ async def reload_version(registry: Any, ref: str, drain_timeout_s: float) -> dic
         version = asked or mv.default_version()
         if registry.versions.get(name) is not mv or version not in mv.entries:
             raise ModelNotFound(f"model {name!r} version {version} is not registered")
-        old: AnyEndpoint = mv.entries[version]
+        old: Endpoint = mv.entries[version]
         folder, overrides = mv.folders[version], mv.overrides[version]
         in_versioned_folder = folder.name.isdigit() and is_versioned(folder.parent)
         target = version if in_versioned_folder else declared_version(folder)
@@ -121,7 +122,7 @@ async def reload_version(registry: Any, ref: str, drain_timeout_s: float) -> dic
 _RETIRING: set[asyncio.Task[None]] = set()  # keeps the retiring tasks referenced until they end
 
 
-async def _retire(registry: Any, old: AnyEndpoint, drain_timeout_s: float) -> None:
+async def _retire(registry: Any, old: Endpoint, drain_timeout_s: float) -> None:
     """Let the replaced endpoint finish what it runs (new requests go to its successor), then stop it."""
     try:
         if isinstance(old, ModelEndpoint):
@@ -133,7 +134,7 @@ async def _retire(registry: Any, old: AnyEndpoint, drain_timeout_s: float) -> No
         registry.retiring.discard(old)
 
 
-async def carry_adapters(old: AnyEndpoint, new: ModelEndpoint) -> None:
+async def carry_adapters(old: Endpoint, new: ModelEndpoint) -> None:
     """The LoRA adapters registered over the API on the old endpoint (``serving.adapters``), registered on the new
     one before it takes requests. Raises the engine's refusal."""
     registered = getattr(getattr(old, "adapters", None), "registered", None) or {}

@@ -27,7 +27,9 @@ from typing import Any
 from rollcore.errors import ServingError
 from rollcore.types import GenerationRequest, SamplingParams
 from serving.batching.retry import PROBE_PREFIX
+from serving.batching.rolling import RollingBatcher
 from serving.health import Health
+from serving.models.endpoint_protocol import Endpoint
 from serving.reload import TEXT_ENTRY_POINTS
 from serving.reload import WARMUP_PROMPT as PROMPT
 
@@ -71,8 +73,8 @@ class DeepCheck:
         probes: list[tuple[str, int | None, asyncio.Future[dict[str, Any]]]] = []
         models: dict[str, dict[str, Any]] = {}
         for name, ep in sorted(self.health.registry.endpoints.items()):
-            if not getattr(ep, "available", False):
-                models[name] = {"status": getattr(getattr(ep, "state", None), "value", "UNKNOWN"), "probed": False}
+            if not ep.available:
+                models[name] = {"status": ep.state.value, "probed": False}
                 continue
             models[name] = {"status": "ok", "workers": {}}
             for wid in _worker_ids(ep):
@@ -96,11 +98,11 @@ class DeepCheck:
         self._last = (self._clock(), healthy, body)
         return healthy, body
 
-    async def _probe(self, ep: Any, wid: int | None) -> dict[str, Any]:
-        """One greedy token through ``ep`` (on worker ``wid`` when given); never raises."""
+    async def _probe(self, ep: Endpoint, wid: int | None) -> dict[str, Any]:
+        """One greedy token through ``ep`` (on worker ``wid`` when given: a rolling model's); never raises."""
         key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
-        batcher = getattr(ep, "batcher", None)
-        if wid is not None:
+        batcher = ep.batcher if isinstance(ep.batcher, RollingBatcher) else None
+        if wid is not None and batcher is not None:
             batcher.pin(key, wid)
         t0 = self._clock()
         outcome: dict[str, Any] = {"ok": False}
@@ -122,33 +124,32 @@ class DeepCheck:
         finally:
             if stream is not None and not stream.done:
                 stream.cancel()
-            if wid is not None:
+            if wid is not None and batcher is not None:
                 batcher.forget_affinity(key)
         outcome["seconds"] = round(self._clock() - t0, 3)
         served = stream.worker_id if stream is not None and stream.worker_id is not None else wid
         if served is not None:
             outcome["worker"] = served
-            silent = getattr(batcher, "silent_s", lambda _: None)(served)
+            silent = batcher.silent_s(served) if batcher is not None else None
             if silent is not None:
                 outcome["silent_s"] = round(silent, 3)  # seconds since the worker's last engine step
         return outcome
 
 
-def _worker_ids(ep: Any) -> list[int | None]:
+def _worker_ids(ep: Endpoint) -> list[int | None]:
     """The workers to probe one by one (rolling: pinned probes), or [None]: one probe for the model."""
-    pool, batcher = getattr(ep, "pool", None), getattr(ep, "batcher", None)
-    if pool is None or not hasattr(batcher, "pin") or getattr(ep, "successor", None) is not None:
+    pool = ep.pool
+    if pool is None or not isinstance(ep.batcher, RollingBatcher) or ep.successor is not None:
         return [None]
     ids: list[int | None] = [w["id"] for w in pool.describe() if w["status"] == "READY"]
     return ids or [None]
 
 
-def _request(ep: Any, request_id: str, affinity: str | None) -> GenerationRequest:
-    info = getattr(ep, "info", {}) or {}
-    if info.get("tasks") == ["embedding"]:  # an embedding model's one forward pass
+def _request(ep: Endpoint, request_id: str, affinity: str | None) -> GenerationRequest:
+    if ep.info.get("tasks") == ["embedding"]:  # an embedding model's one forward pass
         return GenerationRequest(request_id=request_id, model=ep.name, prompt=PROMPT,
                                  params=SamplingParams(embed=True), affinity=affinity)
-    text = getattr(getattr(ep, "config", None), "entry_point", "rolling") in TEXT_ENTRY_POINTS
+    text = ep.entry_point in TEXT_ENTRY_POINTS
     payload = None if text else {"inputs": PROMPT, "parameters": {"max_new_tokens": 1}}
     return GenerationRequest(request_id=request_id, model=ep.name, prompt=PROMPT,
                              params=SamplingParams(max_new_tokens=1), payload=payload, affinity=affinity)

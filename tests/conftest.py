@@ -92,7 +92,33 @@ def _full_run(config: pytest.Config) -> bool:
                                                                             p.endswith("/tests") for p in paths)
 
 
+# --- where a run's time goes: the slowest files and each xdist worker's busy time, printed at its end ------------
+_file_seconds: dict[str, float] = {}
+_worker_seconds: dict[str, float] = {}
+
+
+def _count_time(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::")[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+    gateway = getattr(getattr(report, "node", None), "gateway", None)  # the xdist worker that ran it
+    worker = str(getattr(gateway, "id", "main"))
+    _worker_seconds[worker] = _worker_seconds.get(worker, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The 15 files whose tests took longest (setup, call and teardown summed) and each worker's busy seconds:
+    what to look at first when the suite grows slower (a fixture set up per test, a file started late)."""
+    if hasattr(config, "workerinput") or len(_file_seconds) < 2:
+        return
+    terminalreporter.write_sep("=", "slowest files (their tests' setup + call + teardown, seconds)")
+    for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line("busy seconds per worker: " + ", ".join(
+        f"{w} {s:.1f}" for w, s in sorted(_worker_seconds.items())))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _count_time(report)
     path = report.nodeid.split("::")[0]
     if path not in _FAMILY_FILES or (report.when != "call" and report.passed):
         return

@@ -2,7 +2,9 @@
 
 CONVERSATIONS conversations of TURNS turns each share one system prompt; every conversation is its own client,
 all of them at once, each sending its next turn (the whole conversation so far: system prompt, the earlier user
-turns and the model's answers) as soon as the previous answer ended. Requests are streamed greedy chat
+turns and the model's answers) a seeded random think time (uniform in 0..THINK_MS) after the previous answer
+ended, so that the conversations do not move in lockstep (in lockstep, least-loaded routing happens to send each
+conversation to the same worker every turn, which real traffic does not do). Requests are streamed greedy chat
 completions (``/v1/chat/completions`` with ``stream_options.include_usage``); per request: TTFT (the first chunk
 with content) and the usage's ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens``.
 
@@ -13,7 +15,7 @@ rate (cached prompt tokens / prompt tokens, all turns; and turns 2+), TTFT p50 a
 server's own routing counters; the 1-minute load average before each run.
 
     python benchmarks/multiturn.py [--model tiny|smollm2] [--runs 3] [--cores 0-1] [--conversations 20]
-        [--turns 4] [--max-tokens 16] [--json OUT]
+        [--turns 4] [--max-tokens 32] [--think-ms 500] [--json OUT]
 """
 
 from __future__ import annotations
@@ -89,12 +91,13 @@ async def turn(client: httpx.AsyncClient, url: str, messages: list[dict[str, str
             "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-async def conversation(client: httpx.AsyncClient, url: str, index: int, turns: int, max_tokens: int
-                       ) -> list[dict[str, Any]]:
+async def conversation(client: httpx.AsyncClient, url: str, index: int, turns: int, max_tokens: int,
+                       think_s: float) -> list[dict[str, Any]]:
     rng = random.Random(index)
     messages = [{"role": "system", "content": SYSTEM}]
     out = []
     for k in range(turns):
+        await asyncio.sleep(rng.uniform(0, think_s))  # the user reads and types (seeded: the same in every run)
         messages.append({"role": "user", "content": f"(customer {index}) {rng.choice(QUESTIONS)}"})
         rec = await turn(client, url, messages, max_tokens)
         messages.append({"role": "assistant", "content": rec.pop("text")})
@@ -102,10 +105,11 @@ async def conversation(client: httpx.AsyncClient, url: str, index: int, turns: i
     return out
 
 
-async def workload(server: ServerProcess, conversations: int, turns: int, max_tokens: int) -> list[dict[str, Any]]:
+async def workload(server: ServerProcess, args: argparse.Namespace) -> list[dict[str, Any]]:
     url = f"{server.url}/v1/chat/completions"
     async with httpx.AsyncClient(headers=server.inference_headers, timeout=600) as client:
-        runs = await asyncio.gather(*(conversation(client, url, i, turns, max_tokens) for i in range(conversations)))
+        runs = await asyncio.gather(*(conversation(client, url, i, args.turns, args.max_tokens, args.think_ms / 1000)
+                                      for i in range(args.conversations)))
     return [r for conv in runs for r in conv]
 
 
@@ -125,7 +129,7 @@ def one_run(policy: str, model: Path, cores: str, args: argparse.Namespace) -> d
         try:
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
-            records = asyncio.run(workload(server, args.conversations, args.turns, args.max_tokens))
+            records = asyncio.run(workload(server, args))
             wall = time.perf_counter() - t0
             routing = server.describe(MODEL)["batcher"]["routing"]
         finally:
@@ -141,7 +145,8 @@ def main() -> None:
     ap.add_argument("--cores", default="0-1")
     ap.add_argument("--conversations", type=int, default=20)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--think-ms", type=float, default=500.0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     model = source(args.model)

@@ -33,9 +33,10 @@ from handlers.engine.execution.sampling import BadWords, OutputPenalties, bad_wo
 from handlers.engine.planning.checkpoint import check_quantization, read_model_config
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
 from handlers.engine.planning.gguf_plan import gguf_file_in
-from handlers.validation import check_length, check_prompt_ids, check_sampling, check_token_ids
+from handlers.validation import check_length, check_prompt_ids, check_token_ids
 from rollcore.errors import InvalidRequest, ServingError
 from rollcore.options import option_value
+from rollcore.sampling_ranges import check_sampling
 from rollcore.tokenizer_probe import TOKENIZER_PROBE
 from rollcore.types import FinishReason, SamplingParams, TokenInfo
 from rollcore.values import AUTO

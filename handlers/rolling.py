@@ -15,7 +15,8 @@ from typing import Any
 from handlers.base import Context, Input, RollingHandler
 from handlers.embedding import EmbeddingTask, model_folder
 from handlers.engine.engine import LLMEngine
-from handlers.validation import check_prompt_ids, check_sampling, check_token_ids
+from handlers.validation import check_prompt_ids, check_token_ids
+from rollcore.sampling_ranges import check_sampling
 from rollcore.tokenizer_probe import TOKENIZER_PROBE
 from rollcore.types import TokenDelta
 

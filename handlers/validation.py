@@ -14,31 +14,6 @@ from rollcore.errors import InvalidRequest
 from rollcore.types import SamplingParams
 
 
-def check_sampling(params: SamplingParams) -> None:
-    """Reject parameter values no generation can honour. Raises ``InvalidRequest``."""
-    if params.max_new_tokens < 1:
-        raise InvalidRequest(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    if params.temperature < 0:
-        raise InvalidRequest(f"temperature must be >= 0, got {params.temperature}")
-    if params.top_k < 0:
-        raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-    if not 0 < params.top_p <= 1:
-        raise InvalidRequest(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.repetition_penalty <= 0:
-        raise InvalidRequest(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
-    if params.logprobs < 0:
-        raise InvalidRequest(f"logprobs must be >= 0, got {params.logprobs}")
-    if any(not s for s in params.stop):
-        raise InvalidRequest("stop sequences must be non-empty strings")
-    if not (-2 <= params.presence_penalty <= 2 and -2 <= params.frequency_penalty <= 2):
-        raise InvalidRequest("presence_penalty and frequency_penalty must be in [-2, 2]")
-    if not 0 <= params.min_p <= 1 or not 0 < params.typical_p <= 1:
-        raise InvalidRequest(f"min_p must be in [0, 1] and typical_p in (0, 1], got {params.min_p}, {params.typical_p}")
-    if params.min_tokens < 0 or params.min_tokens > params.max_new_tokens:
-        raise InvalidRequest(f"min_tokens must be in [0, max_new_tokens={params.max_new_tokens}], got "
-                             f"{params.min_tokens}")
-
-
 def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
     """Reject an empty prompt or token ids outside the vocabulary. Raises ``InvalidRequest``."""
     if not prompt_ids:

@@ -8,9 +8,10 @@ field types (``Temperature``, ``TopP``, ...), so a range is written once. Messag
 expected, NaN and infinities are refused, unknown fields are listed (unless the model relaxes it). Limits
 are passed in, never read from globals.
 
-Ranges, decided once for every route: ``temperature`` 0..2 (OpenAI's range, what clients expect; 0 means
-greedy, and a positive value below 0.01 counts as 0.01 so that the logits never overflow); ``top_p`` in
-(0, 1]; ``top_k`` -1 or 0 (off) .. 2^31-1; ``repetition_penalty`` 0.01..100; ``seed`` 0..2^63-1.
+Ranges are stated once, in ``rollcore.sampling_ranges`` (the handlers check against the same table): the field
+types below take their bounds from it, and ``sampling_params`` checks the combined values (``min_tokens`` <=
+``max_new_tokens``). Here only what the wire adds: a positive ``temperature`` below 0.01 counts as 0.01 so that
+the logits never overflow; ``top_k`` -1 is vLLM's "off" (0); ``seed`` 0..2^63-1.
 """
 
 from __future__ import annotations
@@ -22,18 +23,27 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from rollcore.errors import InvalidRequest
+from rollcore.sampling_ranges import MAX_TOKEN_ID, RANGES, check_sampling
 from rollcore.types import SamplingParams
 from serving import structured
 from serving.schema import BY_SHAPE, INTEGER, TEXT, Cap, Only, StrictModel
 from serving.validation import RequestSchema, kind_of, type_error
 
-MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k: what every tokenizer and the wire can carry
 MAX_SEED = 2**63 - 1
-MAX_BEAMS = 16
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1  # what msgpack (the worker channel) can carry
 MAX_PAYLOAD_DEPTH = 64
 MIN_TEMPERATURE = 0.01
-MAX_TEMPERATURE = 2.0
+
+
+def _bounds(name: str) -> dict[str, float]:
+    """pydantic's bounds of the sampling parameter ``name`` (``rollcore.sampling_ranges.RANGES``)."""
+    r = RANGES[name]
+    out: dict[str, float] = {}
+    if r.lo is not None:
+        out["gt" if r.lo_open else "ge"] = r.lo
+    if r.hi is not None:
+        out["le"] = r.hi
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +61,16 @@ class Limits:
 
 
 # --- field types, shared by the LMI/TGI parameters and the OpenAI bodies ---------------------------------
-MaxNewTokens = Annotated[int, Field(ge=1), Cap("max_new_tokens"), INTEGER]
-Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, description=(
+MaxNewTokens = Annotated[int, Field(**_bounds("max_new_tokens")), Cap("max_new_tokens"), INTEGER]
+Temperature = Annotated[float, Field(**_bounds("temperature"), description=(
     "0 = greedy; higher = more random (default 1.0); a positive value below 0.01 counts as 0.01"))]
-TopK = Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID, description="sample among the k most likely tokens; "
+# -1 is vLLM's spelling of off (0)
+TopK = Annotated[int, Field(ge=-1, le=RANGES["top_k"].hi, description="sample among the k most likely tokens; "
                             "0 or -1 = off"), INTEGER]
-TopP = Annotated[float, Field(gt=0, le=1, description="nucleus sampling: the smallest set of tokens whose "
+TopP = Annotated[float, Field(**_bounds("top_p"), description="nucleus sampling: the smallest set of tokens whose "
                               "probabilities add up to top_p (1 = off)")]
-RepetitionPenalty = Annotated[float, Field(ge=0.01, le=100, description="> 1 discourages repeating tokens "
-                                           "(1 = off)")]
+RepetitionPenalty = Annotated[float, Field(**_bounds("repetition_penalty"),
+                                           description="> 1 discourages repeating tokens (1 = off)")]
 Seed = Annotated[Annotated[int, Field(ge=0, le=MAX_SEED), INTEGER]
                  | Annotated[str, Field(pattern=r"^[0-9]{1,18}$")], BY_SHAPE,
                  Field(description="makes sampling reproducible; an integer, or one written as a string of digits "
@@ -70,12 +81,13 @@ Stop = Annotated[StopText | Annotated[list[StopText], Cap("max_stop_sequences")]
     description="stop sequences: generation ends before the first one (a string or a list)")]
 StopTokenIds = Annotated[list[TokenId], Cap("max_stop_token_ids"), Field(
     description="token ids that end generation (ids of the model's vocabulary)")]
-Logprobs = Annotated[int, Field(ge=0), Cap("max_logprobs"), INTEGER]
-Penalty = Annotated[float, Field(ge=-2, le=2, description="vLLM's: subtracted from a token's logit once it has been "
-                                 "generated (presence) or once per time it was (frequency); 0 = off")]
-MinP = Annotated[float, Field(ge=0, le=1, description="drop tokens less likely than min_p x the likeliest (0 = off)")]
-TypicalP = Annotated[float, Field(gt=0, le=1, description="typical sampling's mass (1 = off)")]
-MinTokens = Annotated[int, Field(ge=0), Cap("max_new_tokens"), INTEGER]
+Logprobs = Annotated[int, Field(**_bounds("logprobs")), Cap("max_logprobs"), INTEGER]
+Penalty = Annotated[float, Field(**_bounds("presence_penalty"), description="vLLM's: subtracted from a token's logit "
+                                 "once it has been generated (presence) or once per time it was (frequency); 0 = off")]
+MinP = Annotated[float, Field(**_bounds("min_p"),
+                              description="drop tokens less likely than min_p x the likeliest (0 = off)")]
+TypicalP = Annotated[float, Field(**_bounds("typical_p"), description="typical sampling's mass (1 = off)")]
+MinTokens = Annotated[int, Field(**_bounds("min_tokens")), Cap("max_new_tokens"), INTEGER]
 BadWords = Annotated[list[StopText], Cap("max_stop_sequences"), Field(
     description="vLLM's: words never generated (each at most max_stop_length characters)")]
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(
@@ -129,9 +141,9 @@ class LmiParameters(StrictModel):
     min_p: MinP | None = None
     min_tokens: MinTokens | None = Field(None, description="no end-of-sequence or stop token before this many tokens")
     bad_words: BadWords | None = None
-    num_beams: Annotated[int, Field(ge=1, le=MAX_BEAMS), INTEGER] | None = Field(
+    num_beams: Annotated[int, Field(**_bounds("num_beams")), INTEGER] | None = Field(
         None, description="beam search with this many beams (dynamic batching; the rolling engine refuses > 1)")
-    length_penalty: Annotated[float, Field(ge=-10, le=10)] | None = Field(
+    length_penalty: Annotated[float, Field(**_bounds("length_penalty"))] | None = Field(
         None, description="beam search: the score is the log-probability sum over length ** length_penalty")
     early_stopping: bool | None = Field(None, description="beam search: stop once num_beams answers are complete")
     logit_bias: LogitBias | None = None
@@ -154,7 +166,7 @@ def sampling_params(values: Mapping[str, Any], limits: Limits) -> SamplingParams
     """Validated values keyed by ``SamplingParams`` field names (None = default) -> ``SamplingParams``:
     ``stop`` is a tuple of stop fields (each null, a string or a list; they add up); a positive temperature
     below ``MIN_TEMPERATURE`` is raised to it (as vLLM: smaller ones overflow the logits), ``top_k`` -1 (vLLM's
-    "off") is 0 (LMI's)."""
+    "off") is 0 (LMI's). Raises ``InvalidRequest`` for values that do not go together (``check_sampling``)."""
     kw: dict[str, Any] = {k: v for k, v in values.items() if v is not None}
     stops: list[str] = []
     for item in kw.pop("stop", ()):
@@ -175,7 +187,9 @@ def sampling_params(values: Mapping[str, Any], limits: Limits) -> SamplingParams
         kw["seed"] = int(kw["seed"])
     if "logit_bias" in kw:
         kw["logit_bias"] = logit_bias(kw["logit_bias"])
-    return SamplingParams(**kw)
+    params = SamplingParams(**kw)
+    check_sampling(params)  # what no single field says (min_tokens <= max_new_tokens), before any work
+    return params
 
 
 def logit_bias(biases: Mapping[str, float]) -> tuple[tuple[int, float], ...]:

@@ -145,8 +145,9 @@ def test_the_leader_hears_why_a_follower_cannot_run(leader_folder: Path, tmp_pat
     agent.start()
     try:
         (follower,) = rendezvous.wait_followers(1)
-        answer = rendezvous.assign(follower, {"world_size": 2, "first_rank": 1, "ranks": 1, "gpu": False,
-                                              **_assignment(manifest(leader_folder), "resolve")})
+        rendezvous.assign(follower, {"world_size": 2, "first_rank": 1, "ranks": 1, "gpu": False,
+                                     **_assignment(manifest(leader_folder), "resolve")})
+        answer = rendezvous.weights_answer(follower)
         agent.join(60)
         assert status == [2]
         size = (own / "tokenizer.json").stat().st_size

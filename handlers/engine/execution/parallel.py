@@ -163,10 +163,12 @@ def start_group(world_size: int, model_dir: Path, options: Mapping[str, str],
         if spec is not None:
             followers = rendezvous.wait_followers(spec.nodes - 1)
             weights = _share_weights(rendezvous, model_dir, options)
-            for node, follower in enumerate(followers, start=1):
-                _assign(rendezvous, follower, {
+            for node, follower in enumerate(followers, start=1):  # every host fetches at once
+                rendezvous.assign(follower, {
                     "world_size": world_size, "first_rank": node * local, "ranks": local, "model": model_dir.name,
                     "options": dict(options), "gpu": gpu, "weights": weights})
+            for follower in followers:
+                _check_answer(rendezvous, follower)
             env.update(gloo_interface(followers[0].local_address))
             os.environ.update(env)  # rank 0 meets the remote ranks on the same interface as its children
         store_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
@@ -195,8 +197,9 @@ def _share_weights(rendezvous: Rendezvous, model_dir: Path, options: Mapping[str
             "mode": EngineConfig.from_options(options).follower_weights}
 
 
-def _assign(rendezvous: Rendezvous, follower: Any, assignment: dict[str, Any]) -> None:
-    answer = rendezvous.assign(follower, assignment)
+def _check_answer(rendezvous: Rendezvous, follower: Any) -> None:
+    """Raise unless ``follower`` holds a verified copy of the weights (``WeightsMismatch`` when it never will)."""
+    answer = rendezvous.weights_answer(follower)
     host = follower.address[0]
     if not answer.get("ok"):
         error = f"follower host {host}: {answer.get('error', 'no answer about the weights')}"

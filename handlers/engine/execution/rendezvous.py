@@ -150,11 +150,14 @@ class Rendezvous:
         """Let peers read these files (relative name -> path) with the ``file`` operation, and no other."""
         self._shared = dict(files)
 
-    def assign(self, follower: Follower, assignment: dict[str, Any]) -> dict[str, Any]:
-        """Send ``follower`` its assignment and wait for its answer about the weights (``{"ok": ...}`` or
-        ``{"error": ..., "permanent": ...}``); on success the connection becomes the follower's watched
-        lifeline. Raises ``ConnectionError`` when the follower leaves first."""
+    def assign(self, follower: Follower, assignment: dict[str, Any]) -> None:
+        """Send ``follower`` its assignment (it then gets the weights: ``weights_answer``)."""
         send_frame(follower.sock, {"assignment": assignment})
+
+    def weights_answer(self, follower: Follower) -> dict[str, Any]:
+        """Wait for ``follower``'s answer about the weights (``{"ok": ...}`` or ``{"error": ..., "permanent":
+        ...}``); on success its connection becomes its watched lifeline. Raises ``ConnectionError`` when the
+        follower leaves first."""
         try:
             answer = recv_frame(follower.sock)
         except (OSError, ValueError, msgpack.UnpackException) as exc:

@@ -8,6 +8,8 @@ and ``dyn`` (dynamic batching).
 ``echo_server``: torch-free models only (``echo``, ``slow`` (0.5 s per request, one at a time) and ``attrs``, a
 custom handler that reflects its request attributes), with the inference API bound to ``SAGEMAKER_BIND_TO_PORT``,
 as SageMaker starts a container.
+``two_workers_server``: ``chat`` (the default model, rolling batching with the prefix cache, two workers of at
+most 4 sequences): SageMaker sessions and prefix-aware routing among a model's workers.
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     dynamic = {"option.max_model_len": "2048", "batch_size": "4", "max_batch_delay": "50"}
     srv = ServerProcess.start(tmp_path_factory.mktemp("smollm2"), models={"smollm2": rolling, "dyn": dynamic},
                               sources={"smollm2": folder, "dyn": folder}, timeout_s=600)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def two_workers_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess.start(tmp_path_factory.mktemp("two-workers"), models={"chat": {
+        "option.entryPoint": "huggingface", "option.rolling_batch": "auto", "option.enable_prefix_caching": "true",
+        "option.max_rolling_batch_size": "4", "minWorkers": "2", "maxWorkers": "2"}}, timeout_s=300)
     try:
         yield srv
     finally:

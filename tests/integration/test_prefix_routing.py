@@ -4,7 +4,6 @@ other one; ``cache_salt`` keeps one salt's prefix blocks from another's; usage r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -12,18 +11,12 @@ import pytest
 
 from tests.integration.harness import ServerProcess
 
-MODEL = "routed"
+MODEL = "chat"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess.start(tmp_path_factory.mktemp("routing"), models={MODEL: {
-        "option.entryPoint": "huggingface", "option.rolling_batch": "scheduler", "option.enable_prefix_caching": "true",
-        "option.max_rolling_batch_size": "4", "minWorkers": "2", "maxWorkers": "2"}}, timeout_s=300)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+@pytest.fixture
+def server(two_workers_server: ServerProcess) -> ServerProcess:
+    return two_workers_server  # conftest.py: the default model, two rolling workers with the prefix cache
 
 
 def complete(server: ServerProcess, prompt: list[int], max_tokens: int = 4, **extra: Any) -> httpx.Response:

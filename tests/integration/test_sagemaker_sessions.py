@@ -7,7 +7,6 @@ session id is a 400 naming the header, and the store's bounds hold."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,15 +20,9 @@ MODEL = "chat"
 SESSION = "X-Amzn-SageMaker-Session-Id"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess.start(tmp_path_factory.mktemp("sessions"), models={MODEL: {
-        "option.entryPoint": "huggingface", "option.rolling_batch": "auto", "option.enable_prefix_caching": "true",
-        "option.max_rolling_batch_size": "4", "minWorkers": "2", "maxWorkers": "2"}}, timeout_s=300)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+@pytest.fixture
+def server(two_workers_server: ServerProcess) -> ServerProcess:
+    return two_workers_server  # conftest.py: shared with the routing tests
 
 
 def invoke(server: ServerProcess, body: dict[str, object], session: str | None = None) -> httpx.Response:

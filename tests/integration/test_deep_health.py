@@ -69,7 +69,8 @@ class Stream(LongStream):
         self.lines: list[dict[str, Any]] = []
         self.ended = threading.Event()
         self.ended_at = 0.0
-        body = {**lmi_body(f"Stream of {max_new_tokens} tokens", max_new_tokens=max_new_tokens), "stream": True}
+        # prompts that share no first token: prefix-aware routing has no cached prefix to follow, load decides
+        body = {**lmi_body(f"{max_new_tokens} words of a story", max_new_tokens=max_new_tokens), "stream": True}
         self.thread = threading.Thread(target=self._read, args=(server, "roll", body), daemon=True)
         self.thread.start()
 

@@ -183,9 +183,12 @@ class Residency:
 
     @staticmethod
     def _wanted(ep: Any) -> bool:
-        """Whether a request for ``ep`` is one for residency: the model is not loaded, or loads on demand now."""
-        task = ep.residence.task
-        return ep.state in NOT_RESIDENT or (ep.state is ModelState.LOADING and task is not None and not task.done())
+        """Whether a request for ``ep`` is one for residency: the model was unloaded, waits for its first request, or
+        loads on demand now (not one registered a moment ago that loads at start)."""
+        r = ep.residence
+        if ep.state is ModelState.LOADING:
+            return r.task is not None and not r.task.done()
+        return ep.state is ModelState.UNLOADED or (ep.state is ModelState.PENDING and r.on_demand)
 
     def _busy(self, ep: Any, expected_s: float) -> Unavailable:
         task = ep.residence.task

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from rollcore.errors import ErrorKind
-from rollcore.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
+from rollcore.types import BatchOutput, SamplingParams, TokenDelta
 from rollcore.values import BOOL_WORDS
 
 
@@ -48,24 +47,8 @@ class Input:
     attributes: Mapping[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class Output:
-    """One answer. ``error`` set means this item failed; ``error_kind`` says how (default: handler)."""
-
-    request_id: str
-    text: str = ""
-    finish_reason: FinishReason = FinishReason.LENGTH
-    tokens: tuple[TokenInfo, ...] = ()
-    prompt_tokens: int = 0
-    payload: Any = None
-    error: str | None = None
-    prompt_logprobs: tuple[TokenInfo, ...] | None = None  # SamplingParams.prompt_logprobs: one per prompt token
-    error_kind: ErrorKind = ErrorKind.HANDLER
-    embedding: tuple[float, ...] | None = None  # an embedding request's vector (SamplingParams.embed)
-
-    @classmethod
-    def failure(cls, request_id: str, message: str, kind: ErrorKind = ErrorKind.HANDLER) -> Output:
-        return cls(request_id=request_id, finish_reason=FinishReason.ERROR, error=message, error_kind=kind)
+# One answer of ``handle``: the core's type, which the worker sends back as it is
+Output = BatchOutput
 
 
 class Handler(abc.ABC):

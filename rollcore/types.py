@@ -2,15 +2,18 @@
 
 Design note: these are plain frozen dataclasses with no dependency on any protocol, torch or the rest of
 the project. Every frontend (HTTP, OpenAI, TGI, gRPC) translates its wire request into a
-``GenerationRequest``; every backend answer comes back as ``TokenDelta`` (rolling) or ``GenerationResult``
-(whole). ``to_wire``/``from_wire`` give the msgpack-safe dict form used on the worker IPC channel.
+``GenerationRequest``; every backend answer comes back as ``TokenDelta`` (rolling) or ``BatchOutput`` (dynamic),
+and the frontend hands ``GenerationResult`` (whole) to its routes. The worker channel carries these types as they
+are (``serving.ipc.wire`` encodes them from their annotations); ``LOCAL_FIELDS`` names what stays in the frontend.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from rollcore.errors import ErrorKind
 
 # How many models loaded at start share this machine's cores: set by the frontend (serving.registry) in its
 # workers' environment, read by option.num_threads=auto (handlers.engine.planning.cpu.auto_threads).
@@ -81,28 +84,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0.0
 
-    def to_wire(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["stop"] = list(self.stop)
-        d["stop_token_ids"] = list(self.stop_token_ids)
-        d["logit_bias"] = [list(b) for b in self.logit_bias]
-        d["bad_words"] = list(self.bad_words)
-        return d
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
-        known = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in known}
-        if "stop" in kw:
-            kw["stop"] = tuple(kw["stop"])
-        if "stop_token_ids" in kw:
-            kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
-        if "logit_bias" in kw:
-            kw["logit_bias"] = tuple((int(t), float(b)) for t, b in kw["logit_bias"])
-        if "bad_words" in kw:
-            kw["bad_words"] = tuple(kw["bad_words"])
-        return cls(**kw)
-
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
@@ -116,6 +97,9 @@ class GenerationRequest:
     ``request_id``, the only id batchers and workers ever key on (see ``serving.live_requests``).
     """
 
+    # frontend-side only: never sent to a worker (serving.ipc.wire)
+    LOCAL_FIELDS: ClassVar[frozenset[str]] = frozenset({"deadline", "client_id", "affinity"})
+
     request_id: str
     model: str
     prompt: str = ""
@@ -128,32 +112,6 @@ class GenerationRequest:
     client_id: str = ""  # the client's id (logs, headers, cancel-by-id); never a table key
     # requests of one affinity key (a SageMaker session) go to one worker while it lives; frontend-side only
     affinity: str | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "model": self.model,
-            "prompt": self.prompt,
-            "params": self.params.to_wire(),
-            "prompt_token_ids": list(self.prompt_token_ids) if self.prompt_token_ids is not None else None,
-            "stream": self.stream,
-            "payload": self.payload,
-            "attributes": dict(self.attributes),
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> GenerationRequest:
-        ids = d.get("prompt_token_ids")
-        return cls(
-            request_id=d["request_id"],
-            model=d.get("model", ""),
-            prompt=d.get("prompt", ""),
-            params=SamplingParams.from_wire(d.get("params") or {}),
-            prompt_token_ids=tuple(ids) if ids is not None else None,
-            stream=bool(d.get("stream", False)),
-            payload=d.get("payload"),
-            attributes=dict(d.get("attributes") or {}),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,46 +143,26 @@ class TokenDelta:
     embedding: tuple[float, ...] | None = None  # an embedding request's pooled vector (its only delta)
     cached_tokens: int | None = None  # with prompt_tokens: how many of them the prefix cache served
 
-    def to_wire(self) -> dict[str, Any]:
-        wire = {
-            "id": self.request_id,
-            "tk": tokens_to_wire(self.tokens),
-            "tx": self.text,
-            "fr": self.finish_reason.value if self.finish_reason else None,
-            "pt": self.prompt_tokens,
-            "er": self.error,
-        }
-        if self.prompt_logprobs is not None:
-            wire["pl"] = tokens_to_wire(self.prompt_logprobs)
-        if self.embedding is not None:
-            wire["em"] = list(self.embedding)
-        if self.cached_tokens is not None:
-            wire["ct"] = self.cached_tokens
-        return wire
+
+@dataclass(frozen=True, slots=True)
+class BatchOutput:
+    """One answer of a dynamic-batching handler (``handlers.base.Output``), as the worker sends it back.
+    ``error`` set means this item failed; ``error_kind`` says how (default: handler)."""
+
+    request_id: str
+    text: str = ""
+    finish_reason: FinishReason = FinishReason.LENGTH
+    tokens: tuple[TokenInfo, ...] = ()
+    prompt_tokens: int = 0
+    payload: Any = None  # a custom handler's JSON answer
+    error: str | None = None
+    prompt_logprobs: tuple[TokenInfo, ...] | None = None  # SamplingParams.prompt_logprobs: one per prompt token
+    error_kind: ErrorKind = ErrorKind.HANDLER
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector (SamplingParams.embed)
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> TokenDelta:
-        return cls(
-            request_id=d["id"],
-            tokens=tokens_from_wire(d["tk"]),
-            text=d["tx"],
-            finish_reason=FinishReason(d["fr"]) if d["fr"] else None,
-            prompt_tokens=d["pt"],
-            error=d["er"],
-            prompt_logprobs=tokens_from_wire(d["pl"]) if d.get("pl") is not None else None,
-            embedding=tuple(float(x) for x in d["em"]) if d.get("em") is not None else None,
-            cached_tokens=int(d["ct"]) if d.get("ct") is not None else None,
-        )
-
-
-def tokens_to_wire(tokens: tuple[TokenInfo, ...]) -> list[list[Any]]:
-    return [[t.id, t.text, t.logprob, [list(p) for p in t.top_logprobs]] for t in tokens]
-
-
-def tokens_from_wire(rows: list[list[Any]]) -> tuple[TokenInfo, ...]:
-    """The inverse of ``tokens_to_wire`` (a row's alternatives may be missing: older dynamic handlers)."""
-    return tuple(TokenInfo(int(t[0]), str(t[1]), t[2], tuple((int(a), float(b)) for a, b in (t[3:4] or [()])[0]))
-                 for t in rows)
+    def failure(cls, request_id: str, message: str, kind: ErrorKind = ErrorKind.HANDLER) -> BatchOutput:
+        return cls(request_id=request_id, finish_reason=FinishReason.ERROR, error=message, error_kind=kind)
 
 
 @dataclass(frozen=True, slots=True)

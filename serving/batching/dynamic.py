@@ -30,7 +30,7 @@ from rollcore.errors import (
     WorkerFailed,
     error_from_kind,
 )
-from rollcore.types import FinishReason, GenerationRequest, TokenDelta, tokens_from_wire
+from rollcore.types import BatchOutput, GenerationRequest, TokenDelta
 from serving.batching.deadlines import (
     ServiceTimes,
     admit,
@@ -248,8 +248,7 @@ class DynamicBatcher:
         sent = [p.stream.dispatched for p in batch if p.stream.dispatched is not None]
         if sent:
             self._service.record(self._clock() - max(sent))
-        by_id = {o.get("request_id"): o for o in msg.outputs if isinstance(o, dict)
-                 and isinstance(o.get("request_id"), str)}
+        by_id = {o.request_id: o for o in msg.outputs}
         for p in batch:
             out = by_id.get(p.request.request_id)
             if out is None:
@@ -357,7 +356,7 @@ class DynamicBatcher:
         self._observer.on_batch(self.model, len(batch))
         try:
             sent = send_each(worker.send, lambda wires: Batch(batch_id=batch_id, requests=wires), batch,
-                             lambda p: p.request.to_wire(), lambda p, err: p.stream.fail(err))
+                             lambda p: p.request, lambda p, err: p.stream.fail(err))
         except ConnectionError:
             self._inflight.pop(batch_id, None)
             timer.cancel()
@@ -371,15 +370,12 @@ class DynamicBatcher:
                 self._idle.appendleft(worker)
 
 
-def _deliver(stream: ResultStream, out: dict[str, Any]) -> None:
-    if out.get("error"):
-        stream.fail(error_from_kind(out.get("error_kind") or "handler_error", out["error"]))
+def _deliver(stream: ResultStream, out: BatchOutput) -> None:
+    """One handler output into its stream (an output that did not decode carries its error: ``malformed``)."""
+    if out.error:
+        stream.fail(error_from_kind(out.error_kind.value, out.error))
         return
-    stream.set_payload(out.get("payload"))
-    prompt = out.get("prompt_logprobs")
-    embedding = out.get("embedding")
-    stream.push(TokenDelta(request_id=stream.request_id, tokens=tokens_from_wire(out.get("tokens") or []),
-                           text=out.get("text") or "", finish_reason=FinishReason(out.get("finish_reason") or "length"),
-                           prompt_tokens=int(out.get("prompt_tokens") or 0),
-                           prompt_logprobs=tokens_from_wire(prompt) if prompt is not None else None,
-                           embedding=tuple(float(x) for x in embedding) if embedding is not None else None))
+    stream.set_payload(out.payload)
+    stream.push(TokenDelta(request_id=stream.request_id, tokens=out.tokens, text=out.text,
+                           finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
+                           prompt_logprobs=out.prompt_logprobs, embedding=out.embedding))

@@ -13,9 +13,10 @@ import collections
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from rollcore.errors import InvalidRequest, ServingError
+from rollcore.types import GenerationRequest
 from serving.batching.ports import Clock
 from serving.ipc import codec
 from serving.ipc.messages import Message
@@ -64,8 +65,8 @@ class ServiceRate:
 T = TypeVar("T")
 
 
-def send_each(send: Callable[[Message], None], build: Callable[[list[dict[str, Any]]], Message],
-              items: Sequence[T], wire: Callable[[T], dict[str, Any]],
+def send_each(send: Callable[[Message], None], build: Callable[[list[GenerationRequest]], Message],
+              items: Sequence[T], wire: Callable[[T], GenerationRequest],
               fail: Callable[[T, ServingError], None]) -> list[T]:
     """Send ``build([wire(i) for i in items])``; on an encoding error fail the items that cannot be encoded
     alone (``fail(item, InvalidRequest)``) and send the others. Returns the items that were sent.

@@ -341,17 +341,14 @@ class RollingBatcher:
                 entry.stream.fail(error_from_kind(msg.kind, msg.message))
                 self._pump()
 
-    def _deliver(self, worker: Worker, d: dict[str, Any]) -> None:
-        """One delta into its stream; a malformed one fails its request, never the frame's others."""
-        rid = d.get("id") if isinstance(d, dict) else None
-        entry = self._running.get(rid) if isinstance(rid, str) else None
+    def _deliver(self, worker: Worker, delta: TokenDelta) -> None:
+        """One delta into its stream; a malformed one (decoded as its error: ``serving.ipc.messages``) fails its
+        request, never the frame's others."""
+        entry = self._running.get(delta.request_id)
         if entry is None or entry.worker is not worker:
             return  # aborted meanwhile
-        try:
-            delta = TokenDelta.from_wire(d)
-        except Exception as exc:  # noqa: BLE001 - a handler bug fails its own request
-            log.error("request %s model %s: malformed delta from the worker: %s", entry.request.client_id,
-                      self.model, type(exc).__name__)
+        if delta.error is not None:  # a handler bug fails its own request
+            log.error("request %s model %s: %s", entry.request.client_id, self.model, delta.error)
             entry.stream.fail(HandlerError("the model's worker sent a malformed answer for this request"))
             self.cancel(entry.request.request_id)
             return
@@ -427,7 +424,7 @@ class RollingBatcher:
             worker = entries[0].worker
             assert worker is not None
             try:
-                send_each(worker.send, lambda wires: Add(requests=wires), entries, lambda e: e.request.to_wire(),
+                send_each(worker.send, lambda reqs: Add(requests=reqs), entries, lambda e: e.request,
                           self._fail_unsent)
             except ConnectionError:
                 pass  # worker_lost will requeue them

@@ -23,11 +23,12 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rollcore.errors import ConfigError, ErrorKind, ServingError
-from rollcore.types import GenerationRequest, tokens_to_wire
+from rollcore.errors import ConfigError, ServingError
+from rollcore.types import BatchOutput, GenerationRequest
 from serving.heap import IdleTrim
 from serving.ipc import codec
 from serving.ipc.messages import (
@@ -73,35 +74,17 @@ class WorkerConnection:
         self._sock.sendall(codec.encode(msg))
 
 
-def to_input(d: dict[str, Any]) -> Any:
+def to_input(req: GenerationRequest) -> Any:
+    """The handler's view of a request (``handlers.base.Input``: what a handler reads of it)."""
     from handlers.base import Input
 
-    req = GenerationRequest.from_wire(d)
     return Input(request_id=req.request_id, prompt=req.prompt, params=req.params,
                  prompt_token_ids=req.prompt_token_ids, payload=req.payload, attributes=req.attributes)
-
-
-def output_to_wire(out: Any) -> dict[str, Any]:
-    """``handlers.base.Output`` -> msgpack-safe dict (the inverse lives in ``batching.dynamic``)."""
-    return {
-        "request_id": out.request_id,
-        "text": out.text,
-        "finish_reason": out.finish_reason.value,
-        "tokens": tokens_to_wire(out.tokens),
-        "prompt_tokens": out.prompt_tokens,
-        "prompt_logprobs": tokens_to_wire(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
-        "payload": out.payload,
-        "error": out.error,
-        "error_kind": out.error_kind.value if out.error else None,
-        "embedding": list(out.embedding) if getattr(out, "embedding", None) is not None else None,
-    }
 
 
 def serve_dynamic(conn: WorkerConnection, handler: Any, model: str = "-", redact: Callable[[str], str] = str,
                   idle: Callable[[], object] | None = None) -> None:
     """Run ``handle(batch)`` per ``Batch``; ``idle`` (default: ``IdleTrim``) runs whenever no batch waits."""
-    from handlers.base import Output
-
     idle = IdleTrim() if idle is None else idle
     while True:
         msg = conn.inbox.get()
@@ -115,33 +98,50 @@ def serve_dynamic(conn: WorkerConnection, handler: Any, model: str = "-", redact
             if len(outputs) != len(inputs):
                 raise RuntimeError(f"handler returned {len(outputs)} outputs for {len(inputs)} inputs")
         except ServingError as exc:
-            outputs = [Output.failure(i.request_id, exc.message, exc.kind) for i in inputs]
+            outputs = [BatchOutput.failure(i.request_id, exc.message, exc.kind) for i in inputs]
         except Exception as exc:  # noqa: BLE001 - a handler bug fails this batch only
             rids = ",".join(i.request_id for i in inputs)
             log.exception("request %s model %s: handler failed on a batch of %d", rids, model,
                           len(inputs), extra={"request_id": rids, "model": model})
-            outputs = [Output.failure(i.request_id, f"handler error: {type(exc).__name__}: {exc}") for i in inputs]
-        conn.send(BatchResult(batch_id=msg.batch_id, outputs=[_encodable_output(o, model, redact) for o in outputs]))
+            outputs = [BatchOutput.failure(i.request_id, f"handler error: {type(exc).__name__}: {exc}")
+                       for i in inputs]
+        conn.send(_result(msg.batch_id, outputs, model, redact))
         if conn.inbox.empty():
             idle()
 
 
-def _encodable_output(out: Any, model: str, redact: Callable[[str], str]) -> dict[str, Any]:
-    """One output as a wire dict that surely encodes: a malformed or unencodable one becomes its own failure."""
+def _result(batch_id: int, outputs: list[Any], model: str, redact: Callable[[str], str]) -> BatchResult:
+    """The batch's answer, errors scrubbed of paths; encoded once, and only when that fails is each output tried
+    alone, so that one the channel cannot carry (an integer over 64 bits, a lone surrogate, not an ``Output``)
+    fails its own request."""
+    outs = [_scrubbed(o, redact) for o in outputs]
+    result = BatchResult(batch_id=batch_id, outputs=outs)
+    try:
+        codec.encode(result)
+        return result
+    except Exception:  # noqa: BLE001 - find the output at fault below
+        pass
+    return BatchResult(batch_id=batch_id, outputs=[_sendable(o, model) for o in outs])
+
+
+def _scrubbed(out: Any, redact: Callable[[str], str]) -> Any:
+    if isinstance(out, BatchOutput) and out.error:
+        return replace(out, error=redact(out.error))
+    return out
+
+
+def _sendable(out: Any, model: str) -> BatchOutput:
     rid = str(getattr(out, "request_id", ""))
     try:
-        wire = output_to_wire(out)
-        if wire.get("error"):
-            wire["error"] = redact(str(wire["error"]))
-        codec.encode(BatchResult(batch_id=0, outputs=[wire]))
-        return wire
+        if not isinstance(out, BatchOutput):
+            raise TypeError(f"a {type(out).__name__}, not handlers.base.Output")
+        codec.encode(BatchResult(batch_id=0, outputs=[out]))
+        return out
     except Exception as exc:  # noqa: BLE001 - one bad output fails one request
         log.error("request %s model %s: the handler's output cannot be sent: %s: %s", rid, model,
                   type(exc).__name__, exc, extra={"request_id": rid, "model": model})
-        return {"request_id": rid, "text": "", "finish_reason": "error", "tokens": [], "prompt_tokens": 0,
-                "payload": None, "error": f"the handler returned an output that cannot be sent ({type(exc).__name__}"
-                "; integers must fit in 64 bits, strings must be valid Unicode)",
-                "error_kind": ErrorKind.HANDLER.value}
+        return BatchOutput.failure(rid, f"the handler returned an output that cannot be sent ({type(exc).__name__}"
+                                   "; integers must fit in 64 bits, strings must be valid Unicode)")
 
 
 def serve_rolling(conn: WorkerConnection, handler: Any, model: str = "-", redact: Callable[[str], str] = str

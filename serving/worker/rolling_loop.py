@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rollcore.errors import ErrorKind, ServingError
+from rollcore.types import GenerationRequest
 from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
 
 log = logging.getLogger("serving.worker")
@@ -44,10 +45,10 @@ class Channel(Protocol):
 
 
 class RollingLoop:
-    """Drives one ``RollingHandler``. ``to_input`` turns a wire request into the handler's ``Input``;
+    """Drives one ``RollingHandler``. ``to_input`` turns a request into the handler's ``Input``;
     ``redact`` scrubs texts that go to clients."""
 
-    def __init__(self, conn: Channel, handler: Any, to_input: Callable[[dict[str, Any]], Any],
+    def __init__(self, conn: Channel, handler: Any, to_input: Callable[[GenerationRequest], Any],
                  model: str = "-", redact: Callable[[str], str] = str,
                  max_step_failures: int = MAX_STEP_FAILURES) -> None:
         self.conn = conn
@@ -57,8 +58,8 @@ class RollingLoop:
         self.redact = redact
         self.max_step_failures = max_step_failures
         self.active: set[str] = set()  # in the engine: added, not yet finished, aborted or failed
-        self.fresh: dict[str, dict[str, Any]] = {}  # active and no delta yet: safe to take out and re-add
-        self.probation: collections.deque[dict[str, Any]] = collections.deque()
+        self.fresh: dict[str, GenerationRequest] = {}  # active and no delta yet: safe to take out and re-add
+        self.probation: collections.deque[GenerationRequest] = collections.deque()
         self.on_probation: str | None = None  # the one suspect in the engine
         self.unverified_blame = False  # a suspect was failed and no step has succeeded since
         self.num_unexplained_failures = 0
@@ -103,14 +104,14 @@ class RollingLoop:
                 for rid in gone:
                     self._forget(rid)
                     self.handler.abort(rid)
-                self.probation = collections.deque(d for d in self.probation if d.get("request_id") not in gone)
+                self.probation = collections.deque(d for d in self.probation if d.request_id not in gone)
                 aborted = True
             elif isinstance(msg, Configure):
                 self._configure(msg)
 
-    def _add(self, d: dict[str, Any]) -> bool:
+    def _add(self, d: GenerationRequest) -> bool:
         """Queue one request in the engine; a refused one is answered with Reject. True if accepted."""
-        rid = str(d.get("request_id", ""))
+        rid = d.request_id
         try:
             self.handler.add(self.to_input(d))
         except ServingError as exc:
@@ -159,7 +160,7 @@ class RollingLoop:
         while self.probation and self.on_probation is None:
             d = self.probation.popleft()
             if self._add(d):
-                self.on_probation = str(d.get("request_id", ""))
+                self.on_probation = d.request_id
 
     def _check_health(self) -> None:
         healthy = getattr(self.handler, "healthy", None)
@@ -189,7 +190,7 @@ class RollingLoop:
                 self.on_probation = None
             if d.finish_reason is not None:
                 self.active.discard(d.request_id)
-        self.conn.send(Deltas(step=self.step, deltas=[d.to_wire() for d in deltas], stats=self.handler.stats(),
+        self.conn.send(Deltas(step=self.step, deltas=list(deltas), stats=self.handler.stats(),
                               step_s=time.perf_counter() - t0, prefix=self.handler.prefix_events()))
 
     def _step_failed(self, exc: Exception) -> None:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from rollcore.types import FinishReason, GenerationRequest, TokenDelta, TokenInfo
+from rollcore.types import BatchOutput, FinishReason, GenerationRequest, TokenDelta, TokenInfo
 from serving.batching.dynamic import DynamicBatcher
 from serving.ipc.messages import Add
 
@@ -44,9 +44,8 @@ def req(rid: str, prompt: str = "p") -> GenerationRequest:
     return GenerationRequest(request_id=rid, model="m", prompt=prompt)
 
 
-def ok_output(rid: str, text: str = "out") -> dict[str, Any]:
-    return {"request_id": rid, "text": text, "finish_reason": "length", "tokens": [[1, text, None]],
-            "prompt_tokens": 1, "payload": None, "error": None, "error_kind": None}
+def ok_output(rid: str, text: str = "out") -> BatchOutput:
+    return BatchOutput(request_id=rid, text=text, tokens=(TokenInfo(1, text),), prompt_tokens=1)
 
 
 async def until(cond: Any, timeout_s: float = 2.0) -> None:
@@ -64,11 +63,11 @@ def dynamic(**kw: Any) -> DynamicBatcher:
     return b
 
 
-def delta(rid: str, tok: int, finish: FinishReason | None = None) -> dict[str, Any]:
+def delta(rid: str, tok: int, finish: FinishReason | None = None) -> TokenDelta:
     return TokenDelta(request_id=rid, tokens=(TokenInfo(tok, f"t{tok}"),), text=f"t{tok}",
-                      finish_reason=finish, prompt_tokens=1).to_wire()
+                      finish_reason=finish, prompt_tokens=1)
 
 
 def added(w: FakeWorker) -> list[str]:
-    return [r["request_id"] for m in w.of(Add) for r in m.requests]
+    return [r.request_id for m in w.of(Add) for r in m.requests]
 

@@ -17,11 +17,11 @@ from tests.unit.batcher_fakes import FakeWorker, added, delta, dynamic, ok_outpu
 
 
 def batch_ids(w: FakeWorker) -> list[list[str]]:
-    return [[r["request_id"] for r in m.requests] for m in w.of(Batch)]
+    return [[r.request_id for r in m.requests] for m in w.of(Batch)]
 
 
 def answer(b: DynamicBatcher, w: FakeWorker, batch: Batch) -> None:
-    b.on_message(w, BatchResult(batch_id=batch.batch_id, outputs=[ok_output(r["request_id"]) for r in batch.requests]))
+    b.on_message(w, BatchResult(batch_id=batch.batch_id, outputs=[ok_output(r.request_id) for r in batch.requests]))
 
 
 def test_dynamic_new_batch_size_applies_from_the_next_batch_on() -> None:
@@ -163,7 +163,7 @@ def test_rolling_raised_size_sends_the_admitted_before_the_new_limits() -> None:
                                                                      "max_rolling_batch_prefill_tokens": 64})
         # r0 and r1 went at submit; r2..r4 go before the new limits, so the engine's next step sees them
         assert [type(m).__name__ for m in w.sent] == ["Add", "Add", "Add", "Configure"]
-        assert [r["request_id"] for r in w.sent[2].requests] == ["r2", "r3", "r4"]
+        assert [r.request_id for r in w.sent[2].requests] == ["r2", "r3", "r4"]
         assert added(w) == ["r0", "r1", "r2", "r3", "r4"] and b.num_queued() == 1
         assert configures(w) == [{"max_rolling_batch_size": 5, "max_rolling_batch_prefill_tokens": 64}]
         b.worker_lost(w)  # no answer: the future resolves with None, never hangs

@@ -28,7 +28,7 @@ def test_dynamic_full_batch_goes_out_without_waiting_for_the_delay() -> None:
         streams = [b.submit(req(f"r{i}")) for i in range(4)]
         await until(lambda: w.of(Batch))
         (batch,) = w.of(Batch)
-        assert [r["request_id"] for r in batch.requests] == ["r0", "r1", "r2"]
+        assert [r.request_id for r in batch.requests] == ["r0", "r1", "r2"]
         b.on_message(w, BatchResult(batch_id=batch.batch_id, outputs=[ok_output(f"r{i}", f"t{i}") for i in range(3)]))
         results = [await s.collect() for s in streams[:3]]
         assert [r.text for r in results] == ["t0", "t1", "t2"]
@@ -51,7 +51,7 @@ def test_dynamic_partial_batch_waits_for_the_delay() -> None:
         b.submit(req("b"))
         await until(lambda: w.of(Batch))
         assert time.monotonic() - t0 >= 0.2  # not before the delay (a lower bound: no machine is too slow)
-        assert [r["request_id"] for r in w.of(Batch)[0].requests] == ["a", "b"]
+        assert [r.request_id for r in w.of(Batch)[0].requests] == ["a", "b"]
         await b.close()
     run(main())
 
@@ -80,7 +80,7 @@ def test_dynamic_one_items_error_does_not_fail_its_batch_mates() -> None:
         b.worker_ready(w)
         streams = [b.submit(req(r)) for r in ("a", "b", "c")]
         await until(lambda: w.of(Batch))
-        bad = {**ok_output("b"), "error": "boom", "error_kind": "handler_error"}
+        bad = replace(ok_output("b"), error="boom")
         # outputs matched by request id (order-independent); "c" gets none at all
         b.on_message(w, BatchResult(batch_id=w.of(Batch)[0].batch_id, outputs=[bad, ok_output("a")]))
         assert (await streams[0].collect()).text == "out"
@@ -106,7 +106,7 @@ def test_dynamic_worker_lost_retries_once_then_fails() -> None:
         w2 = FakeWorker(2)
         b.worker_ready(w2)
         await until(lambda: w2.of(Batch))
-        assert [r["request_id"] for r in w2.of(Batch)[0].requests] == ["a", "b"]  # order kept
+        assert [r.request_id for r in w2.of(Batch)[0].requests] == ["a", "b"]  # order kept
         w2.alive = False
         b.worker_lost(w2)
         for s in streams:
@@ -140,7 +140,7 @@ def test_dynamic_cancelled_request_is_dropped_before_dispatch() -> None:
         w = FakeWorker()
         b.worker_ready(w)
         await until(lambda: w.of(Batch))
-        assert [r["request_id"] for r in w.of(Batch)[0].requests] == ["b"]
+        assert [r.request_id for r in w.of(Batch)[0].requests] == ["b"]
         await b.close()
     run(main())
 
@@ -308,7 +308,7 @@ def test_dynamic_client_deadline_fails_a_queued_request_and_it_never_reaches_a_w
         b.worker_ready(w)
         other = b.submit(req("next"))
         await until(lambda: w.of(Batch))
-        assert [r["request_id"] for r in w.of(Batch)[0].requests] == ["next"]
+        assert [r.request_id for r in w.of(Batch)[0].requests] == ["next"]
         b.on_message(w, BatchResult(batch_id=w.of(Batch)[0].batch_id, outputs=[ok_output("next")]))
         assert (await other.collect()).text == "out"
         await b.close()

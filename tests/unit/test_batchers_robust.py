@@ -15,7 +15,8 @@ from serving.batching.dynamic import DynamicBatcher
 from serving.batching.pacing import ServiceRate
 from serving.batching.rolling import RollingBatcher
 from serving.ipc import codec
-from serving.ipc.messages import Abort, Add, Batch, BatchResult, Deltas
+from serving.ipc.messages import Abort, Add, Batch, BatchResult, Deltas, message_from_dict, message_to_dict
+from serving.ipc.wire import decoder, encoder
 from tests.unit.test_batchers import FakeWorker, added, delta, ok_output, req, run, until
 
 
@@ -50,7 +51,7 @@ def test_dynamic_unencodable_request_fails_alone_and_the_loop_lives_on() -> None
         with pytest.raises(InvalidRequest, match="64 bits"):
             await bad.collect()
         batch = w.of(Batch)[0]
-        assert [r["request_id"] for r in batch.requests] == ["good"]
+        assert [r.request_id for r in batch.requests] == ["good"]
         b.on_message(w, BatchResult(batch_id=batch.batch_id, outputs=[ok_output("good")]))
         assert (await good.collect()).text == "out"
         later = b.submit(req("later"))  # the batching loop is still alive
@@ -69,8 +70,9 @@ def test_dynamic_malformed_output_fails_its_request_and_batch_mates_are_answered
         b.worker_ready(w)
         first, second = b.submit(req("a")), b.submit(req("b"))
         await until(lambda: w.of(Batch))
-        broken = {**ok_output("a"), "tokens": [["not-an-int", "x", None]]}
-        b.on_message(w, BatchResult(batch_id=w.of(Batch)[0].batch_id, outputs=[broken, ok_output("b")]))
+        frame = message_to_dict(BatchResult(batch_id=w.of(Batch)[0].batch_id, outputs=[ok_output("a"), ok_output("b")]))
+        frame["outputs"][0][3] = [["not-an-int", "x", None, []]]  # a's tokens: an id that is not an integer
+        b.on_message(w, message_from_dict(frame))  # as the worker's frame is decoded
         with pytest.raises(HandlerError, match="malformed"):
             await first.collect()
         assert (await second.collect()).text == "out"
@@ -152,7 +154,9 @@ def test_rolling_malformed_delta_fails_its_request_only() -> None:
         w = FakeWorker()
         b.worker_ready(w)
         bad, good = b.submit(req("bad")), b.submit(req("good"))
-        b.on_message(w, Deltas(step=1, deltas=[{"id": "bad", "tk": "garbage"}, delta("good", 2, FinishReason.EOS)]))
+        frame = message_to_dict(Deltas(step=1, deltas=[delta("bad", 1), delta("good", 2, FinishReason.EOS)]))
+        frame["deltas"][0][1] = "garbage"  # bad's tokens
+        b.on_message(w, message_from_dict(frame))  # as the worker's frame is decoded
         with pytest.raises(HandlerError, match="malformed"):
             await bad.collect()
         assert (await good.collect()).text == "t2"
@@ -212,11 +216,11 @@ def test_rolling_queue_wait_limit_and_close() -> None:
         with pytest.raises(Unavailable):
             await running.collect()
         assert w.of(Abort) == [Abort(request_ids=["run"])]
-        assert [r["request_id"] for m in w.of(Add) for r in m.requests] == ["run"]
+        assert [r.request_id for m in w.of(Add) for r in m.requests] == ["run"]
     run(main())
 
 
 def test_sampling_params_round_trip_is_unchanged() -> None:
     p = SamplingParams(top_k=5, stop_token_ids=(1, 2))
-    assert SamplingParams.from_wire(p.to_wire()) == p
+    assert decoder(SamplingParams)(encoder(SamplingParams)(p)) == p
     asyncio.run(asyncio.sleep(0))

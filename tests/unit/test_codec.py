@@ -1,5 +1,6 @@
 """Golden-byte tests of the worker channel codec (``serving.ipc.codec``): exact frames, incremental
-decoding of partial frames, and rejection of anything that is not a message of the protocol."""
+decoding of partial frames, every message type encoded and decoded with its typed values (``serving.ipc.wire``),
+and rejection of anything that is not a message of the protocol."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import struct
 import msgpack
 import pytest
 
+from rollcore.errors import ErrorKind
+from rollcore.types import BatchOutput, FinishReason, GenerationRequest, SamplingParams, TokenDelta, TokenInfo
 from serving.ipc import codec
 from serving.ipc.messages import (
+    MESSAGE_TYPES,
     Abort,
     Add,
     Batch,
@@ -23,17 +27,23 @@ from serving.ipc.messages import (
     Ready,
     Reject,
     Shutdown,
+    message_from_dict,
+    message_to_dict,
 )
 
 # Hand-assembled msgpack: 4-byte big-endian length, then a fixmap of the dataclass fields in declaration
-# order followed by the type tag "t".
+# order followed by the type tag "t"; a typed value inside (a TokenDelta) is the array of its fields in order.
 GOLDEN = [
     (Shutdown(),
      b"\x00\x00\x00\x0c" b"\x81" b"\xa1t" b"\xa8shutdown"),
     (Abort(request_ids=["r1"]),
      b"\x00\x00\x00\x19" b"\x82" b"\xabrequest_ids" b"\x91\xa2r1" b"\xa1t" b"\xa5abort"),
-    (Batch(batch_id=7, requests=[{"a": 1}]),
-     b"\x00\x00\x00\x21" b"\x83" b"\xa8batch_id\x07" b"\xa8requests" b"\x91\x81\xa1a\x01" b"\xa1t" b"\xa5batch"),
+    (Deltas(step=1, deltas=[TokenDelta(request_id="r", tokens=(TokenInfo(5, "y", -0.5),),
+                                       finish_reason=FinishReason.EOS)]),
+     b"\x00\x00\x00\x59" b"\x86" b"\xa4step\x01"
+     b"\xa6deltas" b"\x91\x99" b"\xa1r" b"\x91\x94\x05\xa1y\xcb\xbf\xe0\x00\x00\x00\x00\x00\x00\x90" b"\xa0"
+     b"\xa9eos_token" b"\xc0\xc0\xc0\xc0\xc0"
+     b"\xa5stats\x80" b"\xa6step_s\xcb\x00\x00\x00\x00\x00\x00\x00\x00" b"\xa6prefix\xc0" b"\xa1t" b"\xa6deltas"),
     (LoadFailed(reason="boom"),
      b"\x00\x00\x00\x26" b"\x83" b"\xa6reason" b"\xa4boom" b"\xa9permanent\xc2" b"\xa1t" b"\xabload_failed"),
 ]
@@ -45,12 +55,19 @@ ROUND_TRIP = [
     Ready(pid=124, info={}, live_options=["max_rolling_batch_size"]),
     LoadFailed(reason="ValueError: no weights"),
     LoadFailed(reason="ModuleNotFoundError: No module named 'x'", permanent=True),
-    Batch(batch_id=1, requests=[{"request_id": "a", "prompt": "héllo"}]),
-    BatchResult(batch_id=1, outputs=[{"request_id": "a", "text": "x", "tokens": [[1, "x", -0.5]]}]),
-    Add(requests=[{"request_id": "b"}]),
+    Batch(batch_id=1, requests=[GenerationRequest(request_id="a", model="m", prompt="héllo", payload={"x": [1, None]},
+                                                  params=SamplingParams(stop=("\n",), logit_bias=((3, -1.5),)),
+                                                  attributes={"custom_attributes": "k=v"})]),
+    BatchResult(batch_id=1, outputs=[BatchOutput(request_id="a", text="x", tokens=(TokenInfo(1, "x", -0.5),),
+                                                 prompt_logprobs=(TokenInfo(2, "p"),), payload={"echo": True}),
+                                     BatchOutput.failure("b", "boom", ErrorKind.INVALID),
+                                     BatchOutput(request_id="c", embedding=(0.25, -1.0))]),
+    Add(requests=[GenerationRequest(request_id="b", model="m", prompt_token_ids=(1, 2, 3), stream=True,
+                                    params=SamplingParams(do_sample=True, temperature=0.5, seed=7, adapter="x"))]),
     Abort(request_ids=["b", "c"]),
-    Deltas(step=4, deltas=[{"id": "b", "tk": [[5, "y", None, []]], "fr": "eos"}], stats={"running": 1},
-           step_s=0.25),
+    Deltas(step=4, deltas=[TokenDelta(request_id="b", tokens=(TokenInfo(5, "y", None, ((6, -2.0),)),), text="y",
+                                      finish_reason=FinishReason.EOS, prompt_tokens=3, cached_tokens=2)],
+           stats={"running": 1}, step_s=0.25, prefix={"add": [1, 2], "del": [], "block_size": 16}),
     Reject(request_id="b", kind="invalid_request", message="prompt too long"),
     Configure(seq=2, options={"max_rolling_batch_size": 4}),
     Configured(seq=2, stats={"max_num_seqs": 4, "limits": {"first_step_admitted": None}}),
@@ -135,7 +152,8 @@ def test_ext_types_are_not_decoded_into_objects() -> None:
     ({"t": "abort", "request_ids": ["r1", 2]}, "request_ids"),                 # an item of another type
     ({"t": "batch", "batch_id": "1", "requests": []}, "batch_id"),             # a number as text
     ({"t": "batch", "batch_id": True, "requests": []}, "batch_id"),            # a bool is no integer
-    ({"t": "add", "requests": [["not", "a", "map"]]}, "requests"),
+    ({"t": "add", "requests": [["not", "a", "request"]]}, "requests"),
+    ({"t": "batch", "batch_id": 1, "requests": [{"request_id": "a"}]}, "requests"),  # a map is no request
     ({"t": "configure", "seq": 1, "options": {"max_rolling_batch_size": "4"}}, "options"),
     ({"t": "init", "model_name": "m", "model_dir": "/m", "entry_point": "echo", "properties": {"a": 1}},
      "properties"),
@@ -148,6 +166,31 @@ def test_a_wrongly_typed_field_is_refused_by_name(frame: dict[str, object], fiel
 
 
 def test_typed_fields_accept_what_senders_write() -> None:
-    assert codec.decode_body(_body({"t": "deltas", "step": 3, "deltas": [{"id": "r"}], "step_s": 1})) == \
-        Deltas(step=3, deltas=[{"id": "r"}], step_s=1)  # a whole number for a float field
+    delta = ["r", [], "", None, None, None, None, None, None]
+    assert codec.decode_body(_body({"t": "deltas", "step": 3, "deltas": [delta], "step_s": 1})) == \
+        Deltas(step=3, deltas=[TokenDelta(request_id="r")], step_s=1.0)  # a whole number for a float field
     assert codec.decode_body(_body({"t": "configured", "seq": 2, "error": None})) == Configured(seq=2)
+
+
+def test_every_message_type_round_trips() -> None:
+    assert {m.TAG for m in ROUND_TRIP} == set(MESSAGE_TYPES)
+
+
+def test_a_request_crosses_without_its_frontend_fields() -> None:
+    """``GenerationRequest.LOCAL_FIELDS`` (deadline, client id, affinity) stay in the frontend."""
+    sent = GenerationRequest(request_id="a", model="m", prompt="p", deadline=12.5, client_id="mine", affinity="s")
+    got = codec.decode_body(codec.encode(Add(requests=[sent]))[4:])
+    assert got == Add(requests=[GenerationRequest(request_id="a", model="m", prompt="p")])
+
+
+def test_a_malformed_output_or_delta_fails_its_own_request_only() -> None:
+    result = message_to_dict(BatchResult(batch_id=2, outputs=[BatchOutput("a", "x"), BatchOutput("b", "y")]))
+    result["outputs"][0][3] = [["not-an-id", "x", None, []]]  # a's tokens
+    outputs = message_from_dict(result).outputs
+    assert outputs[1] == BatchOutput("b", "y")
+    assert outputs[0].request_id == "a" and outputs[0].finish_reason is FinishReason.ERROR
+    assert outputs[0].error is not None and ".tokens[0].id: is a str, not an integer" in outputs[0].error
+    deltas = message_to_dict(Deltas(step=1, deltas=[TokenDelta("a"), TokenDelta("b", text="ok")]))
+    deltas["deltas"][0][4] = "many"  # a's prompt_tokens
+    got = message_from_dict(deltas).deltas
+    assert got[1] == TokenDelta("b", text="ok") and got[0].request_id == "a" and got[0].error is not None

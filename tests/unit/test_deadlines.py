@@ -229,7 +229,7 @@ def test_dynamic_refuses_what_cannot_start_in_time_and_drops_an_expired_request_
             await late.collect()
         after = b.submit(timed("after"))
         await until(lambda: len(w.of(Batch)) == 3)
-        assert [r["request_id"] for batch in w.of(Batch) for r in batch.requests] == ["first", "busy", "after"]
+        assert [r.request_id for batch in w.of(Batch) for r in batch.requests] == ["first", "busy", "after"]
         b.on_message(w, BatchResult(batch_id=w.of(Batch)[2].batch_id, outputs=[ok_output("after")]))
         await after.collect()
         await b.close()

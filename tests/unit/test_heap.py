@@ -11,6 +11,7 @@ import sys
 import textwrap
 from typing import Any
 
+from rollcore.types import GenerationRequest
 from serving.heap import IdleTrim, malloc_trim, trim_periodically
 from serving.ipc.messages import Batch, BatchResult, Message, Shutdown
 from serving.worker.main import serve_dynamic
@@ -106,7 +107,7 @@ class _Echo:
 
 
 def _batch(batch_id: int) -> Batch:
-    return Batch(batch_id=batch_id, requests=[{"request_id": f"r{batch_id}", "prompt": "hi", "params": {}}])
+    return Batch(batch_id=batch_id, requests=[GenerationRequest(request_id=f"r{batch_id}", model="m", prompt="hi")])
 
 
 def test_the_dynamic_worker_trims_only_when_no_batch_waits() -> None:

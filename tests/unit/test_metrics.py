@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from rollcore.errors import InvalidRequest, Overloaded
-from rollcore.types import GenerationRequest, ModelState
+from rollcore.types import BatchOutput, FinishReason, GenerationRequest, ModelState, TokenDelta, TokenInfo
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.rolling import RollingBatcher
 from serving.endpoint import FailedEndpoint
@@ -73,15 +73,15 @@ def req(rid: str, model: str = "m") -> GenerationRequest:
     return GenerationRequest(request_id=rid, model=model, prompt="a b c")
 
 
-def output(rid: str, n: int = 3) -> dict[str, Any]:
-    return {"request_id": rid, "text": "x " * n, "finish_reason": "length",
-            "tokens": [[i, "x", None] for i in range(n)],
-            "prompt_tokens": 2, "payload": None, "error": None, "error_kind": None}
+def output(rid: str, n: int = 3) -> BatchOutput:
+    return BatchOutput(request_id=rid, text="x " * n, tokens=tuple(TokenInfo(i, "x") for i in range(n)),
+                       prompt_tokens=2)
 
 
 def step(request_ids: list[str], last: bool, stats: dict[str, Any]) -> Deltas:
-    deltas = [{"id": rid, "tk": [[7, "t", None, []]], "tx": "t", "fr": "length" if last else None, "pt": 5,
-               "er": None} for rid in request_ids]
+    deltas = [TokenDelta(request_id=rid, tokens=(TokenInfo(7, "t"),), text="t",
+                         finish_reason=FinishReason.LENGTH if last else None, prompt_tokens=5)
+              for rid in request_ids]
     return Deltas(step=0, deltas=deltas, stats=stats, step_s=0.01)
 
 
@@ -108,7 +108,7 @@ def test_dynamic_requests_move_every_request_family() -> None:
             batch = [x for x in w.sent if isinstance(x, Batch)][0]
             w.sent.clear()
             b.on_message(w, BatchResult(batch_id=batch.batch_id,
-                                        outputs=[output(r["request_id"]) for r in batch.requests]))
+                                        outputs=[output(r.request_id) for r in batch.requests]))
         await asyncio.gather(*(s.collect() for s in streams))
         await b.close()
 

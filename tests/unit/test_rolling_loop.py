@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rollcore.errors import InvalidRequest
-from rollcore.types import FinishReason, TokenDelta, TokenInfo
+from rollcore.types import FinishReason, GenerationRequest, TokenDelta, TokenInfo
 from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Message, Reject, Shutdown
 from serving.worker.rolling_loop import RollingLoop, WorkerUnhealthy
 
@@ -26,7 +26,7 @@ class Channel:
         return {m.request_id: m.message for m in self.sent if isinstance(m, Reject)}
 
     def finished(self) -> list[str]:
-        return [d["id"] for m in self.sent if isinstance(m, Deltas) for d in m.deltas if d["fr"]]
+        return [d.request_id for m in self.sent if isinstance(m, Deltas) for d in m.deltas if d.finish_reason]
 
 
 class FakeEngine:
@@ -76,13 +76,13 @@ class FakeEngine:
 
 
 class Inp:
-    def __init__(self, d: dict[str, Any]) -> None:
-        self.request_id = d["request_id"]
-        self.prompt = d["prompt"]
+    def __init__(self, d: GenerationRequest) -> None:
+        self.request_id = d.request_id
+        self.prompt = d.prompt
 
 
-def wire(rid: str, prompt: str = "ok") -> dict[str, Any]:
-    return {"request_id": rid, "prompt": prompt}
+def wire(rid: str, prompt: str = "ok") -> GenerationRequest:
+    return GenerationRequest(request_id=rid, model="m", prompt=prompt)
 
 
 def run_loop(frames: list[Message], engine: FakeEngine | None = None) -> tuple[Channel, FakeEngine]:

@@ -56,7 +56,10 @@ def encoder(tp: Any) -> Encode:
         local = getattr(tp, "LOCAL_FIELDS", frozenset())
         hints = _hints(tp)
         parts = [(f.name, encoder(hints[f.name])) for f in dataclasses.fields(tp) if f.name not in local]
-        return lambda v: [getattr(v, n) if e is _same else e(getattr(v, n)) for n, e in parts]
+        # one generated function per type (as dataclasses builds __init__): a step's deltas are encoded per frame
+        env = {f"e{i}": e for i, (_, e) in enumerate(parts)}
+        items = ", ".join(f"v.{n}" if e is _same else f"e{i}(v.{n})" for i, (n, e) in enumerate(parts))
+        return _compile(f"def encode(v):\n    return [{items}]\n", env, "encode")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return lambda v: v.value
     if origin in (Union, types.UnionType):
@@ -149,8 +152,10 @@ def _sequence_decoder(origin: Any, args: tuple[Any, ...]) -> Decode:
     fixed = origin is tuple and bool(args) and args[-1] is not Ellipsis
     items = [decoder(a) for a in args] if fixed else [decoder(args[0]) if args else _same]
     build = tuple if origin is tuple else list
+    one = items[0]
 
-    def sequence(v: Any) -> Any:
+    def checked(v: Any) -> Any:
+        """Item by item, naming the one at fault."""
         if not isinstance(v, list):
             raise WireError("", f"is a {_kind(v)}, not a list")
         if fixed and len(v) != len(items):
@@ -162,6 +167,19 @@ def _sequence_decoder(origin: Any, args: tuple[Any, ...]) -> Decode:
             except WireError as exc:
                 raise exc.at(f"[{i}]") from None
         return build(out)
+
+    if fixed:
+        return checked
+    if one is _same:
+        return lambda v: build(v) if v.__class__ is list else checked(v)
+
+    def sequence(v: Any) -> Any:
+        if v.__class__ is list:
+            try:
+                return build([one(x) for x in v])
+            except WireError:
+                pass  # decoded again, naming the item at fault
+        return checked(v)
     return sequence
 
 
@@ -176,11 +194,47 @@ def _enum_decoder(cls: type[enum.Enum]) -> Decode:
     return member
 
 
+def _compile(source: str, env: dict[str, Any], name: str) -> Any:
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<wire {name}>", "exec"), env, namespace)  # noqa: S102 - our own fixed source
+    return namespace[name]
+
+
+# the plain types a field is checked against inline in a generated decoder (their exact class: msgpack gives no
+# subclasses, and an int is no bool)
+_INLINE = {str: "str", int: "int", bool: "bool"}
+
+
 def _dataclass_decoder(cls: Any) -> Decode:
     local = getattr(cls, "LOCAL_FIELDS", frozenset())
     hints = _hints(cls)
     parts = [(f.name, decoder(hints[f.name])) for f in dataclasses.fields(cls) if f.name not in local]
+    slow = _checked_dataclass_decoder(cls, parts)
+    # the fast path, generated once per type: exact-class checks inline, nested decoders called; any refusal is
+    # decoded again by the slow path, which names the field at fault
+    env: dict[str, Any] = {"cls": cls, "slow": slow, "WireError": WireError, "list": list}
+    args = []
+    for i, (name, dec) in enumerate(parts):
+        tp = hints[name]
+        if dec is _same:
+            args.append(f"{name}=v[{i}]")
+        elif tp in _INLINE:
+            env[f"t{i}"] = tp
+            args.append(f"{name}=v[{i}] if v[{i}].__class__ is t{i} else slow(v)")
+        else:
+            env[f"d{i}"] = dec
+            args.append(f"{name}=d{i}(v[{i}])")
+    source = (f"def build(v):\n"
+              f"    if v.__class__ is not list or len(v) != {len(parts)}:\n"
+              f"        return slow(v)\n"
+              f"    try:\n"
+              f"        return cls({', '.join(args)})\n"
+              f"    except (WireError, TypeError):\n"
+              f"        return slow(v)\n")
+    return _compile(source, env, "build")  # type: ignore[no-any-return]
 
+
+def _checked_dataclass_decoder(cls: Any, parts: list[tuple[str, Decode]]) -> Decode:
     def build(v: Any) -> Any:
         if not isinstance(v, list) or len(v) != len(parts):
             size = f"a list of {len(v)}" if isinstance(v, list) else f"a {_kind(v)}"
@@ -191,5 +245,8 @@ def _dataclass_decoder(cls: Any) -> Decode:
                 kw[name] = dec(x)
             except WireError as exc:
                 raise exc.at(f".{name}") from None
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except TypeError as exc:
+            raise WireError("", f"is no {cls.__name__}: {exc}") from None
     return build

@@ -6,6 +6,7 @@ requests."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import threading
@@ -152,6 +153,43 @@ def test_models_load_on_demand_and_take_turns_under_the_budget(store: tuple[Serv
     assert watch.measured and max(watch.measured) <= budget
     assert max(watch.measured) > budget // 3  # the samples saw loaded models, not empty lists
     assert "unloaded" not in watch.pinned_states
+
+
+def test_a_model_with_a_request_in_flight_is_unloaded_only_once_it_finished(store: tuple[ServerProcess, int]) -> None:
+    """b streams while c is asked for: c needs b's room (a, pinned, holds the rest), so c's load waits until b's
+    stream ended whole; then b is unloaded."""
+    server, _ = store
+    ok = httpx.post(f"{server.url}/predictions/b", json={"inputs": "hi", "parameters": {"max_new_tokens": 1}},
+                    timeout=180)
+    assert ok.status_code == 200, ok.text
+    before = model(server, "b")["residency"]["unloads"].get("budget", 0)
+    first = threading.Event()
+    lines: list[str] = []
+
+    def stream() -> None:
+        body = {"model": "b", "prompt": "once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=180) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    first.set()
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    assert first.wait(120)
+    r = httpx.post(f"{server.url}/predictions/c", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}},
+                   timeout=180)
+    streaming.join()
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    assert lines[-1] == "data: [DONE]" and not any("error" in c for c in chunks)
+    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"] is not None
+               and c.get("usage") is None) >= 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" or any(
+        c["choices"] and c["choices"][0].get("finish_reason") == "length" for c in chunks)
+    assert model(server, "b")["residency"]["unloads"]["budget"] == before + 1
+    assert model(server, "c")["residency"]["state"] == "ready"
 
 
 def test_a_model_that_fails_to_load_fails_only_its_own_requests(store: tuple[ServerProcess, int]) -> None:

@@ -36,6 +36,7 @@ from serving.devices import DevicePlan
 from serving.ipc.messages import Init
 from serving.live_requests import LiveRequests
 from serving.models.model_text import ModelText, TextSide
+from serving.models.residency import Residence, Residency
 from serving.redact import scrub_paths
 from serving.worker.launcher import Launcher
 from serving.worker.pool import WorkerPool
@@ -100,7 +101,8 @@ class ModelEndpoint:
         self.pool = self._new_pool()
         self._batcher_started = False
         # the host's memory budget (serving.models.residency), when the registry manages one
-        self.residency: Any = None
+        self.residency: Residency | None = None
+        self.residence: Residence | None = None  # given by the residency (its manage)
 
     @classmethod
     def failed(cls, name: str, reason: str) -> FailedEndpoint:
@@ -456,6 +458,8 @@ class FailedEndpoint:
         self.adapters: ApiAdapters | None = None
         self.load_time_s: float | None = None
         self.successor: ModelEndpoint | None = None
+        self.residency: Residency | None = None
+        self.residence: Residence | None = None
         self.options: Mapping[str, str] = MappingProxyType({})
         self.entry_point = ""
         self.text = ModelText(name, None, {})

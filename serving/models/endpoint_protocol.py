@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from serving.batching.streams import ResultStream
     from serving.config import ModelConfig
     from serving.models.model_text import ModelText
+    from serving.models.residency import Residence, Residency
     from serving.worker.pool import WorkerPool
 
 # the built-in text handlers: their bodies are the text APIs' (a custom handler's body is its own)
@@ -36,6 +37,8 @@ class Endpoint(Protocol):
     load_time_s: float | None
     # a reload replaced it: a request that resolved it before the switch is served there
     successor: Endpoint | None
+    residency: Residency | None  # the host's memory budget, when the registry manages one
+    residence: Residence | None  # its place under that budget (None: loaded at start and kept, or failed)
 
     @property
     def config(self) -> ModelConfig | None:

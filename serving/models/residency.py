@@ -33,6 +33,7 @@ from typing import Any
 from rollcore.errors import ConfigError, Unavailable
 from rollcore.types import ModelState
 from serving.models.budget import PROC, human, tree_pss
+from serving.models.endpoint_protocol import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Residence:
         return (self.peak_bytes or self.predicted_bytes) if resident else 0
 
 
-def state_of(ep: Any) -> str:
+def state_of(ep: Endpoint) -> str:
     """The residency state the API reports: registered, loading, ready, unloaded or failed."""
     return {ModelState.PENDING: "registered", ModelState.LOADING: "loading", ModelState.READY: "ready",
             ModelState.DRAINING: "ready", ModelState.FAILED: "failed"}.get(ep.state, "unloaded")
@@ -100,7 +101,7 @@ class Residency:
         self._monitor: asyncio.Task[None] | None = None
 
     # --- registration ---
-    def manage(self, ep: Any) -> None:
+    def manage(self, ep: Endpoint) -> None:
         """Give a freshly built endpoint its residence (a FAILED one has none)."""
         cfg = ep.config
         extra = cfg.extra
@@ -132,20 +133,20 @@ class Residency:
         files = sum(p.stat().st_size for p in Path(cfg.model_dir).glob("*.safetensors") if p.is_file())
         return workers * (files + WORKER_OVERHEAD), "checkpoint"
 
-    def defers(self, ep: Any) -> bool:
+    def defers(self, ep: Endpoint) -> bool:
         """Whether the registry leaves ``ep`` unloaded until a request needs it."""
-        residence = getattr(ep, "residence", None)
+        residence = ep.residence
         return residence is not None and residence.on_demand
 
     # --- requests ---
-    def touch(self, ep: Any) -> None:
+    def touch(self, ep: Endpoint) -> None:
         r = ep.residence
         r.last_used, r.last_used_at = time.time(), time.monotonic()
 
-    async def ensure(self, ep: Any) -> None:
+    async def ensure(self, ep: Endpoint) -> None:
         """Return once ``ep`` is READY, loading it on demand; raises ``Unavailable`` (503 with Retry-After) when it
         would not be within ``model_load_wait``, or cannot load under the budget."""
-        if getattr(ep, "residence", None) is None or ep.residency is not self:
+        if ep.residence is None or ep.residency is not self:
             return
         self.touch(ep)
         if not self._wanted(ep):
@@ -159,20 +160,20 @@ class Residency:
         if ep.state is not ModelState.READY:
             self.refuse(ep)
 
-    def queues(self, ep: Any) -> bool:
+    def queues(self, ep: Endpoint) -> bool:
         """Whether a request submitted to ``ep``, which is not READY, waits in its queue for a load on demand:
         a model that loaded before (what its handler serves is known) and is loading again or unloaded."""
-        r = getattr(ep, "residence", None)
+        r = ep.residence
         if r is None or not self._wanted(ep) or not ep.info or r.refusal:
             return False
         self.touch(ep)
         self._demand(ep)
         return True
 
-    def refuse(self, ep: Any, load: bool = True) -> None:
+    def refuse(self, ep: Endpoint, load: bool = True) -> None:
         """Raise the ``Unavailable`` that says why ``ep`` is not READY; with ``load`` (a request) it loads on demand
         meanwhile, without (a readiness check, a route reading the model's template) nothing starts."""
-        r = getattr(ep, "residence", None)
+        r = ep.residence
         if r is None or not self._wanted(ep):
             return
         if r.refusal:
@@ -182,7 +183,7 @@ class Residency:
         raise self._busy(ep, self.expected_load_s(ep))
 
     @staticmethod
-    def _wanted(ep: Any) -> bool:
+    def _wanted(ep: Endpoint) -> bool:
         """Whether a request for ``ep`` is one for residency: the model was unloaded, waits for its first request, or
         loads on demand now (not one registered a moment ago that loads at start)."""
         r = ep.residence
@@ -190,7 +191,7 @@ class Residency:
             return r.task is not None and not r.task.done()
         return ep.state is ModelState.UNLOADED or (ep.state is ModelState.PENDING and r.on_demand)
 
-    def _busy(self, ep: Any, expected_s: float) -> Unavailable:
+    def _busy(self, ep: Endpoint, expected_s: float) -> Unavailable:
         task = ep.residence.task
         if task is None or task.done():
             why = f"is {state_of(ep)}: it loads on its first request, in about {expected_s:.0f}s"
@@ -201,17 +202,17 @@ class Residency:
             why = f"is still loading (model_load_wait, {self.wait_s:g}s, passed)"
         return Unavailable(f"model {ep.name!r} {why}", retry_after_s=max(1, math.ceil(expected_s)))
 
-    def expected_load_s(self, ep: Any) -> float:
+    def expected_load_s(self, ep: Endpoint) -> float:
         """How long a load of ``ep`` takes: its last load, an earlier one of the same weights, else a guess."""
         return ep.load_time_s or self._load_s.get(ep.residence.weights) or FIRST_LOAD_S
 
-    def _demand(self, ep: Any) -> asyncio.Task[None]:
+    def _demand(self, ep: Endpoint) -> asyncio.Task[None]:
         r = ep.residence
         if r.task is None or r.task.done():
             r.task = asyncio.create_task(self._load(ep), name=f"load-on-demand-{ep.name}")
         return r.task
 
-    async def _load(self, ep: Any) -> None:
+    async def _load(self, ep: Endpoint) -> None:
         r = ep.residence
         async with self._lock:
             if ep.state not in NOT_RESIDENT or ep.residency is not self:
@@ -228,9 +229,9 @@ class Residency:
             await ep.start()
             self.loaded(ep, time.monotonic() - t0)
 
-    def loaded(self, ep: Any, seconds: float | None = None) -> None:
+    def loaded(self, ep: Endpoint, seconds: float | None = None) -> None:
         """Record a load of ``ep`` (on demand, at start or by a reload) and measure what it holds."""
-        r = getattr(ep, "residence", None)
+        r = ep.residence
         if r is None or ep.state is not ModelState.READY:
             return  # FAILED: its own requests fail with the reason
         seconds = seconds if seconds is not None else ep.load_time_s or 0.0
@@ -240,7 +241,7 @@ class Residency:
         r.peak_bytes = 0
         self.sample(ep)
 
-    async def _make_room(self, ep: Any) -> bool:
+    async def _make_room(self, ep: Endpoint) -> bool:
         """Unload idle models, least recently used first, until ``ep``'s prediction fits; False (and the refusal
         recorded) when it cannot fit even with every unpinned model unloaded."""
         r = ep.residence
@@ -263,7 +264,7 @@ class Residency:
             await asyncio.sleep(0.05)  # every unpinned model is busy: their requests in flight finish first
         return True
 
-    async def unload(self, ep: Any, reason: str) -> None:
+    async def unload(self, ep: Endpoint, reason: str) -> None:
         r = ep.residence
         log.info("model %s (version %s): unloading (%s): it held %s, idle since %s", ep.name, ep.version, reason,
                  human(r.holds(True)), time.strftime("%H:%M:%S", time.gmtime(r.last_used)) if r.last_used else
@@ -274,14 +275,14 @@ class Residency:
 
     # --- what models hold ---
     def _resident(self) -> list[Any]:
-        return [ep for _, _, ep in self._versions() if getattr(ep, "residence", None) is not None
+        return [ep for _, _, ep in self._versions() if ep.residence is not None
                 and ep.state in RESIDENT]
 
     def _retiring_bytes(self) -> int:
         return sum(ep.residence.holds(ep.state in RESIDENT) for ep in self._retiring()
-                   if getattr(ep, "residence", None) is not None)
+                   if ep.residence is not None)
 
-    def held(self, but: Any = None) -> int:
+    def held(self, but: Endpoint | None = None) -> int:
         """What the loaded models (and those a reload retires) hold of the budget, ``but`` left out."""
         return sum(ep.residence.holds(True) for ep in self._resident() if ep is not but) + self._retiring_bytes()
 
@@ -289,15 +290,15 @@ class Residency:
         """What the loaded models' workers hold now, measured (the sum of their last samples)."""
         return sum(ep.residence.memory_bytes for ep in self._resident())
 
-    def sample(self, ep: Any) -> int:
+    def sample(self, ep: Endpoint) -> int:
         """Measure what ``ep``'s workers hold now (PSS of their process trees)."""
         return self._record(ep, tree_pss(self._pids(ep), self._proc))
 
     @staticmethod
-    def _pids(ep: Any) -> list[int]:
+    def _pids(ep: Endpoint) -> list[int]:
         return [h.pid for h in ep.pool.workers.values() if h.pid]
 
-    def _record(self, ep: Any, size: int) -> int:
+    def _record(self, ep: Endpoint, size: int) -> int:
         r = ep.residence
         r.memory_bytes = size
         r.peak_bytes = max(r.peak_bytes, r.memory_bytes)
@@ -349,12 +350,12 @@ class Residency:
                 await self.unload(min(idle, key=lambda o: o.residence.last_used_at), "budget")
 
     @staticmethod
-    def _ready_at(ep: Any) -> float:
+    def _ready_at(ep: Endpoint) -> float:
         times = [h.ready_at for h in ep.pool.workers.values() if getattr(h, "ready_at", None) is not None]
         return max(times) if times else 0.0
 
     # --- reporting ---
-    def describe(self, ep: Any) -> dict[str, Any]:
+    def describe(self, ep: Endpoint) -> dict[str, Any]:
         """``GET /models/{name}``'s ``residency`` object."""
         r = ep.residence
         resident = ep.state in RESIDENT
@@ -370,18 +371,18 @@ class Residency:
                 "measured_bytes": self.measured()}
 
 
-async def ensure_resident(ep: Any) -> None:
+async def ensure_resident(ep: Endpoint) -> None:
     """What a route awaits before it serves ``ep`` (or the version a reload replaced it with): the model loaded on
     demand, within ``model_load_wait``. Nothing for a model without a residence (a FAILED one)."""
-    while getattr(ep, "successor", None) is not None:
+    while ep.successor is not None:
         ep = ep.successor
-    residency = getattr(ep, "residency", None)
+    residency = ep.residency
     if residency is not None:
         await residency.ensure(ep)
 
 
-def residency_entry(ep: Any) -> dict[str, Any]:
+def residency_entry(ep: Endpoint) -> dict[str, Any]:
     """``{"residency": ...}`` for a model listing (``GET /models``): its state under the budget, what it holds and
     when it was last used; {} for a model without a residence (a FAILED configuration)."""
-    residency = getattr(ep, "residency", None)
+    residency = ep.residency
     return {"residency": residency.describe(ep)} if residency is not None else {}

@@ -6,7 +6,6 @@ budget. Labels: ``model`` and ``version`` as every per-model series; ``reason`` 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -38,7 +37,7 @@ class ResidencyCollector(Collector):
                                    "models' workers may hold together")
         budget.add_metric([], self._residency.budget)
         for name, version, ep in sorted(self._versions(), key=lambda item: (item[0], int(item[1]))):
-            r: Any = getattr(ep, "residence", None)
+            r = ep.residence
             if r is None:
                 continue
             key = [name, version]

@@ -3,14 +3,20 @@
     serving k8s MODEL_DIR [--replicas N] [--max-replicas N] [--kserve] [--inference-pool] [--nodes N]
                           [--namespace NS]
                           [--image IMAGE] [--name NAME] [--cpus N] [--gpu] [--memory QTY] [--weights-claim NAME]
+                          [--cache-claim NAME] [--storage-uri]
 
 Emits a ConfigMap with the folder's serving.properties (the model folder in the pod), then a Deployment, a
 Service, a HorizontalPodAutoscaler on the server's queue depth, a ServiceMonitor and the prometheus-adapter rule
 for that metric; ``--nodes N`` a LeaderWorkerSet (one model's ranks over N pods) in place of the Deployment;
 ``--kserve`` a KServe ServingRuntime and InferenceService in place of the Deployment, Service and autoscaling.
 ``--inference-pool`` adds the Gateway API Inference Extension's InferencePool over the server pods.
-What the user creates: the Secret of tokens (and the cluster secret with ``--nodes``), and the weights' claim
-when the checkpoint is local; the notes on stderr name them. docs/deploying.md ("Kubernetes") has the rest.
+``--cache-claim NAME`` mounts a PersistentVolumeClaim (ReadWriteMany) as the model cache of every pod, so a
+fetched model is downloaded once per claim, not once per pod; ``--storage-uri`` with ``--kserve`` gives a fetched
+``option.model_id`` (``s3://``, a hub id as ``hf://``) to KServe's storage initializer, which fills
+``/mnt/models`` before the server starts, and the server serves that folder without fetching.
+What the user creates: the Secret of tokens (and the cluster secret with ``--nodes``), the weights' claim when
+the checkpoint is local, the cache's claim with ``--cache-claim``; the notes on stderr name them.
+docs/deploying.md ("Kubernetes") has the rest.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--memory", help="a pod's memory (8Gi, 512Mi), in place of the memory preflight's figure")
     ap.add_argument("--weights-claim", help="the PersistentVolumeClaim holding a local checkpoint (default "
                                             "NAME-weights)")
+    ap.add_argument("--cache-claim", help="a ReadWriteMany PersistentVolumeClaim as every pod's model cache (a "
+                                          "fetched model is downloaded once per claim; default: a cache per pod)")
+    ap.add_argument("--storage-uri", action="store_true", help="with --kserve: KServe's storage initializer fetches "
+                                                               "option.model_id (s3://, a hub id) into /mnt/models")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +73,8 @@ class Request:
     gpu: bool = False
     memory: str | None = None
     weights_claim: str | None = None
+    cache_claim: str | None = None
+    storage_uri: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Request:

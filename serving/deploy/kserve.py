@@ -33,6 +33,22 @@ MODEL_FORMAT = "rollserve"
 MODEL_FORMAT_VERSION = "1"
 PROTOCOL_VERSIONS = ["grpc-v2", "v2"]  # the first: the InferenceService's (its port is gRPC's)
 KSERVE_MOUNT = "/mnt/models"  # where KServe mounts the storageUri
+
+
+def storage_uri(model_id: str | None) -> str | None:
+    """The storageUri KServe's storage initializer fetches for a fetched ``option.model_id``: ``s3://`` as is, a
+    hub id ``org/name[@revision]`` as ``hf://org/name[:revision]``; None for what it cannot fetch (``pypi:``)."""
+    if not model_id or model_id.startswith("pypi:"):
+        return None
+    if model_id.startswith("s3://"):
+        return model_id
+    from serving.sources.hub import parse_hub_id
+
+    parsed = parse_hub_id(model_id)
+    if parsed is None:
+        return None
+    repo, revision = parsed
+    return f"hf://{repo}" + (f":{revision}" if revision else "")
 CONTAINER = "kserve-container"  # KServe merges the InferenceService's model into the runtime's container of this name
 
 
@@ -58,7 +74,9 @@ def inference_service(ctx: PodContext, namespace: str | None, replicas: int, max
     meta["annotations"] = {"serving.kserve.io/deploymentMode": "RawDeployment"}
     model: dict[str, Any] = {"name": CONTAINER, "modelFormat": {"name": MODEL_FORMAT, "version": MODEL_FORMAT_VERSION},
                              "runtime": f"{ctx.name}-runtime", "protocolVersion": PROTOCOL_VERSIONS[0]}
-    if ctx.model.weights is not None:
+    if ctx.storage_uri is not None:
+        model["storageUri"] = ctx.storage_uri
+    elif ctx.model.weights is not None:
         model["storageUri"] = f"pvc://{ctx.weights_claim}"
     model["env"] = model_env(ctx, KSERVE_MOUNT) + [e for e in server_env(ctx) if "valueFrom" in e]
     model["resources"] = ctx.sizing.leader.resources()

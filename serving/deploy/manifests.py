@@ -76,6 +76,23 @@ def _check(req: Request) -> None:
                           f"at most {MAX_NAME} characters")
     if req.namespace is not None and (len(req.namespace) > 63 or not _NAMESPACE.match(req.namespace)):
         raise ConfigError(f"--namespace {req.namespace!r}: not a DNS-1123 label")
+    if req.cache_claim is not None and (len(req.cache_claim) > 253 or not _NAMESPACE.match(req.cache_claim)):
+        raise ConfigError(f"--cache-claim {req.cache_claim!r}: not a PersistentVolumeClaim name (lowercase letters, "
+                          "digits and '-')")
+    if req.storage_uri and not req.kserve:
+        raise ConfigError("--storage-uri needs --kserve: it hands option.model_id to KServe's storage initializer")
+
+
+def _storage_uri(req: Request, model: ModelFolder) -> str | None:
+    """The storageUri for ``--storage-uri``; a ConfigError for a model KServe's storage initializer cannot fetch."""
+    if not req.storage_uri:
+        return None
+    uri = kserve.storage_uri(model.fetched_model_id)
+    if uri is None:
+        what = model.fetched_model_id or "a local checkpoint (its claim is the storageUri already)"
+        raise ConfigError(f"--storage-uri: option.model_id={what} is not something KServe's storage initializer "
+                          "fetches (s3:// or a hub id)")
+    return uri
 
 
 def config_map(ctx: PodContext, model: ModelFolder, namespace: str | None) -> dict[str, Any]:
@@ -107,8 +124,14 @@ def _notes(ctx: PodContext, req: Request) -> list[str]:
     if m.weights is not None:
         notes.append(f"the PersistentVolumeClaim {ctx.weights_claim} must hold {m.claim_root} (its files at the "
                      "claim's root)")
-    if m.fetched_model_id is not None:
+    if ctx.storage_uri is not None:
+        notes.append(f"KServe's storage initializer fetches {ctx.storage_uri} into /mnt/models before the server "
+                     "starts (give it the credentials it needs, e.g. a ServiceAccount with the storage secret)")
+    elif m.fetched_model_id is not None:
         notes.append(f"the pod fetches option.model_id={m.fetched_model_id} when it starts (network access needed)")
+    if ctx.cache_claim is not None:
+        notes.append(f"the PersistentVolumeClaim {ctx.cache_claim} (ReadWriteMany) is every pod's model cache: "
+                     "create it first; a fetched model is downloaded into it once")
     if s.memory_source == "fallback":
         notes.append(f"memory: no plan before the model is fetched or loaded; {ctx.sizing.leader.memory} assumed "
                      "(4 GiB a rank + overheads): pass --memory to set it")
@@ -124,7 +147,8 @@ def build(req: Request) -> Manifests:
     sizing = size_pods(model, cpus=req.cpus, nodes=req.nodes, gpu=req.gpu, memory=req.memory)
     name = req.name or dns_name(model.name)
     ctx = PodContext(name=name, model=model, sizing=sizing, image=req.image,
-                     weights_claim=req.weights_claim or f"{name}-weights", ports=server_ports())
+                     weights_claim=req.weights_claim or f"{name}-weights", ports=server_ports(),
+                     cache_claim=req.cache_claim, storage_uri=_storage_uri(req, model))
     ns, max_replicas = req.namespace, req.max_replicas or 4 * req.replicas
     docs = [config_map(ctx, model, ns)]
     if req.kserve:

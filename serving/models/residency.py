@@ -373,6 +373,13 @@ class Residency:
                 "measured_bytes": self.measured()}
 
 
+def loads_on_request(ep: Endpoint) -> bool:
+    """Whether ``ep`` is not loaded but serves all the same: its next request loads it (readiness counts it)."""
+    r = ep.residence
+    return (r is not None and r.on_demand and r.refusal is None and ep.residency is not None
+            and ep.state in NOT_RESIDENT)
+
+
 async def ensure_resident(ep: Endpoint) -> None:
     """What a route awaits before it serves ``ep`` (or the version a reload replaced it with): the model loaded on
     demand, within ``model_load_wait``. Nothing for a model without a residence (a FAILED one)."""

@@ -11,6 +11,7 @@ from rollcore.errors import Conflict
 from rollcore.types import ModelState
 from serving.health import Health
 from serving.live_requests import LiveRequests, counter_ids
+from serving.models.residency import Residence
 from serving.telemetry.deep_health import DeepCheck
 
 
@@ -18,6 +19,8 @@ from serving.telemetry.deep_health import DeepCheck
 class Ep:
     state: ModelState
     serving_workers: int = 1
+    residence: Residence | None = None  # loaded at start unless given one
+    residency: object | None = None
 
     @property
     def available(self) -> bool:
@@ -51,6 +54,20 @@ def test_readiness_follows_ping_requires() -> None:
     state.draining = True
     assert not any(Health(reg, state, p).ready() for p in ("all", "any", "none"))
     assert Health(reg, state, "all").live()
+
+
+def test_any_counts_a_model_that_loads_on_its_first_request() -> None:
+    """A store of models loaded on demand is ready before any of them loaded (``ping_requires=any``), but not when
+    the only one cannot fit the memory budget."""
+    residence = Residence(on_demand=True, pinned=False, idle_ttl_s=None, weights="w", predicted_bytes=1,
+                          predicted_from="preflight")
+    reg = Registry({"a": Ep(ModelState.PENDING, residence=residence, residency=object())}, set())
+    assert Health(reg, State(), "any").ready()
+    reg.endpoints["a"].state = ModelState.UNLOADED
+    assert Health(reg, State(), "any").ready()
+    residence.refusal = "it needs 2 GiB and the model memory budget is 1 GiB"
+    assert not Health(reg, State(), "any").ready()
+    assert not Health(Registry({"b": Ep(ModelState.PENDING)}, set()), State(), "any").ready()  # loads at start
 
 
 def test_not_ready_before_the_startup_models_are_known_or_built() -> None:

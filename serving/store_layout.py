@@ -17,8 +17,6 @@ import struct
 import zipfile
 from pathlib import Path
 
-from handlers.preflight import whole_gguf  # torch-free: reads the header
-
 from rollcore.errors import ConfigError, InvalidRequest
 from rollcore.values import integer
 from serving.keys import STORE_KEYS
@@ -103,6 +101,8 @@ def incomplete_files(folder: Path) -> list[str]:
             continue  # reported below as a JSON file that does not parse
         missing += [str((index.parent / s).relative_to(folder)) for s in sorted(shards)
                     if isinstance(s, str) and not (index.parent / s).is_file()]
+    from handlers.preflight import whole_gguf  # here: the frontend imports nothing of handlers until it needs it
+
     checks = {".safetensors": _whole_safetensors, ".gguf": whole_gguf, ".json": _whole_json,
               ".bin": _whole_archive, ".pt": _whole_archive, ".pth": _whole_archive}
     for path in sorted(folder.rglob("*")):

@@ -95,12 +95,7 @@ def _download_hub(model_id: str, key: str, parsed: tuple[str, str | None], gguf_
     try:
         listing = list_hub(repo_id, revision, env)
     except SourceUnreachable as exc:
-        kept = cache.newest(root, family)
-        if kept is None:
-            raise
-        log.warning("%s; serving the copy cached in %s", exc, kept)
-        progress(f"{model_id}: cannot reach the hub; serving the cached copy {kept.name}")
-        return kept
+        return _cached_copy(exc, root, family, f"{model_id}: cannot reach the hub", progress)
     entry = root / f"{family}{listing.commit[:16]}"
     if cache.cached(entry):
         progress(f"{model_id}: commit {listing.commit[:12]}: cached in {entry}")
@@ -109,6 +104,16 @@ def _download_hub(model_id: str, key: str, parsed: tuple[str, str | None], gguf_
                                                              gguf_file, listing))
     cache.prune(root, family, keep=2)
     return published
+
+
+def _cached_copy(exc: SourceUnreachable, root: Path, family: str, why: str, progress: Progress) -> Path:
+    """The newest cached entry of ``family`` when the source cannot be reached (with a warning); else ``exc``."""
+    kept = cache.newest(root, family)
+    if kept is None:
+        raise exc
+    log.warning("%s; serving the copy cached in %s", exc, kept)
+    progress(f"{why}; serving the cached copy {kept.name}")
+    return kept
 
 
 def _download_s3(model_id: str, key: str, env: Mapping[str, str], root: Path, progress: Progress) -> Path:
@@ -121,12 +126,7 @@ def _download_s3(model_id: str, key: str, env: Mapping[str, str], root: Path, pr
     try:
         objects = list_s3(model_id, env)
     except SourceUnreachable as exc:
-        kept = cache.newest(root, family)
-        if kept is None:
-            raise
-        log.warning("%s; serving the copy cached in %s", exc, kept)
-        progress(f"{model_id}: cannot list it; serving the cached copy {kept.name}")
-        return kept
+        return _cached_copy(exc, root, family, f"{model_id}: cannot list it", progress)
     entry = root / f"{family}{listing_digest(objects)}"
     if cache.cached(entry):
         progress(f"{model_id}: unchanged (its {len(objects)} objects' ETags): cached in {entry}")

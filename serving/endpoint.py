@@ -19,10 +19,9 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from types import MappingProxyType
 from typing import Any
 
-from rollcore.errors import HandlerError, InvalidRequest, Unavailable
+from rollcore.errors import InvalidRequest, Unavailable
 from rollcore.types import GenerationRequest, ModelState
 from serving import knobs
 from serving.adapters import ApiAdapters
@@ -33,7 +32,9 @@ from serving.batching.routing import Router
 from serving.batching.streams import ResultStream
 from serving.config import ModelConfig
 from serving.devices import DevicePlan
+from serving.failed_endpoint import FailedEndpoint
 from serving.ipc.messages import Init
+from serving.knob_changes import engine_answers, knob_table, updated_config
 from serving.live_requests import LiveRequests
 from serving.models.model_text import ModelText, TextSide
 from serving.models.residency import Residence, Residency
@@ -258,7 +259,7 @@ class ModelEndpoint:
             if self.state is not ModelState.READY:
                 raise Unavailable(f"model {self.name!r} is {self.state.value}; its knobs change once it is READY",
                                   retry_after_s=5)
-            new, changed = self._updated_config(values)
+            new, changed = updated_config(self.config, values, self.rolling, self.pool.workers)
             engine_options: dict[str, int] = {}
             if ENGINE_KNOBS & set(changed):  # the engines get both limits, so that every one has the same
                 engine_options = {k: int(new.options[k]) for k in sorted(ENGINE_KNOBS)
@@ -270,7 +271,7 @@ class ModelEndpoint:
             if isinstance(self.batcher, RollingBatcher):
                 acks = self.batcher.configure(max_rolling_batch_size=b.max_rolling_batch_size,
                                               job_queue_size=b.job_queue_size, engine_options=engine_options)
-                answer["engines"] = await self._engine_answers(acks)
+                answer["engines"] = await engine_answers(self.name, acks, self.config.liveness_timeout_s)
             else:
                 answer["batches_before"] = self.batcher.num_batches  # the batches that went out before the change
                 self.batcher.configure(batch_size=b.batch_size, max_batch_delay_ms=b.max_batch_delay_ms,
@@ -287,105 +288,9 @@ class ModelEndpoint:
                     **answer, "target_workers": self.pool.target, "retiring_workers": retiring,
                     "knobs": self.knobs()}
 
-    def _updated_config(self, values: Mapping[str, int]) -> tuple[ModelConfig, dict[str, int]]:
-        """The config with ``values`` applied, and every knob whose value changes (a bound moved by the other
-        one included)."""
-        c, b = self.config, self.config.batching
-        mode = "rolling" if self.rolling else "dynamic"
-        wrong = [n for n in values if knobs.BY_NAME[n].applies not in ("any", mode)]
-        if wrong:
-            own = ", ".join(k.name for k in knobs.KNOBS if k.applies in ("any", mode))
-            raise InvalidRequest(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to model "
-                                 f"{self.name!r}: it uses {mode} batching (it changes {own})")
-        for name in ("max_rolling_batch_prefill_tokens", "max_itl_ms"):
-            fixed = [wid for wid, h in sorted(self.pool.workers.items()) if name not in h.live_options]
-            if name in values and fixed:
-                raise InvalidRequest(f"{name} cannot change on a live model whose handler ({c.entry_point!r}) does "
-                                     "not support it: it needs a reload")
-        lo, hi = values.get("min_worker"), values.get("max_worker")
-        if lo is not None and hi is not None and lo > hi:
-            raise InvalidRequest(f"min_worker ({lo}) must be <= max_worker ({hi})")
-        min_workers = lo if lo is not None else min(c.min_workers, hi) if hi is not None else c.min_workers
-        max_workers = hi if hi is not None else max(c.max_workers, lo) if lo is not None else c.max_workers
-        wanted = {"batch_size": values.get("batch_size", b.batch_size),
-                  "max_batch_delay": values.get("max_batch_delay", b.max_batch_delay_ms),
-                  "max_rolling_batch_size": values.get("max_rolling_batch_size", b.max_rolling_batch_size),
-                  "max_rolling_batch_prefill_tokens": values.get("max_rolling_batch_prefill_tokens",
-                                                                 b.max_rolling_batch_prefill_tokens),
-                  "job_queue_size": values.get("job_queue_size", b.job_queue_size),
-                  "min_worker": min_workers, "max_worker": max_workers}
-        current = self._knob_values()
-        changed = {k: v for k, v in wanted.items() if k in values or v != current[k]}
-        if "max_itl_ms" in values:  # not a bound of any other knob: it changes only when given
-            changed["max_itl_ms"] = values["max_itl_ms"]
-        batching = replace(b, batch_size=wanted["batch_size"], max_batch_delay_ms=wanted["max_batch_delay"],
-                           job_queue_size=wanted["job_queue_size"],
-                           max_rolling_batch_size=wanted["max_rolling_batch_size"],
-                           max_rolling_batch_prefill_tokens=wanted["max_rolling_batch_prefill_tokens"])
-        options = dict(c.options)
-        for name in ("max_rolling_batch_size", "max_rolling_batch_prefill_tokens"):
-            options[name] = str(wanted[name])
-        if "max_itl_ms" in changed:
-            options["max_itl_ms"] = str(changed["max_itl_ms"])
-        sources = dict(c.sources)
-        for name in changed:
-            sources[knobs.BY_NAME[name].key] = knobs.API_SOURCE
-        return replace(c, batching=batching, min_workers=min_workers, max_workers=max_workers,
-                       options=MappingProxyType(options), sources=MappingProxyType(sources)), changed
-
-    async def _engine_answers(self, acks: Mapping[int, asyncio.Future[Any]]) -> dict[str, Any]:
-        """Each worker's engine limits right after it applied the change (``Configured``), by worker id. A
-        worker that has not answered within ``liveness_timeout`` is reported ``pending`` (the change waits in
-        its queue); one that went away is left out (its replacement loads with the new values)."""
-        if not acks:
-            return {}
-        done, _ = await asyncio.wait(acks.values(), timeout=self.config.liveness_timeout_s)
-        out: dict[str, Any] = {}
-        refused = []
-        for wid, future in sorted(acks.items()):
-            if future not in done:
-                out[str(wid)] = "pending"
-                continue
-            msg = future.result()
-            if msg is None:
-                continue
-            if msg.error is not None:
-                refused.append(msg.error)
-                continue
-            out[str(wid)] = {k: msg.stats[k] for k in ("max_num_seqs", "max_num_batched_tokens", "itl_target", "limits",
-                                                       "num_running", "num_waiting", "num_steps_total")
-                             if k in msg.stats}
-        if refused:
-            raise HandlerError(f"model {self.name!r}: a worker's engine refused the new options ({refused[0]}); the "
-                               "frontend applies them, workers started later load with them")
-        return out
-
-    def _itl_option(self) -> int | str:
-        """``option.max_itl_ms`` as configured: milliseconds, or ``auto`` (each engine's measured default, in its
-        stats: ``itl_target.derived_ms``)."""
-        raw = str(self.config.options.get("max_itl_ms", "auto")).strip()
-        return int(raw) if raw.isdigit() else "auto"
-
-    def _knob_values(self) -> dict[str, int | str]:
-        c, b = self.config, self.config.batching
-        return {"batch_size": b.batch_size, "max_batch_delay": b.max_batch_delay_ms,
-                "max_rolling_batch_size": b.max_rolling_batch_size,
-                "max_rolling_batch_prefill_tokens": b.max_rolling_batch_prefill_tokens,
-                "max_itl_ms": self._itl_option(),
-                "job_queue_size": b.job_queue_size, "min_worker": c.min_workers, "max_worker": c.max_workers}
-
     def knobs(self) -> dict[str, dict[str, Any]]:
-        """Every live knob: its effective value, where it came from (``file``, ``env``, ``API``, ``default``),
-        the exact source (``serving.properties:3``, ``env SERVING_BATCH_SIZE``, ...) and whether it applies to
-        this model's batching."""
-        mode = "rolling" if self.rolling else "dynamic"
-        values = self._knob_values()
-        out: dict[str, dict[str, Any]] = {}
-        for knob in knobs.KNOBS:
-            raw = self.config.sources.get(knob.key, "default")
-            out[knob.name] = {"value": values[knob.name], "source": knobs.source_kind(raw), "from": raw,
-                              "applies": knob.applies in ("any", mode)}
-        return out
+        """Every live knob: its value, where it came from and whether it applies (``serving.knob_changes``)."""
+        return knob_table(self.config, self.rolling)
 
     async def unload(self) -> None:
         """Stop the workers and keep the model registered (evicted under the memory budget): the next ``start``
@@ -438,60 +343,3 @@ class ModelEndpoint:
             "sources": {key: {"source": knobs.source_kind(raw), "from": raw} for key, raw in sorted(c.sources.items())},
             **({"residency": self.residency.describe(self)} if self.residency is not None else {}),
         }
-
-
-class FailedEndpoint:
-    """A model whose configuration could not be loaded: it only reports its reason."""
-
-    def __init__(self, name: str, reason: str) -> None:
-        self.name = name
-        self.version = "1"
-        self.state = ModelState.FAILED
-        self.reason = reason
-        self.rolling = False
-        self.info: dict[str, Any] = {}
-        self.available = False
-        # what a loaded model has, none of it here (serving.models.endpoint_protocol)
-        self.config: ModelConfig | None = None
-        self.batcher: DynamicBatcher | RollingBatcher | None = None
-        self.pool: WorkerPool | None = None
-        self.adapters: ApiAdapters | None = None
-        self.load_time_s: float | None = None
-        self.successor: ModelEndpoint | None = None
-        self.residency: Residency | None = None
-        self.residence: Residence | None = None
-        self.options: Mapping[str, str] = MappingProxyType({})
-        self.entry_point = ""
-        self.text = ModelText(name, None, {})
-
-    def check_ready(self) -> None:
-        raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
-
-    def submit(self, request: GenerationRequest) -> ResultStream:
-        raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
-
-    def cancel(self, request_id: str) -> bool:
-        return False
-
-    def forget_affinity(self, key: str) -> None:
-        pass
-
-    async def start(self) -> None:
-        pass
-
-    async def drain(self, timeout_s: float) -> None:
-        self.state = ModelState.UNLOADED
-
-    async def stop(self) -> None:
-        self.state = ModelState.UNLOADED
-
-    async def scale(self, num_workers: int) -> None:
-        raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
-
-    async def update(self, values: Mapping[str, int]) -> dict[str, Any]:
-        raise Unavailable(f"model {self.name!r} is FAILED: {self.reason}")
-
-    def describe(self) -> dict[str, Any]:
-        return {"model_name": self.name, "version": self.version, "status": self.state.value, "reason": self.reason,
-                "workers": []}
-

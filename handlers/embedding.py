@@ -26,6 +26,7 @@ import torch
 from handlers.base import Context, Handler, Input, Output
 from handlers.validation import check_prompt_ids
 from rollcore.errors import InvalidRequest, ServingError
+from rollcore.model_folder import weights_folder
 from rollcore.options import option_value
 from rollcore.values import AUTO
 
@@ -74,12 +75,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def model_folder(ctx: Context) -> Path:
-    """Where the weights are: ``option.model_id`` (relative to the model folder or absolute), else the folder."""
-    model_id = ctx.option("model_id")
-    if not model_id:
-        return Path(ctx.model_dir)
-    local = Path(ctx.model_dir) / model_id
-    return local if local.exists() else Path(model_id)
+    """Where the weights are (``rollcore.model_folder.weights_folder`` of ``option.model_id``)."""
+    return weights_folder(ctx.model_dir, ctx.option("model_id"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,11 +30,12 @@ from handlers.engine.execution.grammar_trigger import Trigger
 from handlers.engine.execution.quant_ckpt_load import load_integer_model
 from handlers.engine.execution.quantize import float_checkpoint_activations, quantize_linears
 from handlers.engine.execution.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
-from handlers.engine.planning.checkpoint import check_quantization, read_model_config
+from handlers.engine.planning.checkpoint import check_quantization
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
 from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.validation import check_length, check_prompt_ids, check_token_ids
 from rollcore.errors import InvalidRequest, ServingError
+from rollcore.model_folder import read_config
 from rollcore.options import option_value
 from rollcore.sampling_ranges import check_sampling
 from rollcore.tokenizer_probe import TOKENIZER_PROBE
@@ -105,7 +106,7 @@ class HuggingFaceHandler(Handler):
             self.model = load_gguf_model(Path(path), gguf, quantize, group,
                                          option_value(ctx.properties, "quantized_activations"))
         else:
-            check_quantization(read_model_config(path), Path(path).name)
+            check_quantization(read_config(path), Path(path).name)
             # a quantized checkpoint, or option.quantize on fp32 weights on the CPU: one tensor at a time, integer
             on_cpu = ctx.device_id < 0 or not torch.cuda.is_available()
             self.model = None if trust or option_value(ctx.properties, "allow_unsafe_weights") else load_integer_model(

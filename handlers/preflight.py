@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from handlers.engine.planning.checkpoint import checkpoint_tensors, weights_dir
+from handlers.engine.planning.checkpoint import checkpoint_tensors
 from handlers.engine.planning.config import EngineConfig
-from handlers.engine.planning.families import ADMITTED_BY_LIST, admission, load_config_dict, unsupported_reason
+from handlers.engine.planning.families import ADMITTED_BY_LIST, admission, unsupported_reason
 from handlers.engine.planning.gguf_plan import gguf_file_in, whole_gguf
 from handlers.engine.planning.memory import preflight
 from handlers.engine.planning.quant_config import checkpoint_parameter_count, parse_checkpoint_quant
+from rollcore.model_folder import read_config, weights_folder
 
 # The budget ``planned_memory`` plans with: far more than any model needs, so every figure is the model's own.
 UNBOUNDED_BUDGET_KIB = 1 << 40
@@ -27,7 +28,7 @@ __all__ = ["whole_gguf"]  # the watched store asks whether a GGUF file is whole 
 def engine_admission(folder: Path, max_model_len: int | None) -> tuple[dict[str, Any], str | None, bool]:
     """``folder``'s ``config.json``, why the engine refuses it (None: it serves it), and whether it is on the
     verified list (False: a load-time self-check decides). Raises ``ConfigError`` for an unreadable file."""
-    config = load_config_dict(folder)
+    config = read_config(folder)
     reason = unsupported_reason(config, max_model_len)
     return config, reason, reason is None and admission(config) == ADMITTED_BY_LIST
 
@@ -35,7 +36,7 @@ def engine_admission(folder: Path, max_model_len: int | None) -> tuple[dict[str,
 def memory_plan_text(model_dir: Path, model_id: str | None, options: Mapping[str, str]) -> str:
     """The engine's memory plan for the model (the preflight its worker runs before loading), or "" when the
     weights' folder has no ``config.json``. Raises ``ConfigError`` (``InsufficientMemory``: cannot fit)."""
-    source = weights_dir(model_dir, model_id)
+    source = weights_folder(model_dir, model_id)
     if not (source / "config.json").is_file() and gguf_file_in(source) is None:
         return ""
     return preflight(source, EngineConfig.from_options(options)).describe()
@@ -62,7 +63,7 @@ def planned_memory(model_dir: Path, model_id: str | None, options: Mapping[str, 
     """The engine's memory plan for the model (``preflight``, as its worker runs it) with a budget no model
     reaches, or None when the weights' folder has no ``config.json`` (a model fetched at start). For sizing a
     machine or a container before the model runs there. Raises ``ConfigError``."""
-    source = weights_dir(model_dir, model_id)
+    source = weights_folder(model_dir, model_id)
     if not (source / "config.json").is_file() and gguf_file_in(source) is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,7 +82,7 @@ def checkpoint_parameters(weights: Path) -> int | None:
     e.g. a model the worker downloads or converts at load)."""
     try:
         tensors = checkpoint_tensors(weights)
-        quant = parse_checkpoint_quant(load_config_dict(weights))
+        quant = parse_checkpoint_quant(read_config(weights))
     except Exception:  # noqa: BLE001 -- an unreadable checkpoint fails at load with its own error
         return None
     if quant is not None:  # int32 words of packed weights: counted as the weights they hold

@@ -42,6 +42,7 @@ from types import MappingProxyType
 from typing import Any
 
 from rollcore.errors import ConfigError
+from rollcore.model_folder import weights_folder
 from rollcore.options import (
     LOADER,
     OPTIONS,
@@ -61,7 +62,7 @@ from rollcore.values import (
 )
 from serving.keys import MODEL_KEYS
 from serving.layout import auto_layout, checkpoint_parameters, server_cores
-from serving.rolling_choice import ENGINE_ENTRY_POINTS, choose_rolling_batch, embedding_encoder, weights_folder
+from serving.rolling_choice import ENGINE_ENTRY_POINTS, choose_rolling_batch, embedding_encoder
 from serving.server_config import ServerConfig
 from serving.settings import (
     EMPTY,

@@ -14,20 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rollcore.model_folder import weights_folder
 from rollcore.options import ROLLING_ENGINE_ALIASES
 from serving.settings import Setting, fail
 
 # Entry points that run the built-in engine when rolling (the endpoint maps them to ``rolling``).
 ENGINE_ENTRY_POINTS = frozenset({"huggingface", "djl_python.huggingface", "rolling"})
-
-
-def weights_folder(model_dir: Path, model_id: str | None) -> Path:
-    """Where the model's ``config.json`` and weights are: ``option.model_id`` names another local folder
-    (relative to the model folder or absolute), else the model folder itself (as the handlers load it)."""
-    if not model_id:
-        return Path(model_dir)
-    relative = Path(model_dir) / model_id
-    return relative if relative.exists() else Path(model_id)
 
 
 def embedding_encoder(requested: str, setting: Setting, folder: Path, effective: str, reason: str

@@ -22,12 +22,13 @@ from handlers.engine.execution.lora import folder_adapters
 from handlers.engine.execution.parallel import TensorParallelGroup, shard_model, start_group
 from handlers.engine.execution.quant_ckpt_load import check_checkpoint_layout
 from handlers.engine.execution.quantize import QUANTIZE_MODES, check_layout, quantize_model
-from handlers.engine.planning.checkpoint import check_quantization, weights_dir
+from handlers.engine.planning.checkpoint import check_quantization
 from handlers.engine.planning.config import EngineConfig
-from handlers.engine.planning.families import check_config, load_config_dict
+from handlers.engine.planning.families import check_config
 from handlers.engine.planning.host_memory import MemoryBudget, memory_budget
 from handlers.engine.planning.memory import MemoryPlan, plan_loaded_model, preflight
 from handlers.engine.planning.quant_config import parse_checkpoint_quant
+from rollcore.model_folder import read_config, weights_folder
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ def load_for_engine(model_dir: Path, options: Mapping[str, str], device_id: int 
     the other ranks, and every rank loads and shards the model (``handlers.engine.execution.parallel``)."""
     device = engine_device(device_id)
     config = EngineConfig.from_options(options)
-    source = weights_dir(model_dir, options.get("model_id"))
-    model_config = load_config_dict(source)
+    source = weights_folder(model_dir, options.get("model_id"))
+    model_config = read_config(source)
     check_config(model_config, config.max_model_len, config.tensor_parallel_degree)
     check_quantization(model_config, source.name)
     check_layout(config, device)

@@ -21,6 +21,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from rollcore.errors import InvalidRequest
+from rollcore.model_folder import weights_folder
 from rollcore.tokenizer_probe import TOKENIZER_PROBE
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class TextSide:
 
     def __init__(self, name: str, model_dir: Path | None, options: Mapping[str, Any]) -> None:
         self.name = name
-        self.model_dir = _tokenizer_dir(model_dir, options.get("model_id"))
+        self.model_dir = weights_folder(model_dir, options.get("model_id")) if model_dir is not None else None
         self._seen: Mapping[str, Any] | None = None
         self._facts: tuple[Any, ...] | None = None
         self._text: ModelText | None = None
@@ -130,16 +131,6 @@ class TextSide:
             self._facts = facts
         self._seen = info
         return self._text
-
-
-def _tokenizer_dir(model_dir: Path | None, model_id: Any) -> Path | None:
-    """The folder holding the tokenizer: ``option.model_id`` when it names a folder inside (or absolute), else the
-    model's own."""
-    if model_dir is None:
-        return None
-    if isinstance(model_id, str) and model_id and (model_dir / model_id).is_dir():
-        return model_dir / model_id
-    return model_dir
 
 
 def _load_tokenizer(model_dir: Path | None) -> Tokenizer | None:

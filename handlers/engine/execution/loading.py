@@ -18,12 +18,12 @@ from handlers.engine.execution.device import serving_dtype
 from handlers.engine.execution.gguf_load import load_gguf_model
 from handlers.engine.execution.quant_ckpt_load import load_quantized_checkpoint, load_quantizing
 from handlers.engine.execution.quantize import QUANTIZE_MODES, float_checkpoint_activations
-from handlers.engine.planning.checkpoint import read_model_config, weights_dir
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
 from handlers.engine.planning.gguf_plan import gguf_file_in
 from handlers.engine.planning.quant_config import parse_checkpoint_quant
 from rollcore.errors import ConfigError
+from rollcore.model_folder import read_config, weights_folder
 
 TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -43,9 +43,9 @@ def load_model_and_tokenizer(model_dir: Path, options: Mapping[str, str], device
     torch.set_num_threads(config.num_threads or auto_threads(_int_option(options, "maxWorkers", 1),
                                                               config.tensor_parallel_degree))
     keep_freed_memory()
-    source = weights_dir(model_dir, options.get("model_id"))
+    source = weights_folder(model_dir, options.get("model_id"))
     # auto -> fp32 or bf16 by CPU; on a GPU the checkpoint's half precision unless option.dtype says otherwise
-    config = replace(config, dtype=serving_dtype(options.get("dtype"), read_model_config(source), dtype_for))
+    config = replace(config, dtype=serving_dtype(options.get("dtype"), read_config(source), dtype_for))
     gguf = gguf_file_in(source)
     model: torch.nn.Module | None
     if gguf is not None:
@@ -75,7 +75,7 @@ def _load_checkpoint(source: Path, config: EngineConfig,
     """A safetensors checkpoint loaded one tensor at a time into integer layers (``quant_ckpt_load``): a quantized
     checkpoint as it is, or a float one with ``option.quantize=int8|int4`` quantized on the way in (the config then
     says so: nothing left to quantize, prepack or fuse). (None, config): transformers loads it whole."""
-    quant = parse_checkpoint_quant(read_model_config(source))
+    quant = parse_checkpoint_quant(read_config(source))
     done = replace(config, prepack_weights="false", fuse_projections=False)
     if quant is not None:  # the integer kernels take fp32 activations
         return load_quantized_checkpoint(source, quant, config.quantized_activations), \

@@ -40,8 +40,8 @@ from handlers.engine.execution.rendezvous import SECRET_ENV, Rendezvous
 from handlers.engine.execution.runner import StepInputs
 from handlers.engine.execution.sharding import shard_model
 from handlers.engine.execution.weights import WeightsMismatch, manifest, weight_files
-from handlers.engine.planning.checkpoint import weights_dir
 from handlers.engine.planning.config import EngineConfig
+from rollcore.model_folder import weights_folder
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def start_group(world_size: int, model_dir: Path, options: Mapping[str, str],
 def _share_weights(rendezvous: Rendezvous, model_dir: Path, options: Mapping[str, str]) -> dict[str, Any]:
     """The weights part of a follower's assignment: the manifest of the folder rank 0 loads (shared for
     streaming), the source it came from and how followers get theirs (``option.follower_weights``)."""
-    folder = weights_dir(model_dir, options.get("model_id"))
+    folder = weights_folder(model_dir, options.get("model_id"))
     rendezvous.share(weight_files(folder))
     entries = manifest(folder)
     logger.info("weights for the follower hosts: %d files, %.1f MiB", len(entries),

@@ -27,10 +27,10 @@ from handlers.engine.execution.gguf_load import _empty_model
 from handlers.engine.execution.int_weights import quantize_int4, quantize_int8
 from handlers.engine.execution.prepack import replace_module
 from handlers.engine.execution.quantize import QUANTIZE_MODES, QuantizedLinear, float_checkpoint_activations
-from handlers.engine.planning.checkpoint import read_model_config
 from handlers.engine.planning.cpu import return_freed_memory
 from handlers.engine.planning.quant_config import QUANT_SUFFIXES, CheckpointQuant, parse_checkpoint_quant
 from rollcore.errors import ConfigError
+from rollcore.model_folder import read_config
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def load_integer_model(folder: Path, quantize: str, group_size: int, activations
     """What the dynamic handler loads through this module: a quantized checkpoint (``folder``'s ``config.json``
     says so), or, with ``option.quantize`` int8/int4 where ``quantize_here`` (fp32 on the CPU), the float checkpoint
     quantized on the way in. None: transformers loads it whole (and ``quantize_linears`` quantizes it after)."""
-    quant = parse_checkpoint_quant(read_model_config(folder))
+    quant = parse_checkpoint_quant(read_config(folder))
     if quant is not None:
         return load_quantized_checkpoint(folder, quant, activations)
     if quantize in QUANTIZE_MODES and quantize_here and any(folder.glob("*.safetensors")):

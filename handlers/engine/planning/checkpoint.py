@@ -40,24 +40,6 @@ _TOKEN_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|embed_in|wte|word_embeddings
 _LAYER = re.compile(r"\.\d+\.")
 
 
-def read_model_config(model_dir: str | Path) -> dict[str, Any]:
-    """``config.json`` of a model folder as a dict (``{}`` when absent or unreadable)."""
-    try:
-        data = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def weights_dir(model_dir: str | Path, model_id: str | None) -> Path:
-    """The folder holding the weights: ``option.model_id`` relative to ``model_dir`` if that exists, else
-    as given (absolute), else ``model_dir`` itself."""
-    source = Path(model_dir)
-    if model_id:
-        return source / model_id if (source / model_id).exists() else Path(model_id)
-    return source
-
-
 def resolve_dtype(option: str, config: Mapping[str, Any], fast_bf16: bool | None = None) -> str:
     """The serving dtype's canonical name (``fp32``, ``bf16``, ``fp16``) for ``option.dtype``.
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -60,16 +59,6 @@ PENDING_SELF_CHECK = "pending load-time self-check"
 
 class UnsupportedModel(ValueError):
     """The rolling engine cannot serve this model exactly; the message names the architecture and feature."""
-
-
-def load_config_dict(model_dir: str | Path) -> dict[str, Any]:
-    """``config.json`` of a model folder as a dict (``{}`` when absent or unreadable as JSON)."""
-    path = Path(model_dir) / "config.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def unsupported_reason(config: Mapping[str, Any], max_model_len: int | None = None) -> str | None:

@@ -38,7 +38,6 @@ from handlers.engine.planning.checkpoint import (
     position_limit,
     prepacked_copy_bytes,
     quantized_weights,
-    read_model_config,
     resolve_dtype,
     resolve_max_model_len,
     weight_figures,
@@ -49,6 +48,7 @@ from handlers.engine.planning.host_memory import CGROUP_ROOT, MEMINFO, SELF_CGRO
 from handlers.engine.planning.host_memory import format_bytes as _size
 from handlers.engine.planning.quant_config import checkpoint_served_bytes, parse_checkpoint_quant
 from rollcore.errors import ConfigError
+from rollcore.model_folder import read_config
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def preflight(model_dir: str | Path, config: EngineConfig, *, meminfo: Path = ME
     gguf = gguf_file_in(Path(model_dir))
     header = read_header(gguf) if gguf is not None else None
     # a GGUF file not yet given its folder (serving config on option.model_id=FILE.gguf): its header's shapes
-    model_config = read_model_config(model_dir) or (header.model_config() if header is not None else {})
+    model_config = read_config(model_dir) or (header.model_config() if header is not None else {})
     if not model_config:
         raise ConfigError(f"{Path(model_dir).name}: no readable config.json")
     dtype = resolve_dtype(config.dtype, model_config)

@@ -1,0 +1,30 @@
+"""Where a model's files are and what its ``config.json`` says: one answer for the frontend and the handlers.
+
+Design note: ``option.model_id`` may name another local folder (relative to the model folder, or absolute); the
+frontend (its rolling-batch choice, its tokenizer), the preflight and the workers must all look in the same
+place, so the rule lives here once. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def weights_folder(model_dir: str | Path, model_id: str | None) -> Path:
+    """The folder holding the weights, ``config.json`` and tokenizer: ``option.model_id`` relative to ``model_dir``
+    if that exists, else as given (absolute), else ``model_dir`` itself."""
+    source = Path(model_dir)
+    if model_id:
+        return source / model_id if (source / model_id).exists() else Path(model_id)
+    return source
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    """``config.json`` of a model folder as a dict (``{}`` when absent, unreadable or not a JSON object)."""
+    try:
+        data = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

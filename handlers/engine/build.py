@@ -19,9 +19,11 @@ import torch
 from handlers.engine.execution.device import device_budget, device_defaults, engine_device
 from handlers.engine.execution.loading import load_model_and_tokenizer
 from handlers.engine.execution.lora import folder_adapters
+from handlers.engine.execution.paged_attention import KVPool
 from handlers.engine.execution.parallel import TensorParallelGroup, shard_model, start_group
 from handlers.engine.execution.quant_ckpt_load import check_checkpoint_layout
 from handlers.engine.execution.quantize import QUANTIZE_MODES, check_layout, quantize_model
+from handlers.engine.execution.runner import kv_geometry
 from handlers.engine.planning.checkpoint import check_quantization
 from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.families import check_config
@@ -97,3 +99,11 @@ def plan_for_loaded_model(model: torch.nn.Module, config: EngineConfig, kv_bytes
         param_bytes=sum(p.nbytes for p in model.parameters()),
         linear_bytes=sum(m.weight.nbytes for m in model.modules() if type(m) is torch.nn.Linear),
         kv_bytes_per_token=kv_bytes_per_token, budget=budget)
+
+
+def kv_bytes_per_token(model: torch.nn.Module, num_kv_heads: int | None = None) -> int:
+    """The KV cache's bytes per token of ``model`` in its dtype (``num_kv_heads``: this rank's share of the
+    heads under tensor parallelism)."""
+    num_layers, config_kv_heads, head_dim = kv_geometry(model.config)
+    dtype = next(model.parameters()).dtype
+    return KVPool.bytes_per_token(num_layers, num_kv_heads or config_kv_heads, head_dim, dtype)

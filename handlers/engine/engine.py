@@ -11,66 +11,34 @@ import logging
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from handlers.engine.build import load_for_engine, plan_for_loaded_model
-from handlers.engine.core.detokenizer import IncrementalDetokenizer
-from handlers.engine.core.draft_gate import DraftGate, DraftOdds
-from handlers.engine.core.itl_target import ItlTarget
+from handlers.engine.build import kv_bytes_per_token, load_for_engine, plan_for_loaded_model
 from handlers.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.core.sequence import Sequence
-from handlers.engine.core.speculative import NgramDrafter
-from handlers.engine.core.step_budget import PrefillBudget, StepFit
+from handlers.engine.emission import EngineRequest, emit_token, new_request
 from handlers.engine.execution.drafts import check_drafts
 from handlers.engine.execution.grammar import PendingGrammars
 from handlers.engine.execution.grammar_trigger import Trigger
-from handlers.engine.execution.itl_calibration import calibrate
 from handlers.engine.execution.loading import eos_token_ids
 from handlers.engine.execution.lora import AdapterError, AdapterQueue, check_adapter, enable_lora
-from handlers.engine.execution.paged_attention import KVPool
 from handlers.engine.execution.parallel import TensorParallelGroup
 from handlers.engine.execution.pooling import POOLINGS, EmbeddingPool
-from handlers.engine.execution.runner import ModelRunner, kv_geometry
-from handlers.engine.execution.sampling import (
-    RequestSampler,
-    SampledToken,
-    bad_words_ids,
-    sample_batch,
-    score_prompt_rows,
-)
-from handlers.engine.execution.self_check import reference_logits, verify
+from handlers.engine.execution.runner import ModelRunner
+from handlers.engine.execution.sampling import SampledToken, sample_batch, score_prompt_rows
+from handlers.engine.execution.self_check import probe_unverified, verify
 from handlers.engine.planning.config import EngineConfig
-from handlers.engine.planning.families import (
-    ADMITTED_BY_LIST,
-    UnsupportedModel,
-    needs_self_check,
-)
+from handlers.engine.planning.families import ADMITTED_BY_LIST
 from handlers.engine.planning.memory import MemoryPlan
+from handlers.engine.step_timing import time_steps
 from rollcore.errors import InvalidRequest
 from rollcore.step_cost import StepCost
 from rollcore.types import FinishReason, SamplingParams, TokenDelta, TokenInfo
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Request:
-    """Engine-side companions of a sequence: sampler, detokenizer, whether its first delta went out."""
-
-    seq: Sequence
-    sampler: RequestSampler
-    detokenizer: IncrementalDetokenizer
-    eos_ids: frozenset[int]
-    drafter: NgramDrafter | None = None  # speculative decoding's guesses (plain greedy requests only)
-    matcher: Any = None  # structured output: the grammar's llguidance matcher (handlers.engine.execution.grammar)
-    trigger: Trigger | None = None  # a grammar held back until the answer writes its trigger (tool calls)
-    prompt_scores: list[TokenInfo | None] | None = None  # prompt_logprobs: one entry per prompt position
-    sent_first: bool = False
-    lora_slot: int = -1  # the slot of its LoRA adapter while it holds one (-1: the base model)
 
 
 class LLMEngine:
@@ -88,10 +56,7 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self._backend_tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
-        model_cfg: Any = model.config
-        num_layers, config_kv_heads, head_dim = kv_geometry(model_cfg)
-        dtype = next(model.parameters()).dtype
-        per_token = KVPool.bytes_per_token(num_layers, num_kv_heads or config_kv_heads, head_dim, dtype)
+        per_token = kv_bytes_per_token(model, num_kv_heads)
         if memory_plan is None:  # the caller loaded the model: its weights are in memory already
             memory_plan = plan_for_loaded_model(model, config, per_token, available_bytes)
         self.memory_plan = memory_plan.for_bytes_per_token(per_token)
@@ -100,16 +65,10 @@ class LLMEngine:
         self.tp_group = tp_group
         if tp_group is not None:  # every rank must build the same pool: rank 0 decides
             num_blocks = tp_group.broadcast_int(num_blocks)
-        # An architecture off the verified list: transformers' own logits now, before the runner changes the
-        # model; the engine's after (``handlers.engine.execution.self_check``). ``admitted`` says which way it came in.
-        model_type = str(getattr(model_cfg, "model_type", "") or "")
-        arch = f"{type(model).__name__} (model_type={model_type})"
-        probe = None
-        if needs_self_check(model_type):
-            if tp_group is not None:
-                raise UnsupportedModel(f"{arch}: tensor parallelism serves verified architectures only")
-            probe = reference_logits(model, tokenizer, self.max_model_len, num_blocks * config.block_size,
-                                     config.max_num_batched_tokens)
+        # an architecture off the verified list: transformers' own logits now, before the runner changes the model,
+        # the engine's after (``handlers.engine.execution.self_check``); ``admitted`` says which way it came in
+        arch, probe = probe_unverified(model, tokenizer, tp_group is not None, self.max_model_len,
+                                       num_blocks * config.block_size, config.max_num_batched_tokens)
         # before the runner: prepacking then swaps the linears inside the LoRA wrappers, and fused projections
         # would bypass them
         self.lora = enable_lora(model, config, tp_group is not None, adapters or {})
@@ -135,43 +94,22 @@ class LLMEngine:
                     num_blocks, config.block_size, num_blocks * config.block_size * per_token / 2**20,
                     num_blocks * config.block_size / self.max_model_len, self.max_model_len)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.vocab_size = int(model_cfg.vocab_size)  # the logits' width
+        self.vocab_size = int(model.config.vocab_size)  # the logits' width
         self._seed_source = random.Random(config.seed)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, EngineRequest] = {}
         self._embeddings = EmbeddingPool()  # embedding requests: prompt only, pooled (execution.pooling)
-        self._compiling: PendingGrammars[_Request] = PendingGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
-        self._lora_waiting: AdapterQueue[_Request] = AdapterQueue(self.lora, self._start_adapter)
+        self._compiling: PendingGrammars[EngineRequest] = PendingGrammars(tokenizer, self.vocab_size,
+                                                                          self.eos_token_ids)
+        self._lora_waiting: AdapterQueue[EngineRequest] = AdapterQueue(self.lora, self._start_adapter)
         self._counters = {"num_steps_total": 0, "num_prefill_tokens_total": 0, "prompt_tokens_total": 0,
                           "generation_tokens_total": 0, "num_requests_finished_total": 0,
                           "num_requests_aborted_total": 0, "spec_draft_tokens_total": 0,
                           "spec_accepted_tokens_total": 0}
         self.step_cost = StepCost()  # every step's tokens and seconds (``rollcore.step_cost``: serving tune fits it)
-        # what a step costs, fitted over the steps run: prices the prefill bound's tokens and the guesses' rows
-        self.step_fit = StepFit()
-        # the prefill a step may carry while sequences decode, bounded by time (``handlers.engine.core.step_budget``)
-        self.prefill_budget: PrefillBudget | None = None
-        if config.max_mixed_step_ratio:
-            self.prefill_budget = PrefillBudget(config.max_mixed_step_ratio, floor=config.block_size, fit=self.step_fit)
-            self.scheduler.prefill_limit = self.prefill_budget.limit
-        # the inter-token latency target (``handlers.engine.core.itl_target``); auto: from a decode step timed now
-        # (under tensor parallelism, where the other ranks step only with the engine: from the first fit)
-        self.itl = ItlTarget(self.step_fit, floor=config.block_size, target_ms=config.max_itl_ms,
-                             full_batch=config.max_num_seqs)
-        self.scheduler.itl_budget = self.itl.prefill_tokens
-        decode_s = calibrate(self.runner.execute, self.scheduler.allocator, config.max_num_seqs,
-                             self.step_fit) if tp_group is None else None
-        if decode_s is not None:
-            self.itl.derive(decode_s)
-        self.draft_gate: DraftGate | None = None
-        if config.speculative_draft == "ngram":
-            self.scheduler.drafter = self._draft
-            if config.speculative_max_batch_size is None:  # auto: the guesses' cost decides
-                self.draft_gate = DraftGate(self.step_fit, DraftOdds(config.num_speculative_tokens))
-                self.scheduler.draft_length = self.draft_gate
-            logger.info("speculative decoding: n-gram prompt lookup, up to %d tokens a step (n-grams of %d-%d) %s",
-                        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
-                        "while the step cost says they pay" if self.draft_gate else
-                        f"while at most {config.speculative_max_batch_size or 'any number of'} sequences decode")
+        # the step's clocks: the fitted step cost, the prefill bound, the ITL target, the guesses' gate
+        timing = time_steps(config, self.scheduler, self.runner.execute, self._draft, calibrate_now=tp_group is None)
+        self.step_fit, self.prefill_budget, self.itl, self.draft_gate = (timing.step_fit, timing.prefill_budget,
+                                                                          timing.itl, timing.draft_gate)
 
     @classmethod
     def from_options(cls, model_dir: Path, options: Mapping[str, str], device_id: int = -1) -> LLMEngine:
@@ -195,19 +133,9 @@ class LLMEngine:
         if request_id in self._compiling:
             raise InvalidRequest(f"request id {request_id!r} is already in the engine")
         self.scheduler.check(seq)
-        eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        sampler = RequestSampler(params, self._seed_source, seq.num_prompt_tokens, eos | frozenset(
-            params.stop_token_ids), bad_words_ids(self.tokenizer, params.bad_words))
-        drafter = None
-        if self.scheduler.drafter is not None and sampler.plain_greedy and params.grammar is None:
-            drafter = NgramDrafter(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-        detokenizer = IncrementalDetokenizer(self._backend_tokenizer, seq.prompt_token_ids, params.stop,
-                                             params.skip_special_tokens, params.include_stop_str_in_output)
-        req = _Request(seq, sampler, detokenizer, eos, drafter)
-        if params.prompt_logprobs is not None:
-            req.prompt_scores = [None] * seq.num_prompt_tokens
-            first = seq.prompt_token_ids[0]
-            req.prompt_scores[0] = TokenInfo(first, self.tokenizer.decode([first]))  # nothing before it: no score
+        lookup = None if self.scheduler.drafter is None else (self.config.prompt_lookup_min,
+                                                                self.config.prompt_lookup_max)
+        req = new_request(seq, self.tokenizer, self._backend_tokenizer, self.eos_token_ids, self._seed_source, lookup)
         if params.adapter is not None:
             check_adapter(self.lora, params.adapter)
         if params.grammar is None:
@@ -241,7 +169,7 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._compiling) or bool(self._lora_waiting)
 
-    def _queue(self, req: _Request) -> None:
+    def _queue(self, req: EngineRequest) -> None:
         """Hand a request to the scheduler; one of an adapter first needs a slot (``AdapterQueue``)."""
         self._requests[req.seq.request_id] = req
         if req.seq.params.adapter is None:
@@ -249,11 +177,11 @@ class LLMEngine:
         else:
             self._lora_waiting.push(req, req.seq.params.adapter)
 
-    def _start_adapter(self, req: _Request, slot: int) -> None:
+    def _start_adapter(self, req: EngineRequest, slot: int) -> None:
         req.lora_slot = slot
         self.scheduler.add(req.seq)
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: EngineRequest) -> None:
         if req.lora_slot >= 0:
             self._lora_waiting.release(req.lora_slot)
             req.lora_slot = -1
@@ -351,20 +279,7 @@ class LLMEngine:
     def _token_piece(self, token: int) -> str:
         return str(self._backend_tokenizer.decode([token], skip_special_tokens=False))
 
-    @staticmethod
-    def _watch(req: _Request, token: int) -> bool:
-        """A held-back grammar sees ``token``; from its trigger on it constrains the answer. True: the grammar
-        is complete already (the answer ends, as with any grammar)."""
-        assert req.trigger is not None
-        taken = req.trigger.push(token)
-        if taken is None:
-            req.trigger = None
-        elif taken:
-            req.matcher, req.trigger = req.trigger.matcher, None
-            return bool(req.matcher.is_stopped())
-        return False
-
-    def _allowed(self, reqs: list[_Request]) -> dict[int, torch.Tensor] | None:
+    def _allowed(self, reqs: list[EngineRequest]) -> dict[int, torch.Tensor] | None:
         """The grammar masks of the constrained rows among ``reqs`` (row index -> allowed tokens), or None."""
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
         if not rows:
@@ -383,7 +298,8 @@ class LLMEngine:
                 self.max_model_len - seq.num_tokens - 1)
         return req.drafter.propose(seq.token_ids, k)
 
-    def _verify(self, sampled: list[ScheduledChunk], reqs: list[_Request], logits: torch.Tensor) -> list[TokenDelta]:
+    def _verify(self, sampled: list[ScheduledChunk], reqs: list[EngineRequest],
+                logits: torch.Tensor) -> list[TokenDelta]:
         """A step with guesses (``handlers.engine.execution.drafts``): confirmed guesses and each chunk's next
         token become deltas."""
         allowed = self._allowed([r for c, r in zip(sampled, reqs, strict=True) if not c.draft])
@@ -401,7 +317,7 @@ class LLMEngine:
             deltas.extend(self._advance_many(req, checked.tokens))
         return deltas
 
-    def _advance_many(self, req: _Request, tokens: list[SampledToken]) -> list[TokenDelta]:
+    def _advance_many(self, req: EngineRequest, tokens: list[SampledToken]) -> list[TokenDelta]:
         """Emit the model's tokens of one verified chunk (confirmed guesses, then its own next token), a delta
         each (so that every token keeps its own released text), stopping at the first that finishes the
         request; the confirmed guesses' KV counts as computed."""
@@ -413,53 +329,17 @@ class LLMEngine:
         self.scheduler.accept_draft(req.seq, len(deltas) - 1)
         return deltas
 
-    def _advance(self, req: _Request, sampled: SampledToken) -> TokenDelta:
-        seq = req.seq
-        token = sampled.token_id
-        seq.append_token(token)
+    def _advance(self, req: EngineRequest, sampled: SampledToken) -> TokenDelta:
+        """The request's next token out (``handlers.engine.emission``); a finished request leaves the engine."""
+        delta = emit_token(req, sampled, self.max_model_len)
         self._counters["generation_tokens_total"] += 1
-        # As vLLM: a stop token (EOS or stop_token_ids) ends the text without adding its own.
-        stop_token = token in req.eos_ids or token in seq.params.stop_token_ids
-        detok = req.detokenizer.push(token, stop_token=stop_token)
-        text = detok.released
-        finish: FinishReason | None = None
-        complete = False
-        if req.trigger is not None and not stop_token:
-            complete = self._watch(req, token)
-        elif req.matcher is not None and not stop_token:
-            if not req.matcher.consume_token(token):  # the mask allowed it: only an llguidance fault gets here
-                logger.error("request %s: the grammar refused token %d it allowed: %s", seq.request_id, token,
-                             req.matcher.get_error())
-            complete = req.matcher.is_stopped()  # a grammar that cannot grow ends the answer, as a stop sequence
-        if token in req.eos_ids:
-            finish = FinishReason.EOS
-        elif token in seq.params.stop_token_ids or detok.stopped or complete:
-            finish = FinishReason.STOP
-        elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            finish = FinishReason.LENGTH
-        piece = detok.piece
-        if finish is not None and not detok.stopped:
-            released, unpieced = req.detokenizer.flush()
-            text += released
-            piece += unpieced  # a character the last tokens left unfinished: its U+FFFD is the last token's text
-        prompt_tokens = None
-        prompt_scores = None
-        cached_tokens = None
-        if not req.sent_first:
-            req.sent_first = True
-            prompt_tokens = seq.num_prompt_tokens
-            cached_tokens = seq.num_cached_prompt_tokens
-            if req.prompt_scores is not None:
-                prompt_scores = tuple(t for t in req.prompt_scores if t is not None)
-            self._counters["prompt_tokens_total"] += prompt_tokens
-        if finish is not None:
-            seq.finish_reason = finish
-            self.scheduler.finish(seq)
-            self._release(self._requests.pop(seq.request_id))
+        if delta.prompt_tokens is not None:  # its first delta
+            self._counters["prompt_tokens_total"] += delta.prompt_tokens
+        if delta.finish_reason is not None:
+            self.scheduler.finish(req.seq)
+            self._release(self._requests.pop(req.seq.request_id))
             self._counters["num_requests_finished_total"] += 1
-        info = TokenInfo(token, piece, sampled.logprob, sampled.top_logprobs)
-        return TokenDelta(seq.request_id, (info,), text, finish, prompt_tokens, prompt_logprobs=prompt_scores,
-                          cached_tokens=cached_tokens)
+        return delta
 
     # ------------------------------------------------------------------ stats
     def set_runtime_adapters(self, adapters: Mapping[str, str]) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from handlers.engine.core.scheduler import ScheduledChunk
+from handlers.engine.core.schedule_plan import ScheduledChunk
 from handlers.engine.core.speculative import accepted_prefix
 from handlers.engine.execution.sampling import (
     RequestSampler,

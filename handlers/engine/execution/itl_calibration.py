@@ -22,7 +22,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from handlers.engine.core.kv_cache import BlockAllocator
-from handlers.engine.core.scheduler import ScheduledChunk
+from handlers.engine.core.schedule_plan import ScheduledChunk
 from handlers.engine.core.sequence import Sequence
 from handlers.engine.core.step_budget import StepFit
 from rollcore.types import SamplingParams

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from handlers.engine.core.scheduler import ScheduledChunk
+from handlers.engine.core.schedule_plan import ScheduledChunk
 from rollcore.types import FinishReason, TokenDelta
 
 POOLINGS = ("last", "mean", "cls")

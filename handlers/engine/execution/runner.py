@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from handlers.engine.core.scheduler import ScheduledChunk
+from handlers.engine.core.schedule_plan import ScheduledChunk
 from handlers.engine.execution.adapters import adapt_model
 from handlers.engine.execution.cuda_graphs import DecodeGraphs, capture_sizes
 from handlers.engine.execution.fusion import fuse_projections

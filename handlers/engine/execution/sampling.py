@@ -31,7 +31,7 @@ from transformers import (
     TypicalLogitsWarper,
 )
 
-from handlers.engine.core.scheduler import ScheduledChunk
+from handlers.engine.core.schedule_plan import ScheduledChunk
 from handlers.engine.execution.kernels import load_argmax
 from rollcore.types import SamplingParams, TokenInfo
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from handlers.engine.execution.runner import ModelRunner, StepInputs
-from handlers.engine.planning.families import UnsupportedModel
+from handlers.engine.planning.families import UnsupportedModel, needs_self_check
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,19 @@ def reference_logits(model: Any, tokenizer: Any, max_len: int, pool_tokens: int,
                     use_cache=False, logits_to_keep=keep)
         reference.append(out.logits[0].float())
     return Probe(sequences, reference, window)
+
+
+def probe_unverified(model: Any, tokenizer: Any, tensor_parallel: bool, max_len: int, pool_tokens: int,
+                     chunk_tokens: int) -> tuple[str, Probe | None]:
+    """The architecture's name, and for one off the verified list its ``reference_logits`` (None for a verified
+    one). The self-check runs on one rank only: an unverified architecture under tensor parallelism is refused."""
+    model_type = str(getattr(model.config, "model_type", "") or "")
+    arch = f"{type(model).__name__} (model_type={model_type})"
+    if not needs_self_check(model_type):
+        return arch, None
+    if tensor_parallel:
+        raise UnsupportedModel(f"{arch}: tensor parallelism serves verified architectures only")
+    return arch, reference_logits(model, tokenizer, max_len, pool_tokens, chunk_tokens)
 
 
 def verify(runner: ModelRunner, probe: Probe, arch: str) -> str:

@@ -15,13 +15,13 @@ from rollcore.errors import Unavailable
 from rollcore.types import GenerationRequest, ModelState
 from serving.models.model_text import ModelText
 
-if TYPE_CHECKING:  # annotations only: the endpoint builds a FailedEndpoint
+if TYPE_CHECKING:  # annotations only
     from serving.adapters import ApiAdapters
     from serving.batching.dynamic import DynamicBatcher
     from serving.batching.rolling import RollingBatcher
     from serving.batching.streams import ResultStream
     from serving.config import ModelConfig
-    from serving.endpoint import ModelEndpoint
+    from serving.models.endpoint_protocol import Endpoint
     from serving.models.residency import Residence, Residency
     from serving.worker.pool import WorkerPool
 
@@ -43,7 +43,7 @@ class FailedEndpoint:
         self.pool: WorkerPool | None = None
         self.adapters: ApiAdapters | None = None
         self.load_time_s: float | None = None
-        self.successor: ModelEndpoint | None = None
+        self.successor: Endpoint | None = None
         self.residency: Residency | None = None
         self.residence: Residence | None = None
         self.options: Mapping[str, str] = MappingProxyType({})

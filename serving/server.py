@@ -61,7 +61,6 @@ from serving.requests.deadlines import DeadlineScope
 from serving.server_config import ServerConfig
 from serving.store_watch import StoreWatcher
 from serving.telemetry.deep_health import DeepCheck
-from serving.telemetry.deep_health import DeepCheck
 
 log = logging.getLogger("serving.server")
 KEEP_ALIVE_S = 75  # idle keep-alive connections are closed after this (see _serve_http)
@@ -102,7 +101,6 @@ class Server:
                                 tokenize_pool=self.tokenize_pool)
         self.authority = build_authority(config, Path.cwd())  # raises ConfigError for a bad key file
         self.health = Health(self.registry, self.state, config.ping_requires)
-        self.deep_check = DeepCheck(self.health, config.health_generate_interval_s, config.health_generate_timeout_s)
         self.deep_check = DeepCheck(self.health, config.health_generate_interval_s, config.health_generate_timeout_s)
         self._servers: list[_Uvicorn] = []
         self._stop = asyncio.Event()

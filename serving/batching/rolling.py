@@ -8,35 +8,26 @@ admitted at once. Cancel sends ``Abort`` so the engine frees the request's KV bl
 A dead worker's requests whose clients have received nothing are run again once on another worker
 (``serving.batching.retry``); the others fail definitely.
 
-No request waits forever: a watch task fails requests queued longer than ``max_queue_time_s`` (503 +
-``Retry-After`` from the measured service rate) and is the liveness watchdog: a worker with requests
-admitted that reports no step for ``liveness_timeout_s`` is killed (its pool restarts it, cause ``watchdog``)
-and its requests are treated as those of a dead worker (frames still buffered from it are ignored). A FAILED or
-unregistered model fails its requests at once.
+No request waits forever: a watch task (``serving.batching.rolling_watch``) fails requests queued longer than
+``max_queue_time_s`` and kills a worker that holds requests but makes no step (frames still buffered from it are
+ignored). A FAILED or unregistered model fails its requests at once.
 
-``configure`` changes ``max_rolling_batch_size``, ``job_queue_size`` and the engines' live options on the
-running model: admission follows the new size at once (a lowered one admits nothing until fewer run, and
-nothing is preempted), then every worker gets a ``Configure`` frame after the ``Add`` frames of the requests
-that the new size admitted, so the engine's next step plans them under its new limits; each worker answers
-``Configured``. A worker started later gets the same options before its first request. ``retire`` stops
-admitting into a worker that is being scaled away; ``worker_load`` tells how many of its requests still run.
+``configure`` changes ``max_rolling_batch_size``, ``job_queue_size`` and the engines' live options
+(``serving.batching.engine_options``) on the running model: admission follows the new size at once (nothing is
+preempted), and each worker gets a ``Configure`` frame after the ``Add`` frames the new size admitted. ``retire``
+stops admitting into a worker being scaled away; ``worker_load`` tells how many of its requests still run.
 
-A request goes to the worker whose prefix cache holds the longest prefix of its prompt, the least loaded on a tie,
-never to one running ``max_imbalance`` requests more than the least loaded (``routing.Router``; the engines report
-their cache's keys with their step frames). A request with an ``affinity`` key (a SageMaker session, an OpenAI
-``user`` or ``prompt_cache_key``) goes to the worker the key's earlier requests went to (its prefix cache holds the
-conversation), waiting for a slot there while others pass it; when that worker died, retires or is past the
-imbalance bound, it is routed afresh and the key then sticks to the worker it got.
+Routing (``serving.batching.routing``): the worker holding the prompt's longest cached prefix, the least loaded
+on a tie, within an imbalance bound; a request with an ``affinity`` key (a session, an OpenAI ``user`` or
+``prompt_cache_key``) sticks to its key's worker while it lives and the bound allows (``serving.batching.affinity``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import itertools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from rollcore.errors import (
@@ -49,23 +40,24 @@ from rollcore.errors import (
     error_from_kind,
 )
 from rollcore.types import GenerationRequest, TokenDelta
+from serving.batching import placement, rolling_report, rolling_watch
+from serving.batching.affinity import Affinity
 from serving.batching.deadlines import (
     ServiceTimes,
     admit,
-    as_ms,
     expired_while_queued,
     overdue,
     predicted_wait_s,
 )
+from serving.batching.engine_options import EngineOptions
 from serving.batching.pacing import ServiceRate, send_each
 from serving.batching.ports import DEFAULT_CLOCK, BatchObserver, Clock, NullObserver, Worker
 from serving.batching.retry import Retries
 from serving.batching.routing import Router
 from serving.batching.streams import ResultStream
-from serving.ipc.messages import Abort, Add, Configure, Configured, Deltas, Reject
+from serving.ipc.messages import Abort, Add, Configured, Deltas, Reject
 
 log = logging.getLogger(__name__)
-MAX_AFFINITY_KEYS = 65536  # sessions remembered per model (each bounded by its own store: frontends/sessions.py)
 
 
 class _Admitted:
@@ -107,21 +99,17 @@ class RollingBatcher:
         self.num_watchdog_kills = 0
         self.last_watchdog: dict[str, Any] | None = None  # the latest kill: worker, seconds without a step
         self._retries = Retries(model)
-        self.engine_options: dict[str, int] = {}  # live options changed over the API (sent to every worker)
-        self.adapters: dict[str, str] | None = None  # LoRA adapters registered over the API (sent likewise)
-        self._configure_seq = itertools.count(1)
-        self._acks: dict[tuple[int, int], asyncio.Future[Configured | None]] = {}  # (worker id, seq)
+        self._options = EngineOptions(model)  # the engines' live options and adapters, changed over the API
         self._retiring: set[int] = set()  # worker ids admitting nothing new (scaled away)
-        # affinity key (a SageMaker session) -> the worker its requests go to; least recently used dropped first
-        self._affinity: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._affinity = Affinity()  # affinity key (a SageMaker session) -> the worker its requests go to
         self.router: Router[Worker] = router if router is not None else Router()
-        self._routed_keys: set[str] = set()  # affinity keys whose worker routing chose (a pinned one never moves)
 
     def start(self) -> None:
         limits = [t for t in (self.max_queue_time_s, self.liveness_timeout_s) if t]
         if limits and self._watch_task is None:
             interval = max(0.05, min(1.0, min(limits) / 4))
-            self._watch_task = asyncio.create_task(self._watch(interval), name=f"rolling-watch-{self.model}")
+            self._watch_task = asyncio.create_task(rolling_watch.watch(self, interval),
+                                                   name=f"rolling-watch-{self.model}")
 
     async def close(self, reason: str = "") -> None:
         """Stop the watch task and fail every request still pending (the model is going away)."""
@@ -195,25 +183,7 @@ class RollingBatcher:
         return len(self._waiting)
 
     def describe(self) -> dict[str, Any]:
-        return {"mode": "rolling", "waiting": len(self._waiting), "running": len(self._running),
-                "max_rolling_batch_size": self.max_rolling_batch_size, "job_queue_size": self.job_queue_size,
-                "steps_total": self.num_steps,
-                "predicted_wait_ms": as_ms(self._predicted_wait_s()),  # for a request submitted now
-                "watchdog_restarts": self.num_watchdog_kills, "last_watchdog": self.last_watchdog,
-                "retries_total": self._retries.num_retried,
-                # the LoRA adapters requests run and wait for (the gateway protocol's vllm:lora_requests_info)
-                "running_adapters": _adapters(self._running.values()),
-                "waiting_adapters": _adapters(self._waiting.values()),
-                "routing": self.router.describe(),
-                "engines": {str(k): self._by_client_id(v) for k, v in self.engine_stats.items()}}
-
-    def _by_client_id(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """Engine stats with ``blocks_held`` keyed by the ids clients know (the engine keys by the server's)."""
-        held = stats.get("blocks_held")
-        if not isinstance(held, dict):
-            return stats
-        names = {rid: e.request.client_id or rid for rid, e in self._running.items()}
-        return {**stats, "blocks_held": {names.get(rid, rid): n for rid, n in held.items()}}
+        return rolling_report.describe(self)
 
     # --- live knobs ---
     def configure(self, max_rolling_batch_size: int | None = None, job_queue_size: int | None = None,
@@ -230,21 +200,16 @@ class RollingBatcher:
         self._pump()  # a raised size admits waiting requests now: their Add frames go before the Configure
         if not engine_options and adapters is None:
             return {}
-        self.engine_options.update(engine_options or {})
-        if adapters is not None:
-            self.adapters = dict(adapters)
-        return {w.worker_id: self._send_configure(w) for w in self._workers if w.alive}
+        self._options.update(engine_options, adapters)
+        return {w.worker_id: self._options.send(w) for w in self._workers if w.alive}
 
-    def _send_configure(self, worker: Worker) -> asyncio.Future[Configured | None]:
-        seq = next(self._configure_seq)
-        future: asyncio.Future[Configured | None] = asyncio.get_running_loop().create_future()
-        try:
-            worker.send(Configure(seq=seq, options=dict(self.engine_options), adapters=self.adapters))
-        except ConnectionError:
-            future.set_result(None)  # a restarted worker gets the options when it is ready
-            return future
-        self._acks[(worker.worker_id, seq)] = future
-        return future
+    @property
+    def engine_options(self) -> dict[str, int]:
+        return self._options.options
+
+    @property
+    def adapters(self) -> dict[str, str] | None:
+        return self._options.adapters
 
     def worker_load(self, worker: Worker) -> int:
         """Requests admitted into ``worker`` that have not finished."""
@@ -259,8 +224,8 @@ class RollingBatcher:
         self._workers.append(worker)
         self._load[worker.worker_id] = 0
         self._progress[worker.worker_id] = self._clock()
-        if self.engine_options or self.adapters:  # changed over the API since this worker's Init: before any Add
-            self._send_configure(worker)
+        if self._options:  # changed over the API since this worker's Init: before any Add
+            self._options.send(worker)
         self._pump()
 
     def worker_lost(self, worker: Worker) -> None:
@@ -275,10 +240,7 @@ class RollingBatcher:
         self._progress.pop(worker.worker_id, None)
         self.engine_stats.pop(worker.worker_id, None)
         self.router.index.forget(worker.worker_id)
-        for key in [k for k in self._acks if k[0] == worker.worker_id]:
-            future = self._acks.pop(key)
-            if not future.done():
-                future.set_result(None)
+        self._options.forget(worker.worker_id)
         self._requeue_from(worker, cause)
         self._pump()
 
@@ -300,7 +262,7 @@ class RollingBatcher:
 
     def pin(self, key: str, worker_id: int) -> None:
         """Requests with affinity ``key`` go to worker ``worker_id`` (the deep health check probes each worker)."""
-        self._affinity[key] = worker_id
+        self._affinity.pin(key, worker_id)
 
     def silent_s(self, worker_id: int) -> float | None:
         """Seconds since ``worker_id`` last stepped while it holds requests; None when it holds none."""
@@ -322,14 +284,7 @@ class RollingBatcher:
                 self._deliver(worker, d)
             self._pump()
         elif isinstance(msg, Configured):
-            if msg.error is None:
-                self.engine_stats[worker.worker_id] = msg.stats
-            else:
-                log.error("model %s: worker %d refused the new engine options: %s", self.model, worker.worker_id,
-                          msg.error)
-            future = self._acks.pop((worker.worker_id, msg.seq), None)
-            if future is not None and not future.done():
-                future.set_result(msg)
+            self._options.answered(worker.worker_id, msg, self.engine_stats)
         elif isinstance(msg, Reject):
             entry = self._running.get(msg.request_id)
             if entry is not None and entry.worker is worker:
@@ -373,15 +328,7 @@ class RollingBatcher:
     # --- admission ---
     def forget_affinity(self, key: str) -> None:
         """``key``'s requests may go to any worker again (its session closed or expired)."""
-        self._affinity.pop(key, None)
-        self._routed_keys.discard(key)
-
-    def _pinned(self, key: str | None) -> Worker | None:
-        """The live worker that ``key``'s earlier requests went to, or None (no key, or that worker is gone)."""
-        wid = self._affinity.get(key) if key is not None else None
-        if wid is None or wid in self._retiring:
-            return None
-        return next((w for w in self._workers if w.worker_id == wid and w.alive), None)
+        self._affinity.forget(key)
 
     def _pump(self) -> None:
         adds: dict[int, list[_Admitted]] = {}
@@ -394,24 +341,14 @@ class RollingBatcher:
                 del self._waiting[rid]
                 continue
             key = entry.request.affinity
-            worker = self._pinned(key)
-            if worker is not None and key in self._routed_keys and \
-                    not self.router.within_bound(self._load[worker.worker_id], self._floor()):
-                worker = None  # its worker is too far ahead of the least loaded one: the key moves
+            worker, full = placement.place(self, entry)
+            if full:
+                break  # every worker is full
             if worker is None:
-                worker = self._route(entry)
-                if worker is None:
-                    break  # every worker is full
-                if key is not None:
-                    self._routed_keys.add(key)
-            elif self._load.get(worker.worker_id, 0) >= self.max_rolling_batch_size:
-                continue
+                continue  # its key's worker is full: it waits there while others pass
             del self._waiting[rid]
             if key is not None:
-                self._affinity[key] = worker.worker_id
-                self._affinity.move_to_end(key)
-                if len(self._affinity) > MAX_AFFINITY_KEYS:
-                    self._routed_keys.discard(self._affinity.popitem(last=False)[0])
+                self._affinity.went_to(key, worker.worker_id)
             if self._load[worker.worker_id] == 0:
                 self._progress[worker.worker_id] = self._clock()  # the watchdog counts from the first work
             entry.worker = worker
@@ -442,65 +379,9 @@ class RollingBatcher:
         self._finish_entry(entry)
         entry.stream.fail(error)
 
-    def _open_workers(self) -> list[Worker]:
-        return [w for w in self._workers if w.alive and w.worker_id not in self._retiring]
-
-    def _floor(self) -> int:
-        """The load of the least loaded worker that takes work."""
-        return min((self._load[w.worker_id] for w in self._open_workers()), default=0)
-
-    def _route(self, entry: _Admitted) -> Worker | None:
-        """The worker for ``entry`` by prefix and load (``routing.Router``); None when every worker is full."""
-        if entry.keys is None:
-            entry.keys = self.router.prompt_keys(entry.request)
-        candidates = [(w, w.worker_id, self._load[w.worker_id]) for w in self._open_workers()]
-        return self.router.choose(candidates, self.max_rolling_batch_size, entry.keys)
-
-    # --- watch: queue-wait limit and liveness watchdog ---
-    async def _watch(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                self.check_queue_time()
-                self.check_liveness()
-            except Exception:  # noqa: BLE001 - the watch must outlive any one bad check
-                log.exception("model %s: rolling watch check failed", self.model)
-
+    # --- watch: queue-wait limit and liveness watchdog (serving.batching.rolling_watch) ---
     def check_queue_time(self) -> None:
-        """Fail requests that waited ``max_queue_time_s`` for a slot: 503 + Retry-After (measured)."""
-        if not self.max_queue_time_s:
-            return
-        now = self._clock()
-        expired = [rid for rid, e in self._waiting.items() if now - e.stream.arrival >= self.max_queue_time_s]
-        for rid in expired:
-            entry = self._waiting[rid]
-            self._observer.on_rejected(self.model, "queue_timeout")
-            entry.stream.fail(Overloaded(
-                f"the request waited {self.max_queue_time_s:g}s for a free slot of model {self.model!r} "
-                "(max_queue_time)", retry_after_s=self._rate.retry_after_s(len(self._waiting))))
-            self.cancel(rid)
+        rolling_watch.check_queue_time(self)
 
     def check_liveness(self) -> None:
-        """Kill a worker that has requests but reported no step for ``liveness_timeout_s``; its requests are
-        retried elsewhere or failed as a dead worker's are."""
-        if not self.liveness_timeout_s:
-            return
-        for worker in list(self._workers):
-            silent = self.silent_s(worker.worker_id)
-            if silent is None or silent < self.liveness_timeout_s:
-                continue
-            self.num_watchdog_kills += 1
-            self.last_watchdog = {"worker": worker.worker_id, "silent_s": round(silent, 3),
-                                  "requests": self._load[worker.worker_id]}
-            log.error("model %s: worker %d made no progress for %.1fs with %d requests (liveness_timeout); "
-                      "restarting it", self.model, worker.worker_id, silent, self._load[worker.worker_id])
-            # no new work until the pool replaces it; its requests run elsewhere
-            self._drop(worker, f"made no engine step for {silent:.1f}s (liveness_timeout "
-                               f"{self.liveness_timeout_s:g}s) and is being restarted")
-            with contextlib.suppress(ProcessLookupError):
-                worker.kill_soon("watchdog")
-
-
-def _adapters(entries: Iterable[_Admitted]) -> list[str]:
-    """The LoRA adapters ``entries`` ask for, each once, sorted."""
-    return sorted({e.request.params.adapter for e in entries if e.request.params.adapter is not None})
+        rolling_watch.check_liveness(self)

@@ -23,7 +23,7 @@ from tests.schema_strategies import Caps, Document, put
 LIMITS = Limits()
 DOC = Document(inference_document(LIMITS, ["m"]))
 SCHEMA = DOC.request_schema("/v1/embeddings")
-MODEL = SimpleNamespace(name="m", config=SimpleNamespace(options={"strict_parameters": "true"}),
+MODEL = SimpleNamespace(name="m", options={"strict_parameters": "true"}, successor=None, residency=None,
                         info={"tasks": ["generate", "embedding"], "vocab_size": 1000,
                               "embedding": {"size": 64, "pooling": "last", "normalize": True}})
 
@@ -35,6 +35,9 @@ class FakeText:
 
     def encode(self, text: str) -> None:
         return None
+
+    def worker_ids(self, ids: list[int] | None) -> None:
+        return None  # no tokenizer here: the worker tokenizes the text
 
 
 def run(body: Any) -> Any:

@@ -66,6 +66,8 @@ class FakeEndpoint:
         self.config = FakeConfig()
         self.entry_point = self.config.entry_point
         self.options = self.config.options
+        self.successor = None  # not replaced by a reload
+        self.residency = None  # loaded at start: no residence under the memory budget
         self.streams: dict[str, ResultStream] = {}
         self.cancelled: list[str] = []
         self.submitted = asyncio.Event()

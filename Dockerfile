@@ -50,7 +50,7 @@ RUN if getent passwd 1000 >/dev/null; then userdel --remove "$(getent passwd 100
     && chown -R 1000:1000 /opt/ml /opt/rollserve /home/rollserve
 COPY --from=builder /opt/venv /opt/venv
 COPY docker/healthcheck.py /opt/rollserve/healthcheck.py
-# The server's keys through its SERVING_<KEY> variables (serving.server_config): every listener on all interfaces
+# The server's keys through its SERVING_<KEY> variables (serving.config.server_config): every listener on all interfaces
 # at its default port, and SageMaker's model directory as the model store. These hold for `serve` too (SageMaker
 # replaces CMD). Inference needs the inference token on a non-loopback address (inference_auth=auto).
 ENV PATH=/opt/venv/bin:$PATH \

@@ -53,7 +53,7 @@ from benchmarks.bench_runners import EngineRunner, HFContinuousBatchingRunner, H
 from benchmarks.bench_servers import run_http, start_rollserve, start_vllm  # noqa: E402
 from benchmarks.build_models import model_dir  # noqa: E402
 from benchmarks.workload import BenchRequest, Workload, build_workload  # noqa: E402
-from serving.bench.metrics import RunResult, metrics  # noqa: E402
+from serving.bench.run_metrics import RunResult, metrics  # noqa: E402
 
 RESULTS = HERE / "results"
 RUN_ORDER = "cdefba"  # c first: its burst wall time sets the Poisson rate when --rate auto

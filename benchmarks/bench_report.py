@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_configs import CONFIGS
-from serving.bench.runner import conditions as machine
-from serving.bench.runner import summary_line
+from serving.bench.passes import conditions as machine
+from serving.bench.passes import summary_line
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from benchmarks.bench_configs import MAX_BATCH_DELAY_S, MAX_BATCH_TOKENS, MAX_SEQS
 from benchmarks.workload import BenchRequest, Workload
-from serving.bench.metrics import Rec, RunResult
+from serving.bench.run_metrics import Rec, RunResult
 
 
 def _wait_until(t: float) -> None:

@@ -13,7 +13,7 @@ from benchmarks.chat_workload import run_chat
 from benchmarks.workload import Workload
 from serving.bench.clients import Target, run_requests
 from serving.bench.launch import LocalServer, Subprocess, wait_http
-from serving.bench.metrics import RunResult
+from serving.bench.run_metrics import RunResult
 
 VLLM_PYTHON = Path(__file__).resolve().parent / ".venv-vllm" / "bin" / "python"
 

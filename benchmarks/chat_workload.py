@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from serving.bench.clients import _http  # noqa: E402
-from serving.bench.metrics import Rec  # noqa: E402
+from serving.bench.run_metrics import Rec  # noqa: E402
 from serving.bench.workload import BenchRequest, Workload  # noqa: E402
 
 TEXTS = Path("/usr/share/common-licenses")

@@ -71,7 +71,7 @@ from benchmarks.cpu_accounting import (  # noqa: E402
     wait_quiet,
 )
 from benchmarks.workload import Workload, build_workload  # noqa: E402
-from serving.bench.metrics import metrics  # noqa: E402
+from serving.bench.run_metrics import metrics  # noqa: E402
 
 DEFAULT_SERVERS = ("rollserve", "vllm")
 # rollserve with opt-in engine options (the same server otherwise): its ratios to vLLM and to plain rollserve print too

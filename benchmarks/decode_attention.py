@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from handlers.engine.execution.kernels import PagedKernels, load_kernels  # noqa: E402
-from handlers.engine.execution.lazy_memory import ZeroRegion  # noqa: E402
+from handlers.engine.execution.forward.lazy_memory import ZeroRegion  # noqa: E402
+from handlers.engine.execution.kernels.native import PagedKernels, load_kernels  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,11 +6,13 @@ as in the engine) run on ``--rows`` rows; prints the median step time and the CP
 smollm2`` runs SmolLM2-135M's 30 layers as the engine has them (q, k, v, o, gate, up, down: 424 MB), ``--shapes
 smollm2-fused`` with QKV and gate/up fused, ``--no-head`` leaves the LM head out.
 
-    .venv/bin/python benchmarks/gemm.py packed --threads 2           # handlers.engine.execution.prepack.PackedLinear
+    .venv/bin/python benchmarks/gemm.py packed --threads 2           #
+    handlers.engine.execution.kernels.prepack.PackedLinear
     .venv/bin/python benchmarks/gemm.py plain --threads 2            # F.linear on the plain weight
     benchmarks/.venv-vllm/bin/python benchmarks/gemm.py vllm --threads 2   # vLLM's create_onednn_mm/onednn_mm
     .venv/bin/python benchmarks/gemm.py packed-all --rows 2048              # the packed weight at any row count
-    .venv/bin/python benchmarks/gemm.py panel --shapes smollm2 --rows 8     # handlers.engine.execution.panel_linear
+    .venv/bin/python benchmarks/gemm.py panel --shapes smollm2 --rows 8     #
+    handlers.engine.execution.kernels.panel_linear
     OPENBLAS_NUM_THREADS=2 .venv/bin/python benchmarks/gemm.py openblas --threads 2 --rows 2048
                                          # numpy's OpenBLAS (sgemm into the torch tensor), for comparison only
 
@@ -50,7 +52,7 @@ def build(mode: str, weights: list[torch.Tensor]) -> list[tuple[int, Callable[[t
             fns.append((w.shape[1], lambda x, w=w: F.linear(x, w)))
         elif mode in ("packed", "packed-all"):
             sys.path.insert(0, str(REPO))
-            from handlers.engine.execution.prepack import HYBRID_MAX_PACKED_ROWS, PackedLinear
+            from handlers.engine.execution.kernels.prepack import HYBRID_MAX_PACKED_ROWS, PackedLinear
 
             lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
             lin.weight.data = w
@@ -58,7 +60,7 @@ def build(mode: str, weights: list[torch.Tensor]) -> list[tuple[int, Callable[[t
                                                  if mode == "packed" else None)))
         elif mode == "panel":
             sys.path.insert(0, str(REPO))
-            from handlers.engine.execution.panel_linear import PanelLinear, load_panel_kernel
+            from handlers.engine.execution.kernels.panel_linear import PanelLinear, load_panel_kernel
 
             kernel = load_panel_kernel()
             if kernel is None:

@@ -2,7 +2,7 @@
 
 Text: the license texts in /usr/share/common-licenses (real English), tokenized once by the file's tokenizer (as
 rollserve reads it), cut into windows of ``--window`` tokens; each window is scored from its first token (the
-same windows and ids for both). rollserve: ``handlers.engine.execution.gguf_load`` (the file's blocks as served,
+same windows and ids for both). rollserve: ``handlers.engine.execution.weights.gguf_load`` (the file's blocks as served,
 fp32, int8 or int8x2 activations) and, as the float reference, transformers' dequantization of the file. llama.cpp:
 ``Llama(model, logits_all=True)`` in its own virtualenv (``--llama-python``), fed the same ids.
 
@@ -72,8 +72,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from handlers.engine.execution.gguf_load import load_gguf_model
-    from handlers.engine.execution.quantize import QuantizedLinear
+    from handlers.engine.execution.kernels.quantize import QuantizedLinear
+    from handlers.engine.execution.weights.gguf_load import load_gguf_model
     from handlers.gguf_folder import write_folder
     from tests.real_model import smollm2_gguf
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import gpu_common  # noqa: E402
 from benchmarks.gpu_common import build_random, emit, llama_config, release, sync  # noqa: E402
 from handlers.engine.engine import LLMEngine  # noqa: E402
-from handlers.engine.planning.config import EngineConfig  # noqa: E402
+from handlers.engine.planning.engine_config import EngineConfig  # noqa: E402
 from handlers.synthetic_model import build_model, build_tokenizer  # noqa: E402
 from rollcore.types import SamplingParams  # noqa: E402
 

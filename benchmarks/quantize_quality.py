@@ -3,7 +3,7 @@
 The text is the license texts every Debian machine carries (``/usr/share/common-licenses``: Apache-2.0, GPL-3,
 ...), tokenized with the model's tokenizer and scored in windows of ``--window`` tokens (each window's first
 token unscored), the same windows for every mode. The quantized modes run the kernel the server runs
-(``handlers.engine.execution.quantize``); the model's logits come from transformers' forward, so only the
+(``handlers.engine.execution.kernels.quantize``); the model's logits come from transformers' forward, so only the
 weights differ.
 
     python benchmarks/quantize_quality.py                       # SmolLM2-135M-Instruct (tests/real_model.py)
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from handlers.engine.execution.quantize import quantize_linears  # noqa: E402
+from handlers.engine.execution.kernels.quantize import quantize_linears  # noqa: E402
 
 LICENSES = Path("/usr/share/common-licenses")
 TEXTS = ("Apache-2.0", "GPL-3", "LGPL-3", "MPL-2.0", "Artistic")

@@ -1,5 +1,5 @@
 """Perplexity of quantized checkpoints (compressed-tensors W8A16 / W4A16, GPTQ, AWQ) as rollserve serves them
-(``handlers.engine.execution.quant_ckpt_load``), against the float model they were made from.
+(``handlers.engine.execution.weights.quant_ckpt_load``), against the float model they were made from.
 
 The checkpoints are made from the float SmolLM2-135M-Instruct folder (``tests.real_model.smollm2_folder``) as the
 tests make them: compressed-tensors by its own library with min-max scales; GPTQ and AWQ in their packed layouts
@@ -33,7 +33,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from benchmarks.gguf_perplexity import perplexity, windows
-    from handlers.engine.execution.quant_ckpt_load import load_quantized_checkpoint, load_quantizing
+    from handlers.engine.execution.weights.quant_ckpt_load import load_quantized_checkpoint, load_quantizing
     from handlers.engine.planning.quant_config import parse_checkpoint_quant
     from tests.engine.test_quantized_checkpoints import (
         build_compressed_tensors,

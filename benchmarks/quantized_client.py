@@ -16,7 +16,7 @@ import httpx
 
 from benchmarks.cpu_accounting import OwnLoad, others_cores, snap, tree, wait_quiet
 from benchmarks.quantized_servers import MODEL
-from serving.bench.metrics import Rec, percentile
+from serving.bench.run_metrics import Rec, percentile
 
 
 @dataclass

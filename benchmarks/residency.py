@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from handlers.preflight import planned_memory  # noqa: E402
-from serving.config import load_model_config  # noqa: E402
+from serving.config.model_config import load_model_config  # noqa: E402
 from serving.models.residency import WORKER_OVERHEAD  # noqa: E402
 from tests.integration.harness import ServerProcess, write_model  # noqa: E402
 from tests.real_model import smollm2_folder  # noqa: E402

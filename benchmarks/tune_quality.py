@@ -49,8 +49,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.build_models import model_dir  # noqa: E402
-from serving.bench.metrics import Slo, parse_slo  # noqa: E402
-from serving.bench.runner import workload_of  # noqa: E402
+from serving.bench.passes import workload_of  # noqa: E402
+from serving.bench.run_metrics import Slo, parse_slo  # noqa: E402
 from serving.bench.scenario import load_scenario  # noqa: E402
 from serving.bench.workload import load_tokenizer  # noqa: E402
 from serving.tune.evaluator import LiveEvaluator as Evaluator  # noqa: E402

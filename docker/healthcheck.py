@@ -4,7 +4,7 @@ Exit 0 when it answers 200, 1 otherwise. The address comes from the real config 
 environment (``SERVING_INFERENCE_ADDRESS``, ``SAGEMAKER_BIND_TO_PORT``), so a port changed there is probed
 where the server listens; a wildcard bind (``0.0.0.0``, ``::``) is reached over loopback. Liveness, not
 readiness: a server whose model is still loading, or failed to, is alive and must not be restarted for it
-(``/ping`` is readiness). Health routes need no token (``serving.frontends.http_guard.HEALTH_PATHS``).
+(``/ping`` is readiness). Health routes need no token (``serving.frontends.http.http_guard.HEALTH_PATHS``).
 Only the image's Python: slim images carry no curl. A ``--config FILE`` given on the command line is not seen
 here; set a changed inference address through the environment instead.
 """
@@ -16,7 +16,7 @@ import sys
 import urllib.request
 from collections.abc import Mapping
 
-from serving.server_config import load_server_config
+from serving.config.server_config import load_server_config
 
 LIVENESS_ROUTE = "/health/live"
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from handlers.base import Context, Handler, Input, Output
-from handlers.validation import check_prompt_ids
+from handlers.request_checks import check_prompt_ids
 from rollcore.errors import InvalidRequest, ServingError
 from rollcore.model_folder import weights_folder
 from rollcore.options import option_value

@@ -24,16 +24,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 
 from handlers.base import Context, Handler, Input, Output
 from handlers.embedding import Embedder, EmbeddingTask
-from handlers.engine.execution.gguf_load import load_gguf_model
-from handlers.engine.execution.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
-from handlers.engine.execution.grammar_trigger import Trigger
-from handlers.engine.execution.quant_ckpt_load import load_integer_model
-from handlers.engine.execution.quantize import float_checkpoint_activations, quantize_linears
-from handlers.engine.execution.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
+from handlers.engine.execution.decoding.grammar import GrammarCompiler, GrammarError, GrammarLogitsProcessor
+from handlers.engine.execution.decoding.grammar_trigger import Trigger
+from handlers.engine.execution.decoding.sampling import BadWords, OutputPenalties, bad_words_ids, scored_tokens
+from handlers.engine.execution.kernels.quantize import float_checkpoint_activations, quantize_linears
+from handlers.engine.execution.weights.gguf_load import load_gguf_model
+from handlers.engine.execution.weights.quant_ckpt_load import load_integer_model
 from handlers.engine.planning.checkpoint import check_quantization
 from handlers.engine.planning.cpu import auto_threads, keep_freed_memory
 from handlers.engine.planning.gguf_plan import gguf_file_in
-from handlers.validation import check_length, check_prompt_ids, check_token_ids
+from handlers.request_checks import check_length, check_prompt_ids, check_token_ids
 from rollcore.errors import InvalidRequest, ServingError
 from rollcore.model_folder import read_config
 from rollcore.options import option_value
@@ -54,7 +54,7 @@ class _Item:
     index: int  # position in the handled batch
     request: Input
     prompt_ids: list[int]
-    matcher: Any = None  # structured output: the grammar's matcher (handlers.engine.execution.grammar)
+    matcher: Any = None  # structured output: the grammar's matcher (handlers.engine.execution.decoding.grammar)
 
 
 def _group_key(p: SamplingParams, index: int) -> Hashable:

@@ -31,7 +31,7 @@ from rollcore.options import option_value
 BUILTIN_HANDLERS: dict[str, str] = {
     "huggingface": "handlers.huggingface:HuggingFaceHandler",
     "echo": "handlers.echo:EchoHandler",
-    "rolling": "handlers.rolling:HuggingFaceRollingHandler",
+    "rolling": "handlers.rolling_handler:HuggingFaceRollingHandler",
     # DJL spellings of the same handlers.
     "djl_python.huggingface": "handlers.huggingface:HuggingFaceHandler",
 }

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.engine.planning.checkpoint import checkpoint_tensors
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.engine_config import EngineConfig
 from handlers.engine.planning.families import ADMITTED_BY_LIST, admission, unsupported_reason
 from handlers.engine.planning.gguf_plan import gguf_file_in, whole_gguf
 from handlers.engine.planning.memory import preflight

@@ -1,7 +1,7 @@
 """The option schema: every ``option.*`` key that rollserve's own code reads, with its parser and default.
 
 Design note: part of the kernel (imports only ``rollcore.values`` and ``rollcore.errors``; no torch), the one
-place an option is defined. ``serving.config`` validates a model's options with it at load (file, line, key
+place an option is defined. ``serving.config.model_config`` validates a model's options with it at load (file, line, key
 and value in the error), puts the effective value and its source in ``ModelConfig.options``/``sources``
 (what ``serving config`` prints) and warns about an unknown ``option.*`` key close to a known one
 (``suggest``); the handlers parse the same keys with the same parsers (``option_value``: the rolling
@@ -169,7 +169,7 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "pooling (and its normalisation), else last for a decoder (vLLM's default) and mean for an encoder; "
           "last token, mean over the prompt's tokens, or cls (the first token). Vectors are L2-normalised unless a "
           "sentence-transformers folder has no Normalize module"),
-    # The rolling engine (handlers.engine.planning.config.EngineConfig) and the dynamic huggingface handler.
+    # The rolling engine (handlers.engine.planning.engine_config.EngineConfig) and the dynamic huggingface handler.
     _spec("max_prefill_tokens_while_decoding", integer(0), "256", (ENGINE,),
           "while sequences decode, prefill chunks take at most this many tokens of a step (a long prefill step "
           "stalls every running stream); 0 = up to the whole budget"),

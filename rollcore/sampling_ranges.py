@@ -1,7 +1,7 @@
 """The allowed range of every numeric sampling parameter, stated once for the frontend and the handlers.
 
-Design note: the frontend's request models (``serving.params``) take their bounds from ``RANGES``, so a value out
-of range is a 400 naming the client's field before any work, and ``check_sampling`` checks a built
+Design note: the frontend's request models (``serving.requests.params``) take their bounds from ``RANGES``, so a value
+out of range is a 400 naming the client's field before any work, and ``check_sampling`` checks a built
 ``SamplingParams`` against the same table (the frontend once per request, after its parameters are combined, for
 what no single field can say, such as ``min_tokens`` <= ``max_new_tokens``; a handler for requests that did not
 come through a frontend: in-process engines, custom callers). Pure Python, no torch.

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from rollcore.errors import ErrorKind
 
-# How many models loaded at start share this machine's cores: set by the frontend (serving.registry) in its
+# How many models loaded at start share this machine's cores: set by the frontend (serving.models.registry) in its
 # workers' environment, read by option.num_threads=auto (handlers.engine.planning.cpu.auto_threads).
 CORE_SHARERS_ENV = "ROLLSERVE_MODELS_SHARING_CORES"
 
@@ -52,7 +52,7 @@ class SamplingParams:
     details: bool = False
     return_full_text: bool = False
     logprobs: int = 0  # number of top logprobs per token to return; 0 = only the chosen token's when asked
-    grammar: str | None = None  # structured output: llguidance's serialized grammar (serving.structured)
+    grammar: str | None = None  # structured output: llguidance's serialized grammar (serving.requests.structured)
     # with a grammar: it applies from where the answer first writes this text (a tool call's marker), not before
     grammar_trigger: str | None = None
     # vLLM's definitions: penalties on the generated tokens' counts, min_p relative to the top probability,
@@ -68,7 +68,8 @@ class SamplingParams:
     # vLLM's prompt_logprobs: each prompt token's log-probability given the tokens before it (None: not
     # computed; k > 0: with the k most likely alternatives at each position)
     prompt_logprobs: int | None = None
-    bad_words: tuple[str, ...] = ()  # vLLM's: words never generated (handlers.engine.execution.sampling.BadWords)
+    # vLLM's: words never generated (handlers.engine.execution.decoding.sampling.BadWords)
+    bad_words: tuple[str, ...] = ()
     # beam search (transformers' generate: dynamic batching only); greedy and sampling ignore them at 1 beam
     num_beams: int = 1
     length_penalty: float = 1.0
@@ -94,7 +95,7 @@ class GenerationRequest:
     ``attributes`` carries pass-through request metadata (e.g. SageMaker custom attributes).
     A frontend sets ``request_id`` to the id the client knows (``X-Request-Id`` or a generated one);
     ``ModelEndpoint.submit`` moves it to ``client_id`` and gives the request a server-generated
-    ``request_id``, the only id batchers and workers ever key on (see ``serving.live_requests``).
+    ``request_id``, the only id batchers and workers ever key on (see ``serving.models.live_requests``).
     """
 
     # frontend-side only: never sent to a worker (serving.ipc.wire)

@@ -1,8 +1,9 @@
 """Value parsers: a configuration value as text -> a typed value, raising ``ValueError(reason)`` on a bad one.
 
-Design note: part of the kernel (imports nothing of the project), so the frontend (``serving.config``) and the
-handlers (``handlers.engine.planning.config`` through ``rollcore.options``) parse a value the same way: one set of
-boolean words, one wording of every reason. The reason says what is expected (``expected an integer >= 1``);
+Design note: part of the kernel (imports nothing of the project), so the frontend (``serving.config.model_config``) and
+the
+handlers (``handlers.engine.planning.engine_config`` through ``rollcore.options``) parse a value the same way: one set
+of boolean words, one wording of every reason. The reason says what is expected (``expected an integer >= 1``);
 the caller prefixes where the value came from, the key and the value
 (``model/serving.properties:3: batch_size = 'abc': expected an integer >= 1``). Values arrive stripped.
 """

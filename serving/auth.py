@@ -1,8 +1,8 @@
 """Token authorization (TorchServe-style): a management token and an inference token, and the key file.
 
 Design note: the composition root builds one ``TokenAuthority`` from the server config at start. Tokens
-come from ``SERVING_MANAGEMENT_TOKEN`` / ``SERVING_INFERENCE_TOKEN`` (read by ``serving.config``), else from
-an existing ``key_file`` named in config.properties, else they are generated (32 URL-safe characters). They
+come from ``SERVING_MANAGEMENT_TOKEN`` / ``SERVING_INFERENCE_TOKEN`` (read by ``serving.config.model_config``), else
+from an existing ``key_file`` named in config.properties, else they are generated (32 URL-safe characters). They
 are written to the key file with mode 0600 (owner only); the default key file, ``key_file.json`` in the
 working directory, is removed at shutdown, a configured one is kept. The file has TorchServe's shape
 ``{"management": {"key": ...}, "inference": {"key": ...}}``. Checks compare in constant time; a token is
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollcore.errors import ConfigError
-from serving.server_config import ServerConfig
+from serving.config.server_config import ServerConfig
 
 log = logging.getLogger("serving.auth")
 

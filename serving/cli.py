@@ -26,11 +26,11 @@ import sys
 from pathlib import Path
 
 from rollcore.errors import ConfigError
-from serving.config import ModelConfig, load_model_config
-from serving.config_report import describe_model_config
+from serving.config.config_report import describe_model_config
+from serving.config.model_config import ModelConfig, load_model_config
+from serving.config.server_config import load_server_config
 from serving.logs import setup_logging
-from serving.model_files import nothing_to_load
-from serving.server_config import load_server_config
+from serving.models.model_files import nothing_to_load
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,8 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     cfg.add_argument("model_dir", type=Path)
     cfg.add_argument("--config", "-f", type=Path, help="config.properties (server defaults)")
     sub.add_parser("serve", help="SageMaker's entry: same as start")
-    from serving.bench import command
-    from serving.tune import cli as tune
+    from serving.bench import bench_command as command
+    from serving.tune import tune_command as tune
 
     command.add_arguments(sub.add_parser("bench", help="benchmark a model with a load scenario",
                                          description=command.__doc__))
@@ -151,11 +151,11 @@ def main(argv: list[str] | None = None) -> None:
         argv[0] = "start"
     args = _parser().parse_args(argv)
     if args.command == "bench":
-        from serving.bench.command import cmd_bench
+        from serving.bench.bench_command import cmd_bench
 
         sys.exit(cmd_bench(args))
     if args.command == "tune":
-        from serving.tune.cli import cmd_tune
+        from serving.tune.tune_command import cmd_tune
 
         sys.exit(cmd_tune(args))
     if args.command == "k8s":

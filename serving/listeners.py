@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from serving.server_config import ServerConfig
+from serving.config.server_config import ServerConfig
 
 # The setting (config.properties key) behind each listener: what the message tells the user to change.
 SETTINGS = {"inference": "inference_address", "management": "management_address", "metrics": "metrics_address",
@@ -77,7 +77,7 @@ def bind_all(config: ServerConfig) -> list[Listener]:
             except OSError as exc:
                 raise listen_error(config, name, host, port, exc) from None
             if name == "grpc":
-                sock.close()  # only a probe: grpc.aio binds the port itself (serving.frontends.grpc)
+                sock.close()  # only a probe: grpc.aio binds the port itself (serving.frontends.grpc.grpc_server)
             else:
                 bound.append(Listener(name, host, sock))
     except BaseException:

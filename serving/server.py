@@ -10,7 +10,7 @@ while models load), then loads the models. Each HTTP API sits behind an
 RPCs off. On SIGTERM or SIGINT the server drains: readiness and new requests get 503, in-flight requests
 finish within ``drain_timeout_s``, workers are stopped, listeners close, the default key file is removed;
 no worker process outlives the server. With ``model_store_watch=true`` a ``StoreWatcher`` follows the model store
-(``serving.store_watch``) until shutdown.
+(``serving.models.store_watch``) until shutdown.
 """
 
 from __future__ import annotations
@@ -33,34 +33,34 @@ from prometheus_client import CollectorRegistry
 from starlette.routing import Route
 
 from serving.auth import Scope, build_authority
-from serving.frontends import openapi, tgi
-from serving.frontends.adapter_routes import AdapterRoutes
-from serving.frontends.apps import ModelReads, build_app
-from serving.frontends.embeddings import EmbeddingRoutes
-from serving.frontends.grpc import GrpcFrontend
-from serving.frontends.http_guard import ApiGuard
-from serving.frontends.httpio import HttpContext, ServerState
-from serving.frontends.lmi import LmiRoutes
-from serving.frontends.management import ManagementRoutes
-from serving.frontends.messages import GUARD_BODIES, MessagesRoutes
-from serving.frontends.model_versions import VersionRoutes
-from serving.frontends.oip_rest import OipRestRoutes
-from serving.frontends.openai import OpenAIRoutes
-from serving.frontends.responses import GUARD_BODIES as RESPONSES_GUARD_BODIES
-from serving.frontends.responses import ResponsesRoutes
-from serving.frontends.sessions import SessionRoutes
-from serving.frontends.tokenizer_routes import TokenizerRoutes
-from serving.health import Health, HealthRoutes
+from serving.config.server_config import ServerConfig
+from serving.frontends.grpc.grpc_server import GrpcFrontend
+from serving.frontends.http import openapi, tgi
+from serving.frontends.http.adapter_routes import AdapterRoutes
+from serving.frontends.http.anthropic import GUARD_BODIES, MessagesRoutes
+from serving.frontends.http.apps import ModelReads, build_app
+from serving.frontends.http.embeddings import EmbeddingRoutes
+from serving.frontends.http.http_guard import ApiGuard
+from serving.frontends.http.httpio import HttpContext, ServerState
+from serving.frontends.http.lmi import LmiRoutes
+from serving.frontends.http.management import ManagementRoutes
+from serving.frontends.http.model_versions import VersionRoutes
+from serving.frontends.http.oip_rest import OipRestRoutes
+from serving.frontends.http.openai import OpenAIRoutes
+from serving.frontends.http.responses import GUARD_BODIES as RESPONSES_GUARD_BODIES
+from serving.frontends.http.responses import ResponsesRoutes
+from serving.frontends.http.sessions import SessionRoutes
+from serving.frontends.http.tokenizer_routes import TokenizerRoutes
 from serving.heap import trim_periodically
 from serving.listeners import ListenError, bind_all, listen_error
-from serving.metrics import ServingMetrics
+from serving.models.registry import ModelRegistry
 from serving.models.residency_metrics import ResidencyCollector
-from serving.params import Limits
-from serving.registry import ModelRegistry
+from serving.models.store_watch import StoreWatcher
 from serving.requests.deadlines import DeadlineScope
-from serving.server_config import ServerConfig
-from serving.store_watch import StoreWatcher
+from serving.requests.params import Limits
 from serving.telemetry.deep_health import DeepCheck
+from serving.telemetry.health import Health, HealthRoutes
+from serving.telemetry.metrics import ServingMetrics
 
 log = logging.getLogger("serving.server")
 KEEP_ALIVE_S = 75  # idle keep-alive connections are closed after this (see _serve_http)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-# The GPU decode kernel (handlers/engine/execution/triton_decode.py) runs in these CPU tests through Triton's
+# The GPU decode kernel (handlers/engine/execution/gpu/triton_decode.py) runs in these CPU tests through Triton's
 # interpreter, which Triton reads once, before its first kernel is defined: so here, before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # As the launcher gives workers (serving.worker.launcher.worker_env): the engines these tests run in process see

@@ -16,16 +16,16 @@ from typing import Any
 
 import torch
 
-from handlers.engine.execution.device import device_budget, device_defaults, engine_device
-from handlers.engine.execution.loading import load_model_and_tokenizer
-from handlers.engine.execution.lora import folder_adapters
-from handlers.engine.execution.paged_attention import KVPool
-from handlers.engine.execution.parallel import TensorParallelGroup, shard_model, start_group
-from handlers.engine.execution.quant_ckpt_load import check_checkpoint_layout
-from handlers.engine.execution.quantize import QUANTIZE_MODES, check_layout, quantize_model
-from handlers.engine.execution.runner import kv_geometry
+from handlers.engine.execution.forward.lora import folder_adapters
+from handlers.engine.execution.forward.paged_attention import KVPool
+from handlers.engine.execution.forward.runner import kv_geometry
+from handlers.engine.execution.gpu.device import device_budget, device_defaults, engine_device
+from handlers.engine.execution.kernels.quantize import QUANTIZE_MODES, check_layout, quantize_model
+from handlers.engine.execution.parallel.ranks import TensorParallelGroup, shard_model, start_group
+from handlers.engine.execution.weights.loading import load_model_and_tokenizer
+from handlers.engine.execution.weights.quant_ckpt_load import check_checkpoint_layout
 from handlers.engine.planning.checkpoint import check_quantization
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.engine_config import EngineConfig
 from handlers.engine.planning.families import check_config
 from handlers.engine.planning.host_memory import MemoryBudget, memory_budget
 from handlers.engine.planning.memory import MemoryPlan, plan_loaded_model, preflight
@@ -51,7 +51,7 @@ class LoadedModel:
 def load_for_engine(model_dir: Path, options: Mapping[str, str], device_id: int = -1) -> LoadedModel:
     """Load ``model_dir`` for an engine on the worker's device (``device_id``: an index among the devices this
     process sees, -1 = CPU). With ``tensor_parallel_degree`` N > 1 this process becomes rank 0 of N: it starts
-    the other ranks, and every rank loads and shards the model (``handlers.engine.execution.parallel``)."""
+    the other ranks, and every rank loads and shards the model (``handlers.engine.execution.parallel.ranks``)."""
     device = engine_device(device_id)
     config = EngineConfig.from_options(options)
     source = weights_folder(model_dir, options.get("model_id"))

@@ -18,8 +18,8 @@ from typing import Any
 from handlers.engine.core.detokenizer import IncrementalDetokenizer
 from handlers.engine.core.sequence import Sequence
 from handlers.engine.core.speculative import NgramDrafter
-from handlers.engine.execution.grammar_trigger import Trigger
-from handlers.engine.execution.sampling import RequestSampler, SampledToken, bad_words_ids
+from handlers.engine.execution.decoding.grammar_trigger import Trigger
+from handlers.engine.execution.decoding.sampling import RequestSampler, SampledToken, bad_words_ids
 from rollcore.types import FinishReason, TokenDelta, TokenInfo
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ class EngineRequest:
     detokenizer: IncrementalDetokenizer
     eos_ids: frozenset[int]
     drafter: NgramDrafter | None = None  # speculative decoding's guesses (plain greedy requests only)
-    matcher: Any = None  # structured output: the grammar's llguidance matcher (handlers.engine.execution.grammar)
+    # structured output: the grammar's llguidance matcher (handlers.engine.execution.decoding.grammar)
+    matcher: Any = None
     trigger: Trigger | None = None  # a grammar held back until the answer writes its trigger (tool calls)
     prompt_scores: list[TokenInfo | None] | None = None  # prompt_logprobs: one entry per prompt position
     sent_first: bool = False

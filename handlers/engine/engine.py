@@ -20,17 +20,17 @@ from handlers.engine.build import kv_bytes_per_token, load_for_engine, plan_for_
 from handlers.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from handlers.engine.core.sequence import Sequence
 from handlers.engine.emission import EngineRequest, emit_token, new_request
-from handlers.engine.execution.drafts import check_drafts
-from handlers.engine.execution.grammar import PendingGrammars
-from handlers.engine.execution.grammar_trigger import Trigger
-from handlers.engine.execution.loading import eos_token_ids
-from handlers.engine.execution.lora import AdapterError, AdapterQueue, check_adapter, enable_lora
-from handlers.engine.execution.parallel import TensorParallelGroup
-from handlers.engine.execution.pooling import POOLINGS, EmbeddingPool
-from handlers.engine.execution.runner import ModelRunner
-from handlers.engine.execution.sampling import SampledToken, sample_batch, score_prompt_rows
+from handlers.engine.execution.decoding.drafts import check_drafts
+from handlers.engine.execution.decoding.grammar import PendingGrammars
+from handlers.engine.execution.decoding.grammar_trigger import Trigger
+from handlers.engine.execution.decoding.sampling import SampledToken, sample_batch, score_prompt_rows
+from handlers.engine.execution.forward.lora import AdapterError, AdapterQueue, check_adapter, enable_lora
+from handlers.engine.execution.forward.pooling import POOLINGS, EmbeddingPool
+from handlers.engine.execution.forward.runner import ModelRunner
+from handlers.engine.execution.parallel.ranks import TensorParallelGroup
 from handlers.engine.execution.self_check import probe_unverified, verify
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.execution.weights.loading import eos_token_ids
+from handlers.engine.planning.engine_config import EngineConfig
 from handlers.engine.planning.families import ADMITTED_BY_LIST
 from handlers.engine.planning.memory import MemoryPlan
 from handlers.engine.step_timing import time_steps
@@ -300,7 +300,7 @@ class LLMEngine:
 
     def _verify(self, sampled: list[ScheduledChunk], reqs: list[EngineRequest],
                 logits: torch.Tensor) -> list[TokenDelta]:
-        """A step with guesses (``handlers.engine.execution.drafts``): confirmed guesses and each chunk's next
+        """A step with guesses (``handlers.engine.execution.decoding.drafts``): confirmed guesses and each chunk's next
         token become deltas."""
         allowed = self._allowed([r for c, r in zip(sampled, reqs, strict=True) if not c.draft])
         deltas = []

@@ -21,7 +21,7 @@ from handlers.engine.core.scheduler import Scheduler
 from handlers.engine.core.sequence import Sequence
 from handlers.engine.core.step_budget import PrefillBudget, StepFit
 from handlers.engine.execution.itl_calibration import calibrate
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

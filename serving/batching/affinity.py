@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 
-MAX_AFFINITY_KEYS = 65536  # sessions remembered per model (each bounded by its own store: frontends/sessions.py)
+MAX_AFFINITY_KEYS = 65536  # sessions remembered per model (each bounded by its own store: frontends/http/sessions.py)
 
 
 class Affinity:

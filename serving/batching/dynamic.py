@@ -31,7 +31,7 @@ from rollcore.errors import (
     error_from_kind,
 )
 from rollcore.types import BatchOutput, GenerationRequest, TokenDelta
-from serving.batching.deadlines import (
+from serving.batching.deadline_admission import (
     ServiceTimes,
     admit,
     as_ms,
@@ -152,7 +152,7 @@ class DynamicBatcher:
                     RequestTimeout("the request's deadline passed before it completed"))
 
     def _predicted_wait_s(self) -> float | None:
-        """How long a request submitted now would wait for a batch slot (``serving.batching.deadlines``)."""
+        """How long a request submitted now would wait for a batch slot (``serving.batching.deadline_admission``)."""
         busy = {id(w) for w, _, _ in self._inflight.values()}
         gathering = self._current_worker is not None
         num_workers = len(self._idle) + len(busy) + (1 if gathering else 0)

@@ -42,7 +42,7 @@ from rollcore.errors import (
 from rollcore.types import GenerationRequest, TokenDelta
 from serving.batching import placement, rolling_report, rolling_watch
 from serving.batching.affinity import Affinity
-from serving.batching.deadlines import (
+from serving.batching.deadline_admission import (
     ServiceTimes,
     admit,
     expired_while_queued,
@@ -367,7 +367,7 @@ class RollingBatcher:
                 pass  # worker_lost will requeue them
 
     def _predicted_wait_s(self) -> float | None:
-        """How long a request submitted now would wait for a slot (``serving.batching.deadlines``)."""
+        """How long a request submitted now would wait for a slot (``serving.batching.deadline_admission``)."""
         live = [w for w in self._workers if w.alive and w.worker_id not in self._retiring]
         free = sum(max(0, self.max_rolling_batch_size - self._load.get(w.worker_id, 0)) for w in live)
         return predicted_wait_s(len(self._waiting), free, len(live) * self.max_rolling_batch_size,

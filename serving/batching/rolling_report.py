@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from serving.batching.deadlines import as_ms
+from serving.batching.deadline_admission import as_ms
 
 if TYPE_CHECKING:
     from serving.batching.rolling import RollingBatcher, _Admitted

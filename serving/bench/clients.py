@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from serving.bench.metrics import Rec
+from serving.bench.run_metrics import Rec
 from serving.bench.workload import BenchRequest
 
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from serving.config import MODEL_PROPERTIES
-from serving.properties import parse_properties
+from serving.config.model_config import MODEL_PROPERTIES
+from serving.config.properties import parse_properties
 
 T = TypeVar("T")
 
@@ -187,10 +187,10 @@ class LocalServer(ServerAddresses):
         raise RuntimeError(f"model {self.name} not ready in time:\n{self.proc.tail()}")
 
     def describe(self) -> dict[str, Any]:
-        """The model object of ``GET /models/{name}`` on the management API (``serving.frontends.djl``)."""
+        """The model object of ``GET /models/{name}`` on the management API (``serving.frontends.http.djl``)."""
         import httpx
 
-        from serving.frontends.djl import model_entry
+        from serving.frontends.http.djl import model_entry
 
         resp = httpx.get(f"{self.mgmt}/models/{self.name}", headers=self.mgmt_headers, timeout=30)
         resp.raise_for_status()

@@ -35,7 +35,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from serving.bench.metrics import Slo, parse_slo
+from serving.bench.run_metrics import Slo, parse_slo
 from serving.bench.workload import clip
 
 APIS = ("lmi", "openai", "grpc")

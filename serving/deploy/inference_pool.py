@@ -5,8 +5,8 @@ kubernetes-sigs/gateway-api-inference-extension, config/crd): ``selector.matchLa
 fronts (the Deployment's, or a LeaderWorkerSet's leaders), ``targetPorts`` is the inference API's port (OpenAI's
 routes, which the protocol requires), ``endpointPickerRef`` the endpoint picker's Service (``NAME-epp``, the
 extension's ext-proc port 9002), which the user deploys (the extension's ``inferencepool`` chart does); the picker
-scrapes the pods' ``/metrics`` (the vLLM names, ``serving.metrics_gateway``) on the metrics port, which the note
-names. KServe's objects bring their own pods and routing, so ``--kserve`` does not take it.
+scrapes the pods' ``/metrics`` (the vLLM names, ``serving.telemetry.metrics_gateway``) on the metrics port, which the
+note names. KServe's objects bring their own pods and routing, so ``--kserve`` does not take it.
 """
 
 from __future__ import annotations

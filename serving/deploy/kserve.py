@@ -5,7 +5,7 @@ ConfigMap mounted as the model folder, the weights' claim as ``storageUri`` (KSe
 ``/mnt/models``, where ``OPTION_MODEL_ID`` points), the pinned layout, the tokens and the resources.
 
 Protocols: rollserve speaks KServe's Open Inference Protocol over gRPC (``inference.GRPCInferenceService``,
-``serving.frontends.grpc_oip``) and REST (``/v2/models/...``, ``serving.frontends.oip_rest``), so the runtime
+``serving.frontends.grpc.oip``) and REST (``/v2/models/...``, ``serving.frontends.http.oip_rest``), so the runtime
 declares ``grpc-v2`` and ``v2``; the InferenceService uses ``grpc-v2`` and the gRPC port is KServe's one container
 port (``h2c``); the HTTP APIs (OpenAI, LMI, TGI, OIP REST) answer on 8080 inside the pod. RawDeployment mode:
 KServe makes a Deployment, Service and HPA, no Knative.

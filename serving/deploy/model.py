@@ -1,5 +1,5 @@
-"""What the manifests need to know about a model folder: its effective configuration (``serving.config``, read
-as the server reads it, without this machine's environment), which of its worker and thread counts are ``auto``,
+"""What the manifests need to know about a model folder: its effective configuration (``serving.config.model_config``,
+read as the server reads it, without this machine's environment), which of its worker and thread counts are ``auto``,
 and where its weights are: in the folder, in another local folder ``option.model_id`` names, or fetched when the
 server starts (a hub id, ``s3://``, ``pypi:``), which no volume has to carry.
 """
@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollcore.errors import ConfigError
-from serving.config import MODEL_PROPERTIES, ModelConfig, load_model_config
-from serving.layout import checkpoint_parameters
-from serving.server_config import load_server_config
-from serving.settings import norm, read_file
+from serving.config.layout import checkpoint_parameters
+from serving.config.model_config import MODEL_PROPERTIES, ModelConfig, load_model_config
+from serving.config.server_config import load_server_config
+from serving.config.settings import norm, read_file
 from serving.sources.resolve import local_path
 
 # The files of the model folder that travel in the ConfigMap (the weights travel on a volume).

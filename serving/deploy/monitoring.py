@@ -1,5 +1,5 @@
 """The Service in front of the frontend pods, and scaling and scraping: a HorizontalPodAutoscaler on the queue
-depth the server exports (``rollserve_num_requests_waiting``, ``serving.metrics``: requests waiting in the
+depth the server exports (``rollserve_num_requests_waiting``, ``serving.telemetry.metrics``: requests waiting in the
 frontend's queue and the engines' waiting queues), the prometheus-adapter rule that makes it a custom Pods metric,
 and a ServiceMonitor for the Prometheus operator.
 

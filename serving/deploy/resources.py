@@ -1,7 +1,7 @@
 """How much a rollserve pod asks of Kubernetes, and how long it may take to start.
 
 Workers and threads: the model's ``minWorkers`` / ``maxWorkers`` and ``option.num_threads`` as set, and where
-they are ``auto``, what the server would pick on ``--cpus`` cores (``serving.layout.auto_layout``; threads: the
+they are ``auto``, what the server would pick on ``--cpus`` cores (``serving.config.layout.auto_layout``; threads: the
 cores shared by the workers and their tensor-parallel ranks, as ``option.num_threads=auto``). The pod's
 environment then pins them (``SERVING_MIN_WORKERS``, ``SERVING_MAX_WORKERS``, ``OPTION_NUM_THREADS``): left to
 ``auto`` in a pod, the server would size itself from the node's cores, not from its CPU request.
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 from handlers.preflight import PlannedMemory, planned_memory
 from rollcore.errors import ConfigError
+from serving.config.layout import auto_layout
 from serving.deploy import DEFAULT_CPUS
 from serving.deploy.model import ModelFolder
-from serving.layout import auto_layout
 
 MIB = 1 << 20
 GIB = 1 << 30

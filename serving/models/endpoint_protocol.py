@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from rollcore.types import GenerationRequest, ModelState
-    from serving.adapters import ApiAdapters
     from serving.batching.dynamic import DynamicBatcher
     from serving.batching.rolling import RollingBatcher
     from serving.batching.streams import ResultStream
-    from serving.config import ModelConfig
+    from serving.config.model_config import ModelConfig
+    from serving.models.adapters import ApiAdapters
     from serving.models.model_text import ModelText
     from serving.models.residency import Residence, Residency
     from serving.worker.pool import WorkerPool
@@ -31,7 +31,7 @@ class Endpoint(Protocol):
     """One served model version. Event loop only."""
 
     name: str
-    version: str  # set by the registry (serving.versions)
+    version: str  # set by the registry (serving.models.versions)
     state: ModelState
     reason: str | None  # why it is FAILED (paths scrubbed)
     load_time_s: float | None

@@ -3,7 +3,7 @@
 Design note: every registered version has a ``Residence`` (its keys: ``load_on_demand``, ``pin``, ``idle_ttl``).
 A model with ``load_on_demand`` is registered at start but loads on its first request; the others load at start
 as before. Loads on demand go one at a time, so each decision sees what the others hold: a model holds the
-largest proportional set size measured of its workers since it loaded (``serving.models.budget``), or, before a
+largest proportional set size measured of its workers since it loaded (``serving.config.memory_budget``), or, before a
 measurement, what it is predicted to take: the engine's memory plan (``handlers.preflight.planned_memory``) plus
 a worker's own overhead; for a model the engine does not plan, an earlier load's measured peak, else its
 checkpoint's size. When the prediction does not fit beside what
@@ -32,7 +32,7 @@ from typing import Any
 
 from rollcore.errors import ConfigError, Unavailable
 from rollcore.types import ModelState
-from serving.models.budget import PROC, human, tree_pss
+from serving.config.memory_budget import PROC, human, tree_pss
 from serving.models.endpoint_protocol import Endpoint
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Design note: a deadline is an absolute ``time.monotonic()`` (``GenerationRequest.deadline``) counted from the moment
 the request arrived, as gRPC counts its own; the batchers refuse a request that cannot start before it and drop one
-still queued at it (``serving.batching.deadlines``). HTTP has no standard header for it, so two are read:
+still queued at it (``serving.batching.deadline_admission``). HTTP has no standard header for it, so two are read:
 ``X-Request-Timeout-Ms`` for clients that call us directly (milliseconds, as the timing headers we answer with), and
 ``X-Envoy-Expected-Rq-Timeout-Ms``, which Envoy and the gateways built on it set on each request they forward to say
 how long they will wait for it: a server behind one learns the deadline with no change to the clients. Given both,

@@ -36,8 +36,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import tqdm
 
-from serving.sources.errors import SourceError, SourceUnreachable
 from serving.sources.fetch import Progress
+from serving.sources.source_error import SourceError, SourceUnreachable
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 

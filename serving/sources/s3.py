@@ -39,8 +39,8 @@ from botocore.exceptions import (  # type: ignore[import-untyped]
     ResponseStreamingError,
 )
 
-from serving.sources.errors import SourceError, SourceUnreachable
 from serving.sources.fetch import Progress
+from serving.sources.source_error import SourceError, SourceUnreachable
 
 _URI = re.compile(r"^s3://(?P<bucket>[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9])(?:/(?P<prefix>.*))?$")
 _CLIENT_CONFIG = Config(retries={"max_attempts": 2}, connect_timeout=5, read_timeout=60)

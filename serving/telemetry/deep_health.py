@@ -1,7 +1,7 @@
 """The deep health check (``GET /health/generate``): one real token through every worker of every ready model.
 
-Design note: readiness (``serving.health``) says the models are loaded and have workers; it cannot tell a worker
-wedged mid-decode from a working one. The deep check sends each serving worker of each available model a
+Design note: readiness (``serving.telemetry.health``) says the models are loaded and have workers; it cannot tell a
+worker wedged mid-decode from a working one. The deep check sends each serving worker of each available model a
 one-token greedy probe (pinned to that worker on rolling batching; one probe per model on dynamic batching,
 whose batches go to any idle worker) and waits at most ``timeout_s`` for the answers. It answers 200 when
 every probe produced its token, else 503 naming the models and workers that failed and why (no token in time,
@@ -28,10 +28,10 @@ from rollcore.errors import ServingError
 from rollcore.types import GenerationRequest, SamplingParams
 from serving.batching.retry import PROBE_PREFIX
 from serving.batching.rolling import RollingBatcher
-from serving.health import Health
 from serving.models.endpoint_protocol import Endpoint
-from serving.reload import TEXT_ENTRY_POINTS
-from serving.reload import WARMUP_PROMPT as PROMPT
+from serving.models.reload import TEXT_ENTRY_POINTS
+from serving.models.reload import WARMUP_PROMPT as PROMPT
+from serving.telemetry.health import Health
 
 log = logging.getLogger(__name__)
 

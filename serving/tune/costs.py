@@ -9,7 +9,7 @@ import re
 import time
 from pathlib import Path
 
-from serving.tune.ports import Evaluator
+from serving.tune.protocols import Evaluator
 from serving.tune.space import Config, Group
 
 STOP_S = 2.0  # a server's stop, before one was measured

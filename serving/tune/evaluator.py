@@ -13,7 +13,7 @@ from typing import Any
 from rollcore.step_cost import StepCost
 from serving.bench.clients import Target, run_requests
 from serving.bench.launch import LocalServer
-from serving.bench.metrics import Rec, RunResult, Slo, metrics
+from serving.bench.run_metrics import Rec, RunResult, Slo, metrics
 from serving.bench.workload import BenchRequest, Workload
 from serving.tune.runs import Run, certainly_violated
 from serving.tune.space import Config, Group, cores_available

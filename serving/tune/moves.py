@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rollcore.step_cost import StepCost
-from serving.bench.metrics import Slo
+from serving.bench.run_metrics import Slo
 from serving.tune.racing import Outcome
 from serving.tune.runs import missed_bounds
 from serving.tune.space import Group, clipped_knobs, knobs_of, make_config

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving.bench.metrics import Slo
+from serving.bench.run_metrics import Slo
 from serving.bench.scenario import Scenario
 from serving.tune.costs import REPORT_S
 from serving.tune.space import Group, Space, knobs_of

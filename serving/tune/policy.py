@@ -10,11 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.bench.metrics import Slo
+from serving.bench.run_metrics import Slo
 from serving.tune import costs, verify
 from serving.tune.moves import LineMove, compass, evidence, fitted_move
 from serving.tune.plan import Plan, promise_order
-from serving.tune.ports import Evaluator
+from serving.tune.protocols import Evaluator
 from serving.tune.racing import Outcome, better, race
 from serving.tune.space import Config, Group, clipped_knobs, knobs_of, make_config
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from serving.bench.metrics import Slo
-from serving.tune.ports import Evaluator
+from serving.bench.run_metrics import Slo
+from serving.tune.protocols import Evaluator
 from serving.tune.runs import Run
 from serving.tune.space import Config
 

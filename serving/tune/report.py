@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rollcore.step_cost import StepCost
-from serving.bench.metrics import Slo, format_duration
+from serving.bench.run_metrics import Slo, format_duration
 from serving.tune.plan import Plan
 from serving.tune.policy import Tuner
 from serving.tune.racing import Outcome

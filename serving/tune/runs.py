@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.bench.metrics import Bound, Rec, RunResult, Slo, metrics
+from serving.bench.run_metrics import Bound, Rec, RunResult, Slo, metrics
 from serving.tune.space import Config
 
 

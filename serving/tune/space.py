@@ -2,7 +2,7 @@
 
 A *group* is a batching mode (rolling or dynamic), a worker count and threads per worker. Inside a group the
 live knobs change on the running model. Which knobs are live, and their ``serving.properties`` keys, come from
-the one knob table (``serving.knobs.KNOBS``); this module adds only the ranges the search explores.
+the one knob table (``serving.models.knobs.KNOBS``); this module adds only the ranges the search explores.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving import knobs as live
+from serving.models import knobs as live
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Knob:
     mode: str  # rolling | dynamic
 
 
-# name -> (lo, hi, log scale): the ranges explored; the rest of each knob comes from serving.knobs
+# name -> (lo, hi, log scale): the ranges explored; the rest of each knob comes from serving.models.knobs
 _RANGES = {"max_rolling_batch_size": (1, 64, True), "max_rolling_batch_prefill_tokens": (64, 4096, True),
            "batch_size": (1, 32, True), "max_batch_delay": (0, 200, False)}
 KNOBS = tuple(Knob(k.name, k.key, *_RANGES[k.name], k.applies) for k in live.KNOBS if k.name in _RANGES)
@@ -104,11 +104,11 @@ def cores_available() -> int:
 
 def build_space(model_dir: Path, modes: tuple[str, ...] | None = None, workers: tuple[int, ...] | None = None,
                 threads: tuple[int, ...] | None = None, cores: int | None = None) -> Space:
-    """The space of a model folder: its configuration (``serving.config``) is the baseline; the groups are
+    """The space of a model folder: its configuration (``serving.config.model_config``) is the baseline; the groups are
     every mode the model can run (rolling needs an architecture the engine serves) x worker counts x threads
     with workers x threads = the cores (the CPUs of this process's affinity mask), unless given.
     Raises ``ConfigError`` or ``ValueError``."""
-    from serving.config import load_model_config
+    from serving.config.model_config import load_model_config
 
     cfg = load_model_config(model_dir, env=os.environ)
     if cfg.entry_point not in ("huggingface", "rolling", "djl_python.huggingface"):

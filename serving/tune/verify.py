@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from serving.bench.metrics import Slo
+from serving.bench.run_metrics import Slo
 from serving.tune import costs
-from serving.tune.ports import Evaluator
+from serving.tune.protocols import Evaluator
 from serving.tune.runs import Run
 from serving.tune.space import Config
 

@@ -39,7 +39,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def leader_address(value: str | None, env: Mapping[str, str]) -> tuple[str, int] | None:
     """``--leader``, else torchrun's or LeaderWorkerSet's variables; None when nothing names a leader."""
-    from handlers.engine.execution.cluster import DEFAULT_PORT
+    from handlers.engine.execution.parallel.cluster import DEFAULT_PORT
 
     if not value:
         host = env.get("MASTER_ADDR") or env.get("LWS_LEADER_ADDRESS")
@@ -62,8 +62,8 @@ def node_rank(value: int | None, env: Mapping[str, str]) -> int | None:
 
 
 def cmd_worker(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> int:
-    from handlers.engine.execution.follower import run_follower
-    from handlers.engine.execution.rendezvous import SECRET_ENV
+    from handlers.engine.execution.parallel.follower_host import run_follower
+    from handlers.engine.execution.parallel.rendezvous import SECRET_ENV
     from serving.worker.follower_weights import WeightsPlacer
 
     setup_logging(args.log_format, "INFO")

@@ -5,8 +5,8 @@ Design note: the leader's assignment carries the manifest of its weights folder,
 for a local folder) and ``option.follower_weights``. ``resolve`` fetches that source here, with this host's
 credentials, environment and cache (``serving.sources``), or for a local folder takes the same folder from this
 host's model store; ``stream`` copies the leader's files over the group's authenticated rendezvous
-(``handlers.engine.execution.weights``) into this host's cache, under the manifest's digest so a restart of
-the agent reuses the copy; ``auto`` resolves where this host can reach the source and streams where it cannot.
+(``handlers.engine.execution.parallel.host_weights``) into this host's cache, under the manifest's digest so a restart
+of the agent reuses the copy; ``auto`` resolves where this host can reach the source and streams where it cannot.
 The agent then checks whichever copy against the manifest before any rank starts.
 """
 
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from handlers.engine.execution.weights import FileEntry, stream
+from handlers.engine.execution.parallel.host_weights import FileEntry, stream
 from serving.sources import cache
-from serving.sources.errors import SourceError
 from serving.sources.resolve import local_path, needs_resolving, resolve
+from serving.sources.source_error import SourceError
 
 log = logging.getLogger(__name__)
 

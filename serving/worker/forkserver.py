@@ -33,7 +33,7 @@ from typing import Any
 # A model class pulls what every family shares (generation, masking, accelerate, ...): the next family's module
 # then imports in milliseconds.
 PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "serving.worker.main",
-           "handlers.rolling", "handlers.huggingface")
+           "handlers.rolling_handler", "handlers.huggingface")
 PRELOAD_ATTRS = (("transformers", ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer")),)  # resolved lazily
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15

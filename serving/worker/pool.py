@@ -12,7 +12,7 @@ Scaling down retires the idlest workers (fewest requests in flight; the newest o
 giving them work at once, and each one is stopped only after its requests in flight finished, so no request
 is lost or retried. ``update_init`` makes workers started later load with a changed configuration.
 
-Devices (``serving.devices``): on GPUs each worker takes a free device group when it starts and gives it back
+Devices (``serving.config.devices``): on GPUs each worker takes a free device group when it starts and gives it back
 when it exits; it sees only that group (its own ``CUDA_VISIBLE_DEVICES``) and loads on its first device
 (``device_id`` 0). The pool never runs more workers than there are groups.
 """
@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
-from serving.devices import DevicePlan, DeviceSlots
+from serving.config.devices import DevicePlan, DeviceSlots
 from serving.ipc.messages import Init, Message
 from serving.worker.handle import WorkerHandle, WorkerLoadError
 from serving.worker.launcher import Launcher, worker_env

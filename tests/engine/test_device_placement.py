@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from handlers.engine.engine import LLMEngine
-from handlers.engine.execution.paged_attention import KVPool, SeqSpan, StepMetadata, on_device
-from handlers.engine.execution.runner import StepInputs
+from handlers.engine.execution.forward.paged_attention import KVPool, SeqSpan, StepMetadata, on_device
+from handlers.engine.execution.forward.runner import StepInputs
 from handlers.synthetic_model import build_model
 from rollcore.types import SamplingParams
 from tests.engine.conftest import make_prompts

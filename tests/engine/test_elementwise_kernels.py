@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from handlers.engine.execution.kernels import ElementwiseKernels, load_elementwise
+from handlers.engine.execution.kernels.native import ElementwiseKernels, load_elementwise
 
 
 def kernels() -> ElementwiseKernels:

@@ -1,5 +1,5 @@
-"""Embedding requests in the rolling engine (``handlers.engine.execution.pooling``), on the tiny Llama: the pooled
-vector is transformers' ``AutoModel`` final hidden state pooled the same way, whether the prompt runs alone, in
+"""Embedding requests in the rolling engine (``handlers.engine.execution.forward.pooling``), on the tiny Llama: the
+pooled vector is transformers' ``AutoModel`` final hidden state pooled the same way, whether the prompt runs alone, in
 chunks, from a cached prefix or beside generation; and generation beside embeddings is token for token what it is
 alone."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from handlers.engine.engine import LLMEngine
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.engine_config import EngineConfig
 from rollcore.errors import InvalidRequest
 from rollcore.types import SamplingParams, TokenDelta
 from tests.engine.conftest import make_prompts
@@ -36,7 +36,8 @@ def engine(model_dir: Path, **kw: object) -> LLMEngine:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    config = EngineConfig(**{"num_kv_blocks": 64, "block_size": 4, "max_model_len": 256, **kw})  # type: ignore[arg-type]
+    # type: ignore[arg-type]
+    config = EngineConfig(**{"num_kv_blocks": 64, "block_size": 4, "max_model_len": 256, **kw})
     return LLMEngine(model, AutoTokenizer.from_pretrained(model_dir), config)
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from handlers.engine.engine import LLMEngine
-from handlers.engine.execution.runner import kv_geometry
+from handlers.engine.execution.forward.runner import kv_geometry
 from handlers.engine.planning.families import SUPPORTED, TENSOR_PARALLEL, UnsupportedModel
 from handlers.synthetic_model import FAMILIES, TEST_SLIDING_WINDOW, build_model
 from rollcore.types import SamplingParams
@@ -179,7 +179,8 @@ def test_unknown_attention_argument_refuses_the_model(family_root: Path, monkeyp
     model_dir = family_dir(family_root, "llama")
     real = modeling_llama.LlamaAttention.forward
 
-    def forward_with_new_feature(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):  # type: ignore[no-untyped-def]
+    # type: ignore[no-untyped-def]
+    def forward_with_new_feature(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
         return real(self, hidden_states, position_embeddings, attention_mask, attention_chunk_size=8, **kwargs)
 
     monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", forward_with_new_feature)
@@ -222,7 +223,7 @@ def test_bf16_against_generate_bf16(family_root: Path, family: str, record_prope
     broken path agrees at ~1/vocab)."""
     from transformers import AutoModelForCausalLM
 
-    from handlers.engine.execution.runner import StepInputs
+    from handlers.engine.execution.forward.runner import StepInputs
 
     model_dir = family_dir(family_root, family)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()

@@ -1,4 +1,4 @@
-"""GGUF files loaded as they are (``handlers.engine.execution.gguf_load``), against the format's own reference:
+"""GGUF files loaded as they are (``handlers.engine.execution.weights.gguf_load``), against the format's own reference:
 transformers' GGUF loader, which dequantizes every tensor with the ``gguf`` package's ``dequantize``. The files are
 the small ones of ``tests/data/gguf`` (made by llama.cpp's quantizer, every type the server loads); the real
 SmolLM2 Q4_1 file shows the memory: no fp32 copy while loading."""
@@ -17,8 +17,8 @@ from torch import nn
 
 from handlers.base import Context, Input
 from handlers.engine.engine import LLMEngine
-from handlers.engine.execution.gguf_load import _name_map, load_gguf_model
-from handlers.engine.execution.quantize import QuantizedEmbedding, QuantizedLinear
+from handlers.engine.execution.kernels.quantize import QuantizedEmbedding, QuantizedLinear
+from handlers.engine.execution.weights.gguf_load import _name_map, load_gguf_model
 from handlers.engine.planning.gguf_plan import GGUFFileError, read_header
 from handlers.gguf_folder import write_folder
 from handlers.huggingface import HuggingFaceHandler
@@ -226,7 +226,7 @@ def test_the_rolling_engine_serves_a_file_greedy_as_transformers(name: str, tmp_
 
 
 def _int8_kernel() -> bool:
-    from handlers.engine.execution.quantize import _kernel
+    from handlers.engine.execution.kernels.quantize import _kernel
 
     fn = _kernel()
     return fn is not None and bool(fn.int8_dot(256, 32))
@@ -284,7 +284,7 @@ def test_the_default_activations_keep_the_real_models_answers_and_perplexity() -
 def test_a_file_is_planned_from_its_header_before_anything_loads(tmp_path: Path) -> None:
     """``serving config`` and the preflight on ``option.model_id=FILE.gguf``: the weights as served, from the
     header; a machine too small refuses the model before loading, naming both figures."""
-    from handlers.engine.planning.config import EngineConfig
+    from handlers.engine.planning.engine_config import EngineConfig
     from handlers.engine.planning.memory import InsufficientMemory, preflight
     from handlers.preflight import memory_plan_text
 

@@ -1,5 +1,5 @@
-"""The GPU decode kernel (``handlers.engine.execution.gpu_attention``), run by Triton's interpreter on CPU tensors: the
-same arguments as the C kernel's test, the same float64 reference."""
+"""The GPU decode kernel (``handlers.engine.execution.gpu.gpu_attention``), run by Triton's interpreter on CPU tensors:
+the same arguments as the C kernel's test, the same float64 reference."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from handlers.engine.execution.gpu_attention import TritonPagedKernels
-from handlers.engine.execution.paged_attention import KVPool, SeqSpan, StepMetadata
+from handlers.engine.execution.forward.paged_attention import KVPool, SeqSpan, StepMetadata
+from handlers.engine.execution.gpu.gpu_attention import TritonPagedKernels
 from tests.engine.test_kernels import reference
 
 

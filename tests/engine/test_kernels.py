@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from handlers.engine.execution import kernels
-from handlers.engine.execution.kernels import load_kernels
-from handlers.engine.execution.paged_attention import KVPool, SeqSpan, StepMetadata, _attend
+from handlers.engine.execution.forward.paged_attention import KVPool, SeqSpan, StepMetadata, _attend
+from handlers.engine.execution.kernels import native as kernels
+from handlers.engine.execution.kernels.native import load_kernels
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None,
@@ -185,7 +185,7 @@ def test_argmax_kernel_chooses_what_torch_argmax_chooses(threads: int) -> None:
 def test_rotary_kernel_is_bitwise_the_torch_operations_it_replaces() -> None:
     """One pass in C gives every bit of torch's five operations (it is built without fused multiply-adds), on
     contiguous and strided projections (a slice of a fused QKV output); layouts it does not take are declined."""
-    from handlers.engine.execution.lean import _rotate
+    from handlers.engine.execution.forward.lean import _rotate
 
     kernel = kernels.load_rotary()
     assert kernel is not None
@@ -315,7 +315,7 @@ def test_a_lazy_pool_pays_for_the_pages_written_not_huge_pages() -> None:
 
 def test_kv_cache_populate_option_is_checked() -> None:
     """``option.kv_cache_populate`` is parsed and checked (auto by default)."""
-    from handlers.engine.planning.config import EngineConfig
+    from handlers.engine.planning.engine_config import EngineConfig
     from rollcore.errors import ConfigError
 
     assert EngineConfig.from_options({}).kv_cache_populate == "auto"  # eager, but lazy for a GGUF file

@@ -1,5 +1,5 @@
-"""``handlers.engine.execution.lean``: the lean forward of Llama-structured decoders gives bitwise transformers' logits,
-is used only where it does, and the load-time probe refuses it when a model deviates."""
+"""``handlers.engine.execution.forward.lean``: the lean forward of Llama-structured decoders gives bitwise transformers'
+logits, is used only where it does, and the load-time probe refuses it when a model deviates."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers.engine.execution.runner import ModelRunner, StepInputs
+from handlers.engine.execution.forward.runner import ModelRunner, StepInputs
 from handlers.synthetic_model import build_model
 
 BS = 16
@@ -78,7 +78,7 @@ def test_the_fused_element_wise_steps_stay_close_to_the_exact_forward(tmp_path: 
 
 def test_the_probe_turns_off_fused_steps_that_compute_something_else(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from handlers.engine.execution.kernels import ElementwiseKernels
+    from handlers.engine.execution.kernels.native import ElementwiseKernels
 
     original = ElementwiseKernels.silu_mul
     monkeypatch.setattr(ElementwiseKernels, "silu_mul", lambda self, g, u: original(self, g, u) * 1.01)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from handlers.engine.engine import LLMEngine
-from handlers.engine.execution.lora import AdapterError
+from handlers.engine.execution.forward.lora import AdapterError
 from rollcore.errors import InvalidRequest, ModelNotFound
 from rollcore.types import SamplingParams
 from tests.engine.test_structured_engine import run as run_deltas

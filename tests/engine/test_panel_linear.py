@@ -1,5 +1,5 @@
-"""The panel kernel (``csrc/panel_linear.c`` through ``handlers.engine.execution.panel_linear``): fp32 linear layers
-on a weight laid out in panels, against a float64 reference, at every row count around its tile sizes."""
+"""The panel kernel (``csrc/panel_linear.c`` through ``handlers.engine.execution.kernels.panel_linear``): fp32 linear
+layers on a weight laid out in panels, against a float64 reference, at every row count around its tile sizes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from handlers.engine.execution.panel_linear import PanelLinear, load_panel_kernel
+from handlers.engine.execution.kernels.panel_linear import PanelLinear, load_panel_kernel
 
 
 @pytest.fixture(scope="module")

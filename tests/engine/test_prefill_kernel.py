@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from handlers.engine.execution.kernels import PagedKernels, load_kernels
-from handlers.engine.execution.paged_attention import (
+from handlers.engine.execution.forward.paged_attention import (
     CONTEXT_ATTR,
     KVPool,
     SeqSpan,
@@ -16,6 +15,7 @@ from handlers.engine.execution.paged_attention import (
     StepMetadata,
     paged_attention_forward,
 )
+from handlers.engine.execution.kernels.native import PagedKernels, load_kernels
 from handlers.engine.planning.cpu import cpu_flags
 
 # the kernel's vector width in floats: one AVX-512 register, else two AVX2 halves of 8

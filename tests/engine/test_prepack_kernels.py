@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from handlers.engine.engine import LLMEngine
-from handlers.engine.execution.prepack import (
+from handlers.engine.execution.kernels.prepack import (
     HYBRID_MAX_PACKED_ROWS,
     HYBRID_MIN_PACKED_ROWS,
     KERNEL_BYTES,
@@ -165,8 +165,8 @@ def _cached_timings(model_dir: Path, body_packed: set[int], head_packed: set[int
     does not)."""
     from transformers import AutoModelForCausalLM
 
-    from handlers.engine.execution import linear_choice as lc
-    from handlers.engine.execution.kernels import cache_dir
+    from handlers.engine.execution.kernels import linear_choice as lc
+    from handlers.engine.execution.kernels.native import cache_dir
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     linears = [m for m in model.modules() if type(m) is nn.Linear]
@@ -223,7 +223,7 @@ def test_auto_packed_everywhere_keeps_one_copy_and_builds_every_kernel_at_load(m
                                                                              tmp_path: Path) -> None:
     """Where the packed pass won every bucket, a layer keeps the packed copy only, and the prefill-sized kernels
     are built at load for it too: no row count up to the token budget builds a kernel afterwards."""
-    from handlers.engine.execution.linear_choice import BUCKETS
+    from handlers.engine.execution.kernels.linear_choice import BUCKETS
 
     monkeypatch.setenv("HOME", str(tmp_path))
     _cached_timings(model_dirs["llama"], set(BUCKETS), set(BUCKETS), step_tokens=2048, max_seqs=32)
@@ -240,7 +240,7 @@ def test_auto_runs_decode_rows_on_the_panel_kernel_and_equals_generate(model_dir
                                                                       tmp_path: Path) -> None:
     """Where the panel kernel's passes were the fastest (here: 1-8 rows of the body, every row count of the
     head), decode steps run on it, prefill chunks on the packed copy, and the greedy output equals generate."""
-    from handlers.engine.execution.panel_linear import PanelLinear
+    from handlers.engine.execution.kernels.panel_linear import PanelLinear
 
     monkeypatch.setenv("HOME", str(tmp_path))
     _cached_timings(model_dirs["llama"], {16, 32, 64, 128, 256, 512}, set(), step_tokens=512, max_seqs=8,

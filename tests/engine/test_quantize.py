@@ -14,9 +14,9 @@ from torch import nn
 
 from handlers.base import Context, Input
 from handlers.engine.engine import LLMEngine
-from handlers.engine.execution.quantize import QuantizedLinear, quantize_linears
+from handlers.engine.execution.kernels.quantize import QuantizedLinear, quantize_linears
 from handlers.engine.planning.checkpoint import WeightFigures, quantized_weights
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.engine_config import EngineConfig
 from handlers.huggingface import HuggingFaceHandler
 from rollcore.errors import ConfigError
 from rollcore.types import SamplingParams

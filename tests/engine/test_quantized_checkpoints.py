@@ -24,10 +24,10 @@ from torch import nn
 
 from handlers.base import Context, Input
 from handlers.engine.engine import LLMEngine
-from handlers.engine.execution.checkpoint_quant import AWQ_ORDER
-from handlers.engine.execution.quant_ckpt_load import load_quantized_checkpoint, load_quantizing
-from handlers.engine.execution.quantize import QuantizedLinear, quantize_linears
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.execution.kernels.quantize import QuantizedLinear, quantize_linears
+from handlers.engine.execution.weights.checkpoint_quant import AWQ_ORDER
+from handlers.engine.execution.weights.quant_ckpt_load import load_quantized_checkpoint, load_quantizing
+from handlers.engine.planning.engine_config import EngineConfig
 from handlers.engine.planning.memory import preflight
 from handlers.engine.planning.quant_config import parse_checkpoint_quant
 from handlers.huggingface import HuggingFaceHandler
@@ -236,7 +236,8 @@ def test_a_checkpoint_serves_the_formats_own_dequantization(checkpoints: dict[st
     assert plan.weight_bytes == _served_bytes(model) and plan.dtype == "fp32", plan.weights.source
     assert "as integers" in plan.weights.source, plan.weights.source
     # the server's layout counts parameters from the headers: packed words as the weights they hold
-    assert abs(checkpoint_parameters(folder) / checkpoint_parameters(smollm2_folder()) - 1) < 0.05  # type: ignore[operator]
+    # type: ignore[operator]
+    assert abs(checkpoint_parameters(folder) / checkpoint_parameters(smollm2_folder()) - 1) < 0.05
     if name not in GREEDY:
         return
     prompts = [handler.tokenizer(text).input_ids for text in TEXTS]
@@ -410,7 +411,7 @@ def test_gptq_zeros_in_both_formats_and_an_out_of_order_g_idx() -> None:
     """``checkpoint_format: gptq_v2`` stores the zeros as they are, the original format minus one (a zero of 0
     included, stored as a borrow); a ``g_idx`` that puts inputs out of their groups (act-order) is refused naming
     the tensor."""
-    from handlers.engine.execution.checkpoint_quant import CheckpointTensorError, LayerTensors, read_layer
+    from handlers.engine.execution.weights.checkpoint_quant import CheckpointTensorError, LayerTensors, read_layer
 
     weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(5))
     weight[:3, :32] = weight[:3, :32].abs()  # groups whose zero is 0

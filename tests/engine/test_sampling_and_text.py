@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from handlers.base import Context, Input
 from handlers.engine.core.detokenizer import IncrementalDetokenizer
 from handlers.engine.engine import LLMEngine
-from handlers.rolling import HuggingFaceRollingHandler
+from handlers.rolling_handler import HuggingFaceRollingHandler
 from rollcore.errors import InvalidRequest
 from rollcore.types import FinishReason, SamplingParams
 from tests.engine.conftest import make_prompts, reference_greedy

@@ -1,6 +1,6 @@
 """The sampling set against vLLM's definitions, on fixed logits: each parameter computed here the plain way (a
-reference written from the definitions) and by the engine's sampler (``handlers.engine.execution.sampling``), then
-end to end in the rolling engine and the dynamic handler on the real model."""
+reference written from the definitions) and by the engine's sampler (``handlers.engine.execution.decoding.sampling``),
+then end to end in the rolling engine and the dynamic handler on the real model."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from handlers.base import Context, Input
 from handlers.engine.engine import LLMEngine
-from handlers.engine.execution.sampling import RequestSampler
+from handlers.engine.execution.decoding.sampling import RequestSampler
 from handlers.huggingface import HuggingFaceHandler
 from rollcore.types import SamplingParams
 from tests.real_model import smollm2_folder

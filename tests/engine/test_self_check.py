@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from handlers.engine.engine import LLMEngine
-from handlers.engine.execution import runner as runner_module
+from handlers.engine.execution.forward import runner as runner_module
 from handlers.engine.execution.self_check import DECODE_STEPS, PROMPT_LENGTHS, probe_sequences
 from handlers.engine.planning.families import (
     ADMITTED_BY_LIST,

@@ -12,8 +12,8 @@ from handlers.engine.core.scheduler import Scheduler, SchedulerConfig
 from handlers.engine.core.sequence import Sequence
 from handlers.engine.core.speculative import MAX_PAUSE, NgramDrafter, accepted_prefix
 from handlers.engine.engine import LLMEngine
-from handlers.engine.execution.sampling import SampledToken
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.execution.decoding.sampling import SampledToken
+from handlers.engine.planning.engine_config import EngineConfig
 from rollcore.errors import ConfigError
 from rollcore.types import FinishReason, SamplingParams, TokenDelta
 from serving.ipc.codec import decode_body, encode

@@ -17,7 +17,7 @@ from handlers.base import Context, Input
 from handlers.engine.engine import LLMEngine
 from handlers.huggingface import HuggingFaceHandler
 from rollcore.types import FinishReason, SamplingParams, TokenDelta
-from serving import structured
+from serving.requests import structured
 from tests.real_model import smollm2_folder
 
 PERSON = {"type": "object", "properties": {

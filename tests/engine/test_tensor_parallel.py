@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from handlers.engine.engine import LLMEngine
-from handlers.engine.execution.parallel import pack_step, unpack_step
-from handlers.engine.execution.runner import StepInputs
-from handlers.engine.execution.sharding import shard_model
+from handlers.engine.execution.forward.runner import StepInputs
+from handlers.engine.execution.parallel.ranks import pack_step, unpack_step
+from handlers.engine.execution.parallel.sharding import shard_model
 from rollcore.types import SamplingParams
 from tests.engine.conftest import make_prompts, reference_greedy
 

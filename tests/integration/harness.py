@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from serving.bench.launch import ServerAddresses, read_tokens
-from serving.frontends.djl import model_entry
+from serving.frontends.http.djl import model_entry
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "examples" / "models" / "tiny-llama"

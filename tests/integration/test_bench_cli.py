@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from serving.bench.runner import workload_of
+from serving.bench.passes import workload_of
 from serving.bench.scenario import load_scenario
 from serving.bench.workload import load_tokenizer
 from tests.integration.harness import DEFAULT_MODEL, REPO, ServerProcess

@@ -24,7 +24,7 @@ import torch
 from openai.types import CreateEmbeddingResponse
 
 from rollcore.errors import ConfigError
-from serving.config import load_model_config
+from serving.config.model_config import load_model_config
 from tests.integration.harness import ServerProcess
 from tests.real_model import smollm2_folder
 
@@ -260,7 +260,8 @@ def test_bert_vectors_are_sentence_transformers(tasks: openai.OpenAI, bert_folde
 def test_a_strict_models_unknown_field_is_a_400_naming_it(tasks: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         tasks.embeddings.create(model="bert", input="hello", extra_body={"colour": "red"})
-    assert err.value.body["param"] == "colour" and "unknown fields: colour" in err.value.body["message"]  # type: ignore[index]
+    # type: ignore[index]
+    assert err.value.body["param"] == "colour" and "unknown fields: colour" in err.value.body["message"]
 
 
 @pytest.mark.parametrize("model", ["bert", "tiny-embed"])

@@ -25,7 +25,7 @@ import pytest
 
 from handlers.synthetic_model import build_model
 from rollcore.corpus import WORDS
-from serving.frontends.djl import model_entry
+from serving.frontends.http.djl import model_entry
 from tests.engine.test_families import EXACT, REFUSED, generate_reference
 from tests.integration.harness import ServerProcess
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from handlers.engine.execution.follower import run_follower
-from handlers.engine.execution.rendezvous import Rendezvous, connect, recv_frame, send_frame
-from handlers.engine.execution.weights import FileEntry, WeightsMismatch, check, manifest, weight_files
+from handlers.engine.execution.parallel.follower_host import run_follower
+from handlers.engine.execution.parallel.host_weights import FileEntry, WeightsMismatch, check, manifest, weight_files
+from handlers.engine.execution.parallel.rendezvous import Rendezvous, connect, recv_frame, send_frame
 from serving.bench.launch import wait_for
 from serving.worker.follower_weights import WeightsPlacer
 from tests.integration.conftest import free_port

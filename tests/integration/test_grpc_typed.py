@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from serving.frontends.grpc_tensors import frame_bytes
+from serving.frontends.grpc.oip_tensors import frame_bytes
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as oip
 from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as oip_grpc
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb

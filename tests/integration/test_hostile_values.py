@@ -10,7 +10,7 @@ import grpc
 import httpx
 import pytest
 
-from serving.frontends.grpc_tensors import frame_bytes
+from serving.frontends.grpc.oip_tensors import frame_bytes
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as oip_pb
 from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as oip_grpc
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb

@@ -35,7 +35,7 @@ import boto3
 import httpx
 import pytest
 
-from handlers.engine.execution.weights import weight_files
+from handlers.engine.execution.parallel.host_weights import weight_files
 from serving.bench.launch import wait_for
 from tests.integration.harness import DEFAULT_MODEL, REPO, ServerProcess, greedy_references
 from tests.integration.test_watchdog import Stream

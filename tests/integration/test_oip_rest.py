@@ -1,4 +1,4 @@
-"""OIP v2 REST (``serving/frontends/oip_rest.py``) with the real clients: KServe's SDK REST client (in its own
+"""OIP v2 REST (``serving/frontends/http/oip_rest.py``) with the real clients: KServe's SDK REST client (in its own
 process: its ``inference`` protos clash with rollserve's) and ``tritonclient.http``; Triton's generate extension with
 httpx. Greedy answers equal the LMI route's for the same prompt and parameters."""
 

@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving.frontends.openapi import inference_document
-from serving.params import Limits
+from serving.frontends.http.openapi import inference_document
+from serving.requests.params import Limits
 from tests.integration.harness import ServerProcess
 from tests.schema_strategies import Caps, Document, put
 
@@ -107,7 +107,7 @@ CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_c
 
 
 def cross_field_rules(route: Route, body: dict[str, Any]) -> dict[str, Any]:
-    """The rules the document states in words (see serving/frontends/schemas.py), and the model to use."""
+    """The rules the document states in words (see serving/requests/bodies.py), and the model to use."""
     body = dict(body)
     if route.schema in ("CompletionRequest", "ChatRequest"):
         if not route.name.endswith("-chat"):

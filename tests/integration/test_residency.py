@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from handlers.preflight import planned_memory
-from serving.config import load_model_config
+from serving.config.model_config import load_model_config
 from serving.models.residency import WORKER_OVERHEAD
 from tests.integration.harness import DEFAULT_MODEL, ServerProcess, write_model
 from tests.integration.store_models import TINY

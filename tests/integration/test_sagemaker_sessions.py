@@ -1,4 +1,4 @@
-"""SageMaker stateful sessions on /invocations (serving/frontends/sessions.py): a model served by two rolling-batch
+"""SageMaker stateful sessions on /invocations (serving/frontends/http/sessions.py): a model served by two rolling-batch
 workers with the prefix cache on; a multi-turn session's turns all go to one worker (each answer names it in
 X-Worker-Id) and the later turns find the earlier ones' blocks in that worker's prefix cache (the
 rollserve_prefix_cache_hits counter rises); NEW_SESSION and CLOSE answer AWS's headers, an unknown or closed
@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai.types.chat import ChatCompletion
 
-from serving.frontends.sessions import SessionStore
+from serving.frontends.http.sessions import SessionStore
 from tests.integration.harness import ServerProcess
 
 MODEL = "chat"

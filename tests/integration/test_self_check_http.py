@@ -39,11 +39,11 @@ import sys
 
 
 class _BreakEngineAttention:
-    """Once handlers.engine.execution.runner is imported, perturb its paged attention's decode output for models whose
-    modeling module's name contains $ROLLSERVE_TEST_BREAK_ATTENTION."""
+    """Once handlers.engine.execution.forward.runner is imported, perturb its paged attention's decode output for
+    models whose modeling module's name contains $ROLLSERVE_TEST_BREAK_ATTENTION."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "handlers.engine.execution.runner":
+        if name != "handlers.engine.execution.forward.runner":
             return None
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)

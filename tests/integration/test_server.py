@@ -155,9 +155,10 @@ def test_frontend_process_never_loads_torch(server: ServerProcess) -> None:
     # ...while its worker does (the check above is meaningful)
     assert any("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in server.worker_pids())
     code = ("import sys\n"
-            "import serving.server, serving.cli, serving.registry, serving.endpoint, serving.config\n"
+            "import serving.server, serving.cli, serving.models.registry, serving.models.endpoint\n"
+            "import serving.config.model_config\n"
             "import serving.batching.dynamic, serving.batching.rolling, serving.worker.pool, serving.worker.handle\n"
-            "import serving.frontends.lmi, serving.frontends.management, serving.frontends.apps\n"
+            "import serving.frontends.http.lmi, serving.frontends.http.management, serving.frontends.http.apps\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'handlers'))\n"
             "assert not bad, bad\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -41,7 +41,7 @@ def test_tp2_model_runs_on_a_second_rank_process_and_serves_like_tp1(tmp_path: P
         assert set(server.worker_pids()) == {tp1_worker, tp2_worker}
         assert children(tp1_worker) == {}
         ranks = children(tp2_worker)
-        assert len(ranks) == 1 and "-m handlers.engine.execution.parallel" in next(iter(ranks.values())), ranks
+        assert len(ranks) == 1 and "-m handlers.engine.execution.parallel.ranks" in next(iter(ranks.values())), ranks
         (rank1,) = ranks
         answer: list[list[int]] = []
         os.kill(rank1, signal.SIGSTOP)  # rank 1 frozen: no step of tp2 can complete its all-reduce

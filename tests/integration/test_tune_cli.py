@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from serving.config import load_model_config
-from serving.tune.cli import _plan, add_arguments
+from serving.config.model_config import load_model_config
 from serving.tune.space import Group
+from serving.tune.tune_command import _plan, add_arguments
 from tests.integration.harness import DEFAULT_MODEL
 
 SLO = "ttft_p99=30s,itl_p99=10s"  # bounds the default model meets at every rung here: the search climbs

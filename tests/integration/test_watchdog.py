@@ -100,8 +100,8 @@ def test_a_stopped_worker_fails_its_streams_and_is_replaced(server: ServerProces
 
 
 def rank_pid(worker: int) -> int:
-    out = subprocess.run(["pgrep", "-P", str(worker), "-f", "handlers.engine.execution.parallel"], capture_output=True,
-                         text=True).stdout.split()
+    out = subprocess.run(["pgrep", "-P", str(worker), "-f", "handlers.engine.execution.parallel.ranks"],
+                         capture_output=True, text=True).stdout.split()
     assert len(out) == 1, out
     return int(out[0])
 

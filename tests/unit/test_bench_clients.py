@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from serving.bench.clients import _lmi_line
-from serving.bench.metrics import Rec
+from serving.bench.run_metrics import Rec
 
 
 def test_token_lines_are_counted_one_by_one() -> None:

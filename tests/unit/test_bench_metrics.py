@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from serving.bench.metrics import Rec, RunResult, metrics, parse_duration, parse_slo
 from serving.bench.plots import pareto_front
+from serving.bench.run_metrics import Rec, RunResult, metrics, parse_duration, parse_slo
 from serving.tune.costs import parse_budget
 from serving.tune.runs import certainly_violated
 

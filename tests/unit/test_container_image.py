@@ -20,10 +20,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from serving import cli
-from serving.frontends.apps import build_app
-from serving.frontends.http_guard import HEALTH_PATHS
-from serving.health import Health, HealthRoutes
-from serving.server_config import ServerConfig, load_server_config
+from serving.config.server_config import ServerConfig, load_server_config
+from serving.frontends.http.apps import build_app
+from serving.frontends.http.http_guard import HEALTH_PATHS
+from serving.telemetry.health import Health, HealthRoutes
 from tests.unit.dockerfile_parse import (
     Dockerfile,
     Stage,

@@ -11,10 +11,10 @@ import pytest
 
 from rollcore.errors import InvalidRequest, Overloaded, RequestTimeout
 from rollcore.types import FinishReason, GenerationRequest
-from serving.batching.deadlines import admit, predicted_wait_s
+from serving.batching.deadline_admission import admit, predicted_wait_s
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.rolling import RollingBatcher
-from serving.frontends.httpio import submit_all
+from serving.frontends.http.httpio import submit_all
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
 from serving.ipc.messages import Batch, BatchResult, Deltas
 from serving.requests.deadlines import (

@@ -1,4 +1,4 @@
-"""Device assignment (``serving.devices``) over simulated device lists: which GPUs the server sees, how
+"""Device assignment (``serving.config.devices``) over simulated device lists: which GPUs the server sees, how
 ``load_on_devices`` and ``tensor_parallel_degree`` cut them into worker groups, and the exact
 ``CUDA_VISIBLE_DEVICES`` each worker process gets from the pool."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rollcore.errors import ConfigError
-from serving.devices import DevicePlan, DeviceSlots, chosen_devices, plan_devices, visible_devices
+from serving.config.devices import DevicePlan, DeviceSlots, chosen_devices, plan_devices, visible_devices
 from serving.ipc.messages import Init
 from serving.worker.pool import WorkerPool
 
@@ -149,7 +149,8 @@ def test_pool_starts_each_worker_process_on_its_own_devices(tmp_path: object, pl
                     await asyncio.sleep(0.05)
                 newest = max(pool.workers)
                 assert pool.devices.of(newest) == group
-                assert _environ(pool.workers[newest].pid)["CUDA_VISIBLE_DEVICES"] == ",".join(group)  # type: ignore[arg-type]
+                # type: ignore[arg-type]
+                assert _environ(pool.workers[newest].pid)["CUDA_VISIBLE_DEVICES"] == ",".join(group)
         finally:
             await pool.stop()
 

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollcore.errors import InvalidRequest
-from serving.frontends.embeddings import openai_error, parse, shaped
-from serving.frontends.openapi import inference_document
-from serving.params import Limits
+from serving.frontends.http.embeddings import openai_error, parse, shaped
+from serving.frontends.http.openapi import inference_document
+from serving.requests.params import Limits
 from tests.schema_strategies import Caps, Document, put
 
 LIMITS = Limits()

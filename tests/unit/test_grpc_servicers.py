@@ -15,12 +15,12 @@ from grpc_health.v1 import health_pb2
 from rollcore.errors import ErrorKind, InvalidRequest, Overloaded
 from rollcore.types import FinishReason, GenerationRequest, ModelState, TokenDelta, TokenInfo
 from serving.batching.streams import ResultStream
-from serving.frontends.grpc import HealthServicer
-from serving.frontends.grpc_calls import GRPC_CODE, abort, deadline_of, new_request_id, register_overrides
-from serving.frontends.grpc_oip import OipServicer
-from serving.frontends.grpc_tensors import frame_bytes, split_bytes
+from serving.frontends.grpc.calls import GRPC_CODE, abort, deadline_of, new_request_id, register_overrides
+from serving.frontends.grpc.grpc_server import HealthServicer
+from serving.frontends.grpc.oip import OipServicer
+from serving.frontends.grpc.oip_tensors import frame_bytes, split_bytes
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
-from serving.params import Limits
+from serving.requests.params import Limits
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

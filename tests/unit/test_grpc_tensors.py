@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from rollcore.errors import InvalidRequest
-from serving.frontends.grpc_tensors import decode_inputs, frame_bytes, parse_parameters, split_bytes, text_response
+from serving.frontends.grpc.oip_tensors import decode_inputs, frame_bytes, parse_parameters, split_bytes, text_response
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
 
 

@@ -9,10 +9,10 @@ import pytest
 
 from rollcore.errors import Conflict
 from rollcore.types import ModelState
-from serving.health import Health
-from serving.live_requests import LiveRequests, counter_ids
+from serving.models.live_requests import LiveRequests, counter_ids
 from serving.models.residency import Residence
 from serving.telemetry.deep_health import DeepCheck
+from serving.telemetry.health import Health
 
 
 @dataclass

@@ -79,8 +79,8 @@ def test_no_import_cycle_among_the_engine_modules() -> None:
 
 def test_the_reader_sees_function_level_imports() -> None:
     """The checks above can fail: an import inside a function is found."""
-    path = ROOT / "handlers" / "engine" / "execution" / "parallel.py"
-    assert "handlers.engine.execution.loading" in imports_of(path)  # imported inside rank_main
+    path = ROOT / "handlers" / "engine" / "execution" / "parallel" / "ranks.py"
+    assert "handlers.engine.execution.weights.loading" in imports_of(path)  # imported inside rank_main
 
 
 def test_handlers_import_nothing_of_the_frontend() -> None:
@@ -89,7 +89,7 @@ def test_handlers_import_nothing_of_the_frontend() -> None:
     offenders = {m: sorted(i for i in deps if _inside(i, "serving")) for m, deps in modules("handlers").items()}
     assert {m: deps for m, deps in offenders.items() if deps} == {}
     users = {m for m, deps in modules("handlers").items() if "rollcore.options" in deps}
-    assert {"handlers.engine.planning.config", "handlers.huggingface", "handlers.echo"} <= users
+    assert {"handlers.engine.planning.engine_config", "handlers.huggingface", "handlers.echo"} <= users
 
 
 def test_the_core_imports_neither_side() -> None:
@@ -108,9 +108,9 @@ def test_the_frontend_reaches_the_backend_through_preflight_and_the_worker_entry
                "handlers.preflight.memory_plan_text", "handlers.preflight.checkpoint_parameters",
                "handlers.preflight.planned_memory", "handlers.preflight.PlannedMemory",
                "handlers.preflight.whole_gguf"}
-    worker = {"handlers.base", "handlers.loader", "handlers.engine.execution.follower",
-              "handlers.engine.execution.rendezvous", "handlers.engine.execution.cluster",
-              "handlers.engine.execution.weights"}  # the agent: torch-free
+    worker = {"handlers.base", "handlers.loader", "handlers.engine.execution.parallel.follower_host",
+              "handlers.engine.execution.parallel.rendezvous", "handlers.engine.execution.parallel.cluster",
+              "handlers.engine.execution.parallel.host_weights"}  # the agent: torch-free
     offenders = {}
     for m, deps in modules("serving").items():
         mine = {i for i in deps if _inside(i, "handlers")} - allowed
@@ -143,7 +143,7 @@ def test_the_engine_folder_by_role_and_its_torch_free_parts() -> None:
 def test_a_follower_hosts_agent_is_torch_free() -> None:
     """``serving worker`` only supervises its ranks: it starts at once, and a torch import would double that."""
     code = ("import sys, serving.worker.follower, serving.worker.follower_weights, "
-            "handlers.engine.execution.follower\n"
+            "handlers.engine.execution.parallel.follower_host\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

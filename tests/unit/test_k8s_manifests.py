@@ -23,9 +23,10 @@ import jsonschema
 import pytest
 import yaml
 
-from handlers.engine.execution.cluster import leader_spec
-from handlers.engine.execution.rendezvous import SECRET_ENV
+from handlers.engine.execution.parallel.cluster import leader_spec
+from handlers.engine.execution.parallel.rendezvous import SECRET_ENV
 from handlers.synthetic_model import build_model
+from serving.config.server_config import load_server_config
 from serving.deploy import DEFAULT_CPUS
 from serving.deploy.k8s import Request
 from serving.deploy.manifests import Manifests, build, dns_name
@@ -34,12 +35,11 @@ from serving.deploy.resources import (
     LOAD_RATE,
     STARTUP_FLOOR_S,
 )
-from serving.frontends import openapi
-from serving.frontends.grpc import SERVICE_NAMES
-from serving.health import HealthRoutes
-from serving.metrics import ServingMetrics
-from serving.params import Limits
-from serving.server_config import load_server_config
+from serving.frontends.grpc.grpc_server import SERVICE_NAMES
+from serving.frontends.http import openapi
+from serving.requests.params import Limits
+from serving.telemetry.health import HealthRoutes
+from serving.telemetry.metrics import ServingMetrics
 from serving.worker.follower import add_arguments as add_worker_arguments
 from serving.worker.follower import leader_address
 from tests.unit.k8s_schemas import validate

@@ -1,14 +1,14 @@
-"""The knobs of a live model (``serving.knobs``): what ``PUT /models/{name}`` accepts, what it refuses and
+"""The knobs of a live model (``serving.models.knobs``): what ``PUT /models/{name}`` accepts, what it refuses and
 how, and where an effective value came from."""
 
 from __future__ import annotations
 
 import pytest
 
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.engine_config import EngineConfig
 from rollcore.errors import InvalidRequest
-from serving import knobs
-from serving.config import model_config_keys
+from serving.config.model_config import model_config_keys
+from serving.models import knobs
 from tests.option_reads import Recording
 
 

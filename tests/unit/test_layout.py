@@ -1,4 +1,5 @@
-"""``minWorkers`` / ``maxWorkers`` ``auto`` (``serving.layout``): the layout from the cores and the model's size."""
+"""``minWorkers`` / ``maxWorkers`` ``auto`` (``serving.config.layout``): the layout from the cores and the model's
+size."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from rollcore.errors import ConfigError
-from serving import config as config_module
-from serving.config import load_model_config
-from serving.layout import PROCESS_BOUND_PARAMS, auto_layout, checkpoint_parameters
+from serving.config import model_config as config_module
+from serving.config.layout import PROCESS_BOUND_PARAMS, auto_layout, checkpoint_parameters
+from serving.config.model_config import load_model_config
 from tests.integration.harness import DEFAULT_MODEL
 
 

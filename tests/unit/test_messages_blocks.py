@@ -11,9 +11,9 @@ from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
 from rollcore.types import FinishReason
-from serving.frontends.messages_blocks import AnswerReader, Blocks, NoReasoning, cut_stop, fold, tool_input
-from serving.frontends.messages_schema import dotted
-from serving.frontends.tools import plan
+from serving.frontends.http.anthropic_blocks import AnswerReader, Blocks, NoReasoning, cut_stop, fold, tool_input
+from serving.frontends.http.anthropic_schema import dotted
+from serving.frontends.http.tools import plan
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

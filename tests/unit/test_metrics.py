@@ -19,10 +19,10 @@ from rollcore.errors import InvalidRequest, Overloaded
 from rollcore.types import BatchOutput, FinishReason, GenerationRequest, ModelState, TokenDelta, TokenInfo
 from serving.batching.dynamic import DynamicBatcher
 from serving.batching.rolling import RollingBatcher
-from serving.endpoint import FailedEndpoint
 from serving.ipc.messages import Batch, BatchResult, Deltas, Reject
-from serving.metrics import UNKNOWN_MODEL, ServingMetrics
-from serving.metrics_gateway import PROTOCOL_NAMES
+from serving.models.endpoint import FailedEndpoint
+from serving.telemetry.metrics import UNKNOWN_MODEL, ServingMetrics
+from serving.telemetry.metrics_gateway import PROTOCOL_NAMES
 
 
 class FakeWorker:
@@ -252,7 +252,7 @@ def test_exposition_conventions() -> None:
     text = m.render().decode()
     assert "_created" not in text
     families = list(text_string_to_metric_families(text))
-    # rollserve's own, and the gateway protocol's vLLM names (serving.metrics_gateway)
+    # rollserve's own, and the gateway protocol's vLLM names (serving.telemetry.metrics_gateway)
     assert families and all(f.name.startswith("rollserve_") or f.name in PROTOCOL_NAMES for f in families)
     for f in families:
         if f.type == "counter":

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from serving.config import BatchingConfig, ModelConfig, ParallelConfig, load_model_config
-from serving.config_report import describe_model_config
-from serving.server_config import load_server_config
+from serving.config.config_report import describe_model_config
+from serving.config.model_config import BatchingConfig, ModelConfig, ParallelConfig, load_model_config
+from serving.config.server_config import load_server_config
 from tests.unit.config_cases import make_model
 
 # --- defaults ---------------------------------------------------------------------------------------

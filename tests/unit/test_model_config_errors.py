@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rollcore.errors import ConfigError
-from serving.config import load_model_config, validate_model_name
+from serving.config.model_config import load_model_config, validate_model_name
 from tests.unit.config_cases import make_model
 
 

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rollcore.errors import ConfigError, InvalidRequest
 from rollcore.types import ModelState
-from serving.metrics import ServingMetrics
-from serving.store_layout import incomplete_files, is_versioned, pinned_default, versions_of
-from serving.versions import ModelVersions, split_ref
+from serving.models.store_layout import incomplete_files, is_versioned, pinned_default, versions_of
+from serving.models.versions import ModelVersions, split_ref
+from serving.telemetry.metrics import ServingMetrics
 
 
 def folder(root: Path, name: str, properties: str | None = "engine=Python\n") -> Path:

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 
 from handlers.base import option_bool
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.engine_config import EngineConfig
 from rollcore.errors import ConfigError
 from rollcore.options import ENGINE, OPTIONS, suggest
 from rollcore.values import BOOL_WORDS, FALSE_WORDS, TRUE_WORDS, boolean, choice, integer, number, render
-from serving.config import load_model_config, model_config_keys
-from serving.config_report import describe_model_config
-from serving.server_config import load_server_config
+from serving.config.config_report import describe_model_config
+from serving.config.model_config import load_model_config, model_config_keys
+from serving.config.server_config import load_server_config
 from tests.option_reads import Recording
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollcore.errors import ConfigError
-from serving.properties import Property, parse_properties
+from serving.config.properties import Property, parse_properties
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The reasoning splitter (serving.frontends.reasoning): both styles, any split of the text, tags held back only
+"""The reasoning splitter (serving.frontends.http.reasoning): both styles, any split of the text, tags held back only
 while they may complete, the token count, and constraints that apply after the thinking (run by llguidance)."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import pytest
 from llguidance import LLMatcher, LLTokenizer
 
 from rollcore.types import TokenInfo
-from serving import structured
-from serving.frontends.reasoning import (
+from serving.frontends.http.reasoning import (
     ReasoningSplitter,
     after_reasoning,
     opened_by,
@@ -16,6 +15,7 @@ from serving.frontends.reasoning import (
     split_whole,
     thinks,
 )
+from serving.requests import structured
 
 CASES = [
     (True, "2 and 2 make 4.</think>\n\nThe answer is 4.", "2 and 2 make 4.", "The answer is 4."),

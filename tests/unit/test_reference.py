@@ -1,16 +1,16 @@
-"""docs/reference.md is what ``serving.reference`` renders from the key tables and the option schema."""
+"""docs/reference.md is what ``serving.config.reference`` renders from the key tables and the option schema."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from rollcore.options import OPTIONS
-from serving import reference
-from serving.keys import MODEL_KEYS
+from serving.config import reference
+from serving.config.keys import MODEL_KEYS
 
 
 def test_the_committed_reference_is_the_rendered_one() -> None:
-    assert reference.PATH.read_text() == reference.render(), "run: python -m serving.reference"
+    assert reference.PATH.read_text() == reference.render(), "run: python -m serving.config.reference"
     assert reference.main(["--check"]) == 0
 
 

@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollcore.errors import InvalidRequest
-from serving.frontends import lmi, tgi
-from serving.frontends.openai_schema import parse_chat, parse_completion
-from serving.frontends.openapi import inference_document
-from serving.frontends.schemas import CHAT, COMPLETION, LMI, TGI
-from serving.params import Limits, build_sampling_params, parse_lmi_parameters
+from serving.frontends.http import lmi, tgi
+from serving.frontends.http.openai_schema import parse_chat, parse_completion
+from serving.frontends.http.openapi import inference_document
+from serving.requests.bodies import CHAT, COMPLETION, LMI, TGI
+from serving.requests.params import Limits, build_sampling_params, parse_lmi_parameters
 from tests.schema_strategies import Caps, Document, put
 
 LIMITS = Limits()
@@ -340,7 +340,7 @@ def test_readme_lists_every_documented_request_field() -> None:
 def test_grpc_parameters_refuse_what_only_http_answers(params: dict[str, Any], message: str) -> None:
     """gRPC OIP's sampling_parameters (and custom handlers') have no place for candidates or prompt scores: they
     are refused by name rather than computed and dropped."""
-    from serving.params import parse_lmi_parameters
+    from serving.requests.params import parse_lmi_parameters
 
     with pytest.raises(InvalidRequest) as err:
         parse_lmi_parameters(params, LIMITS)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from rollcore.errors import ConfigError
-from serving.config import load_model_config
-from serving.models.budget import BudgetSetting, human, mem_available, memory_budget, pss, tree, tree_pss
-from serving.server_config import load_server_config
+from serving.config.memory_budget import BudgetSetting, human, mem_available, memory_budget, pss, tree, tree_pss
+from serving.config.model_config import load_model_config
+from serving.config.server_config import load_server_config
 
 
 @pytest.mark.parametrize(("text", "expected"), [

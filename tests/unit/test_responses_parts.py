@@ -15,11 +15,11 @@ from pydantic import TypeAdapter
 from rollcore.errors import InvalidRequest, WorkerFailed
 from rollcore.types import TokenDelta, TokenInfo
 from serving.batching.streams import ResultStream
-from serving.frontends import tools
-from serving.frontends.openai_schema import ParsedRequest
-from serving.frontends.responses import Job, new_response
-from serving.frontends.responses_output import AnswerReader, OutputBuilder, output_text
-from serving.frontends.responses_schema import (
+from serving.frontends.http import tools
+from serving.frontends.http.openai_schema import ParsedRequest
+from serving.frontends.http.responses import Job, new_response
+from serving.frontends.http.responses_output import AnswerReader, OutputBuilder, output_text
+from serving.frontends.http.responses_schema import (
     RESPONSES,
     chat_body,
     chat_messages,
@@ -27,8 +27,8 @@ from serving.frontends.responses_schema import (
     responses_message,
     responses_param,
 )
-from serving.frontends.responses_store import ResponseStore, Stored, namespace
-from serving.params import Limits
+from serving.frontends.http.responses_store import ResponseStore, Stored, namespace
+from serving.requests.params import Limits
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 

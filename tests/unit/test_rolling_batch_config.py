@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from rollcore.errors import ConfigError
-from serving.config import load_model_config
-from serving.config_report import describe_model_config
+from serving.config.config_report import describe_model_config
+from serving.config.model_config import load_model_config
 from tests.unit.config_cases import make_model
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 2048}

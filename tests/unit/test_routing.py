@@ -225,8 +225,8 @@ def test_a_pinned_key_ignores_the_bound() -> None:
 
 
 def test_openai_sessions_are_keyed_by_prompt_cache_key_then_user() -> None:
-    from serving.frontends.openai_schema import affinity
-    from serving.frontends.schemas import ChatRequest
+    from serving.frontends.http.openai_schema import affinity
+    from serving.requests.bodies import ChatRequest
 
     def key(**fields: Any) -> str | None:
         return affinity(ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields}))

@@ -11,7 +11,7 @@ import pytest
 from rollcore.errors import InvalidRequest
 from rollcore.sampling_ranges import RANGES, check_sampling
 from rollcore.types import SamplingParams
-from serving.params import Limits, parse_lmi_parameters
+from serving.requests.params import Limits, parse_lmi_parameters
 
 LIMITS = Limits()
 INTEGERS = {"max_new_tokens", "top_k", "logprobs", "min_tokens", "num_beams"}

@@ -14,11 +14,11 @@ import pytest
 
 from rollcore.errors import ConfigError, InvalidRequest
 from serving.auth import Scope, TokenAuthority, bearer_token, build_authority, new_key, read_key_file
-from serving.frontends.grpc_auth import scope_of
-from serving.frontends.http_guard import ApiGuard, host_allowed
-from serving.params import Limits, build_sampling_params, check_wire_value
+from serving.config.server_config import ServerConfig, load_server_config
+from serving.frontends.grpc.auth_interceptor import scope_of
+from serving.frontends.http.http_guard import ApiGuard, host_allowed
 from serving.redact import scrub_paths
-from serving.server_config import ServerConfig, load_server_config
+from serving.requests.params import Limits, build_sampling_params, check_wire_value
 
 MANAGEMENT = "m" * 12
 INFERENCE = "i" * 12
@@ -206,7 +206,7 @@ def test_extreme_sampling_values_never_make_a_step_raise() -> None:
 
     import torch
 
-    from handlers.engine.execution.sampling import RequestSampler
+    from handlers.engine.execution.decoding.sampling import RequestSampler
     from rollcore.types import SamplingParams
 
     logits = torch.linspace(-5, 5, 1024)

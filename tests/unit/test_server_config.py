@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rollcore.errors import ConfigError
-from serving.server_config import ServerConfig, load_server_config
+from serving.config.server_config import ServerConfig, load_server_config
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
-from serving.sources.errors import SourceError
 from serving.sources.hub import fetch_hub, parse_hub_id, select_files
+from serving.sources.source_error import SourceError
 from tests.sources_servers import hub_server
 
 WEIGHTS = random.Random(11).randbytes(200_000)

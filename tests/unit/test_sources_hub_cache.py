@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants, hf_hub_download
 
-from serving.sources.errors import SourceError
 from serving.sources.resolve import _download  # the fetch alone: a GGUF's conversion is another test's
+from serving.sources.source_error import SourceError
 from tests.sources_servers import commit_of, hub_server
 
 REPOS = {

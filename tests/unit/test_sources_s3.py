@@ -14,8 +14,8 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from serving.sources.errors import SourceError
 from serving.sources.s3 import fetch_s3, parse_s3_uri
+from serving.sources.source_error import SourceError
 from tests.sources_servers import moto_server, s3_fault_proxy
 
 WEIGHTS = random.Random(7).randbytes(300_000)

@@ -14,8 +14,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from serving.sources.errors import SourceUnreachable
 from serving.sources.resolve import resolve
+from serving.sources.source_error import SourceUnreachable
 from tests.sources_servers import moto_server
 
 MODEL = {"config.json": b'{"model_type": "llama"}', "model.safetensors": random.Random(3).randbytes(200_000),

@@ -1,4 +1,4 @@
-"""Every API's constraint fields -> one llguidance grammar, checked in the frontend (serving.structured, the
+"""Every API's constraint fields -> one llguidance grammar, checked in the frontend (serving.requests.structured, the
 OpenAI/LMI/TGI/gRPC parsers): a grammar that accepts exactly what was asked, a 400 naming the field otherwise."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 from llguidance import LLMatcher, LLTokenizer
 
 from rollcore.errors import InvalidRequest
-from serving import structured
-from serving.frontends.grpc_typed import sampling_values
-from serving.frontends.openai_schema import parse_chat, parse_completion
+from serving.frontends.grpc.rollserve_v1 import sampling_values
+from serving.frontends.http.openai_schema import parse_chat, parse_completion
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
 from serving.models.model_text import ModelText
-from serving.params import Limits, build_sampling_params, parse_lmi_parameters
+from serving.requests import structured
+from serving.requests.params import Limits, build_sampling_params, parse_lmi_parameters
 
 LIMITS = Limits()
 MSG = [{"role": "user", "content": "hi"}]

@@ -1,5 +1,5 @@
-"""Tool calling's formats (serving.frontends.tool_formats) and its held-back grammar
-(handlers.engine.execution.grammar_trigger): the format read from each family's template, the newer formats'
+"""Tool calling's formats (serving.frontends.http.tool_formats) and its held-back grammar
+(handlers.engine.execution.decoding.grammar_trigger): the format read from each family's template, the newer formats'
 parsers, and the grammar that keeps a started call valid, run by llguidance on the real SmolLM2 tokenizer, fed
 the tokens a model would write."""
 
@@ -13,9 +13,9 @@ from llguidance import LLMatcher
 from llguidance.hf import from_tokenizer
 from tokenizers import Tokenizer
 
-from handlers.engine.execution.grammar_trigger import Trigger
-from serving.frontends.tool_formats import detect, parse, triggered_grammar
-from serving.frontends.tools import plan
+from handlers.engine.execution.decoding.grammar_trigger import Trigger
+from serving.frontends.http.tool_formats import detect, parse, triggered_grammar
+from serving.frontends.http.tools import plan
 from tests.real_model import smollm2_folder
 
 WEATHER = {"name": "get_weather", "parameters": {

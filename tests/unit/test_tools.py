@@ -1,5 +1,5 @@
-"""Tool calling in the frontend (serving.frontends.tools): plans from tools/tool_choice, the forced modes' grammars,
-the parsers of each model family's call format (well-formed, several calls, malformed: plain content), and the
+"""Tool calling in the frontend (serving.frontends.http.tools): plans from tools/tool_choice, the forced modes'
+grammars, the parsers of each model family's call format (well-formed, several calls, malformed: plain content), and the
 streamed deltas, which fold to exactly the whole answer however the text is split."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from llguidance import LLMatcher, LLTokenizer
 
 from rollcore.errors import InvalidRequest
-from serving.frontends.tools import ToolPlan, ToolStream, fold, parse, plan
+from serving.frontends.http.tools import ToolPlan, ToolStream, fold, parse, plan
 
 WEATHER = {"name": "get_weather", "description": "the weather of a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},

@@ -7,7 +7,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from serving.bench.metrics import Rec
+from serving.bench.run_metrics import Rec
 from serving.tune import verify
 from serving.tune.costs import LOAD_CONTENTION, REPORT_S, STOP_S, load_rounds, run_estimate, start_estimate
 from serving.tune.policy import Skip, Tuner

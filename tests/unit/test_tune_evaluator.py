@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from serving.bench.metrics import Rec
+from serving.bench.run_metrics import Rec
 from serving.tune import evaluator as live
 from serving.tune.evaluator import LiveEvaluator
 from serving.tune.racing import race

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rollcore.step_cost import StepCost
-from serving.bench.metrics import parse_slo
+from serving.bench.run_metrics import parse_slo
 from serving.bench.scenario import load_scenario
 from serving.tune.moves import STEP_SHARE
 from serving.tune.plan import Plan, promise_order

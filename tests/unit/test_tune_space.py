@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.bench.metrics import Rec, parse_slo
-from serving.config import load_model_config
+from serving.bench.run_metrics import Rec, parse_slo
+from serving.config.model_config import load_model_config
 from serving.tune.racing import Outcome, better
 from serving.tune.report import annotated_properties, describe_outcome, knob_reasons
 from serving.tune.runs import Run

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rollcore.step_cost import StepCost
-from serving.bench.metrics import Rec, parse_slo
+from serving.bench.run_metrics import Rec, parse_slo
 from serving.bench.scenario import load_scenario
 from serving.tune.costs import needs_start
 from serving.tune.plan import Plan
@@ -33,7 +33,7 @@ class Clock:
 
 
 class FakeEvaluator:
-    """``serving.tune.ports.Evaluator`` on a simulated server: a start of ``start_s[workers]`` seconds, a stop
+    """``serving.tune.protocols.Evaluator`` on a simulated server: a start of ``start_s[workers]`` seconds, a stop
     of ``stop_s``; a run of config at rung k meets the SLO when k <= ``top(config)`` and takes its arrival
     span + 1 s (a miss: 0.5 s, stopped early). The cost model predicts from its records as from a live one's."""
 

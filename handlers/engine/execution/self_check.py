@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from handlers.engine.execution.runner import ModelRunner, StepInputs
+from handlers.engine.execution.forward.runner import ModelRunner, StepInputs
 from handlers.engine.planning.families import UnsupportedModel, needs_self_check
 
 logger = logging.getLogger(__name__)

@@ -111,8 +111,8 @@ def _first_int(config: Mapping[str, Any], *keys: str) -> int | None:
 
 
 def model_geometry(config: Mapping[str, Any]) -> ModelGeometry:
-    """Layers, heads, KV heads and head size, as ``handlers.engine.execution.runner.kv_geometry`` sees them, from a
-    ``config.json`` dict: GPT-2's ``n_layer``/``n_head``/``n_embd``; Falcon's ``multi_query`` (one KV head
+    """Layers, heads, KV heads and head size, as ``handlers.engine.execution.forward.runner.kv_geometry`` sees them,
+    from a ``config.json`` dict: GPT-2's ``n_layer``/``n_head``/``n_embd``; Falcon's ``multi_query`` (one KV head
     unless ``new_decoder_architecture``) and ``num_kv_heads``. Raises ``ConfigError`` when a shape is missing."""
     model_type = str(config.get("model_type") or "")
     num_layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers")
@@ -258,20 +258,22 @@ def weight_figures(tensors: tuple[TensorInfo, ...], config: Mapping[str, Any], d
 
 
 def quantized_weights(weights: WeightFigures, mode: str, group_size: int) -> WeightFigures:
-    """``weights`` (fp32) once ``option.quantize`` replaced every linear layer (``handlers.engine.execution.quantize``):
+    """``weights`` (fp32) once ``option.quantize`` replaced every linear layer
+    (``handlers.engine.execution.kernels.quantize``):
     int8 keeps a byte per weight (its per-channel scales are negligible), int4 half a byte plus a fp32 scale and
     minimum per group. A tied output projection gets an int8 copy; the embedding stays. Nothing is left for
     prepacking (it packs float linears only)."""
     per_weight = 1.0 if mode == "int8" else 0.5 + 8.0 / group_size
-    # a tied output projection is int8 in either mode (handlers.engine.execution.quantize keeps int4's head at int8)
+    # a tied output projection is int8 in either mode (handlers.engine.execution.kernels.quantize keeps int4's head at
+    # int8)
     quantized = int((weights.linear_bytes - weights.tied_bytes) / 4 * per_weight + weights.tied_bytes / 4)
     total = weights.total_bytes - (weights.linear_bytes - weights.tied_bytes) + quantized
     return WeightFigures(total, 0, source=f"{weights.source}; option.quantize={mode}")
 
 
 def prepacked_copy_bytes(linear_bytes: int, prepack_weights: str, dtype: str) -> int:
-    """Memory prepacking adds on top of the weights (``handlers.engine.execution.prepack``): ``hybrid`` keeps the plain
-    and the packed copy of every linear weight, ``true`` replaces the plain one, ``false`` packs nothing;
+    """Memory prepacking adds on top of the weights (``handlers.engine.execution.kernels.prepack``): ``hybrid`` keeps
+    the plain and the packed copy of every linear weight, ``true`` replaces the plain one, ``false`` packs nothing;
     only fp32 models are prepacked."""
     return linear_bytes if prepack_weights == "hybrid" and dtype == "fp32" else 0
 
@@ -289,7 +291,7 @@ def check_quantization(config: Mapping[str, Any], folder_name: str) -> None:
         return
     try:
         if parse_checkpoint_quant(config) is not None:
-            return  # loaded by handlers.engine.execution.quant_ckpt_load
+            return  # loaded by handlers.engine.execution.weights.quant_ckpt_load
     except UnsupportedQuantization as exc:
         raise ConfigError(f"{folder_name}/config.json: {exc}; serve the model's GGUF file (option.model_id=FILE.gguf), "
                           "or its 16/32-bit checkpoint with option.quantize=int8 or int4") from None

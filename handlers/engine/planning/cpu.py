@@ -1,7 +1,7 @@
 """What this CPU can do, read once from /proc/cpuinfo (torch-free, so the memory plan can use it too).
 
 Design note: what an instruction set decides is read here (fast bf16); which GEMM kernel a linear layer runs
-is measured at load instead (``handlers.engine.execution.linear_choice``), as it depends on the layer's shape
+is measured at load instead (``handlers.engine.execution.kernels.linear_choice``), as it depends on the layer's shape
 as much as on the CPU.
 """
 

@@ -3,12 +3,12 @@
 Design note: torch-free and driven by ``config.json`` alone, so the frontend can decide
 ``option.rolling_batch=auto`` (engine or dynamic batching) before any worker starts, and ``serving config``
 can say it without loading weights. The engine repeats the check at load time and, on top, probes one
-forward pass for attention arguments it does not implement (``handlers.engine.execution.paged_attention``): a
+forward pass for attention arguments it does not implement (``handlers.engine.execution.forward.paged_attention``): a
 feature the engine cannot honour refuses the model by name, it is never dropped silently.
 
 Families run either through transformers' attention interface (the model is unchanged, its attention
 calls ``paged_attention_forward``) or through an adapter of ours that replaces the attention module's
-forward (``handlers.engine.execution.adapters``: Falcon).
+forward (``handlers.engine.execution.forward.falcon_attention``: Falcon).
 
 An architecture off the verified list (``SUPPORTED``) is not refused for its name: when transformers has a
 causal-LM class for it (``AutoModelForCausalLM``; read from transformers' source, so this stays torch-free)
@@ -35,7 +35,8 @@ ATTENTION_INTERFACE = frozenset({
 ADAPTED = frozenset({"falcon"})
 SUPPORTED = ATTENTION_INTERFACE | ADAPTED
 
-# Families whose layers tensor parallelism knows how to shard (``handlers.engine.execution.sharding.shard_model``):
+# Families whose layers tensor parallelism knows how to shard
+# (``handlers.engine.execution.parallel.sharding.shard_model``):
 # separate q/k/v/o and gate/up/down projections, or Falcon's fused QKV (after its adapter). Not OLMo-2: its
 # q/k norms span all heads, which a head shard cannot compute without another all-reduce; not StableLM: its
 # attention reshapes with the configured head count.

@@ -1,5 +1,5 @@
 """What a GGUF file costs in memory, from its header alone (torch-free, numpy-free): the tensors' names, shapes and
-types, and the bytes each takes in the form the engine serves it (``handlers.engine.execution.gguf_blocks``).
+types, and the bytes each takes in the form the engine serves it (``handlers.engine.execution.weights.gguf_blocks``).
 
 Design note (why not gguf's reader: it parses every metadata value, a vocabulary of 50k strings, in seconds and
 ~150 MB of Python objects): the header is walked with ``struct``, values skipped by their sizes, and each tensor's

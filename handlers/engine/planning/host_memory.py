@@ -27,7 +27,8 @@ class MemoryBudget:
     cgroup_limit: int | None = None
     cgroup_usage: int | None = None
     cgroup_file: str | None = None  # the limit file of the tightest cgroup
-    note: str | None = None  # how a device's budget was measured (``handlers.engine.execution.device``), for describe()
+    # how a device's budget was measured (``handlers.engine.execution.gpu.device``), for describe()
+    note: str | None = None
 
     @property
     def cgroup_headroom(self) -> int | None:

@@ -42,7 +42,7 @@ from handlers.engine.planning.checkpoint import (
     resolve_max_model_len,
     weight_figures,
 )
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.engine_config import EngineConfig
 from handlers.engine.planning.gguf_plan import gguf_file_in, read_header
 from handlers.engine.planning.host_memory import CGROUP_ROOT, MEMINFO, SELF_CGROUP, MemoryBudget, memory_budget
 from handlers.engine.planning.host_memory import format_bytes as _size

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from handlers.engine.execution.device import device_defaults
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.execution.gpu.device import device_defaults
+from handlers.engine.planning.engine_config import EngineConfig
 
 
 def test_a_gpu_mixes_the_decodes_into_every_step_and_drops_the_time_bound() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from handlers.engine.planning.config import EngineConfig
+from handlers.engine.planning.engine_config import EngineConfig
 from rollcore.errors import ConfigError
 
 
@@ -38,7 +38,7 @@ def test_options(options: dict[str, str], field: str, value: object) -> None:
     assert getattr(EngineConfig.from_options(options), field) == value
 
 
-@pytest.mark.parametrize(("options", "message"), [  # the wording of serving.config's errors (one schema)
+@pytest.mark.parametrize(("options", "message"), [  # the wording of serving.config.model_config's errors (one schema)
     ({"max_rolling_batch_size": "many"}, "option.max_rolling_batch_size = 'many': expected an integer >= 1"),
     ({"block_size": "0"}, "option.block_size = '0': expected an integer >= 1"),
     ({"enable_prefix_caching": "maybe"}, "option.enable_prefix_caching = 'maybe': expected true or false"),

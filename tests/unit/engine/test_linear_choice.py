@@ -1,4 +1,4 @@
-"""The measured GEMM choice (handlers.engine.execution.linear_choice): routing from timings, the layers a pass
+"""The measured GEMM choice (handlers.engine.execution.kernels.linear_choice): routing from timings, the layers a pass
 runs through, the timings cache, and a real measurement on small layers."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from handlers.engine.execution import linear_choice as lc
-from handlers.engine.execution.prepack import PackedLinear
+from handlers.engine.execution.kernels import linear_choice as lc
+from handlers.engine.execution.kernels.prepack import PackedLinear
 
 
 def timing(packed_at: set[int], buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> lc.Timing:
@@ -182,8 +182,8 @@ def test_the_panel_kernel_takes_the_buckets_it_wins_and_leaves_two_copies_at_mos
 def test_apply_choice_wraps_the_layers_the_panel_kernel_wins(tmp_path: Path) -> None:
     """Body: panel at 1-4 rows, packed beyond (packed copy only, which builds no kernel for the panel's rows);
     head: panel everywhere (one copy, the panel's). Outputs match ``F.linear`` on every path."""
-    from handlers.engine.execution.panel_linear import PanelLinear
-    from handlers.engine.execution.prepack import warm_packed_kernels
+    from handlers.engine.execution.kernels.panel_linear import PanelLinear
+    from handlers.engine.execution.kernels.prepack import warm_packed_kernels
 
     model, body, cache = tiny_model(tmp_path, lambda b: three({1, 2, 4}, set(b), b), lambda b: three(set(b), set(), b))
     reference = {id(m): (m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone())

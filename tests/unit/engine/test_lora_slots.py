@@ -3,7 +3,7 @@ the sequences still running on them."""
 
 from __future__ import annotations
 
-from handlers.engine.execution.lora import AdapterSlots
+from handlers.engine.execution.forward.lora import AdapterSlots
 
 
 def test_slots_fill_pin_and_refill_least_recently_used() -> None:

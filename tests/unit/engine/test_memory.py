@@ -31,8 +31,8 @@ from handlers.engine.planning.checkpoint import (
     resolve_max_model_len,
     weight_figures,
 )
-from handlers.engine.planning.config import EngineConfig
 from handlers.engine.planning.cpu import has_fast_bf16
+from handlers.engine.planning.engine_config import EngineConfig
 from handlers.engine.planning.host_memory import MemoryBudget, memory_budget
 from handlers.engine.planning.memory import InsufficientMemory, MemoryPlan, plan_memory, preflight
 from handlers.synthetic_model import build_model
@@ -373,7 +373,7 @@ def test_engine_sizes_its_pool_from_the_plan(llama: Path, gpt2: Path) -> None:
     import torch
 
     from handlers.engine.engine import LLMEngine
-    from handlers.engine.execution.loading import load_model_and_tokenizer
+    from handlers.engine.execution.weights.loading import load_model_and_tokenizer
 
     e = LLMEngine.from_options(llama, {"max_rolling_batch_size": "4", "dtype": "auto"})
     try:

@@ -151,7 +151,7 @@ def test_scheduler_chunks_a_prompt_by_the_limit_while_decodes_run() -> None:
 
 @pytest.mark.parametrize("value", ["0.5", "1"])
 def test_a_ratio_of_one_or_less_is_refused_by_name(value: str) -> None:
-    from handlers.engine.planning.config import EngineConfig
+    from handlers.engine.planning.engine_config import EngineConfig
     from rollcore.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"option.max_mixed_step_ratio = {value}"):

@@ -1,0 +1,1 @@
+"""The next token: sampling, grammars and checking speculative guesses."""

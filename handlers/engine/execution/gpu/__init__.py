@@ -1,0 +1,1 @@
+"""The GPU side: the engine's device and the Triton decode kernel."""

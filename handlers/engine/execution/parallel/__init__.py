@@ -1,0 +1,1 @@
+"""Tensor parallelism: the ranks of one worker, on one host or across hosts."""

@@ -1,0 +1,1 @@
+"""Loading a model's weights: safetensors, GGUF and quantized checkpoints into the served form."""

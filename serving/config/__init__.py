@@ -1,0 +1,1 @@
+"""Configuration: serving.properties, config.properties and the environment, parsed once into frozen dataclasses."""

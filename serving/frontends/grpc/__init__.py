@@ -1,0 +1,1 @@
+"""The gRPC frontend: Open Inference Protocol v2 and rollserve.v1 servicers on grpc.aio."""

@@ -177,7 +177,8 @@ _PEAK = """
 import json, sys, torch, transformers, gguf
 from pathlib import Path
 import transformers.models.llama.modeling_llama  # the code's own memory, not the weights'
-from handlers.engine.execution import gguf_load, quantize
+from handlers.engine.execution.kernels import quantize
+from handlers.engine.execution.weights import gguf_load
 quantize._kernel()
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024

@@ -171,7 +171,7 @@ def test_a_folder_with_nothing_to_load_fails_at_once_saying_what_to_add(broken_s
     info = broken_store.describe("empty")
     assert info["state"] == "FAILED" and info["reason"] == NOTHING_TO_LOAD
     log = broken_store.log()
-    assert re.findall(r"ERROR serving\.registry: model empty: (.*)", log) == [NOTHING_TO_LOAD]
+    assert re.findall(r"ERROR serving\.models\.registry: model empty: (.*)", log) == [NOTHING_TO_LOAD]
     assert "model empty: worker" not in log  # no worker was started for it, so none was retried
     r = httpx.post(f"{broken_store.url}/predictions/empty", json={"inputs": "x"},
                    headers=broken_store.inference_headers, timeout=10)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.harness import ServerProcess
 
-INFERENCE_ROUTES = {"/ping", "/health/live", "/health/ready", "/predictions/{model_name}",
+INFERENCE_ROUTES = {"/ping", "/health/live", "/health/ready", "/health/generate", "/predictions/{model_name}",
                     "/models/{model_name}/invoke", "/models", "/models/{name}",
                     "/invocations", "/v1/models", "/v1/completions",
                     "/v1/chat/completions", "/v1/responses", "/v1/responses/{response_id}",
@@ -26,7 +26,7 @@ INFERENCE_ROUTES = {"/ping", "/health/live", "/health/ready", "/predictions/{mod
                                                    "/v2/models/{model_name}/versions/{model_version}")
                       for tail in ("", "/ready", "/infer", "/generate", "/generate_stream"))}
 MANAGEMENT_ROUTES = {"/models", "/models/{name}", "/requests/{request_id}", "/ping", "/health/live",
-                     "/health/ready", "/metrics", "/openapi.json"}
+                     "/health/ready", "/health/generate", "/metrics", "/openapi.json"}
 
 
 def test_document_lists_every_route_with_errors(echo_server: ServerProcess) -> None:

@@ -26,7 +26,7 @@ import torch
 from handlers.base import Context, Handler, Input, Output
 from handlers.request_checks import check_prompt_ids
 from rollcore.errors import InvalidRequest, ServingError
-from rollcore.model_folder import weights_folder
+from rollcore.model_folder import read_json_object, weights_folder
 from rollcore.options import option_value
 from rollcore.values import AUTO
 
@@ -50,7 +50,7 @@ def sentence_transformers_pooling(folder: Path) -> tuple[str, bool, int | None] 
     pooling_dirs = [path for kind, path in types if kind.endswith("Pooling")]
     if not pooling_dirs:
         return None
-    config = _read_json(folder / pooling_dirs[0] / "config.json")
+    config = read_json_object(folder / pooling_dirs[0] / "config.json")
     mode = config.get("pooling_mode")
     if mode is None:
         modes = [ours for key, ours in _ST_LEGACY.items() if config.get(key)]
@@ -61,17 +61,9 @@ def sentence_transformers_pooling(folder: Path) -> tuple[str, bool, int | None] 
     if mode is None:
         raise ValueError(f"the sentence-transformers pooling {config.get('pooling_mode') or config} is not one this "
                          "server computes (mean, cls or lasttoken); set option.pooling to override it")
-    max_len = _read_json(folder / "sentence_bert_config.json").get("max_seq_length")
+    max_len = read_json_object(folder / "sentence_bert_config.json").get("max_seq_length")
     normalize = any(kind.endswith("Normalize") for kind, _ in types)
     return mode, normalize, max_len if isinstance(max_len, int) and max_len > 0 else None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def model_folder(ctx: Context) -> Path:

@@ -12,7 +12,6 @@ is read-only and may be used from the tokenize pool.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from rollcore.errors import InvalidRequest
-from rollcore.model_folder import weights_folder
+from rollcore.model_folder import read_json_object, weights_folder
 from rollcore.tokenizer_probe import TOKENIZER_PROBE
 
 log = logging.getLogger(__name__)
@@ -35,7 +34,7 @@ class ModelText:
         self.max_model_len: int | None = info.get("max_model_len") if isinstance(info.get("max_model_len"),
                                                                                   int) else None
         self.tokenizer = _load_tokenizer(model_dir)
-        config = _read_json(model_dir / "tokenizer_config.json") if model_dir is not None else {}
+        config = read_json_object(model_dir / "tokenizer_config.json") if model_dir is not None else {}
         self.tokenizer_config: dict[str, Any] = config  # tokenizer_config.json as read (/tokenizer_info)
         template = info.get("chat_template")
         if not isinstance(template, str) or not template:
@@ -141,14 +140,6 @@ def _load_tokenizer(model_dir: Path | None) -> Tokenizer | None:
     except Exception as exc:  # noqa: BLE001 - a tokenizer we cannot read only disables frontend counts
         log.warning("cannot load %s: %s", model_dir / "tokenizer.json", exc)
         return None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _template_from_dir(model_dir: Path | None, config: dict[str, Any]) -> str | None:

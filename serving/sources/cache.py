@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from rollcore.model_folder import file_sha256  # noqa: F401 - the cache's entries are named by it (sources, tests)
 
 MARKER = ".complete"
 
@@ -26,15 +27,6 @@ def default_root() -> Path:
     """``~/.cache/rollserve/models`` (``XDG_CACHE_HOME`` honoured)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "rollserve" / "models"
-
-
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file's bytes, read in 4 MiB chunks."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def cached(entry: Path) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 
 from handlers.engine.execution.parallel.rendezvous import MAX_READ, recv_frame, send_frame
 from rollcore.errors import ConfigError
+from rollcore.model_folder import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +68,9 @@ def weight_files(folder: Path) -> dict[str, Path]:
     return found
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def manifest(folder: Path) -> list[FileEntry]:
     """The leader's manifest of ``folder``: every weight file's name, size and SHA-256 (each file read once)."""
-    return [FileEntry(name, path.stat().st_size, sha256_of(path)) for name, path in weight_files(folder).items()]
+    return [FileEntry(name, path.stat().st_size, file_sha256(path)) for name, path in weight_files(folder).items()]
 
 
 def check(folder: Path, expected: Iterable[FileEntry], what: str) -> tuple[int, int]:
@@ -96,7 +89,7 @@ def check(folder: Path, expected: Iterable[FileEntry], what: str) -> tuple[int, 
         if size != entry.size:
             raise WeightsMismatch(f"{what}: {name} has {size} bytes, the leader's {entry.size}")
     for name, entry in want.items():
-        digest = sha256_of(have[name])
+        digest = file_sha256(have[name])
         if digest != entry.sha256:
             raise WeightsMismatch(f"{what}: {name} has SHA-256 {digest[:16]}..., the leader's {entry.sha256[:16]}...")
     return len(want), sum(e.size for e in want.values())

@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from rollcore.types import CORE_SHARERS_ENV
 
@@ -56,6 +57,19 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20
 
 
+@lru_cache(maxsize=1)
+def _libc() -> Any:
+    """The C library, found once: ``find_library`` forks this process for ``ldconfig -p`` on every call, and a GGUF
+    load trims after each tensor. Raises ``OSError`` where there is none."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        raise OSError("no C library found")
+    return ctypes.CDLL(name)
+
+
 def keep_freed_memory(max_block_bytes: int = _MMAP_THRESHOLD_MAX) -> bool:
     """Tell glibc's malloc to keep freed blocks (up to ``max_block_bytes``, at most 32 MiB) for reuse instead
     of returning them to the kernel. A step's activations are large (a 2048-token prefill of a 110M model allocates
@@ -64,14 +78,9 @@ def keep_freed_memory(max_block_bytes: int = _MMAP_THRESHOLD_MAX) -> bool:
     holds the peak activation memory, which the memory plan budgets anyway. Returns False where it does not
     apply (not glibc). Process-wide: call it once in a worker process."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -85,11 +94,9 @@ def return_freed_memory() -> bool:
     """Give the heap's free memory back to the kernel once (glibc's ``malloc_trim``): after a load whose
     temporaries ``keep_freed_memory`` would otherwise keep for good. False where it does not apply."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
+        trim = _libc().malloc_trim
     except (OSError, AttributeError):
         trim = None
     if trim is None:

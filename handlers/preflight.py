@@ -13,7 +13,7 @@ from typing import Any
 from handlers.engine.planning.checkpoint import checkpoint_tensors
 from handlers.engine.planning.engine_config import EngineConfig
 from handlers.engine.planning.families import ADMITTED_BY_LIST, admission, unsupported_reason
-from handlers.engine.planning.gguf_plan import gguf_file_in, whole_gguf
+from handlers.engine.planning.gguf_plan import GGUFFileError, gguf_file_in, read_header, whole_gguf
 from handlers.engine.planning.memory import preflight
 from handlers.engine.planning.quant_config import checkpoint_parameter_count, parse_checkpoint_quant
 from rollcore.model_folder import read_config, weights_folder
@@ -31,6 +31,17 @@ def engine_admission(folder: Path, max_model_len: int | None) -> tuple[dict[str,
     config = read_config(folder)
     reason = unsupported_reason(config, max_model_len)
     return config, reason, reason is None and admission(config) == ADMITTED_BY_LIST
+
+
+def gguf_header_held(prefix: Path, size: int) -> bool:
+    """Whether ``prefix``, the first bytes of a GGUF file of ``size`` bytes, holds the file's whole header (a
+    remote file's header is read by range, growing until it does). A type this server does not load counts as
+    held: the plan then refuses the file by name."""
+    try:
+        read_header(prefix, size)
+    except GGUFFileError as exc:
+        return exc.unsupported
+    return True
 
 
 def memory_plan_text(model_dir: Path, model_id: str | None, options: Mapping[str, str]) -> str:

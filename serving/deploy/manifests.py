@@ -21,7 +21,7 @@ from serving.deploy.pods import (
     pod_template,
     server_ports,
 )
-from serving.deploy.resources import size_pods
+from serving.deploy.resources import SIZE_FACTOR, size_pods
 
 
 class _Dumper(yaml.SafeDumper):
@@ -133,8 +133,13 @@ def _notes(ctx: PodContext, req: Request) -> list[str]:
         notes.append(f"the PersistentVolumeClaim {ctx.cache_claim} (ReadWriteMany) is every pod's model cache: "
                      "create it first; a fetched model is downloaded into it once")
     if s.memory_source == "fallback":
-        notes.append(f"memory: no plan before the model is fetched or loaded; {ctx.sizing.leader.memory} assumed "
-                     "(4 GiB a rank + overheads): pass --memory to set it")
+        notes.append(f"memory: {s.memory_basis}; {s.leader.memory} assumed (the stated default of 4 GiB a rank + "
+                     "overheads): pass --memory to set it")
+    elif s.memory_source == "size":
+        notes.append(f"memory: from {s.memory_basis}: {SIZE_FACTOR} x a rank's share of the weights + overheads "
+                     "(no memory plan without the model's config): pass --memory to set it")
+    elif m.fetched_model_id is not None:
+        notes.append(f"memory: the engine's memory plan from {s.memory_basis}")
     notes.append(f"layout: {s.layout_reason}; {s.leader.cpus} CPUs, {s.leader.memory} memory"
                  f"{f', {s.leader.gpus} GPUs' if s.leader.gpus else ''} a pod; startupProbe allows {s.startup_s} s")
     return notes
@@ -144,11 +149,12 @@ def build(req: Request) -> Manifests:
     """The manifests for ``req``. Raises ``ConfigError``."""
     _check(req)
     model = read_model_folder(req.model_dir)
+    storage_uri = _storage_uri(req, model)  # refused before the source is asked for its size
     sizing = size_pods(model, cpus=req.cpus, nodes=req.nodes, gpu=req.gpu, memory=req.memory)
     name = req.name or dns_name(model.name)
     ctx = PodContext(name=name, model=model, sizing=sizing, image=req.image,
                      weights_claim=req.weights_claim or f"{name}-weights", ports=server_ports(),
-                     cache_claim=req.cache_claim, storage_uri=_storage_uri(req, model))
+                     cache_claim=req.cache_claim, storage_uri=storage_uri)
     ns, max_replicas = req.namespace, req.max_replicas or 4 * req.replicas
     docs = [config_map(ctx, model, ns)]
     if req.kserve:

@@ -208,6 +208,7 @@ def sizing_annotations(ctx: PodContext) -> dict[str, str]:
     s = ctx.sizing
     notes = {f"{ANNOTATION}/config-sha256": config_sha256(ctx.model),
              f"{ANNOTATION}/memory-source": s.memory_source,
+             **({f"{ANNOTATION}/memory-basis": s.memory_basis} if s.memory_basis else {}),
              f"{ANNOTATION}/layout": f"workers {s.min_workers}-{s.max_workers} x {s.ranks_per_pod} ranks x "
                                      f"{s.threads} threads ({s.layout_reason})",
              f"{ANNOTATION}/startup-seconds": str(s.startup_s)}

@@ -17,7 +17,12 @@ A pod adds ``PROCESS_OVERHEAD`` for its main process (the frontend, or ``serving
 measured, with room for tokenizers and connections). On GPUs the KV cache and activations live on the device
 (sized there by ``option.gpu_memory_utilization``): a rank's host memory is its share of the weights, which pass
 through it, and each pod with several ranks on GPUs gets ``SHM`` of /dev/shm for NCCL. A model whose weights are
-fetched at start has no plan before it runs: ``FALLBACK_RANK`` per rank, or ``--memory``.
+fetched at start is planned the same way from its source's listing and headers (``serving.deploy.source_size``:
+nothing is downloaded). Where only the weights' bytes are known (no ``config.json`` to plan with, a model on the
+dynamic batcher, a wheel on a package index), a rank gets ``SIZE_FACTOR`` times its share of them (the weights, and
+as much again for a dtype conversion, activations and a KV cache the engine sizes to what is left). Only where not
+even that can be known (the source cannot be reached from here, no weights in the folder): ``FALLBACK_RANK`` per
+rank, said in the notes and the ``rollserve/memory-basis`` annotation; ``--memory`` overrides all of it.
 
 Startup (the startupProbe's window, on the readiness route): ``STARTUP_FLOOR_S`` (start, imports, workers) +
 the checkpoint read at ``LOAD_RATE`` + GGUF files repacked at ``GGUF_RATE`` + an eagerly populated KV cache
@@ -27,20 +32,27 @@ touched at ``KV_TOUCH_RATE``; a model fetched at start: the floor + ``option.mod
 from __future__ import annotations
 
 import math
+import os
 import re
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from handlers.preflight import PlannedMemory, planned_memory
 from rollcore.errors import ConfigError
 from serving.config.layout import auto_layout
 from serving.deploy import DEFAULT_CPUS
 from serving.deploy.model import ModelFolder
+from serving.deploy.source_size import measure_source
+from serving.sources.source_error import SourceError
 
 MIB = 1 << 20
 GIB = 1 << 30
 PROCESS_OVERHEAD = 512 * MIB
 RANK_OVERHEAD = 512 * MIB
 FALLBACK_RANK = 4 * GIB
+SIZE_FACTOR = 2
 SHM = 1 * GIB
 STARTUP_FLOOR_S = 120
 LOAD_RATE = 50 * MIB  # bytes/s: a network volume, conservatively
@@ -80,7 +92,8 @@ class Sizing:
     gpu: bool
     leader: PodSize  # the pod running the frontend (every pod without --nodes)
     worker: PodSize | None  # each other pod of a LeaderWorkerSet group
-    memory_source: str  # preflight | --memory | fallback
+    memory_source: str  # preflight | size | --memory | fallback
+    memory_basis: str  # what the figure comes from, in words ("" with --memory)
     plan: PlannedMemory | None
     startup_s: int
     layout_reason: str
@@ -138,6 +151,38 @@ def _rank_bytes(plan: PlannedMemory, gpu: bool) -> int:
     return math.ceil((plan.weight_bytes + plan.prepack_bytes + plan.activation_bytes + kv) / tp)
 
 
+@dataclass(frozen=True, slots=True)
+class Measured:
+    source: str  # preflight | size | fallback
+    basis: str
+    plan: PlannedMemory | None = None
+    weight_bytes: int | None = None
+
+
+def measure(model: ModelFolder, env: Mapping[str, str]) -> Measured:
+    """What the model's memory is known from: the preflight of its files (local, or its source's listing and
+    headers), the weights' bytes alone, or nothing (see the module note)."""
+    cfg = model.config
+    options = cfg.handler_properties()
+    if model.fetched_model_id is None:
+        plan = planned_memory(model.path, cfg.model_id, options) if cfg.batching.rolling else None
+        if plan is not None:
+            return Measured("preflight", "the memory plan of the model's files", plan, model.checkpoint_bytes)
+        if model.checkpoint_bytes:
+            return Measured("size", f"the weights' files: {model.checkpoint_bytes} bytes", None, model.checkpoint_bytes)
+        return Measured("fallback", "no weights in the model folder to size it from")
+    with tempfile.TemporaryDirectory(prefix="rollserve-size-") as tmp:
+        try:
+            found = measure_source(model.fetched_model_id, gguf_file=cfg.options.get("gguf_file") or None,
+                                   allow_unsafe=str(cfg.options.get("allow_unsafe_weights", "false")).lower() == "true",
+                                   env=env, scratch=Path(tmp))
+        except SourceError as exc:
+            return Measured("fallback", f"the size of option.model_id={model.fetched_model_id} cannot be known "
+                                        f"from here ({exc})")
+        plan = planned_memory(found.folder, None, options) if found.folder and cfg.batching.rolling else None
+    return Measured("preflight" if plan else "size", found.basis, plan, found.weight_bytes)
+
+
 def startup_seconds(model: ModelFolder, plan: PlannedMemory | None, workers: int) -> int:
     """The load-time estimate the startupProbe allows (see the module note)."""
     if model.checkpoint_bytes is None:
@@ -150,7 +195,7 @@ def startup_seconds(model: ModelFolder, plan: PlannedMemory | None, workers: int
 
 
 def size_pods(model: ModelFolder, *, cpus: int = DEFAULT_CPUS, nodes: int = 1, gpu: bool = False,
-              memory: str | None = None) -> Sizing:
+              memory: str | None = None, env: Mapping[str, str] | None = None) -> Sizing:
     """The pods' resources for ``model`` (see the module note). Raises ``ConfigError``."""
     cfg = model.config
     tp = cfg.parallel.tensor_parallel_degree
@@ -162,17 +207,21 @@ def size_pods(model: ModelFolder, *, cpus: int = DEFAULT_CPUS, nodes: int = 1, g
     gpu = model_uses_gpus(model, gpu)
     lo, hi, threads, reason = layout(model, cpus, nodes)
     ranks = tp // nodes
-    plan = planned_memory(model.path, cfg.model_id, cfg.handler_properties()) if cfg.batching.rolling else None
     if memory is not None:
-        source, rank_bytes = "--memory", None
-        pod_bytes = parse_memory(memory)
-    elif plan is not None:
-        source, rank_bytes = "preflight", RANK_OVERHEAD + _rank_bytes(plan, gpu)
+        found = Measured("--memory", "")
+        rank_bytes, pod_bytes = None, parse_memory(memory)
     else:
-        source, rank_bytes = "fallback", RANK_OVERHEAD + FALLBACK_RANK
+        found = measure(model, os.environ if env is None else env)
+        if found.plan is not None:
+            rank_bytes = RANK_OVERHEAD + _rank_bytes(found.plan, gpu)
+        elif found.weight_bytes is not None:
+            rank_bytes = RANK_OVERHEAD + SIZE_FACTOR * -(-found.weight_bytes // tp)
+        else:
+            rank_bytes = RANK_OVERHEAD + FALLBACK_RANK
     if rank_bytes is not None:  # every pod has one main process: the frontend, or `serving worker`
         pod_bytes = PROCESS_OVERHEAD + hi * ranks * rank_bytes + (SHM if gpu and ranks > 1 else 0)
     size = PodSize(hi * ranks * threads, pod_bytes, hi * ranks if gpu else 0)
     return Sizing(min_workers=lo, max_workers=hi, threads=threads, tensor_parallel_degree=tp, nodes=nodes, gpu=gpu,
-                  leader=size, worker=size if nodes > 1 else None, memory_source=source, plan=plan,
-                  startup_s=startup_seconds(model, plan, hi), layout_reason=reason)
+                  leader=size, worker=size if nodes > 1 else None, memory_source=found.source,
+                  memory_basis=found.basis, plan=found.plan, startup_s=startup_seconds(model, found.plan, hi),
+                  layout_reason=reason)

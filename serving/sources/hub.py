@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx2
-from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
+from huggingface_hub import HfApi, constants, hf_hub_download, hf_hub_url, try_to_load_from_cache
 from huggingface_hub.errors import (
     HfHubHTTPError,
     HFValidationError,
@@ -34,7 +34,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.utils import tqdm
+from huggingface_hub.utils import hf_raise_for_status, tqdm
 
 from serving.sources.fetch import Progress
 from serving.sources.source_error import SourceError, SourceUnreachable
@@ -73,6 +73,20 @@ def list_hub(repo_id: str, revision: str | None, env: Mapping[str, str]) -> HubL
                                                                 timeout=timeout)
     return HubListing(info.sha or revision or constants.DEFAULT_REVISION,
                       {s.rfilename: s.size for s in info.siblings or []})
+
+
+def read_range(repo_id: str, commit: str, name: str, start: int, length: int, env: Mapping[str, str]) -> bytes:
+    """Up to ``length`` bytes of the repository's file ``name`` at ``commit`` from ``start`` (one ranged GET: a
+    file's header without its body)."""
+    endpoint, token, timeout, label = _client_settings(repo_id, commit, env)
+    headers = {"Range": f"bytes={start}-{start + length - 1}"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    with _hub_errors(label, endpoint, commit, name):
+        response = httpx2.get(hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint), headers=headers,
+                              timeout=timeout, follow_redirects=True)
+        hf_raise_for_status(response)
+    if response.status_code != 206:  # a server without ranges sent the whole file: keep what was asked
+        return response.content[start : start + length]
+    return response.content
 
 
 def fetch_hub(repo_id: str, revision: str | None, dest: Path, env: Mapping[str, str], progress: Progress,

@@ -74,6 +74,17 @@ def list_s3(uri: str, env: Mapping[str, str]) -> list[S3Object]:
         return _listing(_client(env, endpoint), bucket, prefix, uri.rstrip("/"))
 
 
+def read_range(uri: str, obj: S3Object, start: int, length: int, env: Mapping[str, str]) -> bytes:
+    """Up to ``length`` bytes of the listed object ``obj`` from ``start`` (one ranged GET: a file's header
+    without its body)."""
+    bucket, _ = parse_s3_uri(uri)
+    endpoint = _endpoint(env)
+    with _s3_errors(uri.rstrip("/"), bucket, endpoint, obj.key):
+        body = _client(env, endpoint).get_object(Bucket=bucket, Key=obj.key,
+                                                 Range=f"bytes={start}-{start + length - 1}")["Body"]
+        return bytes(body.read())
+
+
 def listing_digest(objects: Sequence[S3Object]) -> str:
     """What the prefix holds, as a short digest of its paths, sizes and ETags: the cache entry's name."""
     text = json.dumps(sorted((o.rel, o.size, o.etag) for o in objects))

@@ -107,7 +107,7 @@ def test_the_frontend_reaches_the_backend_through_preflight_and_the_worker_entry
     allowed = {"handlers", "handlers.preflight", "handlers.preflight.engine_admission",
                "handlers.preflight.memory_plan_text", "handlers.preflight.checkpoint_parameters",
                "handlers.preflight.planned_memory", "handlers.preflight.PlannedMemory",
-               "handlers.preflight.whole_gguf"}
+               "handlers.preflight.whole_gguf", "handlers.preflight.gguf_header_held"}
     worker = {"handlers.base", "handlers.loader", "handlers.engine.execution.parallel.follower_host",
               "handlers.engine.execution.parallel.rendezvous", "handlers.engine.execution.parallel.cluster",
               "handlers.engine.execution.parallel.host_weights"}  # the agent: torch-free

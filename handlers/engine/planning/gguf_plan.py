@@ -147,10 +147,11 @@ def _skip_value(f: BinaryIO, kind: int) -> None:
         raise ValueError(f"metadata value type {kind}")
 
 
-def read_header(path: Path) -> GGUFHeader:
+def read_header(path: Path, size: int | None = None) -> GGUFHeader:
     """The tensors and architecture of a GGUF file; raises ``GGUFFileError`` (naming the file) for a file that is
-    not GGUF, is truncated, or holds a tensor type this server does not load."""
-    size = path.stat().st_size
+    not GGUF, is truncated, or holds a tensor type this server does not load. ``size``: the whole file's, when
+    ``path`` holds only its beginning (a remote file's header, read by range)."""
+    size = path.stat().st_size if size is None else size
     try:
         with path.open("rb") as f:
             magic, version = _read(f, "<4sI")

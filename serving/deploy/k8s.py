@@ -3,7 +3,7 @@
     serving k8s MODEL_DIR [--replicas N] [--max-replicas N] [--kserve] [--inference-pool] [--nodes N]
                           [--namespace NS]
                           [--image IMAGE] [--name NAME] [--cpus N] [--gpu] [--memory QTY] [--weights-claim NAME]
-                          [--cache-claim NAME] [--storage-uri]
+                          [--cache-claim NAME | --cache-claim-per-pod SIZE] [--storage-uri]
 
 Emits a ConfigMap with the folder's serving.properties (the model folder in the pod), then a Deployment, a
 Service, a HorizontalPodAutoscaler on the server's queue depth, a ServiceMonitor and the prometheus-adapter rule
@@ -11,8 +11,10 @@ for that metric; ``--nodes N`` a LeaderWorkerSet (one model's ranks over N pods)
 ``--kserve`` a KServe ServingRuntime and InferenceService in place of the Deployment, Service and autoscaling.
 ``--inference-pool`` adds the Gateway API Inference Extension's InferencePool over the server pods.
 ``--cache-claim NAME`` mounts a PersistentVolumeClaim (ReadWriteMany) as the model cache of every pod, so a
-fetched model is downloaded once per claim, not once per pod; ``--storage-uri`` with ``--kserve`` gives a fetched
-``option.model_id`` (``s3://``, a hub id as ``hf://``) to KServe's storage initializer, which fills
+fetched model is downloaded once per claim, not once per pod; ``--cache-claim-per-pod SIZE`` gives each pod a
+claim of its own (a StatefulSet's, or the LeaderWorkerSet's, volumeClaimTemplates; ReadWriteOnce), so a pod's
+cache outlives its restarts and rescheduling without a ReadWriteMany volume; ``--storage-uri`` with ``--kserve``
+gives a fetched ``option.model_id`` (``s3://``, a hub id as ``hf://``) to KServe's storage initializer, which fills
 ``/mnt/models`` before the server starts, and the server serves that folder without fetching.
 What the user creates: the Secret of tokens (and the cluster secret with ``--nodes``), the weights' claim when
 the checkpoint is local, the cache's claim with ``--cache-claim``; the notes on stderr name them.
@@ -54,6 +56,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                             "NAME-weights)")
     ap.add_argument("--cache-claim", help="a ReadWriteMany PersistentVolumeClaim as every pod's model cache (a "
                                           "fetched model is downloaded once per claim; default: a cache per pod)")
+    ap.add_argument("--cache-claim-per-pod", metavar="SIZE",
+                    help="each pod's own PersistentVolumeClaim of SIZE (50Gi) as its model cache, kept across "
+                         "restarts: a StatefulSet in place of the Deployment")
     ap.add_argument("--storage-uri", action="store_true", help="with --kserve: KServe's storage initializer fetches "
                                                                "option.model_id (s3://, a hub id) into /mnt/models")
 
@@ -74,6 +79,7 @@ class Request:
     memory: str | None = None
     weights_claim: str | None = None
     cache_claim: str | None = None
+    cache_claim_per_pod: str | None = None  # the size of each pod's own cache claim
     storage_uri: bool = False
 
     @classmethod

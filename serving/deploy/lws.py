@@ -13,15 +13,18 @@ from __future__ import annotations
 from typing import Any
 
 from serving.deploy.monitoring import metadata
-from serving.deploy.pods import PodContext, pod_template
+from serving.deploy.pods import CLAIM_RETENTION, PodContext, cache_claim_templates, pod_template
 
 
 def leader_worker_set(ctx: PodContext, namespace: str | None, replicas: int) -> dict[str, Any]:
     s = ctx.sizing
     assert s.worker is not None
+    group: dict[str, Any] = {"size": s.nodes, "restartPolicy": "RecreateGroupOnPodRestart",
+                             "leaderTemplate": pod_template(ctx, "leader", s.leader),
+                             "workerTemplate": pod_template(ctx, "worker", s.worker)}
+    if ctx.cache_per_pod is not None:  # every pod of every group its own cache claim
+        group |= {"volumeClaimTemplates": cache_claim_templates(ctx),
+                  "persistentVolumeClaimRetentionPolicy": CLAIM_RETENTION}
     return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
             "metadata": metadata(ctx.name, namespace, "server", ctx.name),
-            "spec": {"replicas": replicas, "startupPolicy": "LeaderCreated",
-                     "leaderWorkerTemplate": {"size": s.nodes, "restartPolicy": "RecreateGroupOnPodRestart",
-                                              "leaderTemplate": pod_template(ctx, "leader", s.leader),
-                                              "workerTemplate": pod_template(ctx, "worker", s.worker)}}}
+            "spec": {"replicas": replicas, "startupPolicy": "LeaderCreated", "leaderWorkerTemplate": group}}

@@ -15,13 +15,15 @@ from serving.deploy import inference_pool, kserve, lws, monitoring
 from serving.deploy.k8s import Request
 from serving.deploy.model import ModelFolder, read_model_folder
 from serving.deploy.pods import (
+    CLAIM_RETENTION,
     CLUSTER_SECRET_KEY,
     TOKEN_KEYS,
     PodContext,
+    cache_claim_templates,
     pod_template,
     server_ports,
 )
-from serving.deploy.resources import SIZE_FACTOR, size_pods
+from serving.deploy.resources import QUANTITY, SIZE_FACTOR, size_pods
 
 
 class _Dumper(yaml.SafeDumper):
@@ -79,6 +81,16 @@ def _check(req: Request) -> None:
     if req.cache_claim is not None and (len(req.cache_claim) > 253 or not _NAMESPACE.match(req.cache_claim)):
         raise ConfigError(f"--cache-claim {req.cache_claim!r}: not a PersistentVolumeClaim name (lowercase letters, "
                           "digits and '-')")
+    if req.cache_claim_per_pod is not None:
+        quantity = QUANTITY.match(req.cache_claim_per_pod)
+        if quantity is None or int(quantity.group(1)) == 0:
+            raise ConfigError(f"--cache-claim-per-pod {req.cache_claim_per_pod!r}: expected a size such as 50Gi or "
+                              "500Mi")
+        if req.cache_claim is not None:
+            raise ConfigError("--cache-claim with --cache-claim-per-pod: one shared cache or one per pod, not both")
+        if req.kserve:
+            raise ConfigError("--kserve with --cache-claim-per-pod: KServe's InferenceService has no claim templates "
+                              "(use --cache-claim, or --storage-uri)")
     if req.storage_uri and not req.kserve:
         raise ConfigError("--storage-uri needs --kserve: it hands option.model_id to KServe's storage initializer")
 
@@ -114,6 +126,19 @@ def deployment(ctx: PodContext, namespace: str | None, replicas: int) -> dict[st
                      "template": template}}
 
 
+def stateful_set(ctx: PodContext, namespace: str | None, replicas: int) -> dict[str, Any]:
+    """The Deployment's pods, each with its own cache claim (``--cache-claim-per-pod``): started together, not one
+    by one, since each loads a model; replaced one at a time on a change."""
+    template = pod_template(ctx, "server", ctx.sizing.leader)
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": monitoring.metadata(ctx.name, namespace, "server", ctx.name),
+            "spec": {"replicas": replicas, "serviceName": ctx.name, "podManagementPolicy": "Parallel",
+                     "selector": {"matchLabels": template["metadata"]["labels"]},
+                     "updateStrategy": {"type": "RollingUpdate"},
+                     "persistentVolumeClaimRetentionPolicy": CLAIM_RETENTION,
+                     "template": template, "volumeClaimTemplates": cache_claim_templates(ctx)}}
+
+
 def _notes(ctx: PodContext, req: Request) -> list[str]:
     s, m, ns = ctx.sizing, ctx.model, f" -n {req.namespace}" if req.namespace else ""
     tokens = " ".join(f"--from-literal={key}=$(openssl rand -hex 24)" for key in TOKEN_KEYS.values())
@@ -132,6 +157,11 @@ def _notes(ctx: PodContext, req: Request) -> list[str]:
     if ctx.cache_claim is not None:
         notes.append(f"the PersistentVolumeClaim {ctx.cache_claim} (ReadWriteMany) is every pod's model cache: "
                      "create it first; a fetched model is downloaded into it once")
+    if ctx.cache_per_pod is not None:
+        notes.append(f"each pod's model cache is a PersistentVolumeClaim of its own (cache-<pod name>, "
+                     f"{ctx.cache_per_pod}, ReadWriteOnce, the cluster's default StorageClass), made by Kubernetes: "
+                     "a fetched model is downloaded once per pod and kept across its restarts; the claims stay when "
+                     "the workload scales down and go when it is deleted")
     if s.memory_source == "fallback":
         notes.append(f"memory: {s.memory_basis}; {s.leader.memory} assumed (the stated default of 4 GiB a rank + "
                      "overheads): pass --memory to set it")
@@ -154,7 +184,7 @@ def build(req: Request) -> Manifests:
     name = req.name or dns_name(model.name)
     ctx = PodContext(name=name, model=model, sizing=sizing, image=req.image,
                      weights_claim=req.weights_claim or f"{name}-weights", ports=server_ports(),
-                     cache_claim=req.cache_claim, storage_uri=storage_uri)
+                     cache_claim=req.cache_claim, cache_per_pod=req.cache_claim_per_pod, storage_uri=storage_uri)
     ns, max_replicas = req.namespace, req.max_replicas or 4 * req.replicas
     docs = [config_map(ctx, model, ns)]
     if req.kserve:
@@ -165,7 +195,7 @@ def build(req: Request) -> Manifests:
         workload = lws.leader_worker_set(ctx, ns, req.replicas)
     else:
         component = "server"
-        workload = deployment(ctx, ns, req.replicas)
+        workload = (deployment if req.cache_claim_per_pod is None else stateful_set)(ctx, ns, req.replicas)
     target = {"apiVersion": workload["apiVersion"], "kind": workload["kind"], "name": name}
     docs += [workload, monitoring.service(ctx, ns, component),
              monitoring.autoscaler(ctx, ns, target, req.replicas, max_replicas),

@@ -67,6 +67,7 @@ class PodContext:
     weights_claim: str
     ports: Ports
     cache_claim: str | None = None  # the model cache's claim; None: an emptyDir per pod
+    cache_per_pod: str | None = None  # the size of each pod's own cache claim (volumeClaimTemplates)
     storage_uri: str | None = None  # KServe's storage initializer fetches this into its mount
 
     @property
@@ -164,9 +165,11 @@ def volume_mounts(ctx: PodContext, weights: bool = True) -> list[dict[str, Any]]
 
 
 def volumes(ctx: PodContext, weights: bool = True) -> list[dict[str, Any]]:
+    """The pod's volumes; with ``cache_per_pod`` the cache is the workload's claim template of that name."""
     cache = {"persistentVolumeClaim": {"claimName": ctx.cache_claim}} if ctx.cache_claim else {"emptyDir": {}}
-    found: list[dict[str, Any]] = [{"name": "model", "configMap": {"name": ctx.config_map}},
-                                   {"name": "cache", **cache}]
+    found: list[dict[str, Any]] = [{"name": "model", "configMap": {"name": ctx.config_map}}]
+    if ctx.cache_per_pod is None:
+        found.append({"name": "cache", **cache})
     if weights and ctx.model.weights is not None:
         found.append({"name": "weights", "persistentVolumeClaim": {"claimName": ctx.weights_claim,
                                                                    "readOnly": True}})
@@ -174,6 +177,16 @@ def volumes(ctx: PodContext, weights: bool = True) -> list[dict[str, Any]]:
         found.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
     return found
 
+
+def cache_claim_templates(ctx: PodContext) -> list[dict[str, Any]]:
+    """``volumeClaimTemplates`` of a workload whose pods each own their cache (``cache_per_pod``)."""
+    return [{"metadata": {"name": "cache", "labels": labels(ctx.name, "cache")},
+             "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": ctx.cache_per_pod}}}}]
+
+
+# a pod's cache claim stays when its workload scales down (the pod that comes back with its ordinal finds its
+# model cached) and goes with the workload
+CLAIM_RETENTION = {"whenDeleted": "Delete", "whenScaled": "Retain"}
 
 SECURITY = {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
 

@@ -107,13 +107,13 @@ class Sizing:
         return math.ceil(self.startup_s / PROBE_PERIOD_S)
 
 
-_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
+QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
 _UNITS = {None: 1, "Ki": 1 << 10, "Mi": MIB, "Gi": GIB, "Ti": 1 << 40}
 
 
 def parse_memory(value: str) -> int:
     """``8Gi``, ``512Mi``, ``1048576`` -> bytes (binary units only). Raises ``ConfigError``."""
-    match = _QUANTITY.match(value.strip())
+    match = QUANTITY.match(value.strip())
     if not match or int(match.group(1)) == 0:
         raise ConfigError(f"--memory {value!r}: expected a positive amount such as 8Gi, 512Mi or bytes")
     return int(match.group(1)) * _UNITS[match.group(2)]

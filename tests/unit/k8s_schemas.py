@@ -100,7 +100,7 @@ def strict_load(data: Any, type_name: str) -> Any:
 
 
 SDK_TYPES = {"InferenceService": "V1beta1InferenceService", "ServingRuntime": "V1alpha1ServingRuntime"}
-STANDARD_KINDS = {"ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler"}
+STANDARD_KINDS = {"ConfigMap", "Deployment", "StatefulSet", "Service", "HorizontalPodAutoscaler"}
 
 
 def validate(doc: dict[str, Any]) -> None:

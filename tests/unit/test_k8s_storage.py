@@ -92,3 +92,87 @@ def test_refusals(tmp_path: Path) -> None:
         build(Request(model_dir=ROOT / "model_store" / "smollm2", storage_uri=True))
     with pytest.raises(ConfigError, match="--cache-claim 'Model_Cache': not a PersistentVolumeClaim name"):
         build(Request(model_dir=ROOT / "model_store" / "smollm2", cache_claim="Model_Cache"))
+
+
+def mounts_have_sources(template: dict[str, Any], claims: list[dict[str, Any]]) -> None:
+    """Every volume a container mounts is a pod volume or a claim template (what the API server requires)."""
+    sources = {v["name"] for v in template["spec"].get("volumes", [])} | {c["metadata"]["name"] for c in claims}
+    for c in template["spec"]["containers"]:
+        assert {m["name"] for m in c["volumeMounts"]} <= sources
+
+
+CLAIM = {"metadata": {"name": "cache", "labels": {"app.kubernetes.io/name": "rollserve",
+                                                 "app.kubernetes.io/instance": "llama",
+                                                 "app.kubernetes.io/component": "cache"}},
+         "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "50Gi"}}}}
+
+
+def test_a_cache_claim_per_pod_makes_a_stateful_set(tmp_path: Path) -> None:
+    m = generated(Request(model_dir=folder(tmp_path, "s3://models/llama"), replicas=2, name="llama",
+                          cache_claim_per_pod="50Gi"))
+    assert [d["kind"] for d in m.documents] == ["ConfigMap", "StatefulSet", "Service", "HorizontalPodAutoscaler",
+                                                "ServiceMonitor", "ConfigMap"]
+    (sts,) = [d for d in m.documents if d["kind"] == "StatefulSet"]
+    spec = sts["spec"]
+    assert spec["volumeClaimTemplates"] == [CLAIM]
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    assert (spec["replicas"], spec["serviceName"], spec["podManagementPolicy"]) == (2, "llama", "Parallel")
+    pod = spec["template"]["spec"]
+    assert "cache" not in {v["name"] for v in pod["volumes"]}  # the claim template is the pod's cache volume
+    (container,) = pod["containers"]
+    assert {"name": "cache", "mountPath": "/var/cache/rollserve"} in container["volumeMounts"]
+    assert env(container)["SERVING_MODEL_CACHE_DIR"] == "/var/cache/rollserve/models"
+    mounts_have_sources(spec["template"], spec["volumeClaimTemplates"])
+    (service,) = [d for d in m.documents if d["kind"] == "Service"]
+    assert service["metadata"]["name"] == "llama"
+    (hpa,) = [d for d in m.documents if d["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "llama"}
+    assert any(n.startswith("each pod's model cache is a PersistentVolumeClaim of its own (cache-<pod name>, 50Gi, "
+                            "ReadWriteOnce") for n in m.notes)
+
+
+def test_a_cache_claim_per_pod_over_several_nodes_is_in_the_leader_worker_set(tmp_path: Path) -> None:
+    d = folder(tmp_path, "s3://models/llama", "option.tensor_parallel_degree=2\n")
+    with pytest.MonkeyPatch.context() as mp:
+        sources_out_of_reach(mp, tmp_path)
+        m = build(Request(model_dir=d, nodes=2, name="llama", cache_claim_per_pod="50Gi"))
+    for doc in m.documents:
+        validate(doc)
+    (lws,) = [d for d in m.documents if d["kind"] == "LeaderWorkerSet"]
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["volumeClaimTemplates"] == [CLAIM]
+    assert group["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    for role in ("leaderTemplate", "workerTemplate"):
+        assert "cache" not in {v["name"] for v in group[role]["spec"]["volumes"]}
+        mounts_have_sources(group[role], group["volumeClaimTemplates"])
+
+
+def test_without_a_claim_per_pod_every_mount_has_a_pod_volume(tmp_path: Path) -> None:
+    m = generated(Request(model_dir=folder(tmp_path, "s3://models/llama")))
+    (deployment,) = [d for d in m.documents if d["kind"] == "Deployment"]
+    mounts_have_sources(deployment["spec"]["template"], [])
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"cache_claim_per_pod": "50GB"}, "--cache-claim-per-pod '50GB': expected a size such as 50Gi or 500Mi"),
+    ({"cache_claim_per_pod": "0Gi"}, "--cache-claim-per-pod '0Gi': expected a size such as 50Gi or 500Mi"),
+    ({"cache_claim_per_pod": "50Gi", "cache_claim": "shared"},
+     "--cache-claim with --cache-claim-per-pod: one shared cache or one per pod, not both"),
+    ({"cache_claim_per_pod": "50Gi", "kserve": True},
+     "--kserve with --cache-claim-per-pod: KServe's InferenceService has no claim templates"),
+])
+def test_cache_claim_per_pod_refusals(tmp_path: Path, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build(Request(model_dir=folder(tmp_path, "s3://models/llama"), **options))
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_the_command_takes_cache_claim_per_pod(tmp_path: Path) -> None:
+    import argparse
+
+    from serving.deploy.k8s import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args([str(folder(tmp_path, "s3://models/llama")), "--cache-claim-per-pod", "20Gi"])
+    assert Request.from_args(args).cache_claim_per_pod == "20Gi"

@@ -14,6 +14,7 @@ from torch import nn
 
 from handlers.base import Context, Input
 from handlers.engine.engine import LLMEngine
+from handlers.engine.execution.kernels.int_weights import IntWeight, quantize_int4, quantize_int8
 from handlers.engine.execution.kernels.quantize import QuantizedLinear, quantize_linears
 from handlers.engine.planning.checkpoint import WeightFigures, quantized_weights
 from handlers.engine.planning.engine_config import EngineConfig
@@ -69,6 +70,40 @@ def test_a_row_does_not_depend_on_its_batch_mates_or_the_thread_count(bits: int)
         assert torch.equal(q(x), alone)
     finally:
         torch.set_num_threads(threads)
+
+
+def _grouped_int8(n: int, k: int, group: int, seed: int) -> IntWeight:
+    """int8 with a scale per group of ``group`` inputs (a GGUF file's Q8_0 / Q6_K form)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    return IntWeight(q, 8, torch.rand(n, k // group, generator=gen) * 0.02 + 0.001, None, group)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8x2"])
+@pytest.mark.parametrize("weights", ["int4-g32", "int8-channel", "int8-g16", "int8-g32-min"])
+def test_integer_inputs_keep_a_row_independent_of_its_batch_mates(mode: str, weights: str) -> None:
+    """The integer-input kernels change path with the row count (tiles that convert their weights, then weights
+    converted once per group for every row): a row's result is bit-identical on either path, close to the
+    fp32-input one (int8: llama.cpp's precision; int8x2: inputs to about 1e-5 of their group's largest)."""
+    layer = _layer(200, 128, True, seed=5)
+    if weights == "int4-g32":
+        weight = quantize_int4(layer.weight.detach(), 32)
+    elif weights == "int8-channel":
+        weight = quantize_int8(layer.weight.detach())
+    else:
+        grouped = _grouped_int8(200, 128, 16 if weights == "int8-g16" else 32, seed=9)
+        minimum = None if weights == "int8-g16" else -grouped.scale * 3
+        weight = IntWeight(grouped.q, 8, grouped.scale, minimum, grouped.group)
+    q = QuantizedLinear(weight, layer.bias)
+    if q.use_activations(mode) != mode:
+        assert not q._fn.int8_dot(128, weight.group)  # a CPU without AVX-512 VNNI/VBMI keeps fp32 inputs
+    x = torch.randn(130, 128, generator=torch.Generator().manual_seed(11))
+    alone = torch.cat([q(x[i:i + 1]) for i in range(x.shape[0])])
+    for m in ROW_COUNTS:
+        assert torch.equal(q(x[:m]), alone[:m]), m
+    exact = x.double() @ weight.dequantize().double().T + layer.bias.double()
+    err = ((alone.double() - exact).norm() / exact.norm()).item()
+    assert err < (2e-2 if q.activations == "int8" else 1e-4), err
 
 
 def test_inputs_of_other_shapes_and_dtypes() -> None:

@@ -347,7 +347,7 @@ static void run_blocks(const struct layer *L, int64_t nb, int64_t count, const f
  * groups of `group` (0: int8 per channel). */
 int rollserve_quant_int8_dot(int64_t K, int64_t group) {
 #if INT8_DOT
-    return K % AG == 0 && group % AG == 0;
+    return K % 16 == 0 && group % 16 == 0; /* quant_dot.h's act_group */
 #else
     (void)K;
     (void)group;
@@ -358,7 +358,7 @@ int rollserve_quant_int8_dot(int64_t K, int64_t group) {
 #if INT8_DOT
 static int int8_dot_linear(const struct layer *L, const float *x, int64_t ldx, int64_t M, int parts, float *y,
                            int64_t ldy, int nthreads) {
-    const int64_t groups = L->K / AG, blocks = (L->N + NB - 1) / NB;
+    const int64_t ag = act_group(L->K, L->group), groups = L->K / ag, blocks = (L->N + NB - 1) / NB;
     int8_t *q = malloc((size_t)(parts * M * L->K));
     float *xs = malloc((size_t)(parts * M * groups) * sizeof(float));
     int32_t *qs = malloc((size_t)(parts * M * groups) * sizeof(int32_t));
@@ -368,13 +368,13 @@ static int int8_dot_linear(const struct layer *L, const float *x, int64_t ldx, i
         free(qs);
         return -1;
     }
-    quantize_rows(x, ldx, M, L->K, parts, q, xs, qs, nthreads);
+    quantize_rows(x, ldx, M, L->K, ag, parts, q, xs, qs, nthreads);
     const struct dot_rows X = {q, xs, qs, L->K, M * L->K, M * groups};
     const int64_t per = ((blocks + nthreads - 1) / nthreads + DNB - 1) / DNB * DNB;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t first = 0; first < blocks; first += per) {
         const int64_t count = blocks - first < per ? blocks - first : per;
-        dot_blocks(parts, L, first, count, X, M, y, ldy);
+        dot_blocks(parts, ag, L, first, count, X, M, y, ldy);
     }
     free(q);
     free(xs);

@@ -9,6 +9,18 @@ again (warm). Prints every request, the medians, the loads and unloads the serve
 the loaded models' memory sampled from ``GET /models`` against the budget.
 
     python benchmarks/residency.py [--copies 5] [--rounds 2] [--max-new-tokens 16]
+
+``--scenario burst``: how much a load slows another model's burst. Two copies of the GGUF SmolLM2 (what the server
+serves from the file, ``tests/real_model.py``), both loaded on demand under a budget that holds both; B unloads after
+a second idle (``idle_ttl``). Each round streams a burst on A (``--streams`` greedy streams of ``--burst-tokens``
+tokens), alone and, alternating which goes first, while B loads (asked once every stream of A has its first token).
+Compared over the same span of each burst (from every stream's first token for as long as B's load took): A's
+tokens per second, the CPU-seconds A's worker spent per token, the CPU the server's processes got, and the loader's
+share of it (B's worker's CPU-seconds over the whole server's, from /proc: on a shared machine the server's session
+gets a fair part of the cores, not all of them). A burst not slowed beyond the loader's share has a tok/s ratio of
+about 1 - share or more, at the same CPU per token.
+
+    python benchmarks/residency.py --scenario burst [--rounds 3] [--streams 2] [--burst-tokens 600]
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.residency_burst import run_burst  # noqa: E402
 from handlers.preflight import planned_memory  # noqa: E402
 from serving.config.model_config import load_model_config  # noqa: E402
 from serving.models.residency import WORKER_OVERHEAD  # noqa: E402
@@ -59,7 +72,13 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--scenario", choices=("turns", "burst"), default="turns")
+    ap.add_argument("--streams", type=int, default=2, help="burst: A's streams")
+    ap.add_argument("--burst-tokens", type=int, default=600, help="burst: tokens of each stream")
     args = ap.parse_args()
+    if args.scenario == "burst":
+        run_burst(args.rounds, args.streams, args.burst_tokens)
+        return
     source = smollm2_folder()
     names = [f"m{i}" for i in range(args.copies)]
     with tempfile.TemporaryDirectory() as tmp:

@@ -106,8 +106,9 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "GPTQ or AWQ checkpoint's integers as it holds them; none on a GGUF file dequantizes it to fp32 at load"),
     _spec("quantize_group_size", integer(8), "32", (SERVING, *_BOTH), "inputs per int4 scale and minimum"),
     _spec("quantized_activations", choice(("auto", "fp32", "int8", "int8x2")), "auto", (SERVING, *_BOTH),
-          "what quantized linear layers multiply: int8, each input row quantized per 16 values and integer dot "
-          "products (llama.cpp's precision; needs AVX-512 VNNI and VBMI, else fp32), int8x2 the same with what "
+          "what quantized linear layers multiply: int8, each input row quantized per 32 values (16 for "
+          "K-quants' sub-blocks) and integer dot products (llama.cpp's precision; needs AVX-512 VNNI and VBMI, "
+          "else fp32), int8x2 the same with what "
           "int8 leaves quantized again (inputs to ~1e-5 of their largest value: the answers of fp32 inputs), or "
           "fp32 inputs times the weights converted (exact to the dequantized model). auto: int8x2 for a GGUF "
           "file's or a quantized checkpoint's weights, fp32 for option.quantize on a float checkpoint"),

@@ -86,8 +86,9 @@ class QuantizedLinear(nn.Module):
         self.use_activations(activations)
 
     def use_activations(self, mode: str) -> str:
-        """What the kernel multiplies (``csrc/quant_dot.h``): ``int8`` each input row quantized per 16 values and
-        integer dot products (llama.cpp's precision), ``int8x2`` the same with what int8 leaves quantized again
+        """What the kernel multiplies (``csrc/quant_dot.h``): ``int8`` each input row quantized per 32 values (16
+        where a weight group is 16) and integer dot products (llama.cpp's precision), ``int8x2`` the same with
+        what int8 leaves quantized again
         (inputs to ~1e-5 of their largest value), ``fp32`` the inputs as they are times converted weights. The
         integer modes only where this CPU and layer allow them; returns the mode in effect."""
         if mode not in ACTIVATION_PARTS:

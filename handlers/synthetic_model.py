@@ -11,8 +11,11 @@ The tokenizer carries a chat template so chat routes work.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import random
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +47,24 @@ def _corpus(seed: int, num_lines: int = 4000) -> list[str]:
     return lines
 
 
+_TRAINED: dict[tuple[int, int], tuple[Path, int]] = {}  # (size asked, seed) -> its saved files and its size
+
+
 def build_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> int:
-    """Train a byte-level BPE tokenizer and save it as a transformers fast tokenizer; returns its size."""
+    """Train a byte-level BPE tokenizer and save it as a transformers fast tokenizer; returns its size. Training is
+    deterministic and most of a tiny model's build, so a process trains each (size, seed) once and copies it after."""
+    if (vocab_size, seed) not in _TRAINED:
+        saved = Path(tempfile.mkdtemp(prefix="rollserve-tokenizer-"))
+        atexit.register(shutil.rmtree, saved, True)
+        _TRAINED[(vocab_size, seed)] = saved, _train_tokenizer(saved, vocab_size, seed)
+    saved, size = _TRAINED[(vocab_size, seed)]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    for f in saved.iterdir():
+        shutil.copyfile(f, Path(out_dir) / f.name)
+    return size
+
+
+def _train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -55,8 +55,21 @@ def family_dir(root: Path, family: str) -> Path:
     return d
 
 
+_REFERENCES: dict[tuple[Any, ...], list[list[int]]] = {}
+
+
 def generate_reference(model_dir: Path, prompts: list[list[int]], max_new_tokens: int = MAX_NEW) -> list[list[int]]:
-    """Greedy ``generate`` of each prompt alone, EOS ignored (the engine runs with ignore_eos)."""
+    """Greedy ``generate`` of each prompt alone, EOS ignored (the engine runs with ignore_eos); computed once per
+    model folder (as its files are), prompts and length: several tests compare against the same references."""
+    files = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(Path(model_dir).iterdir())
+                  if f.suffix in (".json", ".safetensors"))
+    key = (str(Path(model_dir).resolve()), files, tuple(map(tuple, prompts)), max_new_tokens)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _generate(model_dir, prompts, max_new_tokens)
+    return [list(r) for r in _REFERENCES[key]]
+
+
+def _generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

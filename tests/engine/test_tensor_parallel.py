@@ -60,6 +60,9 @@ def test_tp2_with_speculative_decoding_equals_generate(model_dirs: dict[str, Pat
 def test_step_packing_round_trips() -> None:
     step = StepInputs([5, 6, 7], [0, 1, 9], [16, 17, 40], [(0, 0, 2, [1]), (2, 9, 1, [2, 3])], [1, 2])
     assert unpack_step(pack_step(step)) == step
+    step = StepInputs([5, 6, 7], [0, 1, 9], [16, 17, 40], [(0, 0, 2, [1]), (2, 9, 1, [2, 3])], [1, 2], [0, -1],
+                      fills=[(0, "left", ""), (1, "right", "/adapters/ré")])
+    assert unpack_step(pack_step(step)) == step
 
 
 def test_shard_rejects_heads_that_do_not_divide(model_dirs: dict[str, Path]) -> None:

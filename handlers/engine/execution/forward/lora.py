@@ -8,6 +8,12 @@ linear on the whole flat batch, then, for each adapter present in the step, gath
 while a sequence of its adapter is in the engine, the least recently used unpinned one is refilled from host
 memory when another adapter is needed, and a request whose adapter finds no slot waits outside the scheduler.
 Adapters are PEFT folders (``adapter_config.json``, ``adapter_model.safetensors``), read once into host memory.
+
+With tensor parallelism each rank holds the adapters' share that matches its projections' (``parallel.sharding``
+records the cut on each): a column-parallel projection (q/k/v/gate/up: its output rows) keeps A whole and B's rows;
+a row-parallel one (o/down: its input columns) keeps A's columns and B whole, and its partial deltas are summed by
+the block's all-reduce with the base output. Rank 0 decides the slots; each slot it fills (an adapter's name, and
+its folder when it was registered over the API) travels with the next step, and the other ranks fill theirs alike.
 """
 
 from __future__ import annotations
@@ -48,9 +54,10 @@ class Adapter:
 
 def read_adapter(name: str, folder: Path, modules: Mapping[str, nn.Module], max_rank: int,
                  dtype: torch.dtype) -> Adapter:
-    """Read a PEFT LoRA folder for a model whose linear modules are ``modules`` (name -> module). Raises
-    ``AdapterError`` for what the engine does not serve: another PEFT type, a rank above ``max_rank``, biases,
-    modules to save, or a target that is not one of the projections."""
+    """Read a PEFT LoRA folder for a model whose linear modules are ``modules`` (name -> module, with
+    ``in_features``, ``out_features`` and, on a tensor-parallel rank, ``rollserve_shard``: then only this rank's
+    share of A or B is kept). Raises ``AdapterError`` for what the engine does not serve: another PEFT type, a
+    rank above ``max_rank``, biases, modules to save, or a target that is not one of the projections."""
     from safetensors.torch import load_file
 
     config_path = folder / "adapter_config.json"
@@ -94,9 +101,12 @@ def read_adapter(name: str, folder: Path, modules: Mapping[str, nn.Module], max_
         a, b = ab["lora_A"], ab["lora_B"]
         base = modules[module]
         in_f, out_f = int(base.in_features), int(base.out_features)  # type: ignore[arg-type]
+        cut, start, end, full = getattr(base, "rollserve_shard", None) or ("", 0, 0, 0)
+        in_f, out_f = (full if cut == "cols" else in_f), (full if cut == "rows" else out_f)  # the whole projection's
         if a.shape != (rank, in_f) or b.shape != (out_f, rank):
             raise AdapterError(f"adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, expected "
                                f"({rank}, {in_f}) and ({out_f}, {rank})")
+        a, b = (a[:, start:end], b) if cut == "cols" else (a, b[start:end]) if cut == "rows" else (a, b)
         weights[module] = (a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
     if not weights:
         raise AdapterError(f"adapter {name!r}: no LoRA weights in {files[0]}")
@@ -118,6 +128,7 @@ class LoraLinear(nn.Module):
         self.base = base
         self.in_features = int(base.in_features)  # type: ignore[arg-type]
         self.out_features = int(base.out_features)  # type: ignore[arg-type]
+        self.rollserve_shard = getattr(base, "rollserve_shard", None)  # kept here: prepacking swaps ``base``
         weight: torch.Tensor = base.weight  # type: ignore[assignment]
         self.register_buffer("lora_a", torch.zeros(max_loras, max_rank, self.in_features, dtype=weight.dtype,
                                                    device=weight.device), persistent=False)
@@ -194,8 +205,10 @@ class AdapterSlots:
 class LoraLayers:
     """The wrapped projections of one model, its adapters in host memory, and their slots."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, record_fills: bool = False) -> None:
+        """``record_fills``: rank 0 of a tensor-parallel group keeps each slot fill for the other ranks."""
         self.max_loras, self.max_rank = max_loras, max_rank
+        self.fills: list[tuple[int, str, str]] | None = [] if record_fills else None  # (slot, name, folder)
         self.step = StepAdapters()
         self.slots = AdapterSlots(max_loras)
         self.adapters: dict[str, Adapter] = {}
@@ -212,7 +225,7 @@ class LoraLayers:
         self.dtype = next(iter(self.modules.values())).lora_a.dtype
 
     def register(self, name: str, folder: Path) -> Adapter:
-        adapter = read_adapter(name, folder, {n: m.base for n, m in self.modules.items()}, self.max_rank, self.dtype)
+        adapter = read_adapter(name, folder, self.modules, self.max_rank, self.dtype)
         self.adapters[name] = adapter
         return adapter
 
@@ -228,8 +241,7 @@ class LoraLayers:
         clash = sorted(set(adapters) & builtin)
         if clash:
             raise AdapterError(f"adapter {clash[0]!r} is one of the model folder's adapters (adapters/{clash[0]}/)")
-        modules = {n: m.base for n, m in self.modules.items()}
-        fresh = {name: read_adapter(name, Path(folder), modules, self.max_rank, self.dtype)
+        fresh = {name: read_adapter(name, Path(folder), self.modules, self.max_rank, self.dtype)
                  for name, folder in adapters.items() if self.runtime.get(name) != folder}
         for name in set(self.runtime) - set(adapters):
             self.unregister(name)
@@ -246,15 +258,33 @@ class LoraLayers:
             return None
         slot, fill = got
         if fill:
-            adapter = self.adapters[name]
-            for module_name, module in self.modules.items():
-                module.lora_a[slot].zero_()
-                module.lora_b[slot].zero_()
-                ab = adapter.weights.get(module_name)
-                if ab is not None:
-                    module.lora_a[slot, :adapter.rank].copy_(ab[0])
-                    module.lora_b[slot, :, :adapter.rank].copy_(ab[1])
+            self._fill(slot, self.adapters[name])
+            if self.fills is not None:
+                self.fills.append((slot, name, self.runtime.get(name, "")))
         return slot
+
+    def _fill(self, slot: int, adapter: Adapter) -> None:
+        for module_name, module in self.modules.items():
+            module.lora_a[slot].zero_()
+            module.lora_b[slot].zero_()
+            ab = adapter.weights.get(module_name)
+            if ab is not None:
+                module.lora_a[slot, :adapter.rank].copy_(ab[0])
+                module.lora_b[slot, :, :adapter.rank].copy_(ab[1])
+
+    def take_fills(self) -> list[tuple[int, str, str]]:
+        """Rank 0: the slot fills since the last step, for the other ranks (in order)."""
+        fills, self.fills = self.fills or [], [] if self.fills is not None else None
+        return fills
+
+    def apply_fills(self, fills: Sequence[tuple[int, str, str]]) -> None:
+        """Another rank: fill the slots as rank 0 did. An adapter registered over the API (its folder given) is
+        read here when first seen or when its folder changed; the model folder's are read at start."""
+        for slot, name, folder in fills:
+            if folder and self.runtime.get(name) != folder:
+                self.adapters[name] = read_adapter(name, Path(folder), self.modules, self.max_rank, self.dtype)
+                self.runtime[name] = folder
+            self._fill(slot, self.adapters[name])
 
     def set_step(self, seqs: Sequence[tuple[int, int, int, list[int]]], slots: Sequence[int],
                  device: torch.device) -> None:
@@ -305,19 +335,17 @@ class AdapterQueue(Generic[T]):
             self._start(item, slot)
 
 
-def enable_lora(model: nn.Module, config: Any, tensor_parallel: bool,
+def enable_lora(model: nn.Module, config: Any, leads_group: bool,
                 adapters: Mapping[str, Path]) -> LoraLayers | None:
-    """Wrap ``model``'s projections and read ``adapters`` when ``config.enable_lora``; None otherwise. Raises
-    ``AdapterError`` for an adapter the engine cannot serve, or with tensor parallelism (not sharded yet)."""
+    """Wrap ``model``'s projections (sharded already on a tensor-parallel rank) and read ``adapters`` when
+    ``config.enable_lora``; None otherwise. ``leads_group``: rank 0 of a tensor-parallel group, which records its
+    slot fills for the other ranks. Raises ``AdapterError`` for an adapter the engine cannot serve."""
     if not config.enable_lora:
         if adapters:
             logger.info("option.enable_lora is off: the adapters in the model folder (%s) are not served",
                         ", ".join(sorted(adapters)))
         return None
-    if tensor_parallel:
-        raise AdapterError("option.enable_lora with tensor_parallel_degree > 1: the adapters' A and B are not "
-                           "sharded yet; serve the adapters on one rank")
-    layers = LoraLayers(model, config.max_loras, config.max_lora_rank)
+    layers = LoraLayers(model, config.max_loras, config.max_lora_rank, record_fills=leads_group)
     for name, folder in sorted(adapters.items()):
         layers.register(name, folder)
     logger.info("LoRA: %d projections adapted, %d slots of rank %d; adapters: %s", len(layers.modules),

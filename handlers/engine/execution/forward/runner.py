@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -101,6 +101,7 @@ class StepInputs:
     keep: list[int]
     adapters: list[int] = field(default_factory=list)
     pooled: list[int] = field(default_factory=list)
+    fills: list[tuple[int, str, str]] = field(default_factory=list)  # LoRA slots rank 0 filled since the last step
 
 
 class StepBroadcaster(Protocol):
@@ -246,6 +247,8 @@ class ModelRunner:
         inputs = self.prepare(chunks, adapters)
         if self.group is None:
             return self.forward(inputs)
+        if self.lora is not None:  # the other ranks fill the slots this rank filled, before they run the step
+            inputs = replace(inputs, fills=self.lora.take_fills())
         try:
             self.group.broadcast_step(inputs)
             return self.forward(inputs)

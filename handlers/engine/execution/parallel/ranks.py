@@ -50,11 +50,17 @@ _STOP = -1
 
 
 def pack_step(inputs: StepInputs) -> torch.Tensor:
-    """A step as one int64 tensor: counts, ids, positions, slots, kept rows, then each sequence."""
+    """A step as one int64 tensor: counts, ids, positions, slots, kept rows, then each sequence, then the LoRA
+    slot of each sequence and the slot fills (slot, then the adapter's name and folder as UTF-8 bytes)."""
     flat = [len(inputs.input_ids), len(inputs.seqs), len(inputs.keep), *inputs.input_ids, *inputs.positions,
             *inputs.slots, *inputs.keep]
     for q0, start, num_new, table in inputs.seqs:
         flat += [q0, start, num_new, len(table), *table]
+    flat += [len(inputs.adapters), *inputs.adapters, len(inputs.fills)]
+    for slot, name, folder in inputs.fills:
+        flat.append(slot)
+        for text in (name.encode(), folder.encode()):
+            flat += [len(text), *text]
     return torch.tensor(flat, dtype=torch.long)
 
 
@@ -69,7 +75,20 @@ def unpack_step(t: torch.Tensor) -> StepInputs:
         q0, start, num_new, tl = v[i:i + 4]
         seqs.append((q0, start, num_new, v[i + 4:i + 4 + tl]))
         i += 4 + tl
-    return StepInputs(ids, pos, slots, seqs, keep)
+    na = v[i]
+    adapters = v[i + 1:i + 1 + na]
+    i += 1 + na
+    fills = []
+    nf, i = v[i], i + 1
+    for _ in range(nf):
+        slot, i = v[i], i + 1
+        texts = []
+        for _ in range(2):
+            n = v[i]
+            texts.append(bytes(v[i + 1:i + 1 + n]).decode())
+            i += 1 + n
+        fills.append((slot, texts[0], texts[1]))
+    return StepInputs(ids, pos, slots, seqs, keep, adapters, fills=fills)
 
 
 @dataclass
@@ -231,6 +250,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{args.rank}[%(process)d] %(levelname)s "
                                                    "%(name)s: %(message)s")
+    from handlers.engine.execution.forward.lora import enable_lora, folder_adapters
     from handlers.engine.execution.forward.runner import ModelRunner
     from handlers.engine.execution.gpu.device import device_defaults
     from handlers.engine.execution.weights.loading import load_model_and_tokenizer
@@ -246,17 +266,22 @@ def rank_main(argv: list[str] | None = None) -> None:
         kv_heads = shard_model(model, args.rank, args.world_size)
         model.to(device)
         num_blocks = group.broadcast_int(0)
+        # as rank 0 does: the projections wrapped before the runner prepacks or fuses them
+        lora = enable_lora(model, config, False, folder_adapters(args.model_dir))
         runner = ModelRunner(model, num_blocks, config.block_size, prepack_weights=config.prepack_weights,
                              measure_linears=config.measure_linears, max_seqs=config.max_num_seqs,
                              populate_kv=config.kv_cache_populate,
-                             num_kv_heads=kv_heads, fuse_weights=config.fuse_projections,
+                             num_kv_heads=kv_heads, fuse_weights=config.fuse_projections and lora is None,
                              use_kernels=config.attention_kernel == "native",
                              step_tokens=config.max_num_batched_tokens)
+        runner.lora = lora
         group.wait_ready()
         while True:
             inputs = group.broadcast_step(None)
             if inputs is None:
                 break
+            if inputs.fills and lora is not None:
+                lora.apply_fills(inputs.fills)
             runner.forward(inputs)
     except Exception:  # noqa: BLE001 - any failure ends this rank; rank 0 sees the broken collective
         logger.exception("tensor-parallel rank %d failed", args.rank)

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 
 def _keep_rows(linear: torch.nn.Linear, start: int, end: int) -> None:
+    # what this rank keeps of the full projection: a LoRA adapter's B is cut the same way (forward.lora)
+    linear.rollserve_shard = ("rows", start, end, linear.out_features)  # type: ignore[assignment]
     linear.weight = torch.nn.Parameter(linear.weight.data[start:end].contiguous(), requires_grad=False)
     if linear.bias is not None:
         linear.bias = torch.nn.Parameter(linear.bias.data[start:end].contiguous(), requires_grad=False)
@@ -21,6 +23,7 @@ def _keep_rows(linear: torch.nn.Linear, start: int, end: int) -> None:
 
 
 def _keep_cols(linear: torch.nn.Linear, start: int, end: int, rank: int) -> None:
+    linear.rollserve_shard = ("cols", start, end, linear.in_features)  # type: ignore[assignment]  # A's cut
     linear.weight = torch.nn.Parameter(linear.weight.data[:, start:end].contiguous(), requires_grad=False)
     if linear.bias is not None and rank != 0:  # the all-reduce would add the bias N times
         linear.bias = torch.nn.Parameter(torch.zeros_like(linear.bias.data), requires_grad=False)

@@ -86,16 +86,19 @@ def _moto_reset(url: str) -> None:
 
 @contextmanager
 def s3_fault_proxy(upstream: str, *, truncate: Collection[str] = (), short: Collection[str] = (),
-                   corrupt: Collection[str] = (), deny: bool = False) -> Iterator[str]:
+                   corrupt: Collection[str] = (), deny: bool = False, seen: list[str] | None = None) -> Iterator[str]:
     """A forwarding proxy in front of ``upstream`` (path-style S3). A GET of an object named in ``truncate``
     (``"bucket/key"``) gets the full ``Content-Length`` but half the body, then the connection closes; one named
     in ``short`` gets half the body with a matching ``Content-Length`` and no checksum (the listing still says
     the full size); one in ``corrupt`` gets its body with the first byte flipped;
-    with ``deny`` every request gets S3's 403 AccessDenied. Yields the proxy's URL."""
+    with ``deny`` every request gets S3's 403 AccessDenied; ``seen`` gets each request's ``"METHOD path"``
+    (query left out). Yields the proxy's URL."""
     target = urllib.parse.urlsplit(upstream)
 
     class Proxy(_Quiet):
         def _forward(self) -> None:
+            if seen is not None:
+                seen.append(f"{self.command} {urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)}")
             if deny:
                 body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
                 self.send_response(403)
@@ -156,12 +159,12 @@ _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 
 @contextmanager
 def hub_server(root: Path, *, truncate: Collection[str] = (), short: Collection[str] = (),
-               token: str | None = None) -> Iterator[str]:
+               token: str | None = None, seen: list[str] | None = None) -> Iterator[str]:
     """A model hub serving the repositories under ``root`` (see the module docstring); yields its URL. A GET of a
     file named in ``truncate`` (its path in the repository) sends the full ``Content-Length`` but half the
     requested bytes, then closes the connection; a file named in ``short`` is served (HEAD and GET) as its first
     half, while the listing reports its full size. With ``token``, a request without ``Authorization: Bearer
-    <token>`` gets the hub's 401 (a private repository)."""
+    <token>`` gets the hub's 401 (a private repository). ``seen`` gets each request's ``"METHOD path"``."""
 
     class Hub(_Quiet):
         def _error(self, status: int, code: str | None, message: str) -> None:
@@ -199,6 +202,8 @@ def hub_server(root: Path, *, truncate: Collection[str] = (), short: Collection[
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+            if seen is not None:
+                seen.append(f"GET {path}")
             if (m := _API.match(path)) is not None:
                 found = self._revision(m["repo"], m["rev"] or "main")
                 if found is not None:
@@ -214,6 +219,8 @@ def hub_server(root: Path, *, truncate: Collection[str] = (), short: Collection[
             self._resolve(path)
 
         def do_HEAD(self) -> None:  # noqa: N802 (http.server's name)
+            if seen is not None:
+                seen.append(f"HEAD {urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)}")
             self._resolve(urllib.parse.unquote(urllib.parse.urlsplit(self.path).path))
 
         def _resolve(self, path: str) -> None:

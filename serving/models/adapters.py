@@ -33,12 +33,16 @@ class ApiAdapters:
     def registered(self) -> dict[str, str]:
         return dict(self._batcher.adapters or {})
 
-    async def register(self, name: str, folder: str, builtin: list[str]) -> None:
+    def check_name(self, name: str, builtin: list[str]) -> None:
+        """Raise unless ``name`` may be registered (checked before its source is fetched, and again here)."""
         if not NAME.fullmatch(name):
             raise InvalidRequest(f"adapter name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting with a "
                                  "letter or digit")
         if name in builtin:
             raise Conflict(f"adapter {name!r} is one of model {self.model!r}'s own adapters (its adapters/ folder)")
+
+    async def register(self, name: str, folder: str, builtin: list[str]) -> None:
+        self.check_name(name, builtin)
         async with self._lock:
             await self._apply({**self.registered, name: folder}, name)
 

@@ -32,6 +32,7 @@ from serving.batching.ports import BatchObserver
 from serving.config.devices import DevicePlan, plan_devices, visible_devices
 from serving.config.model_config import ModelConfig, load_model_config, validate_model_name
 from serving.config.server_config import ServerConfig
+from serving.models.adapter_source import adapter_folder
 from serving.models.endpoint import FailedEndpoint, ModelEndpoint
 from serving.models.endpoint_protocol import Endpoint
 from serving.models.live_requests import LiveRequests
@@ -117,6 +118,12 @@ class ModelRegistry(ModelApi):
         if not candidate.is_dir():
             raise InvalidRequest(f"url {url!r} is not a model folder in the model store")
         return candidate
+
+    async def adapter_folder(self, model: str, name: str, src: str) -> Path:
+        """The checked local folder of a LoRA adapter registered over the API: ``src`` in the model store, on S3
+        or on the hub, resolved with the models' cache (``serving.models.adapter_source``); InvalidRequest."""
+        return await adapter_folder(name, src, in_store=self.resolve_url, env=self._env, store=self._store,
+                                    cache_root=self._server.model_cache_dir or default_root(), model=model)
 
     def lookup(self, ref: str) -> Endpoint:
         """``NAME`` (its default version) or ``NAME:VERSION`` -> the endpoint, or ``ModelNotFound`` (also for a

@@ -36,6 +36,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import hf_raise_for_status, tqdm
 
+from serving.sources.adapter_folder import check_listing
 from serving.sources.fetch import Progress
 from serving.sources.source_error import SourceError, SourceUnreachable
 
@@ -90,13 +91,16 @@ def read_range(repo_id: str, commit: str, name: str, start: int, length: int, en
 
 
 def fetch_hub(repo_id: str, revision: str | None, dest: Path, env: Mapping[str, str], progress: Progress,
-              allow_unsafe: bool, gguf_file: str | None = None, listing: HubListing | None = None) -> None:
+              allow_unsafe: bool, gguf_file: str | None = None, listing: HubListing | None = None,
+              adapter: bool = False) -> None:
     """Download the loadable files of ``repo_id`` at ``revision`` (``listing``: its listing, if already made)
-    into ``dest``."""
+    into ``dest``; with ``adapter``, a LoRA adapter's two files only (refused before any download when the
+    repository lacks them)."""
     endpoint, token, timeout, label = _client_settings(repo_id, revision, env)
     listing = listing or list_hub(repo_id, revision, env)
     sizes, commit = listing.sizes, listing.commit
-    wanted = select_files(label, sorted(sizes), allow_unsafe, gguf_file)
+    wanted = check_listing(f"hub repository {label}", sorted(sizes)) if adapter else \
+        select_files(label, sorted(sizes), allow_unsafe, gguf_file)
     total = sum(sizes[name] or 0 for name in wanted)
     progress(f"{label}: {len(wanted)} files, {_mib(total)} MiB")
     done = 0

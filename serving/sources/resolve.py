@@ -18,12 +18,16 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from serving.sources import cache
 from serving.sources.fetch import Progress
 from serving.sources.source_error import SourceError, SourceUnreachable
+
+if TYPE_CHECKING:
+    from serving.sources.s3 import S3Object
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,28 @@ def resolve(model_dir: Path, model_id: str, *, gguf_file: str | None, allow_unsa
     return _convert(gguf, root, env, progress)
 
 
+def resolve_adapter(src: str, *, env: Mapping[str, str], root: Path, progress: Progress) -> Path:
+    """The local folder of the LoRA adapter at ``src``: an S3 prefix or a hub id, the syntax of
+    ``option.model_id``, fetched into the same cache as models' sources (one entry per listing or commit,
+    revalidated on every call, the cached copy when the source cannot be reached). Only the adapter's two files
+    are fetched, once the listing showed them. Raises ``SourceError``; the folder is checked by the caller."""
+    from serving.sources.adapter_folder import check_listing
+
+    key = hashlib.sha256(f"adapter\0{src}".encode()).hexdigest()[:16]  # a hub id's model entry holds other files
+    if src.startswith("s3://"):
+        def adapter_objects(objects: list[S3Object]) -> list[S3Object]:
+            wanted = check_listing(src.rstrip("/"), [o.rel for o in objects])
+            return [o for o in objects if o.rel in wanted]
+
+        return _download_s3(src, key, env, root, progress, adapter_objects)
+    from serving.sources.hub import parse_hub_id
+
+    parsed = parse_hub_id(src)
+    if parsed is None:
+        raise SourceError(f"{src!r} is not an S3 URI (s3://bucket/prefix) or a hub id (org/name[@revision])")
+    return _download_hub(src, key, parsed, None, False, env, root, progress, adapter=True)
+
+
 def _download(model_id: str, *, allow_unsafe: bool, gguf_file: str | None, env: Mapping[str, str], root: Path,
               progress: Progress) -> Path:
     key = hashlib.sha256(model_id.encode()).hexdigest()[:16]
@@ -82,7 +108,8 @@ def _download(model_id: str, *, allow_unsafe: bool, gguf_file: str | None, env: 
 
 
 def _download_hub(model_id: str, key: str, parsed: tuple[str, str | None], gguf_file: str | None,
-                  allow_unsafe: bool, env: Mapping[str, str], root: Path, progress: Progress) -> Path:
+                  allow_unsafe: bool, env: Mapping[str, str], root: Path, progress: Progress,
+                  adapter: bool = False) -> Path:
     """One cache entry per commit (and GGUF file named): a start or a reload asks the hub which commit the
     revision names now and serves the cached entry of that commit, else fetches it; when the hub cannot be
     reached and a copy is cached, that copy serves, with a warning."""
@@ -101,7 +128,7 @@ def _download_hub(model_id: str, key: str, parsed: tuple[str, str | None], gguf_
         progress(f"{model_id}: commit {listing.commit[:12]}: cached in {entry}")
         return entry
     published = cache.publish(entry, lambda dest: fetch_hub(repo_id, revision, dest, env, progress, allow_unsafe,
-                                                             gguf_file, listing))
+                                                             gguf_file, listing, adapter))
     cache.prune(root, family, keep=2)
     return published
 
@@ -116,10 +143,12 @@ def _cached_copy(exc: SourceUnreachable, root: Path, family: str, why: str, prog
     return kept
 
 
-def _download_s3(model_id: str, key: str, env: Mapping[str, str], root: Path, progress: Progress) -> Path:
+def _download_s3(model_id: str, key: str, env: Mapping[str, str], root: Path, progress: Progress,
+                 select: Callable[[list[S3Object]], list[S3Object]] | None = None) -> Path:
     """One cache entry per listing of the prefix (paths, sizes, ETags): a start or a reload lists the prefix,
     serves the cached copy when nothing changed, else fetches only the changed objects; when the endpoint cannot
-    be reached and a copy is cached, that copy serves, with a warning."""
+    be reached and a copy is cached, that copy serves, with a warning. ``select``: the objects wanted of the
+    listing (raising SourceError before any download when they are not there); default all."""
     from serving.sources.s3 import fetch_s3, list_s3, listing_digest, record_objects  # boto3 only when used
 
     family = f"s3-{key}-"
@@ -127,6 +156,8 @@ def _download_s3(model_id: str, key: str, env: Mapping[str, str], root: Path, pr
         objects = list_s3(model_id, env)
     except SourceUnreachable as exc:
         return _cached_copy(exc, root, family, f"{model_id}: cannot list it", progress)
+    if select is not None:
+        objects = select(objects)
     entry = root / f"{family}{listing_digest(objects)}"
     if cache.cached(entry):
         progress(f"{model_id}: unchanged (its {len(objects)} objects' ETags): cached in {entry}")

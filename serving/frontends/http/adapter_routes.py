@@ -1,12 +1,13 @@
 """DJL LMI's adapter API on the management listener: LoRA adapters of a live model, registered at run time.
 
-    POST   /models/{model}/adapters?name=NAME&src=FOLDER   register (FOLDER: inside the model store)
+    POST   /models/{model}/adapters?name=NAME&src=SRC      register (SRC: a folder inside the model store,
+                                                           s3://bucket/prefix or a hub id org/name[@revision])
     GET    /models/{model}/adapters                        the model's adapters (its own and registered)
     GET    /models/{model}/adapters/{name}                 one of them
     DELETE /models/{model}/adapters/{name}                 unregister (requests running on it finish)
 
-Registering reads files from the server's disk, so it needs ``enable_model_api`` like registering a model;
-listing needs only the management token.
+Registering reads files from the server's disk or fetches them (``serving.models.adapter_source``), so it needs
+``enable_model_api`` like registering a model; listing needs only the management token.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from starlette.routing import Route
 
 from rollcore.errors import InvalidRequest, ModelNotFound, ServingError
 from serving.frontends.http.httpio import REQUEST_ID_HEADER, error_response, request_id
+from serving.models.adapter_source import FORMS
 from serving.models.adapters import ApiAdapters
 from serving.models.endpoint_protocol import Endpoint
 
@@ -59,12 +61,13 @@ class AdapterRoutes:
             ep, api = self._endpoint(request)
             name, src = request.query_params.get("name"), request.query_params.get("src")
             if not name or not src:
-                raise InvalidRequest("query parameters 'name' and 'src' are required (src: the adapter's folder "
-                                     "inside the model store)")
+                raise InvalidRequest(f"query parameters 'name' and 'src' are required (src: {FORMS})")
             if name in self.registry.endpoints:
                 raise InvalidRequest(f"adapter name {name!r} is a model's name (OpenAI's 'model' could not pick it)")
             builtin = [n for n in ep.info["adapters"] if n not in api.registered]
-            await api.register(name, str(self.registry.resolve_url(src)), builtin)
+            api.check_name(name, builtin)  # before anything is fetched
+            folder = await self.registry.adapter_folder(ep.name, name, src)
+            await api.register(name, str(folder), builtin)
             return {"status": f"adapter {name!r} registered for model {ep.name!r}", "adapters": self._entries(ep, api)}
         return await self._guard(request, run)
 

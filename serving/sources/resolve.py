@@ -8,7 +8,8 @@ registry (in a thread, so the server keeps answering while a model downloads) in
 GGUF files; ``option.gguf_file`` picks one of several) read by ``handlers.gguf_folder`` in a process of
 its own, cached by the file's SHA-256 so a restart does not convert again. Workers and tensor-parallel ranks
 then read only that local folder. Every failure is a ``SourceError`` naming the source and the cause; the model
-is FAILED with it and other models are unaffected.
+is FAILED with it and other models are unaffected. A LoRA adapter registered over the API from S3 or the hub
+(``resolve_adapter``) goes through the same fetchers and cache, its two files only.
 """
 
 from __future__ import annotations

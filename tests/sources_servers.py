@@ -15,11 +15,13 @@ ranges, with the hub's ``X-Error-Code`` on a missing repository, revision or fil
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
 import logging
 import re
+import socket
 import threading
 import urllib.parse
 import urllib.request
@@ -32,11 +34,38 @@ from typing import Any
 from moto.server import ThreadedMotoServer
 
 
+class _Server(ThreadingHTTPServer):
+    """Keeps its open connections, so that stopping it also ends the kept-alive ones (a client's next request
+    then finds nothing listening, as after a real server went away)."""
+
+    daemon_threads = True
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(("127.0.0.1", 0), handler)
+        self.open: set[socket.socket] = set()
+        self.lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.lock:
+            self.open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.lock:
+            self.open.discard(request)
+        super().shutdown_request(request)
+
+    def drop_connections(self) -> None:
+        with self.lock:
+            for sock in self.open:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
 @contextmanager
 def _serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """Run ``handler`` on a loopback port in a thread; yields the base URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
+    server = _Server(handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -44,6 +73,7 @@ def _serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+        server.drop_connections()
         thread.join()
 
 

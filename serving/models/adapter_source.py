@@ -51,7 +51,7 @@ async def adapter_folder(name: str, src: str, *, in_store: Callable[[str], Path]
         assert folder is not None
         check_folder(folder, where)
     except SourceError as exc:
-        log.warning("model %s: %s", model, exc)
+        log.warning("model %s: adapter %s: %s", model, name, exc)
         not_local = f" (no folder {src!r} in the model store)" if remote and not src.startswith("s3://") else ""
         text = str(exc) if str(exc).startswith(where) else f"{where}{not_local}: {exc}"
         raise InvalidRequest(scrub_paths(text, {str(cache_root): "<model_cache>", str(store): "<model_store>"})) \

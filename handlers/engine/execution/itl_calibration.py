@@ -5,7 +5,8 @@ multiple of the decode step of ``max_num_seqs`` rows, which only this machine, t
 tell; and until the engine has run a few steps its step fit (``step_budget.StepFit``) has nothing to price prompt
 tokens with. So the engine runs, once at load, steps shaped like its own: a decode-shaped step of ``rows``
 one-token sequences, one of a single row, a prompt chunk, and a mixed one, each timed ``REPEATS`` times after a
-warm-up pass, and feeds the fastest time of each shape to the fit twice (8 steps: the fit's minimum). The fastest,
+warm-up pass (once where the warm-up took ``SLOW_STEP_S``), and feeds the fastest time of each shape to the fit
+twice (8 steps: the fit's minimum). The fastest,
 because a busy machine only ever adds time to a step, and a noisy first fit would price prompt tokens wrongly.
 The rows sit at position 0 in blocks borrowed from the allocator and given back at once (no prefix is
 registered, nothing is committed), so the cache and the scheduler are as before. The real steps refit the line
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 PROMPT_TOKENS = 64  # the timed prompt chunk: long enough that its slope shows above the step's fixed cost
 REPEATS = 3
+SLOW_STEP_S = 0.25  # a shape whose warm-up took this long is timed once: its noise is small beside it, and a 7B's
+                    # repeats would add tens of seconds to every load
 
 
 def _timed(execute: Callable[[Seq[ScheduledChunk]], torch.Tensor], chunks: Seq[ScheduledChunk]) -> float:
@@ -65,9 +68,9 @@ def calibrate(execute: Callable[[Seq[ScheduledChunk]], torch.Tensor], allocator:
         shapes = ((decode, rows, 0), (decode[:1], 1, 0), ((ScheduledChunk(prompt, 0, prompt_tokens),), 0,
                   prompt_tokens), ((*decode[:half], ScheduledChunk(prompt, 0, prompt_tokens // 2)), half,
                                    prompt_tokens // 2))
-        for chunks, _, _ in shapes:  # warm-up: kernels built, buffers sized
-            _timed(execute, chunks)
-        fastest = [min(_timed(execute, chunks) for _ in range(REPEATS)) for chunks, _, _ in shapes]
+        warm = [_timed(execute, chunks) for chunks, _, _ in shapes]  # warm-up: kernels built, buffers sized
+        fastest = [min(_timed(execute, chunks) for _ in range(1 if first >= SLOW_STEP_S else REPEATS))
+                   for (chunks, _, _), first in zip(shapes, warm, strict=True)]
         for _ in range(2):
             for (_, decode_rows, tokens), seconds in zip(shapes, fastest, strict=True):
                 fit.record(decode_rows, tokens, seconds)

@@ -13,10 +13,14 @@ optional minimum: ``W = q * scale (+ minimum)``. ``option.quantize`` makes this 
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
+
+from handlers.engine.execution.kernels.native import shared_library
 
 BLOCK = 16  # output channels per packed block (the kernel's NB)
 
@@ -90,12 +94,7 @@ def pack(weight: IntWeight, half_scales: bool = False) -> Packed:
     that holds them exactly, or always with ``half_scales`` (rounded: at most 2^-11 of a scale)."""
     out, cols = weight.shape
     rows = -(-out // BLOCK) * BLOCK
-    q = _blocked(_pad_rows(weight.q, rows))
-    if weight.bits == 4:
-        nibbles = q.numpy()  # numpy's byte operations: torch's uint8 ones are many times slower
-        q = torch.from_numpy(np.ascontiguousarray(nibbles[..., :8] | (nibbles[..., 8:] << 4)))
-    else:
-        q = q.view(torch.uint8)
+    q = _packed_bytes(_pad_rows(weight.q, rows).contiguous().view(torch.uint8), weight.bits)
     if weight.group == 0:
         scale, minimum = _pad_rows(weight.scale.float(), rows, 1.0).contiguous(), None
     else:
@@ -108,6 +107,34 @@ def pack(weight: IntWeight, half_scales: bool = False) -> Packed:
             scale = scale.half()
             minimum = None if minimum is None else minimum.half()
     return Packed(q, scale, minimum, weight.bits, weight.group, out, cols)
+
+
+def _packed_bytes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Bytes [rows, cols] (rows a multiple of 16) in the kernel's blocks: [rows / 16, cols, 16] (8 bits) or
+    [rows / 16, cols, 8], channel j's nibble low and j + 8's high (4 bits). ``csrc/pack_blocks.c`` where it builds;
+    numpy otherwise (the same bytes, one at a time: most of a 7B file's load)."""
+    fn = _pack_kernel()
+    if fn is None:
+        blocked = _blocked(q)
+        if bits == 8:
+            return blocked
+        nibbles = blocked.numpy()  # numpy's byte operations: torch's uint8 ones are many times slower
+        return torch.from_numpy(np.ascontiguousarray(nibbles[..., :8] | (nibbles[..., 8:] << 4)))
+    rows, cols = q.shape
+    out = torch.empty(rows // BLOCK, cols, BLOCK if bits == 8 else BLOCK // 2, dtype=torch.uint8)
+    fn(q.data_ptr(), rows, cols, bits, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+@lru_cache(maxsize=1)
+def _pack_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    lib = shared_library("pack_blocks.c", "weights are packed by numpy (slower loads)")
+    if lib is None:
+        return None
+    fn = lib.rollserve_pack_blocks
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    return fn
 
 
 def _fits_half(t: torch.Tensor) -> bool:

@@ -41,8 +41,11 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
     """Bytes [n, width] -> [n, 2 * width]: the low nibbles of each run of ``width`` bytes, then the high ones."""
     n = qs.shape[0]
-    parts = qs.reshape(n, -1, 1, width) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    return (parts & np.uint8(15)).reshape(n, -1)
+    runs = qs.reshape(n, -1, width)
+    out = np.empty((n, runs.shape[1], 2, width), dtype=np.uint8)  # written in place: no shifted temporaries
+    np.bitwise_and(runs, np.uint8(15), out=out[:, :, 0])
+    np.right_shift(runs, np.uint8(4), out=out[:, :, 1])
+    return out.reshape(n, -1)
 
 
 def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:

@@ -234,3 +234,17 @@ def test_checkpoints_quantized_in_other_formats_are_refused_by_name(model_dirs: 
         LLMEngine.from_options(folder, {})
     with pytest.raises(ConfigError, match=want):
         HuggingFaceHandler().initialize(Context("m", folder, {}))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_packer_writes_the_layout_numpy_writes(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``csrc/pack_blocks.c`` (tiles of 64 columns) against the numpy path it replaces, on widths that leave a
+    partial tile (the kernel against the dequantized weight: the tests above)."""
+    from handlers.engine.execution.kernels import int_weights
+
+    assert int_weights._pack_kernel() is not None  # a C compiler is part of the test environment
+    gen = torch.Generator().manual_seed(bits)
+    q = torch.randint(0, 16 if bits == 4 else 256, (48, 200), generator=gen, dtype=torch.uint8)
+    built = int_weights._packed_bytes(q, bits)
+    monkeypatch.setattr(int_weights, "_pack_kernel", lambda: None)
+    assert torch.equal(built, int_weights._packed_bytes(q, bits))

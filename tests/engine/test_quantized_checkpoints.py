@@ -1,11 +1,13 @@
 """Quantized checkpoints of the vLLM/LMI world loaded straight into the integer kernels (``quant_ckpt_load``), made
 FROM THE REAL SmolLM2 fp32 weights: compressed-tensors ``pack-quantized`` by compressed-tensors itself (min-max
 scales from its own ``calculate_qparams``, compressed by its ``ModelCompressor``), the reference its own
-``PackedQuantizationCompressor.decompress``; AWQ GEMM packed here and unpacked for the reference by
-compressed-tensors' own ``AutoAWQConverter``; GPTQ (no GPTQ library installs on this CPU-only torch) packed here as
-the format lays its words out, the reference computed from the integers before packing. Then: greedy tokens equal
-transformers' on the reference weights (the rolling engine and the dynamic handler), refusals by name, the plan,
-and option.quantize on a float checkpoint quantized while loading (same layers as before, a bounded peak)."""
+``PackedQuantizationCompressor.decompress``; GPTQ and AWQ GEMM packed by auto-round's exporters' own layers (GPTQ:
+``auto_round_extension``'s ``QuantLinear``, AutoGPTQ's packing, zeros stored minus one; AWQ: ``WQLinear_GEMM``,
+AutoAWQ's) from min-max scales and zero points (GPTQModel 7.7 needs a newer torch than CI's; AutoGPTQ 0.7.1 does not
+import under transformers 5), the reference GPTQ's dequantization by that same ``QuantLinear``'s forward and AWQ's
+by compressed-tensors' ``AutoAWQConverter``. Then: greedy tokens equal transformers' on the reference weights (the
+rolling engine and the dynamic handler), refusals by name, the plan, and option.quantize on a float checkpoint
+quantized while loading (same layers as before, a bounded peak)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ from torch import nn
 from handlers.base import Context, Input
 from handlers.engine.engine import LLMEngine
 from handlers.engine.execution.kernels.quantize import QuantizedLinear, quantize_linears
-from handlers.engine.execution.weights.checkpoint_quant import AWQ_ORDER
 from handlers.engine.execution.weights.quant_ckpt_load import load_quantized_checkpoint, load_quantizing
 from handlers.engine.planning.engine_config import EngineConfig
 from handlers.engine.planning.memory import preflight
@@ -45,7 +46,6 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in 
          "The three primary colors are", "Water boils at"]
 NEW_TOKENS = 8
 GREEDY = ("ct-w4-g32", "ct-w8-channel", "gptq", "awq")  # served through the handler and the engine
-_GPTQ_WEIGHTS: dict[str, torch.Tensor] = {}  # the GPTQ checkpoint's layers from its integers before packing
 
 
 def fp32_model() -> nn.Module:
@@ -110,32 +110,43 @@ def _words(values: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
 
 
-def _v1_words(words: torch.Tensor) -> torch.Tensor:
-    """GPTQ's original format: zeros minus one, as GPTQModel's v2 -> v1 conversion writes them (0x11111111
-    subtracted from each word, borrows included: a zero of 0 still round-trips)."""
-    v1 = (words.to(torch.int64) - 0x11111111) & 0xFFFFFFFF
-    return torch.where(v1 >= 1 << 31, v1 - (1 << 32), v1).to(torch.int32)
+def _on_grid(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: int) -> nn.Linear:
+    """The layer as GPTQ and AWQ hand it to their packers: its weight ``(q - zero) * scale`` already on the grid, so
+    the packer's own rounding gives ``q`` back."""
+    layer = nn.Linear(q.shape[1], q.shape[0], bias=False)
+    weight = (q - zero.repeat_interleave(group, 1)).float() * scale.float().repeat_interleave(group, 1)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    return layer
 
 
-def build_gptq_or_awq(base: nn.Module, out: Path, method: str, group: int = GROUP) -> dict[str, torch.Tensor]:
-    """A GPTQ (original format: zeros stored minus one) or AWQ GEMM checkpoint; returns each layer's weight as
-    ``(q - zero) * scale`` from the integers before packing."""
+def _gptq_packed(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: int) -> nn.Module:
+    """auto-round's GPTQ layer (AutoGPTQ's packing: ``qweight`` [in / 8, out], ``qzeros`` [groups, out / 8] stored
+    minus one, fp16 ``scales`` [groups, out], ``g_idx``) packed by its own ``pack``."""
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+
+    out_f, in_f = q.shape
+    packed = QuantLinear(4, group, in_f, out_f, False, g_idx=True)
+    packed.pack(_on_grid(q, zero, scale, group), scale.float(), zero.clone(), None, "cpu")
+    return packed
+
+
+def build_gptq_or_awq(base: nn.Module, out: Path, method: str, group: int = GROUP) -> None:
+    """A GPTQ (original format: zeros stored minus one) or AWQ GEMM checkpoint of ``base``'s min-max 4-bit layers,
+    every layer's words, zeros and scales packed by the library's own layer (auto-round's exporters)."""
+    from auto_round.export.export_to_awq.utils import WQLinear_GEMM
+
     tensors = {k: v.contiguous() for k, v in base.state_dict().items() if k != "lm_head.weight"}
-    expected = {}
     for name, module in _linears(base).items():
         q, zero, scale = _minmax_4bit(module.weight.detach(), group)
         del tensors[f"{name}.weight"]
-        expected[name] = (q - zero.repeat_interleave(group, 1)).float() * scale.float().repeat_interleave(group, 1)
-        out_f, in_f = q.shape
-        if method == "gptq":  # qweight [in / 8, out] along the inputs; qzeros [groups, out / 8] along the outputs
-            tensors[f"{name}.qweight"] = _words(q.T.reshape(in_f // 8, 8, out_f).transpose(1, 2))
-            tensors[f"{name}.qzeros"] = _v1_words(_words(zero.T.reshape(-1, out_f // 8, 8)))
-            tensors[f"{name}.g_idx"] = (torch.arange(in_f) // group).to(torch.int32)
-        else:  # AWQ: qweight [in, out / 8], word nibble i holds column AWQ_ORDER[i] of its eight
-            order = torch.tensor(AWQ_ORDER)
-            tensors[f"{name}.qweight"] = _words(q.T.reshape(in_f, out_f // 8, 8)[:, :, order])
-            tensors[f"{name}.qzeros"] = _words(zero.T.reshape(-1, out_f // 8, 8)[:, :, order])
-        tensors[f"{name}.scales"] = scale.T.contiguous()
+        if method == "gptq":
+            packed = _gptq_packed(q, zero, scale, group)
+            tensors[f"{name}.g_idx"] = packed.g_idx.contiguous()
+        else:
+            packed = WQLinear_GEMM.from_linear(_on_grid(q, zero, scale, group), 4, group, scales=scale.float().T,
+                                               zeros=zero.T.to(torch.int32), device="cpu")
+        for key in ("qweight", "qzeros", "scales"):
+            tensors[f"{name}.{key}"] = getattr(packed, key).contiguous()
     out.mkdir()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((smollm2_folder() / "config.json").read_text())
@@ -144,7 +155,6 @@ def build_gptq_or_awq(base: nn.Module, out: Path, method: str, group: int = GROU
          "checkpoint_format": "gptq"} if method == "gptq" else
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
     (out / "config.json").write_text(json.dumps(config))
-    return expected
 
 
 @pytest.fixture(scope="module")
@@ -156,17 +166,32 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         build_compressed_tensors(base, root / name, bits, group, symmetric)
         out[name] = root / name
     for method in ("gptq", "awq"):
-        expected = build_gptq_or_awq(base, root / method, method)
+        build_gptq_or_awq(base, root / method, method)
         out[method] = root / method
-        if method == "gptq":
-            _GPTQ_WEIGHTS.update(expected)
     for folder in out.values():
         copy_folder_files(smollm2_folder(), folder)
     return out
 
 
+def _gptq_dequantized(tensors: dict[str, torch.Tensor], layer: str, group: int) -> torch.Tensor:
+    """A GPTQ layer's weight as auto-round's ``QuantLinear`` unpacks it in its forward (fp32 scales: the stored
+    fp16 values, so its products are exact), its output for the identity."""
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+
+    words = tensors[f"{layer}.qweight"]
+    in_f, out_f = words.shape[0] * 8, words.shape[1]
+    # its groups in order (the g_idx the packer wrote): its forward's g_idx path slices the scales by the inputs
+    assert torch.equal(tensors[f"{layer}.g_idx"].long(), torch.arange(in_f) // group)
+    unpacker = QuantLinear(4, group, in_f, out_f, False, g_idx=False)
+    for key in ("qweight", "qzeros"):
+        setattr(unpacker, key, tensors[f"{layer}.{key}"])
+    unpacker.scales = tensors[f"{layer}.scales"].float()
+    with torch.no_grad():
+        return unpacker(torch.eye(in_f)).T.contiguous()
+
+
 def _reference_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Each quantized layer's float weight as the format's library decompresses it (GPTQ: from the integers)."""
+    """Each quantized layer's float weight as the format's library unpacks it."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -174,7 +199,7 @@ def _reference_weights(folder: Path) -> dict[str, torch.Tensor]:
     tensors = load_file(folder / "model.safetensors")
     layers = sorted({k.rpartition(".")[0] for k in tensors if k.endswith((".weight_packed", ".qweight"))})
     if config["quant_method"] == "gptq":
-        return _GPTQ_WEIGHTS
+        return {layer: _gptq_dequantized(tensors, layer, config["group_size"]) for layer in layers}
     if config["quant_method"] == "awq":
         from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
 
@@ -409,28 +434,27 @@ def test_quantizing_while_loading_never_holds_the_fp32_model(large: tuple[Path, 
 
 
 def test_gptq_zeros_in_both_formats_and_an_out_of_order_g_idx() -> None:
-    """``checkpoint_format: gptq_v2`` stores the zeros as they are, the original format minus one (a zero of 0
-    included, stored as a borrow); a ``g_idx`` that puts inputs out of their groups (act-order) is refused naming
-    the tensor."""
+    """``checkpoint_format: gptq`` (the original format, packed by auto-round's GPTQ layer) stores the zeros minus
+    one, a zero of 0 as a borrow; ``gptq_v2`` stores them as they are; a ``g_idx`` that puts inputs out of their
+    groups (act-order) is refused naming the tensor."""
     from handlers.engine.execution.weights.checkpoint_quant import CheckpointTensorError, LayerTensors, read_layer
 
-    weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(5))
+    weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(5))  # AutoGPTQ packs 32 outputs
     weight[:3, :32] = weight[:3, :32].abs()  # groups whose zero is 0
     q, zero, scale = _minmax_4bit(weight, 32)
     assert (zero == 0).sum() >= 3
     want = (q - zero.repeat_interleave(32, 1)).float() * scale.float().repeat_interleave(32, 1)
-    zeros = _words(zero.T.reshape(-1, 2, 8))
-    for fmt, stored in (("gptq_v2", zeros), ("gptq", _v1_words(zeros))):
-        tensors = {"l.qweight": _words(q.T.reshape(16, 8, 16).transpose(1, 2)), "l.qzeros": stored,
-                   "l.scales": scale.T.contiguous()}
+    packed = _gptq_packed(q, zero, scale, 32)
+    for fmt, stored in (("gptq_v2", _words(zero.T.reshape(-1, 4, 8))), ("gptq", packed.qzeros)):
+        tensors = {"l.qweight": packed.qweight, "l.qzeros": stored, "l.scales": packed.scales}
         quant = parse_checkpoint_quant({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32,
                                                                 "checkpoint_format": fmt}})
         assert quant is not None and quant.zeros_offset == (fmt == "gptq")
         scheme = quant.scheme_for("l")
         assert scheme is not None
         layer = LayerTensors("l", tensors.get, lambda name: "model.safetensors")
-        torch.testing.assert_close(read_layer(quant, scheme, layer, 16, 128).dequantize(), want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(read_layer(quant, scheme, layer, 32, 128).dequantize(), want, rtol=0, atol=1e-6)
     tensors["l.g_idx"] = (torch.arange(128) % 4).to(torch.int32)
     with pytest.raises(CheckpointTensorError, match=r"^model\.safetensors: tensor l\.g_idx orders the inputs out of "
                                                     r"their groups \(act-order\), which is not loaded$"):
-        read_layer(quant, scheme, layer, 16, 128)
+        read_layer(quant, scheme, layer, 32, 128)

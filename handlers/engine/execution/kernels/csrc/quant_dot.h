@@ -209,7 +209,7 @@ static inline __attribute__((always_inline)) void many_rows_dot(int nbk, int par
                                                                 int64_t nb, struct dot_rows X, int64_t M, float *y,
                                                                 int64_t ldy, float *facc) {
     const int64_t groups = X.K / ag;
-    const uint8_t *wb[2] = {L->w + nb * L->wstride, L->w + (nb + 1) * L->wstride};
+    const uint8_t *wb[2] = {L->w + nb * L->wstride, nbk == 2 ? L->w + (nb + 1) * L->wstride : NULL};
     memset(facc, 0, (size_t)(M * 2 * NB) * sizeof(float));
     for (int64_t g = 0; g < groups; g++) {
         const int64_t k0 = g * ag, wg = L->grouped ? k0 / L->group : 0;

@@ -31,8 +31,9 @@ def start_rollserve(quantize: str, args: argparse.Namespace, cores: list[int], w
     n = len(cores)
     store = workdir / "model_store"
     (store / MODEL).mkdir(parents=True, exist_ok=True)
-    # rollserve-gguf: the GGUF file llama.cpp serves, as it is (option.quantize=auto; -int8: one int8 part per
-    # input, llama.cpp's precision); the others: the fp32 folder
+    # rollserve-gguf: the GGUF file llama.cpp serves, as it is (option.quantize=auto, quantized_activations=auto:
+    # int8x2, int8 for a model of 1e9+ weights; -int8: one int8 part per input, llama.cpp's precision, at any
+    # size); the others: the fp32 folder
     activations = "int8" if quantize == "gguf-int8" else "auto"
     model_id = str(args.gguf) if quantize.startswith("gguf") else str(args.model_dir)
     quantize = "auto" if quantize.startswith("gguf") else quantize

@@ -110,8 +110,9 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "K-quants' sub-blocks) and integer dot products (llama.cpp's precision; needs AVX-512 VNNI and VBMI, "
           "else fp32), int8x2 the same with what "
           "int8 leaves quantized again (inputs to ~1e-5 of their largest value: the answers of fp32 inputs), or "
-          "fp32 inputs times the weights converted (exact to the dequantized model). auto: int8x2 for a GGUF "
-          "file's or a quantized checkpoint's weights, fp32 for option.quantize on a float checkpoint"),
+          "fp32 inputs times the weights converted (exact to the dequantized model). auto: for a GGUF file int8x2, "
+          "int8 from 1e9 weights in its linear layers (llama.cpp's precision where the integer work is most of a "
+          "step); int8x2 for a quantized checkpoint's weights; fp32 for option.quantize on a float checkpoint"),
     _spec("trust_remote_code", boolean, "false", (SERVING, *_BOTH), "run the model folder's own code"),
     _spec("predict_timeout", number(0, exclusive=True), "120", (SERVING,), "seconds one request may take"),
     _spec("model_loading_timeout", number(0, exclusive=True), "600", (SERVING,), "seconds a worker may load"),

@@ -254,6 +254,26 @@ def test_integer_activations_where_the_cpu_has_them(tmp_path: Path) -> None:
         assert err < (bound if _int8_kernel() else 1e-6), (mode, err)
 
 
+def test_auto_inputs_are_llama_cpps_int8_from_a_billion_weights(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` follows the model's size: int8x2 below the threshold, int8 at it (the tiny file stands in for a
+    large model by moving the threshold to its own weight count)."""
+    from handlers.engine.execution.kernels import quantize
+
+    assert quantize.auto_activations(quantize.LARGE_MODEL_WEIGHTS - 1) == "int8x2"
+    assert quantize.auto_activations(quantize.LARGE_MODEL_WEIGHTS) == "int8"
+    folder = _folder(DATA / "tiny-Q4_0.gguf", tmp_path)
+    small = load_gguf_model(folder, folder / "model.gguf", "auto", 32)
+    layers = [m for m in small.modules() if isinstance(m, QuantizedLinear)]
+    weights = sum(m.in_features * m.out_features for m in layers)
+    integer = _int8_kernel()
+    assert {m.activations for m in layers} == {"int8x2" if integer else "fp32"}
+    monkeypatch.setattr(quantize, "LARGE_MODEL_WEIGHTS", weights)
+    large = load_gguf_model(folder, folder / "model.gguf", "auto", 32)
+    assert {m.activations for m in large.modules() if isinstance(m, QuantizedLinear)} == \
+        {"int8" if integer else "fp32"}
+
+
 def test_the_default_activations_keep_the_real_models_answers_and_perplexity() -> None:
     import math
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from handlers.engine.execution.kernels.int_weights import IntWeight, quantize_int4, quantize_int8
 from handlers.engine.execution.kernels.prepack import replace_module
-from handlers.engine.execution.kernels.quantize import QuantizedEmbedding, QuantizedLinear
+from handlers.engine.execution.kernels.quantize import QuantizedEmbedding, QuantizedLinear, auto_activations
 from handlers.engine.execution.weights.gguf_blocks import READERS, read_blocks
 from handlers.engine.planning.cpu import return_freed_memory
 from handlers.engine.planning.gguf_plan import GGUFFileError, GGUFHeader, GGUFTensor, read_header
@@ -136,7 +136,8 @@ def _name_map(model: nn.Module, arch: str) -> dict[str, str]:
 def load_gguf_model(folder: Path, gguf: Path, quantize: str, group_size: int, activations: str = "auto") -> nn.Module:
     """The model of ``folder`` (config and tokenizer extracted from ``gguf``) with the weights of ``gguf``.
     ``quantize``: ``auto``, ``none``, ``int8`` or ``int4`` (see the module note); ``activations``: what the layers
-    multiply (``QuantizedLinear.use_activations``; ``auto`` = ``int8x2``). Raises ``GGUFFileError``."""
+    multiply (``QuantizedLinear.use_activations``; ``auto``: ``auto_activations`` of the model's size). Raises
+    ``GGUFFileError``."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
     header = read_header(gguf)  # a truncated file or a type not loaded here: refused before anything is built
@@ -158,9 +159,14 @@ def load_gguf_model(folder: Path, gguf: Path, quantize: str, group_size: int, ac
     if left:
         raise GGUFFileError(f"GGUF file {gguf.name} has no tensor for {', '.join(left[:3])}"
                         f"{' and more' if len(left) > 3 else ''} (architecture {arch or 'unknown'})")
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):  # auto: near-exact integer products where the CPU has them
-            module.use_activations("int8x2" if activations == "auto" else activations)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if activations == "auto":
+        weights = sum(m.in_features * m.out_features for m in layers)
+        activations = auto_activations(weights)
+        logger.info("GGUF file %s: %d quantized linear layers, %.2e weights: %s inputs (quantized_activations=auto)",
+                    gguf.name, len(layers), weights, activations)
+    for module in layers:  # integer products where the CPU has them (else fp32 inputs)
+        module.use_activations(activations)
     model.eval()
     return_freed_memory()  # the tensors' temporaries (a worker keeps freed memory for its steps otherwise)
     return model

@@ -174,10 +174,10 @@ def test_a_model_whose_follower_copy_differs_is_failed_naming_the_file(tmp_path:
     try:
         agent = subprocess.run(
             [sys.executable, "-m", "serving", "worker", "--leader", f"127.0.0.1:{port}", "--model-store", str(store),
-             "--model-cache", str(tmp_path / "follower" / "cache")],
+             "--model-cache", str(tmp_path / "follower" / "cache"), "--connect-timeout", "90"],
             env={**os.environ, "ROLLSERVE_CLUSTER_SECRET": SECRET.decode()}, capture_output=True, text=True,
-            timeout=120)
-        assert agent.returncode == 2, agent.stderr
+            timeout=120)  # the agent gives up on a leader that never listens first, saying so in its stderr
+        assert agent.returncode == 2, agent.stderr + server.log()[-4000:]
         assert "tokenizer.json has 2 bytes, the leader's" in agent.stderr
         wait_for(lambda: server.describe("tp2")["state"] == "FAILED", "the model to fail", timeout_s=60)
         reason = str(server.describe("tp2"))

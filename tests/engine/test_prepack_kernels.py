@@ -267,3 +267,24 @@ def test_auto_runs_decode_rows_on_the_panel_kernel_and_equals_generate(model_dir
     assert (8, True) in calls and (1, True) in calls and any(not panel for _, panel in calls)  # both kernels ran
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == reference_greedy(model_dirs["llama"], p, 4 + i), f"prompt {i} differs from generate"
+
+
+def test_a_head_wrapped_by_the_panel_kernel_builds_no_prefill_sized_kernels(model_dirs: dict[str, Path],
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    """The LM head sees one row per sequence: where the panel kernel takes some of its buckets and the packed
+    weight the rest, the packed copy inside it is warmed for those rows only, never for prefill-sized ones (on
+    the real model they were most of a load: 49,152 outputs times up to 2,048 rows)."""
+    from handlers.engine.execution.kernels.panel_linear import PanelLinear
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _cached_timings(model_dirs["llama"], {16, 32, 64, 128, 256, 512}, {4, 8}, step_tokens=512, max_seqs=8,
+                    body_panel=frozenset({1, 2}), head_panel=frozenset({1, 2}))
+    options = {"num_kv_blocks": "256", "max_rolling_batch_size": "8", "max_rolling_batch_prefill_tokens": "512",
+               "num_threads": "1"}
+    engine = LLMEngine.from_options(model_dirs["llama"], options)
+    head = engine.model.get_submodule("lm_head")
+    assert isinstance(head, PanelLinear) and isinstance(head.rest, PackedLinear)
+    assert head.rest.large_rows == 0
+    body = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m is not head.rest]
+    assert body and all(m.large_rows == 512 for m in body)

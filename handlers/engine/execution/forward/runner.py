@@ -147,10 +147,12 @@ class ModelRunner:
             else:
                 n = prepack_linear_layers(model, hybrid=prepack_weights == "hybrid")
             started = time.perf_counter()
-            # prefill-sized steps (up to the token budget) run packed too; the lm_head only sees sampled rows
+            # prefill-sized steps (up to the token budget) run packed too; the lm_head only sees sampled rows (it
+            # may be wrapped by the routing of apply_choice: its inner modules are skipped with it)
             head = getattr(model, "lm_head", None)
             kernels = warm_packed_kernels(model, large_rows=step_tokens if prepack_weights == "hybrid" else 0,
-                                          large_skip=(head,) if isinstance(head, torch.nn.Module) else ())
+                                          large_skip=tuple(head.modules()) if isinstance(head, torch.nn.Module)
+                                          else ())
             logger.info("prepacked %d linear layers for oneDNN; built %d kernels in %.1f s", n, kernels,
                         time.perf_counter() - started)
         self.context = StepContext()

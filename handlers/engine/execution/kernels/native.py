@@ -13,6 +13,7 @@ tensor-parallel rank).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# flags a source adds: the rotary kernel's products must round as torch's unfused ones do
+SOURCE_FLAGS = {"rotary.c": ("-ffp-contract=off",)}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -175,7 +178,7 @@ class RotaryKernel:
 @lru_cache(maxsize=1)
 def load_rotary() -> RotaryKernel | None:
     """The rotary kernel, built at first use; None where it cannot be built."""
-    lib = shared_library("rotary.c", "the rotary embedding runs as torch operations", ("-ffp-contract=off",))
+    lib = shared_library("rotary.c", "the rotary embedding runs as torch operations")
     return None if lib is None else RotaryKernel(lib)
 
 
@@ -251,23 +254,26 @@ def load_kernels() -> PagedKernels | None:
     return PagedKernels(lib, shared_library("prefill_attention.c", "prompt chunks use SDPA"))
 
 
-def shared_library(source_name: str, without: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """``csrc/source_name`` built with FLAGS (and ``extra``) for this CPU (cached by source, flags and CPU
+def shared_library(source_name: str, without: str) -> ctypes.CDLL | None:
+    """``csrc/source_name`` built with FLAGS (and its SOURCE_FLAGS) for this CPU (cached by source, flags and CPU
     features) and loaded; None, logged once with ``without`` (what the caller does instead), when it cannot be
-    built."""
+    built. One process builds it while the others that need it wait (the largest takes half a minute)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: %s", without)
         return None
     source = CSRC / source_name
-    flags = (*FLAGS, *extra)
+    flags = (*FLAGS, *SOURCE_FLAGS.get(source_name, ()))
     headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
     key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
-            _build(compiler, source, target, flags)
+            with open(target.with_suffix(".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                if not target.exists():  # else another process built it while this one waited
+                    _build(compiler, source, target, flags)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
@@ -300,3 +306,20 @@ def cache_dir() -> Path:
         except OSError:
             continue
     raise OSError("no writable folder for the kernel cache")
+
+
+def main() -> None:
+    """Build every kernel of ``csrc`` for this CPU into the cache ahead of the first worker that needs one (the
+    test command runs it while the test model is fetched), the largest first, two at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sources = sorted((p.name for p in CSRC.glob("*.c")), key=lambda n: -(CSRC / n).stat().st_size)
+    with ThreadPoolExecutor(2) as pool:
+        libs = pool.map(lambda n: shared_library(n, "built at first use instead"), sources)
+        for name, lib in zip(sources, libs, strict=True):
+            print(f"{name}: {'built' if lib is not None else 'not built'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -172,13 +172,18 @@ def test_a_model_whose_follower_copy_differs_is_failed_naming_the_file(tmp_path:
     shutil.copytree(DEFAULT_MODEL, store / "tp2")
     (store / "tp2" / "tokenizer.json").write_text("{}")
     try:
-        agent = subprocess.run(
+        agent = subprocess.Popen(
             [sys.executable, "-m", "serving", "worker", "--leader", f"127.0.0.1:{port}", "--model-store", str(store),
              "--model-cache", str(tmp_path / "follower" / "cache"), "--connect-timeout", "90"],
-            env={**os.environ, "ROLLSERVE_CLUSTER_SECRET": SECRET.decode()}, capture_output=True, text=True,
-            timeout=120)  # the agent gives up on a leader that never listens first, saying so in its stderr
-        assert agent.returncode == 2, agent.stderr + server.log()[-4000:]
-        assert "tokenizer.json has 2 bytes, the leader's" in agent.stderr
+            env={**os.environ, "ROLLSERVE_CLUSTER_SECRET": SECRET.decode()}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        try:  # the agent gives up on a leader that never listens first, saying so in its stderr
+            _, stderr = agent.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            _, stderr = agent.communicate()
+        assert agent.returncode == 2, f"{stderr}\n--- the leader's log:\n{server.log()[-4000:]}"
+        assert "tokenizer.json has 2 bytes, the leader's" in stderr
         wait_for(lambda: server.describe("tp2")["state"] == "FAILED", "the model to fail", timeout_s=60)
         reason = str(server.describe("tp2"))
         assert "follower host 127.0.0.1: this host's copy (this host's model store): tokenizer.json has 2 bytes, " \

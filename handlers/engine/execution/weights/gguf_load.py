@@ -18,6 +18,8 @@ transformers transforms in other ways are loaded by transformers dequantized (lo
 from __future__ import annotations
 
 import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -186,31 +188,28 @@ def _place(model: nn.Module, tensors: _Tensors, names: dict[str, str], quantize:
         else:
             table = _linear(tensors, embed_key, None, None, quantize, group_size, for_embedding=True)
             replace_module(model, _param_name(model, embedding), QuantizedEmbedding(table))
-    for module_name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear:
-            continue
-        key = names.get(module_name + ".weight")
-        if module is head and (key not in tensors.by_name) and tied:
-            if table is not None:
-                replace_module(model, module_name, table)  # one copy: the embedding's rows are the head's
-            else:
-                module.weight = model.get_input_embeddings().weight
-            continue
-        if key not in tensors.by_name:
-            raise GGUFFileError(f"GGUF file {tensors.name} has no tensor for {module_name}")
-        permute = permute_q if key.endswith("attn_q.weight") else permute_k if key.endswith("attn_k.weight") else None
-        bias_key = names.get(module_name + ".bias")
-        bias = tensors.floats(bias_key, permute) if module.bias is not None and bias_key in tensors.by_name else None
-        if quantize == "none":
-            linear = nn.Linear(module.in_features, module.out_features, bias=bias is not None)
-            with torch.no_grad():
-                linear.weight.copy_(tensors.floats(key, permute))
-                if bias is not None:
-                    linear.bias.copy_(bias)
-            replace_module(model, module_name, linear.requires_grad_(False))
-        else:
-            replace_module(model, module_name, _linear(tensors, key, permute, bias, quantize, group_size))
-        return_freed_memory()  # each tensor's temporaries given back: the peak stays the model plus one tensor
+    # two tensors read side by side: reading is mostly numpy's single-threaded byte work (nibbles, scales), which
+    # releases the GIL; two in flight at most, so the peak stays the model plus two tensors
+    in_flight: deque[tuple[str, Future[nn.Module]]] = deque()
+    with ThreadPoolExecutor(2) as reader:
+        for module_name, module in list(model.named_modules()):
+            if type(module) is not nn.Linear:
+                continue
+            key = names.get(module_name + ".weight")
+            if module is head and (key not in tensors.by_name) and tied:
+                if table is not None:
+                    replace_module(model, module_name, table)  # one copy: the embedding's rows are the head's
+                else:
+                    module.weight = model.get_input_embeddings().weight
+                continue
+            if key not in tensors.by_name:
+                raise GGUFFileError(f"GGUF file {tensors.name} has no tensor for {module_name}")
+            in_flight.append((module_name, reader.submit(_layer, tensors, module, key, names.get(module_name + ".bias"),
+                                                         quantize, group_size, permute_q, permute_k)))
+            if len(in_flight) > 1:
+                _place_next(model, in_flight)
+        while in_flight:
+            _place_next(model, in_flight)
     for name, param in list(model.named_parameters()):
         if param.device.type != "meta":
             continue
@@ -218,6 +217,27 @@ def _place(model: nn.Module, tensors: _Tensors, names: dict[str, str], quantize:
         if key in tensors.by_name:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, nn.Parameter(tensors.floats(key), requires_grad=False))
+
+
+def _place_next(model: nn.Module, in_flight: deque[tuple[str, Future[nn.Module]]]) -> None:
+    module_name, layer = in_flight.popleft()
+    replace_module(model, module_name, layer.result())
+    return_freed_memory()  # each tensor's temporaries given back
+
+
+def _layer(tensors: _Tensors, module: nn.Linear, key: str, bias_key: str | None, quantize: str, group_size: int,
+           permute_q: tuple[int, int] | None, permute_k: tuple[int, int] | None) -> nn.Module:
+    """The layer that replaces ``module``: the file's tensor ``key`` (and its bias) in its final form."""
+    permute = permute_q if key.endswith("attn_q.weight") else permute_k if key.endswith("attn_k.weight") else None
+    bias = tensors.floats(bias_key, permute) if module.bias is not None and bias_key in tensors.by_name else None
+    if quantize != "none":
+        return _linear(tensors, key, permute, bias, quantize, group_size)
+    linear = nn.Linear(module.in_features, module.out_features, bias=bias is not None, device="cpu")
+    with torch.no_grad():
+        linear.weight.copy_(tensors.floats(key, permute))
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear.requires_grad_(False)
 
 
 def _param_name(model: nn.Module, module: nn.Module) -> str:

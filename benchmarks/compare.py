@@ -89,6 +89,7 @@ VARIANTS: dict[str, dict[str, str]] = {
                               "burst_prefill_first": "false"},
     # the inter-token latency target off (option.max_itl_ms=0): the time ratio and burst pauses shape the steps
     "rollserve-no-itl": {"max_itl_ms": "0"},
+    "rollserve-itl200": {"max_itl_ms": "200"},  # the target an operator states, as the cell asks
     "rollserve-2w": {"minWorkers": "2", "maxWorkers": "2", "num_threads": "auto"},  # the tiny model's old fixed layout
     # the shipped layout with the GEMM kernel fixed by the old instruction-set rule, not measured at load:
     # packed-only (what auto was on AVX-512 CPUs) and hybrid (what auto was on AVX2-only ones)

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("int8", "int4")
 ACTIVATION_PARTS = {"fp32": 0, "int8": 1, "int8x2": 2}  # int8 parts per input value (csrc/quant_dot.h)
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
 # From this many weights in a model's quantized linear layers, a GGUF file's ``auto`` inputs are int8 (llama.cpp's
 # own precision): there the integer work is most of every step, and int8x2's second part nearly halves batched
 # throughput; below it, int8x2 keeps the answers those of the dequantized weights.
@@ -51,8 +53,6 @@ def auto_activations(linear_weights: int) -> str:
     """What ``quantized_activations=auto`` means for a GGUF file whose quantized linear layers hold
     ``linear_weights`` weights."""
     return "int8" if linear_weights >= LARGE_MODEL_WEIGHTS else "int8x2"
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
 
 
 @lru_cache(maxsize=1)

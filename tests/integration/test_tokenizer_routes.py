@@ -167,5 +167,6 @@ def test_lm_eval_remote_tokenizer_gives_the_local_tokenizers_loglikelihoods(serv
         results[name] = {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in samples}
     assert len(results["remote"]) == len(QUESTIONS)
     assert results["remote"].keys() == results["local"].keys()
+    # a token more or less moves a sum by whole units; batch mates move it by float rounding (~1e-6 of it)
     for doc, scores in results["local"].items():
-        assert results["remote"][doc] == pytest.approx(scores, abs=1e-5), doc
+        assert results["remote"][doc] == pytest.approx(scores, rel=1e-5, abs=1e-5), doc

@@ -190,7 +190,8 @@ OPTIONS: Mapping[str, OptionSpec] = MappingProxyType({s.key: s for s in (
           "is in force"),
     _spec("max_itl_ms", integer(0, auto=True), "auto", (ENGINE,),
           "inter-token latency target in ms: every step with running streams keeps them in it, and the prompt work "
-          "beside them is sized by the fitted step cost so that the step lasts at most this long (prompts larger "
+          "beside them is sized by the fitted step cost, less the margin by which recent steps overran it, so that "
+          "the step lasts at most this long (prompts larger "
           "than that are chunked over steps; a waiting prompt still gets a floor of block_size tokens a step; "
           "the token cap, the time ratio and burst pauses step aside); auto = 2 decode steps of a full batch "
           "as measured at load (GET /models/{name}: batcher.engines.<worker>.itl_target.derived_ms); 0 = off. "

@@ -229,6 +229,11 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return failed
+        # a one-token chunk that samples is a row (it pays the LM head); any other chunk is prompt work
+        prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1 or not c.samples)
+        rows = plan.num_batched_tokens - prompt_tokens
+        fitted = self.step_fit.model
+        predicted = fitted.seconds(rows, prompt_tokens) if fitted is not None else None
         adapters = [self._lora_slot(c.seq.request_id) for c in plan.chunks] if self.lora else []
         logits = self.runner.execute(plan.chunks, adapters if any(a >= 0 for a in adapters) else ())
         embedded = self._pooled(plan.chunks) if self._embeddings else []
@@ -236,8 +241,6 @@ class LLMEngine:
             logits = score_prompt_rows(plan.chunks, logits, self.tokenizer.batch_decode, self._record_prompt_scores)
         self.scheduler.commit(plan)
         self._counters["num_steps_total"] += 1
-        # a one-token chunk that samples is a row (it pays the LM head); any other chunk is prompt work
-        prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1 or not c.samples)
         self._counters["num_prefill_tokens_total"] += prompt_tokens
         sampled = [c for c in plan.chunks if c.samples]
         reqs = [self._requests[c.seq.request_id] for c in sampled]
@@ -249,8 +252,8 @@ class LLMEngine:
             deltas = [self._advance(r, t) for r, t in zip(reqs, tokens, strict=True)]
         seconds = time.perf_counter() - t0
         self.step_cost.add(plan.num_batched_tokens, seconds)
-        self.step_fit.record(plan.num_batched_tokens - prompt_tokens, prompt_tokens, seconds)
-        self.itl.record_step(t0 + seconds, plan.num_batched_tokens - prompt_tokens, bool(sampled))
+        self.step_fit.record(rows, prompt_tokens, seconds)
+        self.itl.record_step(t0 + seconds, rows, bool(sampled), predicted)
         return failed + embedded + deltas
 
     def _lora_slot(self, request_id: str) -> int:

@@ -41,7 +41,10 @@ log = logging.getLogger(__name__)
 # what the memory plan leaves out, added to its prediction until a load of the same weights was measured.
 WORKER_OVERHEAD = 192 << 20
 FIRST_LOAD_S = 10.0  # Retry-After for a model no load of which was timed yet
-SAMPLE_EVERY_S = 1.0
+# A sample reads each worker's smaps_rollup: the kernel walks the worker's page tables (about 40 ms for a 135M
+# model in fp32, more for larger ones), time taken from the core the engine may share and a stall of its steps.
+SAMPLE_EVERY_S = 1.0  # while the budget has something to decide (a model that loads on demand is registered)
+QUIET_SAMPLE_EVERY_S = 30.0  # otherwise: only the figures of GET /models and /metrics depend on it
 NOT_RESIDENT = (ModelState.PENDING, ModelState.UNLOADED)
 RESIDENT = (ModelState.LOADING, ModelState.READY, ModelState.DRAINING)
 
@@ -99,6 +102,7 @@ class Residency:
         self._peak: dict[str, int] = {}  # weights -> the largest peak a load of them reached
         self._load_s: dict[str, float] = {}  # weights -> the last load's seconds
         self._monitor: asyncio.Task[None] | None = None
+        self._quiet_sampled_at = -math.inf
 
     # --- registration ---
     def manage(self, ep: Endpoint) -> None:
@@ -276,6 +280,11 @@ class Residency:
         await ep.unload()
 
     # --- what models hold ---
+    def deciding(self) -> bool:
+        """Whether the budget may have to act: a model that loads on demand is registered (its load, or the growth
+        of what the others hold, may call for unloading one); without one, nothing is ever unloaded for it."""
+        return any(ep.residence is not None and ep.residence.on_demand for _, _, ep in self._versions())
+
     def _resident(self) -> list[Any]:
         return [ep for _, _, ep in self._versions() if ep.residence is not None
                 and ep.state in RESIDENT]
@@ -332,6 +341,10 @@ class Residency:
         used first) while what the models hold exceeds the budget."""
         now = time.monotonic()
         loaded = [(ep, self._pids(ep)) for ep in self._resident() if ep.state is ModelState.READY]
+        if not self.deciding() and now - self._quiet_sampled_at < QUIET_SAMPLE_EVERY_S:
+            loaded = [(ep, pids) for ep, pids in loaded if not ep.residence.memory_bytes]  # never sampled yet
+        else:
+            self._quiet_sampled_at = now
         # read in a thread: /proc of many processes is no work for the event loop
         sizes = await asyncio.to_thread(lambda: [tree_pss(pids, self._proc) for _, pids in loaded])
         for (ep, _), size in zip(loaded, sizes, strict=True):
@@ -372,26 +385,3 @@ class Residency:
         return {"budget_bytes": self.budget, "budget_from": self.budget_from, "held_bytes": self.held(),
                 "measured_bytes": self.measured()}
 
-
-def loads_on_request(ep: Endpoint) -> bool:
-    """Whether ``ep`` is not loaded but serves all the same: its next request loads it (readiness counts it)."""
-    r = ep.residence
-    return (r is not None and r.on_demand and r.refusal is None and ep.residency is not None
-            and ep.state in NOT_RESIDENT)
-
-
-async def ensure_resident(ep: Endpoint) -> None:
-    """What a route awaits before it serves ``ep`` (or the version a reload replaced it with): the model loaded on
-    demand, within ``model_load_wait``. Nothing for a model without a residence (a FAILED one)."""
-    while ep.successor is not None:
-        ep = ep.successor
-    residency = ep.residency
-    if residency is not None:
-        await residency.ensure(ep)
-
-
-def residency_entry(ep: Endpoint) -> dict[str, Any]:
-    """``{"residency": ...}`` for a model listing (``GET /models``): its state under the budget, what it holds and
-    when it was last used; {} for a model without a residence (a FAILED configuration)."""
-    residency = ep.residency
-    return {"residency": residency.describe(ep)} if residency is not None else {}

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serving.models.endpoint_protocol import Endpoint
-from serving.models.residency import loads_on_request
+from serving.models.resident import loads_on_request
 
 PING_REQUIRES = ("all", "any", "none")
 

@@ -35,7 +35,7 @@ def test_streams_stay_in_every_step_of_a_burst_and_greedy_output_is_unchanged(mo
     engine.configure(max_itl_ms=1)  # set at run time: from the next step on
     assert engine.stats()["itl_target"] | {"derived_ms": None, "decode_step_ms": None} == {
         "max_itl_ms": 1.0, "source": "API", "derived_ms": None, "decode_step_ms": None, "steps_over_total": 0,
-        "seconds_over_total": 0.0, "max_gap_ms": 0.0}
+        "seconds_over_total": 0.0, "max_gap_ms": 0.0, "margin": 1.0}
     prompts = make_prompts(10, seed=13)
     max_new = [60, 60] + [MAX_NEW] * 8
     deltas: dict[str, list[TokenDelta]] = {f"r{i}": [] for i in range(len(prompts))}

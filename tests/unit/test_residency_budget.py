@@ -3,17 +3,22 @@ config.properties and serving.properties, validated where the other keys are."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from rollcore.errors import ConfigError
+from rollcore.types import ModelState
 from serving.config.memory_budget import BudgetSetting, human, mem_available, memory_budget, pss, tree, tree_pss
 from serving.config.model_config import load_model_config
 from serving.config.server_config import load_server_config
+from serving.models import residency
+from serving.models.residency import Residence
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -109,3 +114,57 @@ def test_trees_from_children_lists_or_from_every_stat(tmp_path: Path, children_f
     assert sorted(tree([10], proc)) == [10, 11, 12]
     assert tree_pss([10], proc) == (10 + 11 + 12) * 1024
     assert tree([], proc) == []
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _endpoint(pid: int, on_demand: bool, state: ModelState) -> SimpleNamespace:
+    return SimpleNamespace(residence=Residence(on_demand=on_demand, pinned=False, idle_ttl_s=None, weights=f"w{pid}",
+                                               predicted_bytes=1 << 20, predicted_from="preflight"),
+                           state=state, pool=SimpleNamespace(workers={1: SimpleNamespace(pid=pid)}),
+                           batcher=SimpleNamespace(num_pending=lambda: 0))
+
+
+@pytest.mark.parametrize("with_on_demand", [False, True])
+def test_the_monitor_reads_workers_memory_every_second_only_while_the_budget_has_something_to_decide(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_on_demand: bool) -> None:
+    """Reading a worker's PSS walks its page tables on the engine's core: with no model that loads on demand
+    nothing is ever unloaded, so the figures are refreshed every 30 s (a model never sampled at once); with one
+    registered (here not loaded), every second."""
+    proc = _fake_proc(tmp_path, {10: 1, 20: 1}, children_files=True)
+    served = _endpoint(10, on_demand=False, state=ModelState.READY)
+    eps = [served] + ([_endpoint(20, on_demand=True, state=ModelState.UNLOADED)] if with_on_demand else [])
+    reads: list[list[int]] = []
+    monkeypatch.setattr(residency, "tree_pss", lambda pids, p: reads.append(list(pids)) or tree_pss(pids, p))
+    clock = _Clock()
+    monkeypatch.setattr(residency, "time", clock)
+    res = residency.Residency(1 << 40, "test", 5.0, lambda: [(f"m{i}", "1", ep) for i, ep in enumerate(eps)],
+                              proc=proc)
+
+    async def monitor() -> None:  # the monitor's checks, one a second of the clock
+        for _ in range(61):
+            await res.check()
+            clock.now += residency.SAMPLE_EVERY_S
+
+    asyncio.run(monitor())
+    assert served.residence.memory_bytes == 10 * 1024
+    assert len(reads) == (61 if with_on_demand else 3)  # at 0 s (never sampled), 30 s and 60 s
+
+
+def test_a_model_loaded_later_is_sampled_at_the_next_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = _fake_proc(tmp_path, {10: 1, 20: 1}, children_files=True)
+    first, second = _endpoint(10, False, ModelState.READY), _endpoint(20, False, ModelState.LOADING)
+    clock = _Clock()
+    monkeypatch.setattr(residency, "time", clock)
+    res = residency.Residency(1 << 40, "test", 5.0, lambda: [("a", "1", first), ("b", "1", second)], proc=proc)
+    asyncio.run(res.check())
+    second.state = ModelState.READY
+    clock.now += residency.SAMPLE_EVERY_S
+    asyncio.run(res.check())
+    assert (first.residence.memory_bytes, second.residence.memory_bytes) == (10 * 1024, 20 * 1024)

@@ -4,9 +4,12 @@ Design note: every running stream waits for the whole step that carries its next
 its streams' inter-token gap. ``ItlTarget`` holds the target (``option.max_itl_ms``, changeable at run time)
 and prices the prompt work a step may add beside ``d`` decode rows with the engine's fitted step cost
 (``step_budget.StepFit``: seconds = fixed + per_row x d + per_token x p, refitted online from the steps run):
-``p = (target - fixed - per_row x d) / per_token``, never below ``floor`` while a prompt waits (a first token is
-never starved: a step may then run over the target, and is counted). With no streams in the step nothing bounds
+``p = (target / margin - fixed - per_row x d) / per_token``, never below ``floor`` while a prompt waits (a first
+token is never starved: a step may then run over the target, and is counted). With no streams in the step nothing bounds
 it (a burst at start-up pays nothing), and until the cost is known the scheduler's other bounds apply.
+The ``margin`` is what a stream's gap runs over the fit's prediction of its step (the 98th percentile of the
+last steps' ratios, at least 1): the fit is a mean, and a gap also holds the time between two steps (sending
+the step's tokens, taking in new requests), so a step priced to the target alone ends past it half the time.
 
 The default target (``auto``) is derived at load from a measured decode step of a full batch
 (``handlers.engine.execution.itl_calibration``): ``AUTO_DECODE_STEPS`` such steps, so that a step of a full batch may
@@ -18,11 +21,16 @@ far, capped by its stop conditions (``max_tokens`` only caps, clients set it far
 
 from __future__ import annotations
 
+import collections
+
 from handlers.engine.core.sequence import Sequence
 from handlers.engine.core.step_budget import StepFit
 
 AUTO_DECODE_STEPS = 2.0  # the auto target: this many decode steps of a full batch, as measured at load
 OFF = 0  # option.max_itl_ms = 0: no target (the token cap, the time ratio and burst pauses decide)
+MARGIN_STEPS = 128  # the recent gaps whose ratio to their step's prediction set the margin
+MARGIN_QUANTILE = 0.98
+MAX_MARGIN = 1.5  # a burst of slow steps (another process took the core) shrinks prompt work by a third at most
 
 
 def tokens_left_guess(seq: Sequence, max_model_len: int) -> int:
@@ -50,6 +58,8 @@ class ItlTarget:
         self.seconds_over = 0.0
         self.max_gap_s = 0.0
         self._last_sampled_end: float | None = None
+        self._last_sampled = False
+        self._ratios: collections.deque[float] = collections.deque(maxlen=MARGIN_STEPS)
 
     def derive(self, decode_step_s: float) -> None:
         """The auto default from a measured decode step of a full batch (applies unless a value was set)."""
@@ -74,19 +84,30 @@ class ItlTarget:
             self.derive(m.decode_seconds(self.full_batch))
         if self.target_s is None or m is None or decode_rows <= 0:
             return None
-        spare = self.target_s - m.decode_seconds(decode_rows)
+        spare = self.target_s / self.margin() - m.decode_seconds(decode_rows)
         return max(self.floor, int(spare / m.per_token)) if spare > 0 else self.floor
 
-    def record_step(self, end_s: float, decode_rows: int, sampled: bool) -> None:
-        """A step ended at ``end_s``: with decode rows, its streams' gap is measured against the target."""
+    def margin(self) -> float:
+        """How much longer than their step's prediction the recent gaps ran (1.0 until there are a few)."""
+        if len(self._ratios) < MARGIN_STEPS // 8:
+            return 1.0
+        ratios = sorted(self._ratios)
+        return min(MAX_MARGIN, max(1.0, ratios[int(MARGIN_QUANTILE * (len(ratios) - 1))]))
+
+    def record_step(self, end_s: float, decode_rows: int, sampled: bool, predicted_s: float | None = None) -> None:
+        """A step ended at ``end_s``: with decode rows, its streams' gap is measured against the target and, when
+        the gap spans this step alone, against ``predicted_s`` (what the fit said the step would take)."""
         if decode_rows and self._last_sampled_end is not None:
             gap = end_s - self._last_sampled_end
             self.max_gap_s = max(self.max_gap_s, gap)
             if self.target_s is not None and gap > self.target_s:
                 self.steps_over += 1
                 self.seconds_over += gap - self.target_s
+            if predicted_s and self._last_sampled:
+                self._ratios.append(gap / predicted_s)
         if sampled:  # a stream's next gap starts here (a step that samples nothing, paused or idle, does not)
             self._last_sampled_end = end_s
+        self._last_sampled = sampled
 
     def as_dict(self) -> dict[str, float | int | str | None]:
         """What the engine reports (``GET /models/{name}``): the target in force (ms, 0 = off), where it came
@@ -94,4 +115,5 @@ class ItlTarget:
         return {"max_itl_ms": round(self.target_s * 1e3, 1) if self.target_s is not None else OFF,
                 "source": self.source, "derived_ms": self.derived_ms, "decode_step_ms": self.decode_step_ms,
                 "steps_over_total": self.steps_over,
-                "seconds_over_total": round(self.seconds_over, 6), "max_gap_ms": round(self.max_gap_s * 1e3, 1)}
+                "seconds_over_total": round(self.seconds_over, 6), "max_gap_ms": round(self.max_gap_s * 1e3, 1),
+                "margin": round(self.margin(), 3)}

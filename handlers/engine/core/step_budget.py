@@ -36,6 +36,9 @@ class StepModel:
     def decode_seconds(self, decode_rows: int) -> float:
         return self.fixed + self.per_row * decode_rows
 
+    def seconds(self, decode_rows: int, prompt_tokens: int) -> float:
+        return self.decode_seconds(decode_rows) + self.per_token * prompt_tokens
+
 
 class StepFit:
     """Least squares of the steps the engine ran: ``seconds = fixed + per_row x decode rows + per_token x prompt

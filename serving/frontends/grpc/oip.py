@@ -45,7 +45,7 @@ from serving.frontends.grpc.oip_tensors import TextInputs, decode_inputs, text_r
 from serving.frontends.proto.gen.inference import grpc_service_pb2 as pb
 from serving.frontends.proto.gen.inference import grpc_service_pb2_grpc as pb_grpc
 from serving.models.endpoint_protocol import Endpoint
-from serving.models.residency import ensure_resident
+from serving.models.resident import ensure_resident
 from serving.requests.deadlines import earliest, triton_timeout
 from serving.requests.params import Limits, check_sequences, check_text, check_wire_value, parse_lmi_parameters
 from serving.telemetry.health import Health

@@ -37,7 +37,7 @@ from serving.frontends.grpc.calls import (
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2 as pb
 from serving.frontends.proto.gen.rollserve.v1 import generate_pb2_grpc as pb_grpc
 from serving.models import knobs
-from serving.models.residency import ensure_resident
+from serving.models.resident import ensure_resident
 from serving.requests.params import build_sampling_params, check_text
 
 FINISH_REASON = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.EOS: pb.FINISH_REASON_EOS_TOKEN,

@@ -50,7 +50,7 @@ from serving.frontends.http.openai_schema import ParsedRequest, parse_chat
 from serving.frontends.http.prompts import off_loop
 from serving.models.endpoint_protocol import Endpoint
 from serving.models.model_text import ModelText
-from serving.models.residency import ensure_resident
+from serving.models.resident import ensure_resident
 from serving.requests.validation import type_error
 
 ERROR_TYPES = {ErrorKind.INVALID: "invalid_request_error", ErrorKind.METHOD: "invalid_request_error",

@@ -47,7 +47,7 @@ from serving.frontends.http.httpio import (
 from serving.frontends.http.prompts import off_loop
 from serving.models.endpoint_protocol import Endpoint
 from serving.models.model_text import ModelText
-from serving.models.residency import ensure_resident
+from serving.models.resident import ensure_resident
 from serving.requests.bodies import MAX_TOKEN_ID, Prompt, Text, TokenIds
 from serving.requests.schema import BY_SHAPE, INTEGER, TEXT, Cap, StrictModel, json_schemas
 from serving.requests.validation import RequestSchema

@@ -45,7 +45,7 @@ from serving.frontends.http.prompts import off_loop
 from serving.frontends.http.tgi import whole_answer as tgi_answer
 from serving.models.endpoint_protocol import Endpoint, is_text_model
 from serving.models.model_text import ModelText
-from serving.models.residency import ensure_resident
+from serving.models.resident import ensure_resident
 from serving.requests.bodies import LMI
 from serving.requests.params import check_best_of, check_wire_value, lmi_sampling_params, parse_lmi_parameters
 from serving.requests.validation import kind_of, type_error

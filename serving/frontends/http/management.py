@@ -25,7 +25,7 @@ from serving.frontends.http.djl import describe_model
 from serving.frontends.http.httpio import REQUEST_ID_HEADER, HttpContext, error_response, request_id
 from serving.models import knobs
 from serving.models.endpoint_protocol import Endpoint
-from serving.models.residency import residency_entry
+from serving.models.resident import residency_entry
 
 
 class Registry(Protocol):

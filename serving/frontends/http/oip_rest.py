@@ -42,7 +42,7 @@ from serving.frontends.http.httpio import (
 )
 from serving.frontends.http.oip_rest_tensors import RestInfer, generate_request, infer_request, text_outputs
 from serving.models.endpoint_protocol import Endpoint
-from serving.models.residency import ensure_resident
+from serving.models.resident import ensure_resident
 from serving.requests.deadlines import arrival, triton_timeout
 from serving.telemetry.health import Health
 

@@ -40,7 +40,7 @@ from serving.frontends.http.openai_answer import Answer
 from serving.frontends.http.openai_schema import parse_chat, parse_completion
 from serving.frontends.http.prompts import off_loop
 from serving.models.endpoint_protocol import Endpoint
-from serving.models.residency import ensure_resident
+from serving.models.resident import ensure_resident
 
 
 def routes(ctx: HttpContext) -> list[Route]:

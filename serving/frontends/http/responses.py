@@ -61,7 +61,7 @@ from serving.frontends.http.responses_schema import (
 from serving.frontends.http.responses_store import ResponseStore, Stored, namespace
 from serving.models.endpoint_protocol import Endpoint
 from serving.models.model_text import ModelText
-from serving.models.residency import ensure_resident
+from serving.models.resident import ensure_resident
 from serving.requests.params import Limits
 from serving.requests.validation import type_error
 

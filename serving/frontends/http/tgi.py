@@ -47,7 +47,7 @@ from serving.frontends.http.httpio import (
 from serving.frontends.http.prompts import off_loop
 from serving.models.endpoint_protocol import Endpoint
 from serving.models.model_text import ModelText
-from serving.models.residency import ensure_resident
+from serving.models.resident import ensure_resident
 from serving.requests.bodies import TGI
 from serving.requests.params import check_best_of, lmi_sampling_params
 

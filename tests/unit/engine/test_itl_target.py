@@ -8,6 +8,7 @@ engine feeds it measured ones. No wall clock: the gaps are the simulated step ti
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -54,8 +55,10 @@ def _scheduler(itl_ms: int | None = TARGET_MS, num_blocks: int = 8192, max_seqs:
 
 
 def _run(sched: Scheduler, target: ItlTarget, arrivals: list[tuple[float, Sequence]], outputs: dict[str, int],
-         run: Run | None = None, max_steps: int = 100_000) -> Run:
-    """Drive ``sched`` as ``LLMEngine.step`` does until every request finished (or ``max_steps``)."""
+         run: Run | None = None, max_steps: int = 100_000, cost: Callable[[int, int], float] = _cost,
+         between_s: float = 0.0) -> Run:
+    """Drive ``sched`` as ``LLMEngine.step`` does until every request finished (or ``max_steps``); a step takes
+    ``cost(rows, tokens)`` and ``between_s`` passes before the next (the worker sending its tokens)."""
     run = run or Run()
     last: dict[str, float] = {}
     pending = sorted(arrivals, key=lambda a: a[0])
@@ -72,11 +75,13 @@ def _run(sched: Scheduler, target: ItlTarget, arrivals: list[tuple[float, Sequen
             last.pop(rid, None)
         tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1 or not c.samples)
         rows = plan.num_batched_tokens - tokens
-        seconds = _cost(rows, tokens)
-        run.now += seconds
+        fitted = target.fit.model
+        predicted = fitted.seconds(rows, tokens) if fitted is not None else None
+        seconds = cost(rows, tokens)
+        run.now += between_s + seconds
         target.fit.record(rows, tokens, seconds)
         sampled = [c for c in plan.chunks if c.samples]
-        target.record_step(run.now, rows, bool(sampled))
+        target.record_step(run.now, rows, bool(sampled), predicted)
         run.steps.append((rows, tokens, seconds, {c.seq.request_id: c.num_tokens for c in plan.chunks}))
         sched.commit(plan)
         for c in sampled:
@@ -123,6 +128,22 @@ def test_a_burst_keeps_every_streams_gap_under_the_target() -> None:
     # the same burst with no target (the time ratio alone): far longer stalls
     sched, off = _scheduler(itl_ms=0)
     assert max(g for _, g in _run(sched, off, *_burst()).gaps) > 2 * TARGET_MS / 1e3
+
+
+def test_steps_longer_than_the_fit_says_still_keep_the_streams_under_the_target() -> None:
+    """Real steps scatter around the fit's mean and a gap also holds the time between steps: here each step costs
+    0-8% more or 3% less than the fit's form (seeded) and 3 ms pass between steps. Priced to the target alone, a
+    step carrying prompt work ends past it about half the time; with the margin measured from the gaps, 1 gap in
+    100 at most does (the same run without it: 26%)."""
+    rng = random.Random(5)
+    sched, target = _scheduler()
+    arrivals, outputs = _burst(seed=3)
+    run = _run(sched, target, arrivals, outputs, cost=lambda r, t: _cost(r, t) * rng.uniform(0.97, 1.08),
+               between_s=0.003)
+    gaps = sorted(g for _, g in run.gaps)
+    over = sum(g > TARGET_MS / 1e3 for g in gaps)
+    assert over <= len(gaps) // 100, f"{over} of {len(gaps)} gaps over the target, p99 {gaps[int(0.99 * len(gaps))]}"
+    assert 1.0 < target.margin() <= 1.08 + 0.003 / _cost(1, 0)  # the largest ratio a one-row step can have
 
 
 def test_a_start_up_burst_with_no_streams_pays_nothing() -> None:

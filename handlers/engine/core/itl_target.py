@@ -60,6 +60,7 @@ class ItlTarget:
         self._last_sampled_end: float | None = None
         self._last_sampled = False
         self._ratios: collections.deque[float] = collections.deque(maxlen=MARGIN_STEPS)
+        self._margin = 1.0  # from the ratios, once per step that adds one (the scheduler asks several times a step)
 
     def derive(self, decode_step_s: float) -> None:
         """The auto default from a measured decode step of a full batch (applies unless a value was set)."""
@@ -89,10 +90,7 @@ class ItlTarget:
 
     def margin(self) -> float:
         """How much longer than their step's prediction the recent gaps ran (1.0 until there are a few)."""
-        if len(self._ratios) < MARGIN_STEPS // 8:
-            return 1.0
-        ratios = sorted(self._ratios)
-        return min(MAX_MARGIN, max(1.0, ratios[int(MARGIN_QUANTILE * (len(ratios) - 1))]))
+        return self._margin
 
     def record_step(self, end_s: float, decode_rows: int, sampled: bool, predicted_s: float | None = None) -> None:
         """A step ended at ``end_s``: with decode rows, its streams' gap is measured against the target and, when
@@ -105,6 +103,9 @@ class ItlTarget:
                 self.seconds_over += gap - self.target_s
             if predicted_s and self._last_sampled:
                 self._ratios.append(gap / predicted_s)
+                if len(self._ratios) >= MARGIN_STEPS // 8:
+                    ratios = sorted(self._ratios)
+                    self._margin = min(MAX_MARGIN, max(1.0, ratios[int(MARGIN_QUANTILE * (len(ratios) - 1))]))
         if sampled:  # a stream's next gap starts here (a step that samples nothing, paused or idle, does not)
             self._last_sampled_end = end_s
         self._last_sampled = sampled

@@ -3,6 +3,7 @@ gloo) the engine's greedy outputs equal the model's own ``generate``, for a batc
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,21 @@ def test_shard_rejects_heads_that_do_not_divide(model_dirs: dict[str, Path]) -> 
     model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.float32)
     with pytest.raises(ValueError, match="does not divide"):
         shard_model(model, 0, 3)
+
+
+def test_later_groups_fork_their_ranks_from_the_zygote_the_first_started(model_dirs: dict[str, Path]) -> None:
+    """Rank 1 is not a fresh interpreter that imports torch again: each group's rank is forked from one process
+    that imported it once, started by (and dying with) this one, and is named for ``ps``."""
+    parents, names = [], []
+    for _ in range(2):
+        engine = LLMEngine.from_options(model_dirs["llama"], {"tensor_parallel_degree": "2", "num_kv_blocks": "64"})
+        try:
+            (rank,) = engine.runner.group.children
+            stat = Path(f"/proc/{rank.pid}/stat").read_text()
+            parents.append(int(stat.rpartition(")")[2].split()[1]))
+            names.append(Path(f"/proc/{rank.pid}/comm").read_text().strip())
+        finally:
+            engine.close()
+    assert parents[0] == parents[1] != os.getpid()
+    assert Path(f"/proc/{parents[0]}/stat").read_text().rpartition(")")[2].split()[1] == str(os.getpid())
+    assert names == ["tp-rank1", "tp-rank1"]

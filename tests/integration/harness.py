@@ -188,6 +188,23 @@ def _children(pid: int) -> list[str]:
     return out.stdout.split()
 
 
+def rank_processes(worker: int) -> dict[int, str]:
+    """The tensor-parallel ranks a worker started, pid -> name: its descendants named ``tp-rankN`` (they are forked
+    from a zygote the worker started, not from the worker)."""
+    found: dict[int, str] = {}
+    todo = [worker]
+    while todo:
+        for child in map(int, _children(todo.pop())):
+            todo.append(child)
+            try:
+                name = Path(f"/proc/{child}/comm").read_text().strip()
+            except OSError:  # it exited meanwhile
+                continue
+            if name.startswith("tp-rank"):
+                found[child] = name
+    return found
+
+
 def _group_members(pgid: int) -> list[str]:
     out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True)
     return out.stdout.split()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.harness import ServerProcess
+from tests.integration.harness import ServerProcess, rank_processes
 from tests.integration.hostile import assert_no_leaks, lmi_body, post, twelve_afterwards
 
 ROLLING = {"option.rolling_batch": "auto", "option.num_kv_blocks": "256", "option.predict_timeout": "600"}
@@ -100,10 +99,9 @@ def test_a_stopped_worker_fails_its_streams_and_is_replaced(server: ServerProces
 
 
 def rank_pid(worker: int) -> int:
-    out = subprocess.run(["pgrep", "-P", str(worker), "-f", "handlers.engine.execution.parallel.ranks"],
-                         capture_output=True, text=True).stdout.split()
-    assert len(out) == 1, out
-    return int(out[0])
+    ranks = rank_processes(worker)
+    assert list(ranks.values()) == ["tp-rank1"], ranks
+    return next(iter(ranks))
 
 
 def test_a_dead_tensor_parallel_rank_restarts_its_worker(server: ServerProcess) -> None:

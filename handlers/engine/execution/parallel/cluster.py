@@ -1,6 +1,6 @@
 """Where a tensor-parallel group's ranks run: how many hosts, read from the variables torchrun and
-LeaderWorkerSet set (or rollserve's own), which network interface the ranks meet on, and starting a rank
-process (torch-free: a follower host's agent runs only this and the rendezvous).
+LeaderWorkerSet set (or rollserve's own) and which network interface the ranks meet on (torch-free: a follower
+host's agent runs only this, the rendezvous and ``rank_process``).
 
 Design note: the leader (rank 0's host: the frontend and the scheduler) learns the layout from its environment,
 as a launcher sets it: ``ROLLSERVE_TP_NODES`` if set, else LeaderWorkerSet's ``LWS_GROUP_SIZE``, else
@@ -11,15 +11,10 @@ reaches the port, so the model is refused instead.
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import struct
-import subprocess
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from handlers.engine.execution.parallel.rendezvous import SECRET_ENV
 
@@ -90,25 +85,3 @@ def gloo_interface(address: str) -> dict[str, str]:
         if socket.inet_ntoa(packed[20:24]) == address:
             return {"GLOO_SOCKET_IFNAME": name}
     return {}
-
-
-def spawn_rank(rank: int, world_size: int, store: tuple[str, int], model_dir: Path, options: Mapping[str, str],
-               device: str, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-    """Start rank ``rank`` as a child process that dies with this one; ``env`` carries the group's secret
-    (never the command line, which other users of the host can read)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "handlers.engine.execution.parallel.ranks", "--rank", str(rank), "--world-size",
-         str(world_size), "--store", f"{store[0]}:{store[1]}", "--model-dir", str(model_dir),
-         "--options", json.dumps(dict(options)), "--device", device],
-        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, env={**os.environ, **env})
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGKILL it when its parent dies, so no rank is orphaned."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass

@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from handlers.engine.execution.parallel.cluster import gloo_interface, spawn_rank
+from handlers.engine.execution.parallel.cluster import gloo_interface
 from handlers.engine.execution.parallel.host_weights import FileEntry, check
+from handlers.engine.execution.parallel.rank_process import RankProcess, spawn_rank
 from handlers.engine.execution.parallel.rendezvous import SECRET_ENV, AuthError, connect, recv_frame, send_frame
 from rollcore.errors import ConfigError
 
@@ -104,7 +105,7 @@ def _weights(assignment: Mapping[str, Any], sock: socket.socket, open_stream: Ca
     return Path(placed.folder)
 
 
-def _watch(sock: socket.socket, ranks: list[subprocess.Popen[bytes]]) -> int:
+def _watch(sock: socket.socket, ranks: list[RankProcess]) -> int:
     status = 0
     while True:
         done = [r.returncode for r in ranks if r.poll() is not None]

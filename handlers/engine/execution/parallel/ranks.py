@@ -6,8 +6,9 @@ batch (``StepInputs`` packed into one int64 tensor) before running it; the other
 the same logits. A failed collective is fatal for the whole group: the worker exits and is restarted by the
 frontend's pool, which forms the group again.
 
-Where the ranks run: on one host, ranks 1..N-1 are child processes of the worker (``python -m
-handlers.engine.execution.parallel.ranks``); across H hosts (``handlers.engine.execution.parallel.cluster``), rank 0's
+Where the ranks run: on one host, ranks 1..N-1 are processes the worker starts (forked from a zygote that imported
+torch once, ``handlers.engine.execution.parallel.rank_process``; ``python -m handlers.engine.execution.parallel.ranks``
+runs one by hand); across H hosts (``handlers.engine.execution.parallel.cluster``), rank 0's
 host runs
 N/H of them and each follower host's agent runs its N/H. Either way every rank meets the others through rank 0's
 ``Rendezvous`` (an authenticated store: a peer must hold the group's secret), never through an open TCPStore.
@@ -37,8 +38,9 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from handlers.engine.execution.forward.runner import StepInputs
 from handlers.engine.execution.parallel.auth_store import AuthStore
-from handlers.engine.execution.parallel.cluster import gloo_interface, leader_spec, spawn_rank
+from handlers.engine.execution.parallel.cluster import gloo_interface, leader_spec
 from handlers.engine.execution.parallel.host_weights import WeightsMismatch, manifest, weight_files
+from handlers.engine.execution.parallel.rank_process import RankProcess, spawn_rank
 from handlers.engine.execution.parallel.rendezvous import SECRET_ENV, Rendezvous
 from handlers.engine.execution.parallel.sharding import shard_model
 from handlers.engine.planning.engine_config import EngineConfig
@@ -97,7 +99,7 @@ class TensorParallelGroup:
 
     rank: int
     world_size: int
-    children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    children: list[RankProcess] = field(default_factory=list)
     control: Any = None  # the group that carries steps (host tensors): gloo beside NCCL on GPUs, else the default
     rendezvous: Rendezvous | None = None  # rank 0: the group's store and the follower hosts' lifelines
     broken: bool = False  # a step failed on rank 0 (a dead peer's collective): the ranks are out of step
@@ -129,8 +131,7 @@ class TensorParallelGroup:
     def broadcast_step(self, inputs: StepInputs | None) -> StepInputs | None:
         """Rank 0 sends the step (``None`` = stop); other ranks receive it."""
         if self.rank == 0:
-            if inputs is not None:
-                self.wait_ready()
+            self.wait_ready()  # the other ranks meet at the barrier before their first step, the stop included
             payload = pack_step(inputs) if inputs is not None else torch.tensor([], dtype=torch.long)
             size = torch.tensor([payload.numel() if inputs is not None else _STOP], dtype=torch.long, device="cpu")
             dist.broadcast(size, 0, group=self.control)
@@ -153,7 +154,8 @@ class TensorParallelGroup:
     def shutdown(self) -> None:
         if self.rank == 0:
             try:
-                self.broadcast_step(None)
+                if self.healthy():  # else a rank is gone: the stop would wait on it; the survivors are killed below
+                    self.broadcast_step(None)
             except Exception:  # noqa: BLE001 - ranks may already be gone
                 pass
             for child in self.children:

@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arrivals-from", type=float, default=0.0, metavar="S",
                     help="Poisson (--rate): send only the requests arriving from S s on, shifted to start at 0")
     ap.add_argument("--num-requests", type=int, default=None, help="default 64; 32 for a chat model")
+    ap.add_argument("--max-tokens", type=int, default=256, help="a chat model's max_tokens (natural EOS ends most)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--busy-threshold", type=float, default=0.5, help="cores of other jobs that make a run busy")
     ap.add_argument("--settle-s", type=float, default=60.0, help="how long to wait for a quiet machine per run")
@@ -284,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
         from tests.real_model import smollm2_folder  # the GGUF converted once, as the server and the tests do
 
         args.path = smollm2_folder()
-        w = build_chat_workload(AutoTokenizer.from_pretrained(args.path), args.num_requests or 32, args.seed)
+        w = build_chat_workload(AutoTokenizer.from_pretrained(args.path), args.num_requests or 32, args.seed,
+                                args.max_tokens)
     else:
         args.path = model_dir(args.model)
         w = build_workload(AutoTokenizer.from_pretrained(args.path), args.num_requests or 64, args.seed)

@@ -29,6 +29,16 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "examples" / "models" / "tiny-llama"
 
 
+def with_lazy_kv(props: dict[str, str]) -> dict[str, str]:
+    """A rolling-batch model's properties with its KV cache mapped lazily unless the test chose: a test touches a
+    few of the thousands of blocks the default plan holds, and faulting in all of them (the default, eager) cost
+    about half a CPU-second a worker start. Eager pages are tested where they are the subject
+    (tests/engine/test_kernels.py)."""
+    if props.get("option.rolling_batch", "disable") == "disable" or "option.kv_cache_populate" in props:
+        return props
+    return {**props, "option.kv_cache_populate": "lazy"}
+
+
 def write_model(store: Path, name: str, properties: dict[str, str], source: Path | None = None,
                 files: dict[str, str] | None = None) -> Path:
     """A model folder in ``store``: weights (and folders such as ``adapters/``) linked from ``source`` (if any), a
@@ -41,7 +51,7 @@ def write_model(store: Path, name: str, properties: dict[str, str], source: Path
                 target = d / f.name
                 if not target.exists():
                     os.symlink(f, target)
-    (d / "serving.properties").write_text("".join(f"{k}={v}\n" for k, v in properties.items()))
+    (d / "serving.properties").write_text("".join(f"{k}={v}\n" for k, v in with_lazy_kv(properties).items()))
     for fname, text in (files or {}).items():
         (d / fname).write_text(text)
     return d

@@ -14,6 +14,7 @@ socket, never on a command line); variables read only while importing torch are 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import multiprocessing
 import os
@@ -25,7 +26,8 @@ from typing import Any
 
 # A model class pulls what every family shares (generation, masking, accelerate, ...): the family's own module
 # then imports in milliseconds.
-PRELOAD = ("torch", "transformers.models.llama.modeling_llama", "handlers.engine.execution.parallel.ranks")
+RANK_MODULE = "handlers.engine.execution.parallel.ranks"  # by name, as ``python -m`` would run it: it imports this
+PRELOAD = ("torch", "transformers.models.llama.modeling_llama", RANK_MODULE)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
@@ -93,6 +95,4 @@ def _rank_entry(argv: list[str], env: dict[str, str]) -> None:
         libc.prctl(_PR_SET_NAME, f"tp-rank{argv[argv.index('--rank') + 1]}".encode(), 0, 0, 0)
     except OSError:
         pass
-    from handlers.engine.execution.parallel.ranks import rank_main
-
-    rank_main(argv)
+    importlib.import_module(RANK_MODULE).rank_main(argv)

@@ -33,8 +33,10 @@ def with_lazy_kv(props: dict[str, str]) -> dict[str, str]:
     """A rolling-batch model's properties with its KV cache mapped lazily unless the test chose: a test touches a
     few of the thousands of blocks the default plan holds, and faulting in all of them (the default, eager) cost
     about half a CPU-second a worker start. Eager pages are tested where they are the subject
-    (tests/engine/test_kernels.py)."""
-    if props.get("option.rolling_batch", "disable") == "disable" or "option.kv_cache_populate" in props:
+    (tests/engine/test_kernels.py), and a model that loads on demand keeps the default: the memory its workers hold
+    is what the residency tests measure."""
+    if props.get("option.rolling_batch", "disable") == "disable" or "option.kv_cache_populate" in props \
+            or props.get("load_on_demand") == "true":
         return props
     return {**props, "option.kv_cache_populate": "lazy"}
 

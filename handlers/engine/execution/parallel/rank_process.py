@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+RANK_MODULE = "handlers.engine.execution.parallel.ranks"  # by name, as ``python -m`` would run it: it imports this
 # A model class pulls what every family shares (generation, masking, accelerate, ...): the family's own module
 # then imports in milliseconds.
-RANK_MODULE = "handlers.engine.execution.parallel.ranks"  # by name, as ``python -m`` would run it: it imports this
 PRELOAD = ("torch", "transformers.models.llama.modeling_llama", RANK_MODULE)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15

@@ -35,6 +35,7 @@ def test_tp2_greedy_equals_generate(model_dirs: dict[str, Path]) -> None:
                                                 "max_rolling_batch_prefill_tokens": "64"})
     try:
         assert engine.runner.pool.keys[0].shape[0] == 1  # 2 KV heads split over 2 ranks
+        assert engine.runner.lean is not None  # the lean forward sums the shards' partial outputs as the hooks do
         got = run_all(engine, prompts, 12)
     finally:
         engine.close()

@@ -51,6 +51,11 @@ class _Layer:
 Attention = Callable[..., tuple[torch.Tensor, Any]]
 
 
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """A projection's output on an unsharded model: already the sum."""
+    return x
+
+
 def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
@@ -98,6 +103,9 @@ class LeanDecoder:
         self.rotate = _rotate if kernel is None else _rotate_in_c(kernel)
         self.fuses = dtype == torch.float32 and on_cpu  # where ``fused`` may be set
         self.fused: ElementwiseKernels | None = None  # set by the runner once the exact forward is checked
+        # a tensor-parallel shard: the row-parallel projections' partial outputs summed over the ranks, where the
+        # blocks' hooks sum them in transformers' forward (``handlers.engine.execution.parallel.sharding``)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = getattr(model, "rollserve_tp_reduce", _whole)
         self.layers = [
             _Layer(layer.self_attn, (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon)),
                    (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon)),
@@ -115,10 +123,10 @@ class LeanDecoder:
         for layer in self.layers:
             residual = x
             h = self.rms_norm(x, *layer.in_norm)
-            x = residual + layer.o(self._attend(layer, h, cos, sin).reshape(t, -1))
+            x = residual + self.reduce(layer.o(self._attend(layer, h, cos, sin).reshape(t, -1)))
             residual = x
             h = self.rms_norm(x, *layer.post_norm)
-            x = residual + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+            x = residual + self.reduce(layer.down(F.silu(layer.gate(h)) * layer.up(h)))
         x = self.rms_norm(x[keep], *self.norm)
         return self.lm_head(x)  # type: ignore[no-any-return,operator]
 
@@ -140,8 +148,9 @@ class LeanDecoder:
         last = len(self.layers) - 1
         h = ew.rms_norm(x, *self.layers[0].in_norm)
         for i, layer in enumerate(self.layers):
-            h = ew.add_rms_norm(layer.o(self._attend(layer, h, cos, sin).reshape(t, -1)), x, *layer.post_norm)
-            mlp = layer.down(ew.silu_mul(layer.gate(h), layer.up(h)))
+            h = ew.add_rms_norm(self.reduce(layer.o(self._attend(layer, h, cos, sin).reshape(t, -1))), x,
+                                *layer.post_norm)
+            mlp = self.reduce(layer.down(ew.silu_mul(layer.gate(h), layer.up(h))))
             if i < last:
                 h = ew.add_rms_norm(mlp, x, *self.layers[i + 1].in_norm)
             else:

@@ -3,12 +3,15 @@
 Design note: a rank spends seconds importing torch and transformers' model classes before it reads its shard.
 Each rank is forked from one process per host process that imported them once (the standard library's
 ``forkserver``, started with this module's ``PRELOAD`` at the first rank and kept for later groups: a worker's
-restarted group, a second model, a test suite's many groups), so a rank starts in the time its shard takes to load and
-shares the imported pages with its siblings. The zygote only imports (no tensor is computed there, so no OpenMP pool
-exists to be lost in the fork) and is exec'd fresh, never forked from a process that ran torch. It exits when the
-process that started it exits, and each rank dies with it (``PR_SET_PDEATHSIG``), so no rank is orphaned. A rank
-gets the environment its starter had at ``spawn_rank`` (the group's secret travels in it, over the zygote's private
-socket, never on a command line); variables read only while importing torch are those of the zygote's start.
+restarted group, a second model, a test suite's many groups), so a rank starts in the time its shard takes to
+load and shares the imported pages with its siblings. The zygote only imports (no tensor is computed there, so no
+OpenMP pool exists to be lost in the fork) and is exec'd fresh, never forked from a process that ran torch. It
+exits when the process that started it exits, and each rank dies with it (``PR_SET_PDEATHSIG``), so no rank is
+orphaned. A rank gets the environment its starter had at ``spawn_rank`` (the group's secret travels in it, over
+the zygote's private socket, never on a command line); variables read only while importing torch are those of the
+zygote's start. As with any ``multiprocessing`` start method but fork, a rank imports its starter's main module
+again (as ``__mp_main__``): a script that builds a tensor-parallel engine keeps that under a ``__main__`` guard
+(the server's processes do).
 """
 
 from __future__ import annotations

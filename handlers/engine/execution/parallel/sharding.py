@@ -32,7 +32,13 @@ def _keep_cols(linear: torch.nn.Linear, start: int, end: int, rank: int) -> None
 
 def _all_reduce_hook(module: torch.nn.Module, args: object, output: object) -> None:
     """Sum the partial outputs of a row-parallel block in place (attention returns a tuple)."""
-    dist.all_reduce(output[0] if isinstance(output, tuple) else output)  # type: ignore[arg-type]
+    all_reduce(output[0] if isinstance(output, tuple) else output)  # type: ignore[arg-type]
+
+
+def all_reduce(partial: torch.Tensor) -> torch.Tensor:
+    """Sum a row-parallel projection's partial output over the ranks, in place."""
+    dist.all_reduce(partial)
+    return partial
 
 
 def head_ranges(heads: int, kv_heads: int, rank: int, world_size: int) -> tuple[int, int, int, int]:
@@ -93,6 +99,8 @@ def shard_model(model: torch.nn.Module, rank: int, world_size: int) -> int:
         # On the blocks, not the projections: prepacking later swaps the Linear modules out.
         attn.register_forward_hook(_all_reduce_hook)
         mlp.register_forward_hook(_all_reduce_hook)
+    # the lean forward calls the projections, not the blocks: it sums o_proj's and down_proj's outputs itself
+    model.rollserve_tp_reduce = all_reduce
     return kv1 - kv0
 
 

@@ -81,13 +81,13 @@ def spawn_rank(rank: int, world_size: int, store: tuple[str, int], model_dir: Pa
     argv = ["--rank", str(rank), "--world-size", str(world_size), "--store", f"{store[0]}:{store[1]}",
             "--model-dir", str(model_dir), "--options", json.dumps(dict(options)), "--device", device]
     # daemonic: a starter that exits normally terminates its ranks (the zygote's exit kills any left)
-    process = _context().Process(target=_rank_entry, args=(argv, {**os.environ, **env}),
+    process = _context().Process(target=_rank_entry, args=(rank, argv, {**os.environ, **env}),
                                  name=f"tp-rank{rank}", daemon=True)
     process.start()
     return RankProcess(rank, process)
 
 
-def _rank_entry(argv: list[str], env: dict[str, str]) -> None:
+def _rank_entry(rank: int, argv: list[str], env: dict[str, str]) -> None:
     """In the forked rank: its starter's environment, death with the zygote, a name ``ps`` shows (``tp-rankN``),
     then the rank's loop."""
     os.environ.clear()
@@ -95,7 +95,7 @@ def _rank_entry(argv: list[str], env: dict[str, str]) -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        libc.prctl(_PR_SET_NAME, f"tp-rank{argv[argv.index('--rank') + 1]}".encode(), 0, 0, 0)
+        libc.prctl(_PR_SET_NAME, f"tp-rank{rank}".encode(), 0, 0, 0)
     except OSError:
         pass
     importlib.import_module(RANK_MODULE).rank_main(argv)

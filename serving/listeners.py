@@ -38,7 +38,9 @@ class Listener:
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket (port 0 = ephemeral), so the bound port is known before serving."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto named: asyncio turns Nagle off (TCP_NODELAY) only on connections whose socket says IPPROTO_TCP, and
+    # accepted sockets take the listener's; with 0 each response's body waited ~40 ms for the head's delayed ACK
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -5,6 +5,7 @@ stays a skip (``.ci/run`` prints each reason with ``-rs``)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Generator
 from typing import Any
@@ -105,11 +106,26 @@ def _count_time(report: pytest.TestReport) -> None:
     _worker_seconds[worker] = _worker_seconds.get(worker, 0.0) + report.duration
 
 
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` as tests/scheduling.py refines it: files sharing a session server on one worker,
+    the longest first."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from tests.scheduling import SuiteScheduling
+
+    return SuiteScheduling(config, log)
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     """The 15 files whose tests took longest (setup, call and teardown summed) and each worker's busy seconds:
-    what to look at first when the suite grows slower (a fixture set up per test, a file started late)."""
+    what to look at first when the suite grows slower (a fixture set up per test, a file started late).
+    ``ROLLSERVE_FILE_SECONDS=PATH`` also writes every file's seconds there (tests/scheduling.py orders by them)."""
     if hasattr(config, "workerinput") or len(_file_seconds) < 2:
         return
+    if record := os.environ.get("ROLLSERVE_FILE_SECONDS"):
+        with open(record, "w") as f:
+            json.dump({path: round(s, 1) for path, s in sorted(_file_seconds.items())}, f, indent=0)
+            f.write("\n")
     terminalreporter.write_sep("=", "slowest files (their tests' setup + call + teardown, seconds)")
     for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f}  {path}")

@@ -8,6 +8,7 @@ overrides. Its tokens come from the key file it writes there. ``stop()`` ends th
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -16,12 +17,24 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from serving.config.model_config import MODEL_PROPERTIES
 from serving.config.properties import parse_properties
 
+if TYPE_CHECKING:
+    import httpx
+
 T = TypeVar("T")
+
+
+@functools.cache
+def http_client() -> httpx.Client:
+    """The one HTTP client of this process's polls and management calls: making a client loads the CA bundle
+    (~40 ms of CPU), which a poll every few milliseconds would spend on the cores the polled server needs."""
+    import httpx
+
+    return httpx.Client(timeout=30, limits=httpx.Limits(max_connections=None, max_keepalive_connections=8))
 
 
 def wait_for(cond: Callable[[], T], what: str = "the condition", timeout_s: float = 60.0, step_s: float = 0.01) -> T:
@@ -72,7 +85,7 @@ def wait_http(url: str, proc: Subprocess, timeout_s: float) -> None:
         if proc.proc.poll() is not None:
             raise RuntimeError(f"server exited ({proc.proc.returncode}):\n{proc.tail()}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
+            if http_client().get(url, timeout=2).status_code == 200:
                 return
         time.sleep(0.25)
     raise RuntimeError(f"server not ready after {timeout_s:.0f}s:\n{proc.tail()}")
@@ -178,7 +191,7 @@ class LocalServer(ServerAddresses):
             if self.proc.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.proc.returncode}):\n{self.proc.tail()}")
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                ping = httpx.get(self.url + "/ping", timeout=5)
+                ping = http_client().get(self.url + "/ping", timeout=5)
                 if ping.status_code == 200:
                     return
                 if ping.json().get("models", {}).get(self.name) == "FAILED":
@@ -188,20 +201,17 @@ class LocalServer(ServerAddresses):
 
     def describe(self) -> dict[str, Any]:
         """The model object of ``GET /models/{name}`` on the management API (``serving.frontends.http.djl``)."""
-        import httpx
-
         from serving.frontends.http.djl import model_entry
 
-        resp = httpx.get(f"{self.mgmt}/models/{self.name}", headers=self.mgmt_headers, timeout=30)
+        resp = http_client().get(f"{self.mgmt}/models/{self.name}", headers=self.mgmt_headers, timeout=30)
         resp.raise_for_status()
         return model_entry(resp.json())
 
     def put(self, knobs: dict[str, Any]) -> dict[str, Any]:
         """``PUT /models/{name}?knob=value...``: changes the live model. Raises ``RuntimeError`` with the
         server's answer when it refuses."""
-        import httpx
 
-        resp = httpx.put(f"{self.mgmt}/models/{self.name}", params={k: str(v) for k, v in knobs.items()},
+        resp = http_client().put(f"{self.mgmt}/models/{self.name}", params={k: str(v) for k, v in knobs.items()},
                          headers=self.mgmt_headers, timeout=120)
         if resp.status_code != 200:
             raise RuntimeError(f"PUT /models/{self.name} {knobs} -> HTTP {resp.status_code}: {resp.text[:500]}")

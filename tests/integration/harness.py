@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from serving.bench.launch import ServerAddresses, read_tokens
+from serving.bench.launch import ServerAddresses, http_client, read_tokens
 from serving.frontends.http.djl import model_entry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ class ServerProcess(ServerAddresses):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited:\n{self.log()}")
             try:
-                ping = httpx.get(self.url + "/ping", timeout=2)
+                ping = http_client().get(self.url + "/ping", timeout=2)
                 if ping.status_code == 200:
                     return
                 failed = [m for m, state in ping.json().get("models", {}).items() if state == "FAILED"]
@@ -166,7 +166,8 @@ class ServerProcess(ServerAddresses):
 
     def describe(self, model: str) -> dict[str, Any]:
         """The model object of ``GET /models/{model}`` (DJL's shape; rollserve's state is ``state``)."""
-        return model_entry(httpx.get(f"{self.mgmt}/models/{model}", headers=self.mgmt_headers, timeout=10).json())
+        resp = http_client().get(f"{self.mgmt}/models/{model}", headers=self.mgmt_headers, timeout=10)
+        return model_entry(resp.json())
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, wait, and assert no process of the group survives. Returns the exit code."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from serving.bench.launch import http_client
 from tests.integration.harness import ServerProcess
 
 # a small rolling-engine model that loads fast: no prepacked weights, short sequences, one thread
@@ -57,7 +58,7 @@ def swap_weights(folder: Path, src: Path) -> None:
 
 def state(server: ServerProcess, model: str) -> str | None:
     """The model's state as the server reports it (``GET /models/{model}``), None while it is not registered."""
-    r = httpx.get(f"{server.mgmt}/models/{model}", headers=server.mgmt_headers, timeout=10)
+    r = http_client().get(f"{server.mgmt}/models/{model}", headers=server.mgmt_headers, timeout=10)
     if r.status_code == 404:
         return None
     r.raise_for_status()

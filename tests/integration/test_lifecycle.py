@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serving.bench.launch import wait_for
+from serving.bench.launch import http_client, wait_for
 from tests.integration.harness import ServerProcess, write_model
 
 ECHO = {"option.entryPoint": "echo"}
@@ -151,8 +151,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tmp_path: Path) ->
         threads[2].start()  # and one waits in the queue
         wait_for(lambda: s.describe("echo")["batcher"]["queued"] == 1, "a queued request", 5, step_s=0.1)
         s.proc.send_signal(signal.SIGTERM)
-        ping = wait_for(lambda: (p := httpx.get(f"{s.url}/ping", timeout=5)).status_code == 503 and p, "ping 503",
-                        2, step_s=0.02)
+        ping = wait_for(lambda: (p := http_client().get(f"{s.url}/ping", timeout=5)).status_code == 503 and p,
+                        "ping 503", 2, step_s=0.02)
         assert ping.json()["status"] == "draining"
         r = httpx.post(url, json={"inputs": "too late"}, timeout=5)
         assert r.status_code == 503, r.text

@@ -36,7 +36,7 @@ import httpx
 import pytest
 
 from handlers.engine.execution.parallel.host_weights import weight_files
-from serving.bench.launch import wait_for
+from serving.bench.launch import http_client, wait_for
 from tests.integration.harness import DEFAULT_MODEL, REPO, ServerProcess, greedy_references
 from tests.integration.test_watchdog import Stream
 
@@ -151,7 +151,7 @@ def _leader(hosts: Hosts, models: dict[str, dict[str, str]], sources: dict[str, 
 
 
 def _ready(server: ServerProcess) -> int:
-    return httpx.get(f"{server.url}/health/ready", timeout=5).status_code
+    return http_client().get(f"{server.url}/health/ready", timeout=5).status_code
 
 
 def _answers(server: ServerProcess, model: str = "tp2") -> dict[str, list[int]]:

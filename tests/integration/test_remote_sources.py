@@ -11,6 +11,7 @@ import boto3
 import httpx
 import pytest
 
+from serving.bench.launch import http_client
 from tests.integration.harness import DEFAULT_MODEL, ServerProcess, greedy_references
 from tests.sources_servers import hub_server, moto_server, s3_fault_proxy
 
@@ -51,7 +52,7 @@ def _answer(server: ServerProcess, model: str) -> list[int]:
 
 
 def _states(server: ServerProcess) -> dict[str, str]:
-    return httpx.get(f"{server.url}/ping", timeout=10).json()["models"]
+    return http_client().get(f"{server.url}/ping", timeout=10).json()["models"]
 
 
 def _wait_states(server: ServerProcess, want: dict[str, str]) -> None:

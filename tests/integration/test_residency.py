@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from handlers.preflight import planned_memory
+from serving.bench.launch import http_client
 from serving.config.model_config import load_model_config
 from serving.models.residency import WORKER_OVERHEAD
 from tests.integration.harness import DEFAULT_MODEL, ServerProcess, write_model
@@ -304,7 +305,7 @@ def test_the_watched_store_registers_a_new_folder_without_loading_it(echo_store:
     server = echo_store
     folder = write_model(server.workdir / "model_store", "e4", {"option.entryPoint": "echo"})
     deadline = time.monotonic() + 60
-    while httpx.get(f"{server.mgmt}/models/e4", headers=server.mgmt_headers, timeout=10).status_code == 404:
+    while http_client().get(f"{server.mgmt}/models/e4", headers=server.mgmt_headers, timeout=10).status_code == 404:
         assert time.monotonic() < deadline, "the watched store did not register e4"
         time.sleep(0.05)
     assert model(server, "e4")["residency"]["state"] == "registered"
@@ -312,6 +313,6 @@ def test_the_watched_store_registers_a_new_folder_without_loading_it(echo_store:
     wait_state(server, "e4", "ready")
     assert httpx.post(f"{server.url}/predictions/e4", json={"inputs": "hi"}, timeout=30).status_code == 200
     shutil.rmtree(folder)  # removed: unregistered, its workers stopped
-    while httpx.get(f"{server.mgmt}/models/e4", headers=server.mgmt_headers, timeout=10).status_code != 404:
+    while http_client().get(f"{server.mgmt}/models/e4", headers=server.mgmt_headers, timeout=10).status_code != 404:
         assert time.monotonic() < deadline + 60, "the watched store did not unregister e4"
         time.sleep(0.05)

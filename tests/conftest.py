@@ -5,7 +5,6 @@ stays a skip (``.ci/run`` prints each reason with ``-rs``)."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Generator
 from typing import Any
@@ -51,10 +50,10 @@ def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None:
         return
-    count, index = int(workerinput["workercount"]), int(str(workerinput["workerid"]).removeprefix("gw"))
-    cores = sorted(os.sched_getaffinity(0))
-    if count > 1 and len(cores) >= count:
-        os.sched_setaffinity(0, cores[index % count::count])  # a replacement for a crashed worker: gw2, ...
+    from tests.scheduling import pin
+
+    global _own_cores
+    _own_cores = pin(int(workerinput["workercount"]), int(str(workerinput["workerid"]).removeprefix("gw")))
 
 
 _TIERS = {"unit": "unit", "engine": "engine", "handlers": "engine", "integration": "integration"}
@@ -79,6 +78,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped under CI=true, which allows no skip: {reason}"
+    if call.when == "teardown" and (start := item.stash.get(_IDLE_AT, None)) is not None:
+        from tests.scheduling import core_times
+
+        report.user_properties.append((IDLE_KEY, core_times()[1] - start))
 
 
 # --- the support matrix of docs/configuration.md, regenerated from a full run's family results ------------------
@@ -95,12 +98,30 @@ def _full_run(config: pytest.Config) -> bool:
 
 # --- where a run's time goes: the slowest files and each xdist worker's busy time, printed at its end ------------
 _file_seconds: dict[str, float] = {}
+_file_idle: dict[str, float] = {}  # the seconds a file's worker's own cores sat idle (pinned workers only)
 _worker_seconds: dict[str, float] = {}
+_own_cores = False
+IDLE_KEY = "rollserve_idle_s"
+_IDLE_AT = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    if _own_cores:
+        from tests.scheduling import core_times
+
+        item.stash[_IDLE_AT] = core_times()[1]
+    yield
+
+
 
 
 def _count_time(report: pytest.TestReport) -> None:
     path = report.nodeid.split("::")[0]
     _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+    for key, value in report.user_properties:
+        if key == IDLE_KEY:
+            _file_idle[path] = _file_idle.get(path, 0.0) + float(value)
     gateway = getattr(getattr(report, "node", None), "gateway", None)  # the xdist worker that ran it
     worker = str(getattr(gateway, "id", "main"))
     _worker_seconds[worker] = _worker_seconds.get(worker, 0.0) + report.duration
@@ -119,13 +140,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     """The 15 files whose tests took longest (setup, call and teardown summed) and each worker's busy seconds:
     what to look at first when the suite grows slower (a fixture set up per test, a file started late).
-    ``ROLLSERVE_FILE_SECONDS=PATH`` also writes every file's seconds there (tests/scheduling.py orders by them)."""
+    ``ROLLSERVE_FILE_SECONDS=PATH`` also writes each file's seconds and its cores' idle seconds there
+    (tests/scheduling.py orders and places the files by them)."""
     if hasattr(config, "workerinput") or len(_file_seconds) < 2:
         return
     if record := os.environ.get("ROLLSERVE_FILE_SECONDS"):
-        with open(record, "w") as f:
-            json.dump({path: round(s, 1) for path, s in sorted(_file_seconds.items())}, f, indent=0)
-            f.write("\n")
+        from tests.scheduling import write_record
+
+        write_record(record, _file_seconds, _file_idle)
     terminalreporter.write_sep("=", "slowest files (their tests' setup + call + teardown, seconds)")
     for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f}  {path}")
@@ -143,7 +165,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if _family_results.get(name) in (None, "passed"):
         _family_results[name] = state
     for key, value in report.user_properties:
-        _family_results[f"{name}#{key}"] = str(value)
+        if key != IDLE_KEY:
+            _family_results[f"{name}#{key}"] = str(value)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

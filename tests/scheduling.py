@@ -1,19 +1,27 @@
 """How pytest-xdist hands the test files to its workers (``.ci/run``: ``-n N --dist loadfile``).
 
-Two changes to ``--dist loadfile``, both about the suite's wall time on a few cores:
+Three changes to ``--dist loadfile``, all about the suite's wall time on a few cores:
 - **The files that share a session-scoped server go to one worker**: each worker that runs one of them starts
   its own copy of the server (``tests/integration/conftest.py``: the real model's server loads it twice, the
   api server three torch models), so files naming the same server fixture, and files linked to them through
   another one they name, form one unit of work.
 - **Longest units first** (by ``tests/file_seconds.json``, the seconds each file took in a recorded run):
   xdist hands units out in collection order, so a long file collected last ran while the other workers had
-  finished. A file missing from the record counts a second a test. Rewrite the record with
-  ``ROLLSERVE_FILE_SECONDS=tests/file_seconds.json`` on a full run; a stale one only orders the work worse.
+  finished. A file missing from the record counts a second a test.
+- **A waiting lane**: with one worker more than cores (``.ci/run``), the workers ``gw0``.. each keep to a core
+  (``pin``) and the last one, on every core, takes the files that mostly wait (a backoff, a watch interval, a
+  drain, a timeout: their cores sat idle more than half their time in the record), so their waits overlap the
+  other files' work instead of leaving a core idle. It takes nothing else, and the pinned workers take the
+  waiting files too once theirs are done.
+
+The record: ``ROLLSERVE_FILE_SECONDS=tests/file_seconds.json PYTEST_WORKERS=<cores> bash .ci/run`` (one
+worker a core, so each file's idle time is its own core's); a stale record only orders the work worse.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -24,6 +32,33 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "tests" / "file_seconds.json"
 SHARED_SERVERS = ("api_server", "smollm2_server", "two_workers_server", "echo_server", "hostile_server")
 _NAMES = re.compile(r"\b(" + "|".join(SHARED_SERVERS) + r")\b")
+WAITING = 0.5  # a file whose core sat idle this share of its time goes to the waiting lane
+
+
+def pin(workercount: int, index: int) -> bool:
+    """Keep xdist worker ``index`` to its share of the cores; True when it has cores of its own (its idle
+    time can then be measured), False for the waiting lane (the worker past one a core: every core)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if workercount < 2 or index >= len(cores) or (workercount > len(cores) and index >= workercount - 1):
+        return False
+    share = min(workercount, len(cores))
+    os.sched_setaffinity(0, cores[index % share::share])
+    return True
+
+
+def core_times() -> tuple[float, float]:
+    """(busy, idle) seconds of this process's cores since boot (``/proc/stat``)."""
+    cores = os.sched_getaffinity(0)
+    busy = idle = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu" and int(name[3:]) in cores:
+                user, nice, system, idle_, iowait, irq, softirq = map(int, fields[:7])
+                busy += user + nice + system + irq + softirq
+                idle += idle_ + iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return busy / hz, idle / hz
 
 
 def shared_server_units(root: Path = ROOT) -> dict[str, str]:
@@ -46,14 +81,42 @@ def shared_server_units(root: Path = ROOT) -> dict[str, str]:
     return {path: "shared:" + find(names[0]) for path, names in uses.items()}
 
 
+def write_record(path: str, seconds: dict[str, float], idle: dict[str, float]) -> None:
+    """The record, a line a file: ``"tests/x.py": [seconds, idle seconds or null]``."""
+    lines = [f"{json.dumps(p)}: [{s:.1f}, {json.dumps(round(idle[p], 1) if p in idle else None)}]"
+             for p, s in sorted(seconds.items())]
+    Path(path).write_text("{\n" + ",\n".join(lines) + "\n}\n")
+
+
 class SuiteScheduling(LoadFileScheduling):
     """``--dist loadfile`` with the shared-server units and the longest-first order described above."""
 
     def __init__(self, config: Any, log: Any = None) -> None:
         super().__init__(config, log)
         self._units = shared_server_units()
-        self._seconds: dict[str, float] = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+        record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+        self._seconds: dict[str, float] = {path: float(v[0]) for path, v in record.items()}
+        self._idle: dict[str, float] = {path: float(v[1]) for path, v in record.items() if v[1] is not None}
         self._ordered = False
+        self._lane = self.numnodes > len(os.sched_getaffinity(0)) >= 2
+
+    def _waiting(self, scope: str, nodeids: dict[str, bool]) -> bool:
+        if scope.startswith("shared:"):
+            return False
+        seconds = self._seconds.get(scope, 0.0)
+        return seconds > 0 and self._idle.get(scope, 0.0) >= WAITING * seconds
+
+    def _is_lane(self, node: Any) -> bool:
+        return self._lane and node.gateway.id == f"gw{self.numnodes - 1}"
+
+    def _next_unit(self, node: Any) -> str | None:
+        """The unit ``node`` takes next: the lane's first waiting one; a pinned worker's first other one, else
+        a waiting one."""
+        lane = self._is_lane(node)
+        for scope, nodeids in self.workqueue.items():
+            if self._waiting(scope, nodeids) == lane:
+                return scope
+        return None if lane else next(iter(self.workqueue), None)
 
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
@@ -72,4 +135,10 @@ class SuiteScheduling(LoadFileScheduling):
             units = sorted(self.workqueue.items(), key=lambda unit: -self._cost(unit[1]))
             self.workqueue.clear()
             self.workqueue.update(units)
+        scope = self._next_unit(node)
+        if scope is None:  # the lane with no waiting file left
+            if not self._pending_of(self.assigned_work.get(node, {})):
+                node.shutdown()
+            return
+        self.workqueue.move_to_end(scope, last=False)
         super()._assign_work_unit(node)

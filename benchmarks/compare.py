@@ -90,6 +90,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     # the inter-token latency target off (option.max_itl_ms=0): the time ratio and burst pauses shape the steps
     "rollserve-no-itl": {"max_itl_ms": "0"},
     "rollserve-itl200": {"max_itl_ms": "200"},  # the target an operator states, as the cell asks
+    "rollserve-itl150": {"max_itl_ms": "150"},  # about vLLM's 99th percentile gap on the real chat burst, 1 core
     "rollserve-2w": {"minWorkers": "2", "maxWorkers": "2", "num_threads": "auto"},  # the tiny model's old fixed layout
     # the shipped layout with the GEMM kernel fixed by the old instruction-set rule, not measured at load:
     # packed-only (what auto was on AVX-512 CPUs) and hybrid (what auto was on AVX2-only ones)

@@ -8,7 +8,8 @@ from typing import Any
 
 SERVERS = ("rollserve", "vllm", "rollserve-ngram", "rollserve-ngram-r4", "rollserve-ngram-smooth", "rollserve-tokencap",
            "rollserve-r2", "rollserve-r4", "rollserve-auto", "rollserve-auto-smooth", "rollserve-2w",
-           "rollserve-packed", "rollserve-hybrid", "rollserve-dynamic", "rollserve-no-itl", "rollserve-itl200")
+           "rollserve-packed", "rollserve-hybrid", "rollserve-dynamic", "rollserve-no-itl", "rollserve-itl200",
+           "rollserve-itl150")
 RATIOS = (("rollserve", "vllm"), ("rollserve-ngram", "vllm"), ("rollserve-ngram", "rollserve"),
           ("rollserve-ngram-r4", "vllm"), ("rollserve-ngram-r4", "rollserve-ngram"),
           ("rollserve-ngram-smooth", "vllm"), ("rollserve-ngram", "rollserve-ngram-smooth"),
@@ -18,7 +19,7 @@ RATIOS = (("rollserve", "vllm"), ("rollserve-ngram", "vllm"), ("rollserve-ngram"
           ("rollserve-auto", "rollserve-packed"), ("rollserve-hybrid", "vllm"), ("rollserve-auto", "rollserve-hybrid"),
           ("rollserve-auto", "rollserve-dynamic"), ("rollserve-auto-smooth", "vllm"),
           ("rollserve-auto", "rollserve-auto-smooth"), ("rollserve", "rollserve-no-itl"),
-          ("rollserve-itl200", "vllm"), ("rollserve-itl200", "rollserve"))
+          ("rollserve-itl200", "vllm"), ("rollserve-itl200", "rollserve"), ("rollserve-itl150", "vllm"))
 KEYS = ("output_tok_s", "cpu_s", "tok_per_cpu_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 
 

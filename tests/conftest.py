@@ -79,9 +79,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.outcome = "failed"
         report.longrepr = f"skipped under CI=true, which allows no skip: {reason}"
     if call.when == "teardown" and (start := item.stash.get(_IDLE_AT, None)) is not None:
-        from tests.scheduling import core_times
+        from tests.scheduling import idle_seconds
 
-        report.user_properties.append((IDLE_KEY, core_times()[1] - start))
+        report.user_properties.append((IDLE_KEY, idle_seconds() - start))
 
 
 # --- the support matrix of docs/configuration.md, regenerated from a full run's family results ------------------
@@ -108,12 +108,10 @@ _IDLE_AT = pytest.StashKey[float]()
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     if _own_cores:
-        from tests.scheduling import core_times
+        from tests.scheduling import idle_seconds
 
-        item.stash[_IDLE_AT] = core_times()[1]
+        item.stash[_IDLE_AT] = idle_seconds()
     yield
-
-
 
 
 def _count_time(report: pytest.TestReport) -> None:

@@ -39,26 +39,23 @@ def pin(workercount: int, index: int) -> bool:
     """Keep xdist worker ``index`` to its share of the cores; True when it has cores of its own (its idle
     time can then be measured), False for the waiting lane (the worker past one a core: every core)."""
     cores = sorted(os.sched_getaffinity(0))
-    if workercount < 2 or index >= len(cores) or (workercount > len(cores) and index >= workercount - 1):
+    if workercount < 2 or index >= len(cores):  # the lane's index is the core count (or a crashed one's stand-in)
         return False
     share = min(workercount, len(cores))
     os.sched_setaffinity(0, cores[index % share::share])
     return True
 
 
-def core_times() -> tuple[float, float]:
-    """(busy, idle) seconds of this process's cores since boot (``/proc/stat``)."""
+def idle_seconds() -> float:
+    """Seconds this process's cores have sat idle since boot (``/proc/stat``: idle + iowait)."""
     cores = os.sched_getaffinity(0)
-    busy = idle = 0
+    ticks = 0
     with open("/proc/stat") as f:
         for line in f:
             name, *fields = line.split()
             if name.startswith("cpu") and name != "cpu" and int(name[3:]) in cores:
-                user, nice, system, idle_, iowait, irq, softirq = map(int, fields[:7])
-                busy += user + nice + system + irq + softirq
-                idle += idle_ + iowait
-    hz = os.sysconf("SC_CLK_TCK")
-    return busy / hz, idle / hz
+                ticks += int(fields[3]) + int(fields[4])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def shared_server_units(root: Path = ROOT) -> dict[str, str]:
@@ -100,7 +97,7 @@ class SuiteScheduling(LoadFileScheduling):
         self._ordered = False
         self._lane = self.numnodes > len(os.sched_getaffinity(0)) >= 2
 
-    def _waiting(self, scope: str, nodeids: dict[str, bool]) -> bool:
+    def _waiting(self, scope: str) -> bool:
         if scope.startswith("shared:"):
             return False
         seconds = self._seconds.get(scope, 0.0)
@@ -113,8 +110,8 @@ class SuiteScheduling(LoadFileScheduling):
         """The unit ``node`` takes next: the lane's first waiting one; a pinned worker's first other one, else
         a waiting one."""
         lane = self._is_lane(node)
-        for scope, nodeids in self.workqueue.items():
-            if self._waiting(scope, nodeids) == lane:
+        for scope in self.workqueue:
+            if self._waiting(scope) == lane:
                 return scope
         return None if lane else next(iter(self.workqueue), None)
 

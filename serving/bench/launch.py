@@ -210,7 +210,6 @@ class LocalServer(ServerAddresses):
     def put(self, knobs: dict[str, Any]) -> dict[str, Any]:
         """``PUT /models/{name}?knob=value...``: changes the live model. Raises ``RuntimeError`` with the
         server's answer when it refuses."""
-
         resp = http_client().put(f"{self.mgmt}/models/{self.name}", params={k: str(v) for k, v in knobs.items()},
                          headers=self.mgmt_headers, timeout=120)
         if resp.status_code != 200:
